@@ -1,0 +1,48 @@
+"""The `trace-jax` command line: one entry point, one sub-command per job.
+
+Each sub-command lives in the module that owns the job and exposes two functions,
+`add_arguments(parser: argparse.ArgumentParser) -> None` and `run(args: argparse.Namespace) -> int`.
+This module only dispatches; it imports a sub-command's module when that sub-command is asked for,
+so `trace-jax --help` stays fast and a broken optional part cannot break the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+
+# name -> (module implementing add_arguments/run, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "credit": ("trace_jax.scoring.cli", "TRACE credit for existing trajectories (JSONL in, JSONL + receipts out)"),
+    "convert-gguf": ("trace_jax.models.gguf", "dequantise a GGUF checkpoint into a Hugging Face safetensors directory"),
+    "make-tasks": ("trace_jax.envs.cli", "generate procedural multi-hop search tasks and their corpus"),
+    "train": ("trace_jax.train.cli", "train a policy with GRPO / GSPO / TRACE / ABC"),
+}
+
+
+def _module_exists(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # the parent package is missing
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="trace-jax", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    wanted = argv[0] if argv else None
+    for name, (module_name, help_text) in ((n, e) for n, e in COMMANDS.items() if _module_exists(e[0])):
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        command_parser.set_defaults(_module=module_name)
+        if name == wanted:
+            importlib.import_module(module_name).add_arguments(command_parser)
+    args = parser.parse_args(argv)
+    module = importlib.import_module(args._module)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
