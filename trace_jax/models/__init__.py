@@ -1,0 +1,43 @@
+"""Decoder models: Qwen3 (dense, MoE) and Llama-family configs, params, forward, KV cache and HF checkpoints.
+
+Public API (see docs/models.md):
+  ModelConfig, get_preset, init_params, load_pretrained, save_pretrained,
+  forward, forward_hidden, token_logprobs, hidden_logprobs,
+  KVCache, init_cache, extend, attend_cached_block,
+  param_logical_axes, logical_to_sharding, param_shardings, DEFAULT_RULES.
+
+Tokenizer, chat format and GGUF conversion live in sibling modules and are imported from there directly.
+"""
+
+from trace_jax.models.cache import KVCache, attend_cached_block, extend, init_cache
+from trace_jax.models.checkpoint_io import CheckpointError, load_pretrained, save_pretrained
+from trace_jax.models.config import ConfigError, ModelConfig
+from trace_jax.models.decoder import (
+    build_attention_mask,
+    forward,
+    forward_hidden,
+    hidden_logprobs,
+    init_params,
+    logits_from_hidden,
+    param_logical_axes,
+    param_shapes,
+    token_logprobs,
+)
+from trace_jax.models.presets import PRESETS, get_preset, preset_names
+from trace_jax.models.sharding import (
+    DEFAULT_RULES,
+    cache_logical_axes,
+    logical_to_mesh_spec,
+    logical_to_sharding,
+    make_mesh,
+    param_shardings,
+    shard_params,
+)
+
+__all__ = [
+    "CheckpointError", "ConfigError", "DEFAULT_RULES", "KVCache", "ModelConfig", "PRESETS",
+    "attend_cached_block", "build_attention_mask", "cache_logical_axes", "extend", "forward", "forward_hidden",
+    "get_preset", "hidden_logprobs", "init_cache", "init_params", "load_pretrained", "logical_to_mesh_spec",
+    "logical_to_sharding", "logits_from_hidden", "make_mesh", "param_logical_axes", "param_shapes",
+    "param_shardings", "preset_names", "save_pretrained", "shard_params", "token_logprobs",
+]

@@ -1,0 +1,132 @@
+"""Key/value cache for incremental decoding, and cached-prefix block attention for prefix-fork scoring.
+
+A `KVCache` holds, for every layer, the keys and values of each row's tokens so far, and `lengths [B]`: row b's
+tokens occupy cache slots 0..lengths[b]-1, and slot i holds the token at RoPE position i (positions equal slot
+indices; rows are never left-padded).
+
+  * `extend` appends a variable number of new tokens per row (prefill = extend an empty cache; decode = n=1;
+    tool responses = extend only some rows). It is jitted with the cache donated: do not reuse the old cache.
+  * `attend_cached_block` runs a block of queries against a prefilled cache with a per-query key limit and an
+    in-block boolean mask, without writing to the cache (memory O(L + Q) keys per query, not O(L^2)).
+
+Both use the decoder's layer pieces and know nothing about sampling or scoring policy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from trace_jax.models import decoder as dec
+from trace_jax.models.config import ModelConfig
+
+
+@struct.dataclass
+class KVCache:
+    """k, v: [layers, B, max_len, kv_heads, head_dim]; lengths: int32 [B] (filled slots per row)."""
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, *, dtype=None) -> KVCache:
+    """An empty cache (zeros, lengths 0) in `dtype` (default: config.dtype)."""
+    dtype = jnp.dtype(dtype or config.dtype)
+    shape = (config.num_hidden_layers, batch_size, max_len, config.num_key_value_heads, config.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   lengths=jnp.zeros((batch_size,), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("return_logits",), donate_argnums=2)
+def extend(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array, num_new: jax.Array, *,
+           return_logits: str = "last"):
+    """Append each row's first `num_new[b]` tokens to the cache and run them through the model.
+
+    Args:
+      cache: donated; rows' new tokens go to slots / positions `cache.lengths[b] + i`, i < num_new[b].
+      tokens: int [B, n]; entries at i >= num_new[b] are ignored (any value).
+      num_new: int [B] in [0, n]; rows with 0 keep their cache and length unchanged.
+      return_logits: "last" -> float32 [B, V] logits of each row's last new token (rows with num_new == 0 get
+        meaningless values); "all" -> float32 [B, n, V] (only i < num_new[b] meaningful); "none" -> None.
+
+    Each new token attends to its row's cached tokens and the row's earlier new tokens (causal). Tokens that
+    would land at or beyond `max_len` are dropped silently: check capacity on the host.
+    Returns (logits, new_cache) with new_cache.lengths = lengths + num_new.
+    """
+    if return_logits not in ("last", "all", "none"):
+        raise ValueError(f"return_logits must be 'last', 'all' or 'none', got {return_logits!r}")
+    B, n = tokens.shape
+    T = cache.max_len
+    num_new = num_new.astype(jnp.int32)
+    offsets = jnp.arange(n, dtype=jnp.int32)
+    positions = cache.lengths[:, None] + offsets[None, :]  # [B, n]
+    write_slot = jnp.where(offsets[None, :] < num_new[:, None], positions, T)  # T = out of range -> dropped
+    mask = jnp.arange(T)[None, None, :] <= positions[:, :, None]  # [B, n, T]
+    rows = jnp.arange(B)[:, None]
+
+    def layer(h, xs):
+        lp, k_cache, v_cache = xs
+        x = dec.rms_norm(h, lp["input_norm"], config.rms_norm_eps)
+        q, k, v = dec._project_qkv(config, lp["attn"], x, positions)
+        k_cache = k_cache.at[rows, write_slot].set(k.astype(k_cache.dtype), mode="drop")
+        v_cache = v_cache.at[rows, write_slot].set(v.astype(v_cache.dtype), mode="drop")
+        o = dec.attend(config, q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
+        h = h + dec._attn_output(lp["attn"], o)
+        x = dec.rms_norm(h, lp["post_attn_norm"], config.rms_norm_eps)
+        return h + dec.mlp_block(config, lp, x), (k_cache, v_cache)
+
+    h, (new_k, new_v) = jax.lax.scan(layer, dec.embed_tokens(config, params, tokens),
+                                     (params["layers"], cache.k, cache.v))
+    new_cache = KVCache(k=new_k, v=new_v, lengths=cache.lengths + num_new)
+    if return_logits == "none":
+        return None, new_cache
+    if return_logits == "last":
+        h = h[jnp.arange(B), jnp.clip(num_new - 1, 0, n - 1)]
+    logits = dec.logits_from_hidden(config, params, dec.final_norm(config, params, h))
+    return logits, new_cache
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def attend_cached_block(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
+                        positions: jax.Array, key_limit: jax.Array, block_mask: jax.Array) -> jax.Array:
+    """Final-normed hidden states [B, Q, D] of a query block run against a prefilled cache (cache not modified).
+
+    Args:
+      cache: prefilled keys/values (e.g. a trajectory after `extend`).
+      tokens: int [B, Q]; the block (e.g. all answer copies of one trajectory, concatenated).
+      positions: int [B, Q]; RoPE positions of the block tokens (copy k of an answer starts at b_k).
+      key_limit: int [B, Q]; query q sees cached slots j < key_limit[b, q].
+      block_mask: bool [B, Q, Q]; query q sees block token q' where block_mask[b, q, q'] (pass causality and
+        copy boundaries explicitly; it is not added for you).
+
+    Compute log-probs from the result with `hidden_logprobs` (chunked; no [B, Q, V] float32 tensor).
+    """
+    T = cache.max_len
+    cache_mask = jnp.arange(T)[None, None, :] < key_limit[:, :, None]
+    mask = jnp.concatenate([cache_mask, block_mask.astype(bool)], axis=-1)  # [B, Q, T + Q]
+
+    def layer(h, xs):
+        lp, k_cache, v_cache = xs
+        x = dec.rms_norm(h, lp["input_norm"], config.rms_norm_eps)
+        q, k, v = dec._project_qkv(config, lp["attn"], x, positions)
+        keys = jnp.concatenate([k_cache.astype(q.dtype), k], axis=1)
+        values = jnp.concatenate([v_cache.astype(q.dtype), v], axis=1)
+        h = h + dec._attn_output(lp["attn"], dec.attend(config, q, keys, values, mask))
+        x = dec.rms_norm(h, lp["post_attn_norm"], config.rms_norm_eps)
+        return h + dec.mlp_block(config, lp, x), None
+
+    h, _ = jax.lax.scan(dec.remat_wrap(config, layer), dec.embed_tokens(config, params, tokens),
+                        (params["layers"], cache.k, cache.v))
+    return dec.final_norm(config, params, h)

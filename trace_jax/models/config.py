@@ -1,0 +1,289 @@
+"""Model configuration: one frozen, hashable dataclass for every supported decoder.
+
+`ModelConfig` describes a Qwen3 dense, Qwen3-MoE or Llama-family (SmolLM2, Llama 3) decoder. It validates itself
+on construction and is used as a *static* argument of jitted functions, so it must stay hashable (tuples, not
+lists). `ModelConfig.from_hf` reads a Hugging Face `config.json`; `ModelConfig.to_hf_dict` writes one back.
+
+This module knows nothing about parameters, checkpoints or meshes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
+_ARCHITECTURE_TO_MODEL_TYPE = {
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "LlamaForCausalLM": "llama",
+}
+_MODEL_TYPE_TO_ARCHITECTURE = {v: k for k, v in _ARCHITECTURE_TO_MODEL_TYPE.items()}
+_DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+
+
+class ConfigError(ValueError):
+    """A model configuration field is missing, unsupported or inconsistent (the message names the field)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static description of a decoder-only transformer.
+
+    Attributes mirror Hugging Face names where one exists. Shapes used throughout `trace_jax.models`:
+    `D = hidden_size`, `H = num_attention_heads`, `K = num_key_value_heads`, `Dh = head_dim`,
+    `F = intermediate_size` (dense MLP), `Fe = moe_intermediate_size`, `E = num_experts`, `V = vocab_size`.
+
+    `dtype` is the compute dtype (activations, matmul inputs); `param_dtype` is the default storage dtype of
+    `init_params`. Attention softmax, RMSNorm statistics, router softmax and log-softmax always run in float32.
+    `remat` is the rematerialisation policy of one decoder layer: "none", "full" (save nothing), "dots" (save
+    matmul outputs) or "dots_no_batch" (save matmuls without batch dims, MaxText's default).
+    `attention_query_chunk`: when > 0 and the query length is a larger multiple of it, attention scores are
+    computed in query blocks of this size under `lax.map`, so memory is O(chunk * keys) instead of O(S^2).
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"  # "default" | "llama3"
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False
+    attention_bias: bool = False
+    # Mixture of experts (num_experts == 0 means dense).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # Token ids carried through to config.json (not used by the math).
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    # Numerics and compilation.
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    remat: str = "none"
+    attention_query_chunk: int = 0
+
+    def __post_init__(self):
+        def need(cond, field, msg):
+            if not cond:
+                raise ConfigError(f"ModelConfig.{field}: {msg}")
+
+        need(self.model_type in SUPPORTED_MODEL_TYPES, "model_type",
+             f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value > 0, name, f"must be a positive int, got {value!r}")
+        need(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+             f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+             f"num_key_value_heads={self.num_key_value_heads} (grouped-query attention)")
+        need(self.head_dim % 2 == 0, "head_dim", f"must be even for rotary embeddings, got {self.head_dim}")
+        need(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
+        need(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
+        need(self.rope_type in ("default", "llama3"), "rope_type",
+             f"unsupported rope type {self.rope_type!r}; supported: 'default', 'llama3'")
+        if self.rope_type == "llama3":
+            need(self.rope_scaling_factor > 0, "rope_scaling_factor", "must be > 0 for llama3 rope")
+            need(self.rope_high_freq_factor > self.rope_low_freq_factor, "rope_high_freq_factor",
+                 "must exceed rope_low_freq_factor for llama3 rope")
+        need(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        need(self.param_dtype in _DTYPES, "param_dtype", f"must be one of {_DTYPES}, got {self.param_dtype!r}")
+        need(self.remat in REMAT_POLICIES, "remat", f"must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        need(self.attention_query_chunk >= 0, "attention_query_chunk", "must be >= 0 (0 disables chunking)")
+        need(isinstance(self.mlp_only_layers, tuple), "mlp_only_layers",
+             "must be a tuple (the config is hashed as a static jit argument)")
+        if self.model_type == "qwen3_moe":
+            need(self.num_experts > 0, "num_experts", "qwen3_moe needs num_experts > 0")
+            need(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+                 f"must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}")
+            need(self.moe_intermediate_size > 0, "moe_intermediate_size", "must be > 0 for qwen3_moe")
+            # Layers are stacked and scanned, so every layer must have the same kind of MLP.
+            need(self.decoder_sparse_step == 1, "decoder_sparse_step",
+                 f"only 1 (every layer sparse) is supported, got {self.decoder_sparse_step}")
+            need(self.mlp_only_layers == (), "mlp_only_layers",
+                 f"mixed dense/sparse layers are not supported, got {self.mlp_only_layers}")
+        else:
+            need(self.num_experts == 0, "num_experts", f"model_type {self.model_type!r} is dense; set num_experts=0")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_query_groups(self) -> int:
+        """Query heads per key/value head (GQA ratio)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def num_params(self) -> int:
+        """Total parameter count (embedding counted once when tied)."""
+        d, h, k, dh = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        attn = d * h * dh * 2 + d * k * dh * 2 + (2 * dh if self.qk_norm else 0)
+        if self.attention_bias:
+            attn += (h + 2 * k) * dh + d
+        if self.is_moe:
+            mlp = d * self.num_experts + 3 * self.num_experts * d * self.moe_intermediate_size
+        else:
+            mlp = 3 * d * self.intermediate_size
+        per_layer = attn + mlp + 2 * d
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * per_layer + embed + d
+
+    # ------------------------------------------------------------------ HF conversion
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any], **overrides) -> "ModelConfig":
+        """Build a config from a Hugging Face `config.json` (a path to the file or its directory, or a dict).
+
+        `overrides` set our own fields (e.g. `dtype="bfloat16"`, `remat="full"`). Raises `ConfigError` naming the
+        field for unsupported architectures, activations, rope types or sliding-window attention.
+        """
+        if isinstance(path_or_dict, Mapping):
+            hf = dict(path_or_dict)
+        else:
+            path = os.fspath(path_or_dict)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            with open(path) as f:
+                hf = json.load(f)
+
+        architectures = hf.get("architectures") or []
+        model_type = hf.get("model_type")
+        if architectures:
+            arch = architectures[0]
+            if arch not in _ARCHITECTURE_TO_MODEL_TYPE:
+                raise ConfigError(f"config.json field 'architectures': unsupported architecture {arch!r}; "
+                                  f"supported: {sorted(_ARCHITECTURE_TO_MODEL_TYPE)}")
+            model_type = _ARCHITECTURE_TO_MODEL_TYPE[arch]
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"config.json field 'model_type': unsupported model_type {model_type!r}; "
+                              f"supported: {SUPPORTED_MODEL_TYPES}")
+
+        def field(name, default=None, required=False):
+            if name not in hf or hf[name] is None:
+                if required:
+                    raise ConfigError(f"config.json field {name!r} is missing (needed for {model_type})")
+                return default
+            return hf[name]
+
+        act = field("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"config.json field 'hidden_act': only 'silu' is supported, got {act!r}")
+        if field("use_sliding_window", False):
+            raise ConfigError("config.json field 'use_sliding_window': sliding-window attention is not supported")
+        if field("mlp_bias", False):
+            raise ConfigError("config.json field 'mlp_bias': MLP biases are not supported")
+
+        hidden = int(field("hidden_size", required=True))
+        heads = int(field("num_attention_heads", required=True))
+        rope = dict(field("rope_parameters", None) or field("rope_scaling", None) or {})
+        rope_theta = float(rope.get("rope_theta", field("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ConfigError(f"config.json field 'rope_parameters.rope_type': unsupported {rope_type!r}; "
+                              "supported: 'default', 'llama3'")
+        eos = field("eos_token_id")
+        kwargs = dict(
+            model_type=model_type,
+            vocab_size=int(field("vocab_size", required=True)),
+            hidden_size=hidden,
+            intermediate_size=int(field("intermediate_size", required=True)),
+            num_hidden_layers=int(field("num_hidden_layers", required=True)),
+            num_attention_heads=heads,
+            num_key_value_heads=int(field("num_key_value_heads", heads)),
+            head_dim=int(field("head_dim", hidden // heads)),
+            rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_type=rope_type,
+            max_position_embeddings=int(field("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(field("tie_word_embeddings", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            attention_bias=bool(field("attention_bias", False)),
+            bos_token_id=field("bos_token_id"),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            pad_token_id=field("pad_token_id"),
+        )
+        if rope_type == "llama3":
+            kwargs.update(
+                rope_scaling_factor=float(rope["factor"]),
+                rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
+            )
+        if model_type == "qwen3_moe":
+            kwargs.update(
+                num_experts=int(field("num_experts", None) or field("num_local_experts", required=True)),
+                num_experts_per_tok=int(field("num_experts_per_tok", required=True)),
+                moe_intermediate_size=int(field("moe_intermediate_size", required=True)),
+                norm_topk_prob=bool(field("norm_topk_prob", False)),
+                decoder_sparse_step=int(field("decoder_sparse_step", 1)),
+                mlp_only_layers=tuple(field("mlp_only_layers", ()) or ()),
+            )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The Hugging Face `config.json` contents for this config (transformers 5 layout)."""
+        rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": self.rope_type}
+        if self.rope_type == "llama3":
+            rope.update(factor=self.rope_scaling_factor, low_freq_factor=self.rope_low_freq_factor,
+                        high_freq_factor=self.rope_high_freq_factor,
+                        original_max_position_embeddings=self.rope_original_max_position)
+        out: dict[str, Any] = {
+            "architectures": [_MODEL_TYPE_TO_ARCHITECTURE[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "dtype": self.param_dtype,
+            "use_cache": True,
+        }
+        if self.rope_type == "llama3":
+            out.pop("rope_theta")
+        if self.model_type == "llama":
+            out["mlp_bias"] = False
+        else:
+            out["use_sliding_window"] = False
+            out["sliding_window"] = None
+        if self.model_type == "qwen3_moe":
+            out.update(num_experts=self.num_experts, num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+                       output_router_logits=False, router_aux_loss_coef=0.001)
+        return out

@@ -1,0 +1,387 @@
+"""The decoder: pure functions from a params pytree and token ids to hidden states, logits and log-probs.
+
+One implementation covers Qwen3 dense (per-head q/k RMSNorm), Qwen3-MoE (top-k routed experts, dropless
+dispatch by sorting tokens by expert and `jax.lax.ragged_dot`) and the Llama family (SmolLM2, Llama 3, optional
+llama3 rope scaling). Layers are stacked along a leading `layers` axis and run under `lax.scan`, so compile time
+does not grow with depth.
+
+Params pytree (shapes; `L` = layers, see `ModelConfig` for the other letters):
+
+    embed            [V, D]
+    final_norm       [D]
+    lm_head          [D, V]            (absent when tie_word_embeddings: logits use embed.T)
+    layers/input_norm, layers/post_attn_norm          [L, D]
+    layers/attn/q_proj [L, D, H, Dh]   k_proj, v_proj [L, D, K, Dh]   o_proj [L, H, Dh, D]
+    layers/attn/q_norm, k_norm [L, Dh] (qk_norm only)   q_bias [L, H, Dh], k_bias, v_bias [L, K, Dh], o_bias [L, D]
+                                       (attention_bias)
+    layers/mlp/gate_proj, up_proj [L, D, F]   down_proj [L, F, D]                     (dense)
+    layers/moe/router [L, D, E]   gate_proj, up_proj [L, E, D, Fe]   down_proj [L, E, Fe, D]   (MoE)
+
+`param_logical_axes(config)` gives the same tree with a `PartitionSpec` of logical axis names per leaf.
+
+Attention semantics (shared by `forward`, `forward_hidden`, `token_logprobs`):
+  * query i may attend to key j iff j <= i (causality on the *sequence index*, not on `positions`),
+    and, when `segment_ids` is given, segment_ids[b, i] == segment_ids[b, j],
+    and, when `attention_mask` is given, attention_mask[b, i, j] (a boolean [B, S, S]; True = may attend) or,
+    for a [B, S] mask, attention_mask[b, j] (key validity, Hugging Face style).
+    All conditions are ANDed.
+  * `positions [B, S]` only drive RoPE; the default is 0..S-1 for every row. Packers must pass positions that
+    restart per segment.
+  * A query with no visible key gets a uniform average (finite, never NaN); its output is meaningless.
+
+This module knows nothing about checkpoints, meshes or caches (see `checkpoint_io`, `sharding`, `cache`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from trace_jax.models.config import ModelConfig
+
+_NEG_INF = -1e30  # finite, so fully masked rows give a uniform average instead of NaN
+
+
+# ---------------------------------------------------------------------------------------------------- params
+def param_shapes(config: ModelConfig) -> dict:
+    """Shapes of every parameter (same tree as `init_params`)."""
+    c = config
+    L, D, H, K, Dh = c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    attn = {"q_proj": (L, D, H, Dh), "k_proj": (L, D, K, Dh), "v_proj": (L, D, K, Dh), "o_proj": (L, H, Dh, D)}
+    if c.qk_norm:
+        attn.update(q_norm=(L, Dh), k_norm=(L, Dh))
+    if c.attention_bias:
+        attn.update(q_bias=(L, H, Dh), k_bias=(L, K, Dh), v_bias=(L, K, Dh), o_bias=(L, D))
+    layers = {"input_norm": (L, D), "post_attn_norm": (L, D), "attn": attn}
+    if c.is_moe:
+        E, Fe = c.num_experts, c.moe_intermediate_size
+        layers["moe"] = {"router": (L, D, E), "gate_proj": (L, E, D, Fe), "up_proj": (L, E, D, Fe),
+                         "down_proj": (L, E, Fe, D)}
+    else:
+        F = c.intermediate_size
+        layers["mlp"] = {"gate_proj": (L, D, F), "up_proj": (L, D, F), "down_proj": (L, F, D)}
+    shapes = {"embed": (c.vocab_size, D), "final_norm": (D,), "layers": layers}
+    if not c.tie_word_embeddings:
+        shapes["lm_head"] = (D, c.vocab_size)
+    return shapes
+
+
+_AXES = {
+    "embed": ("vocab", "embed"),
+    "final_norm": ("norm",),
+    "lm_head": ("embed", "vocab"),
+    "input_norm": ("layers", "norm"),
+    "post_attn_norm": ("layers", "norm"),
+    "q_proj": ("layers", "embed", "heads", "head_dim"),
+    "k_proj": ("layers", "embed", "kv_heads", "head_dim"),
+    "v_proj": ("layers", "embed", "kv_heads", "head_dim"),
+    "o_proj": ("layers", "heads", "head_dim", "embed"),
+    "q_norm": ("layers", "head_dim"),
+    "k_norm": ("layers", "head_dim"),
+    "q_bias": ("layers", "heads", "head_dim"),
+    "k_bias": ("layers", "kv_heads", "head_dim"),
+    "v_bias": ("layers", "kv_heads", "head_dim"),
+    "o_bias": ("layers", "norm"),
+    "mlp/gate_proj": ("layers", "embed", "mlp"),
+    "mlp/up_proj": ("layers", "embed", "mlp"),
+    "mlp/down_proj": ("layers", "mlp", "embed"),
+    "moe/router": ("layers", "embed", None),
+    "moe/gate_proj": ("layers", "experts", "embed", "mlp"),
+    "moe/up_proj": ("layers", "experts", "embed", "mlp"),
+    "moe/down_proj": ("layers", "experts", "mlp", "embed"),
+}
+
+
+def param_logical_axes(config: ModelConfig) -> dict:
+    """Same tree as the params, each leaf a `PartitionSpec` of logical axis names (or None = replicated dim).
+
+    Names: layers, embed, heads, kv_heads, head_dim, mlp, experts, vocab, norm. Map them to mesh axes with
+    `trace_jax.models.sharding.logical_to_sharding`.
+    """
+    def axes(path, _shape):
+        keys = [k.key for k in path]
+        name = keys[-1]
+        if len(keys) >= 2 and keys[-2] in ("mlp", "moe"):
+            name = f"{keys[-2]}/{name}"
+        return P(*_AXES[name])
+
+    return jax.tree_util.tree_map_with_path(axes, param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+
+
+def init_params(config: ModelConfig, rng: jax.Array, *, dtype=None) -> dict:
+    """Random params (normal(0, 0.02) matrices, unit norms, zero biases) in `dtype` (default config.param_dtype)."""
+    dtype = jnp.dtype(dtype or config.param_dtype)
+    shapes = param_shapes(config)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(rng, len(leaves))
+    out = []
+    for (path, shape), key in zip(leaves, keys):
+        name = path[-1].key
+        if name.endswith("norm"):
+            out.append(jnp.ones(shape, dtype))
+        elif name.endswith("bias"):
+            out.append(jnp.zeros(shape, dtype))
+        else:
+            out.append((0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# ---------------------------------------------------------------------------------------------------- pieces
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis; statistics in float32, result in x.dtype (Hugging Face order of operations)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * xf.astype(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [Dh/2] (float32), with llama3 scaling when configured."""
+    dh = config.head_dim
+    inv = (1.0 / (config.rope_theta ** (np.arange(0, dh, 2, dtype=np.int64).astype(np.float32) / dh)))
+    inv = inv.astype(np.float32)
+    if config.rope_type == "llama3":
+        factor, low, high = config.rope_scaling_factor, config.rope_low_freq_factor, config.rope_high_freq_factor
+        old = config.rope_original_max_position
+        low_wavelen, high_wavelen = old / low, old / high
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotary embedding (rotate-half layout). x: [B, S, N, Dh]; positions: [B, S] int."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]  # [B, S, Dh/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def _project_qkv(config: ModelConfig, attn: dict, x: jax.Array, positions: jax.Array):
+    """x [B, S, D] (normed) -> q [B, S, H, Dh], k, v [B, S, K, Dh] with q/k norm and RoPE applied."""
+    cdt = x.dtype
+    q = jnp.einsum("bsd,dhk->bshk", x, attn["q_proj"].astype(cdt))
+    k = jnp.einsum("bsd,dhk->bshk", x, attn["k_proj"].astype(cdt))
+    v = jnp.einsum("bsd,dhk->bshk", x, attn["v_proj"].astype(cdt))
+    if config.attention_bias:
+        q, k, v = q + attn["q_bias"].astype(cdt), k + attn["k_bias"].astype(cdt), v + attn["v_bias"].astype(cdt)
+    if config.qk_norm:
+        q = rms_norm(q, attn["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, attn["k_norm"], config.rms_norm_eps)
+    inv_freq = rope_inv_freq(config)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def _attend_block(config: ModelConfig, q, k, v, mask):
+    """q [B, Q, H, Dh], k/v [B, T, K, Dh], mask bool [B, Q, T] -> [B, Q, H, Dh]. Softmax in float32."""
+    B, Q, H, Dh = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, Q, K, H // K, Dh)
+    scores = jnp.einsum("bqkgd,btkd->bkgqt", qg, k, preferred_element_type=jnp.float32) * (Dh ** -0.5)
+    scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqt,btkd->bqkgd", probs, v)
+    return out.reshape(B, Q, H, Dh)
+
+
+def attend(config: ModelConfig, q, k, v, mask):
+    """Grouped-query attention with an explicit boolean mask [B, Q, T] (True = may attend).
+
+    When `config.attention_query_chunk` divides Q into several blocks, queries are processed block by block
+    under `lax.map`, so the float32 score tensor is [B, H, chunk, T] instead of [B, H, Q, T].
+    """
+    Q = q.shape[1]
+    c = config.attention_query_chunk
+    if not c or Q <= c or Q % c:
+        return _attend_block(config, q, k, v, mask)
+    n = Q // c
+    qs = jnp.moveaxis(q.reshape(q.shape[0], n, c, *q.shape[2:]), 1, 0)
+    ms = jnp.moveaxis(mask.reshape(mask.shape[0], n, c, mask.shape[-1]), 1, 0)
+    out = jax.lax.map(lambda qm: _attend_block(config, qm[0], k, v, qm[1]), (qs, ms))
+    return jnp.moveaxis(out, 0, 1).reshape(q.shape)
+
+
+def _attn_output(attn: dict, o: jax.Array) -> jax.Array:
+    out = jnp.einsum("bshk,hkd->bsd", o, attn["o_proj"].astype(o.dtype))
+    return out + attn["o_bias"].astype(o.dtype) if "o_bias" in attn else out
+
+
+def _dense_mlp(mlp: dict, x: jax.Array) -> jax.Array:
+    cdt = x.dtype
+    gate = jnp.einsum("bsd,df->bsf", x, mlp["gate_proj"].astype(cdt))
+    up = jnp.einsum("bsd,df->bsf", x, mlp["up_proj"].astype(cdt))
+    return jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate) * up, mlp["down_proj"].astype(cdt))
+
+
+def _moe_mlp(config: ModelConfig, moe: dict, x: jax.Array) -> jax.Array:
+    """Top-k routed experts, dropless: sort (token, slot) pairs by expert and run `ragged_dot` per expert group."""
+    cdt = x.dtype
+    B, S, D = x.shape
+    k, E = config.num_experts_per_tok, config.num_experts
+    xt = x.reshape(B * S, D)
+    router_logits = xt @ moe["router"].astype(cdt)
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    top_w, top_e = jax.lax.top_k(probs, k)  # [T, k]
+    if config.norm_topk_prob:
+        top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
+    top_w = top_w.astype(cdt)
+    flat_e = top_e.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    token_of = order // k
+    group_sizes = jnp.bincount(flat_e, length=E).astype(jnp.int32)
+    xs = xt[token_of]
+    gate = jax.lax.ragged_dot(xs, moe["gate_proj"].astype(cdt), group_sizes)
+    up = jax.lax.ragged_dot(xs, moe["up_proj"].astype(cdt), group_sizes)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, moe["down_proj"].astype(cdt), group_sizes)
+    out = out * top_w.reshape(-1)[order][:, None]
+    return jnp.zeros_like(xt).at[token_of].add(out).reshape(B, S, D)
+
+
+def mlp_block(config: ModelConfig, layer: dict, x: jax.Array) -> jax.Array:
+    """The feed-forward half of one layer (dense SwiGLU or routed experts); x is already normed."""
+    return _moe_mlp(config, layer["moe"], x) if config.is_moe else _dense_mlp(layer["mlp"], x)
+
+
+def remat_wrap(config: ModelConfig, fn):
+    """Apply the configured rematerialisation policy to a scan body."""
+    if config.remat == "none":
+        return fn
+    policy = {
+        "full": jax.checkpoint_policies.nothing_saveable,
+        "dots": jax.checkpoint_policies.dots_saveable,
+        "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    }[config.remat]
+    return jax.checkpoint(fn, policy=policy, prevent_cse=False)
+
+
+def embed_tokens(config: ModelConfig, params: dict, tokens: jax.Array) -> jax.Array:
+    """tokens [B, S] int -> [B, S, D] in the compute dtype."""
+    return jnp.take(params["embed"], tokens, axis=0).astype(jnp.dtype(config.dtype))
+
+
+def final_norm(config: ModelConfig, params: dict, h: jax.Array) -> jax.Array:
+    return rms_norm(h, params["final_norm"], config.rms_norm_eps)
+
+
+def unembed_matrix(config: ModelConfig, params: dict) -> jax.Array:
+    """The [D, V] output projection (embed.T when tied)."""
+    return params["embed"].T if config.tie_word_embeddings else params["lm_head"]
+
+
+def logits_from_hidden(config: ModelConfig, params: dict, hidden: jax.Array) -> jax.Array:
+    """hidden [..., D] (final-normed) -> float32 logits [..., V]."""
+    w = unembed_matrix(config, params).astype(hidden.dtype)
+    return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------------- forward
+def build_attention_mask(tokens_shape, segment_ids=None, attention_mask=None) -> jax.Array:
+    """The boolean [B, S, S] mask implied by causality, segment ids and an optional user mask (see module doc)."""
+    B, S = tokens_shape
+    idx = jnp.arange(S)
+    mask = jnp.broadcast_to(idx[:, None] >= idx[None, :], (B, S, S))
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    if attention_mask is not None:
+        attention_mask = jnp.asarray(attention_mask).astype(bool)
+        if attention_mask.ndim == 2:
+            attention_mask = attention_mask[:, None, :]
+        mask = mask & attention_mask
+    return mask
+
+
+def _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask):
+    B, S = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    mask = build_attention_mask((B, S), segment_ids, attention_mask)
+
+    def layer(h, lp):
+        x = rms_norm(h, lp["input_norm"], config.rms_norm_eps)
+        q, k, v = _project_qkv(config, lp["attn"], x, positions)
+        h = h + _attn_output(lp["attn"], attend(config, q, k, v, mask))
+        x = rms_norm(h, lp["post_attn_norm"], config.rms_norm_eps)
+        return h + mlp_block(config, lp, x), None
+
+    h, _ = jax.lax.scan(remat_wrap(config, layer), embed_tokens(config, params, tokens), params["layers"])
+    return final_norm(config, params, h)
+
+
+def _check_tokens(tokens, name="tokens"):
+    if tokens.ndim != 2:
+        raise ValueError(f"{name} must be [batch, seq] integers, got shape {tokens.shape}")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def forward_hidden(config: ModelConfig, params: dict, tokens: jax.Array, *, positions=None, segment_ids=None,
+                   attention_mask=None) -> jax.Array:
+    """Final-normed hidden states [B, S, D] (compute dtype) for tokens [B, S]; masking as in the module doc."""
+    _check_tokens(tokens)
+    return _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def forward(config: ModelConfig, params: dict, tokens: jax.Array, *, positions=None, segment_ids=None,
+            attention_mask=None) -> jax.Array:
+    """Float32 logits [B, S, V] for tokens [B, S]. Materialises the full logits: use `token_logprobs` for training."""
+    _check_tokens(tokens)
+    hidden = _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask)
+    return logits_from_hidden(config, params, hidden)
+
+
+# ---------------------------------------------------------------------------------------------------- log-probs
+def hidden_logprobs(config: ModelConfig, params: dict, hidden: jax.Array, targets: jax.Array, *,
+                    chunk_size: int = 256) -> jax.Array:
+    """log p(targets[b, t]) under logits computed from final-normed hidden [B, S, D]; returns float32 [B, S].
+
+    Runs over sequence chunks of `chunk_size` positions under `lax.scan` with rematerialisation, so at most
+    float32 [B, chunk_size, V] logits exist at once (forward and backward). Log-softmax is in float32.
+    """
+    B, S, D = hidden.shape
+    c = max(1, min(chunk_size, S))
+    n = -(-S // c)
+    pad = n * c - S
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    hs = jnp.moveaxis(hidden.reshape(B, n, c, D), 1, 0)
+    ts = jnp.moveaxis(targets.reshape(B, n, c), 1, 0)
+    w = unembed_matrix(config, params)
+
+    @jax.checkpoint
+    def chunk(h, t):
+        logits = jnp.einsum("bcd,dv->bcv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, t[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        return picked - lse
+
+    _, out = jax.lax.scan(lambda carry, ht: (carry, chunk(*ht)), None, (hs, ts))
+    return jnp.moveaxis(out, 0, 1).reshape(B, n * c)[:, :S]
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("chunk_size",))
+def token_logprobs(config: ModelConfig, params: dict, tokens: jax.Array, *, targets=None, positions=None,
+                   segment_ids=None, attention_mask=None, chunk_size: int = 256) -> jax.Array:
+    """Per-token log-probs [B, S] (float32): result[b, t] = log p(targets[b, t] | tokens[b, :t+1]).
+
+    Default targets are tokens shifted left by one; the last position (which has no next token) is then 0.0.
+    With explicit `targets [B, S]` every position is scored. Never materialises float32 [B, S, V] (see
+    `hidden_logprobs`). Masking arguments as in `forward`.
+    """
+    _check_tokens(tokens)
+    hidden = _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask)
+    if targets is None:
+        shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+        lp = hidden_logprobs(config, params, hidden, shifted, chunk_size=chunk_size)
+        return lp.at[:, -1].set(0.0)
+    return hidden_logprobs(config, params, hidden, targets, chunk_size=chunk_size)

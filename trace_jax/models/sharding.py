@@ -1,0 +1,122 @@
+"""Logical-axis sharding rules: map the decoder's logical axis names to mesh axes.
+
+Parameters carry logical names (`param_logical_axes`): embed, heads, kv_heads, head_dim, mlp, experts, vocab,
+layers, norm; activations and caches use batch, length too. A *rules* sequence maps each logical name to a mesh axis,
+a tuple of mesh axes or None (replicated), in the style of Flax/MaxText. `logical_to_sharding` turns a tree of
+logical `PartitionSpec`s into `NamedSharding`s for a concrete mesh:
+
+  * mesh axes that the mesh lacks (or that have size 1) are dropped, so one rule set serves every mesh;
+  * a mesh axis is used at most once per array (first dimension wins);
+  * when `shapes` are given, a dimension whose size is not divisible by its mesh axes is replicated instead
+    (e.g. 1 kv head on a tensor axis of 2).
+
+This module knows nothing about Hugging Face names or the decoder math.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trace_jax.models.config import ModelConfig
+
+Rules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+DEFAULT_RULES: tuple = (
+    ("batch", ("data", "fsdp", "expert")),
+    ("length", None),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("experts", "expert"),
+    ("vocab", "tensor"),
+    ("layers", None),
+    ("norm", None),
+)
+
+
+def _mesh_axes_for(name, rules) -> tuple[str, ...]:
+    if name is None:
+        return ()
+    for logical, mesh_axes in rules:
+        if logical == name:
+            if mesh_axes is None:
+                return ()
+            return (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
+    raise KeyError(f"logical axis {name!r} has no sharding rule; add ({name!r}, <mesh axis or None>) to the rules")
+
+
+def logical_to_mesh_spec(logical: P, mesh: Mesh, rules: Rules | None = None, shape=None) -> P:
+    """One logical `PartitionSpec` -> a mesh `PartitionSpec` for `mesh` (see module doc for the fallbacks)."""
+    rules = DEFAULT_RULES if rules is None else rules
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    used: set[str] = set()
+    out = []
+    for dim, name in enumerate(logical):
+        axes = [a for a in _mesh_axes_for(name, rules) if sizes.get(a, 1) > 1 and a not in used]
+        if shape is not None and axes:
+            total = 1
+            for a in axes:
+                total *= sizes[a]
+            if shape[dim] % total:
+                axes = []
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return P(*out)
+
+
+def logical_to_sharding(axes_tree, mesh: Mesh, rules: Rules | None = None, *, shapes=None):
+    """A tree of logical `PartitionSpec`s -> the same tree of `NamedSharding`s on `mesh`.
+
+    `shapes`: optional matching tree of shape tuples (or arrays / ShapeDtypeStructs) enabling the
+    divisibility fallback.
+    """
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    if shapes is None:
+        return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, logical_to_mesh_spec(s, mesh, rules)),
+                                      axes_tree, is_leaf=is_spec)
+    shape_leaves = jax.tree_util.tree_leaves(shapes, is_leaf=lambda x: isinstance(x, tuple) or hasattr(x, "shape"))
+    spec_leaves, treedef = jax.tree_util.tree_flatten(axes_tree, is_leaf=is_spec)
+    if len(shape_leaves) != len(spec_leaves):
+        raise ValueError(f"axes tree has {len(spec_leaves)} leaves but shapes tree has {len(shape_leaves)}")
+    out = [NamedSharding(mesh, logical_to_mesh_spec(s, mesh, rules, getattr(sh, "shape", sh)))
+           for s, sh in zip(spec_leaves, shape_leaves)]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def param_shardings(config: ModelConfig, mesh: Mesh, rules: Rules | None = None):
+    """`NamedSharding` for every parameter of `config` on `mesh`."""
+    from trace_jax.models.decoder import param_logical_axes, param_shapes
+
+    return logical_to_sharding(param_logical_axes(config), mesh, rules, shapes=param_shapes(config))
+
+
+def shard_params(params, config: ModelConfig, mesh: Mesh, rules: Rules | None = None):
+    """Place an existing params tree on `mesh` according to the rules."""
+    return jax.device_put(params, param_shardings(config, mesh, rules))
+
+
+def cache_logical_axes() -> dict:
+    """Logical axes of a `KVCache` (k, v: [layers, batch, length, kv_heads, head_dim]; lengths: [batch])."""
+    kv = P("layers", "batch", "length", "kv_heads", "head_dim")
+    return {"k": kv, "v": kv, "lengths": P("batch")}
+
+
+def make_mesh(shape: dict[str, int], devices=None) -> Mesh:
+    """A mesh with named axes, e.g. `make_mesh({"data": 2, "fsdp": 2, "tensor": 2})` over 8 devices."""
+    import numpy as np
+
+    devices = jax.devices() if devices is None else devices
+    n = 1
+    for v in shape.values():
+        n *= v
+    if n != len(devices):
+        raise ValueError(f"mesh shape {shape} needs {n} devices, have {len(devices)}")
+    return Mesh(np.asarray(devices).reshape(tuple(shape.values())), tuple(shape))
