@@ -31,7 +31,7 @@ def _find_answer(text: str) -> tuple[str | None, bool]:
     else:
         # Truncated generation (hit the token limit): take the rest, but stop at a stray tag.
         content, closed = text[last_open.end():], False
-        content = re.split(r"<\s*/?\s*\w", content, maxsplit=1)[0]
+        content = re.split(r"<\s*/?\s*[\w|]", content, maxsplit=1)[0]  # e.g. </think>, <|im_end|>
     content = content.strip()
     return (content or None), closed and bool(content)
 

@@ -87,8 +87,10 @@ class SearchIndex:
                     token_id = vocab[token] = len(vocab)
                 ids.append(token_id)
             token_ids.append(ids)
-        if not vocab:  # bm25s cannot index an empty vocabulary; a placeholder keeps every query scoring zero
-            vocab[""] = 0
+        if not vocab:
+            # Nothing indexable (empty corpus or only stopwords): bm25s would divide by a zero mean length.
+            return cls(corpus, data=np.zeros(0, np.float32), indices=np.zeros(0, np.int64),
+                       indptr=np.zeros(1, np.int64), vocab={}, k1=k1, b=b)
         retriever = bm25s.BM25(method="lucene", k1=k1, b=b)
         retriever.index(Tokenized(ids=token_ids, vocab=vocab), show_progress=False, create_empty_token=False)
         scores = retriever.scores
