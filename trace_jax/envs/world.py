@@ -234,7 +234,7 @@ class WorldConfig:
     distractors_per_doc: int = 3
     filler_per_doc: int = 2
     deep_fact_prob: float = 0.2
-    deep_offset: int = 24
+    deep_offset: int = 48
     lookalike_rate: float = 0.2
     noise_docs: int = 20
 
