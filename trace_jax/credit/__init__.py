@@ -1,0 +1,45 @@
+"""The functional credit API: pure, jittable, vmappable functions implementing shared/docs/credit-spec.md.
+
+    outcome_advantages        group z-score of final rewards (GRPO), groups on the last axis
+    trace_values / td_deltas / lookahead_credit / trace_turn_credit      TRACE
+    token_advantages          per-token advantages from turn credit and outcome advantages
+    abc_step_rewards / abc_sft_weights / abc_grpo_advantages             ABC
+    gspo_sequence_ratio       GSPO's sequence-level ratio
+    compute_advantages        any registered estimator by name ("grpo", "gspo", "trace", ..., "abc_grpo")
+    validate_*                host-side value checks with clear errors
+
+Everything here works on arrays; nothing knows about models, tokenizers or tools.
+"""
+
+from trace_jax.credit.abc import abc_grpo_advantages, abc_sft_weights, abc_step_rewards, grouped_abc_grpo_advantages
+from trace_jax.credit.gspo import gspo_sequence_ratio
+from trace_jax.credit.outcome import grouped_outcome_advantages, outcome_advantages
+from trace_jax.credit.registry import (
+    CreditInputs,
+    CreditResult,
+    Estimator,
+    compute_advantages,
+    estimator_names,
+    get_estimator,
+    register_estimator,
+    unregister_estimator,
+    validate_credit_inputs,
+)
+from trace_jax.credit.tokens import sequence_advantages_to_tokens, step_values_to_tokens, token_advantages
+from trace_jax.credit.trace import lookahead_credit, td_deltas, trace_turn_credit, trace_values
+from trace_jax.credit.validate import (
+    validate_abc_inputs,
+    validate_num_turns,
+    validate_rewards,
+    validate_token_layout,
+    validate_trace_inputs,
+)
+
+__all__ = [
+    "CreditInputs", "CreditResult", "Estimator", "abc_grpo_advantages", "abc_sft_weights", "abc_step_rewards",
+    "compute_advantages", "estimator_names", "get_estimator", "grouped_abc_grpo_advantages",
+    "grouped_outcome_advantages", "gspo_sequence_ratio", "lookahead_credit", "outcome_advantages",
+    "register_estimator", "sequence_advantages_to_tokens", "step_values_to_tokens", "td_deltas", "token_advantages",
+    "trace_turn_credit", "trace_values", "unregister_estimator", "validate_abc_inputs", "validate_credit_inputs",
+    "validate_num_turns", "validate_rewards", "validate_token_layout", "validate_trace_inputs",
+]

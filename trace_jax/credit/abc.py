@@ -1,0 +1,174 @@
+"""ABC: answer-backtracked credit (credit-spec section 3).
+
+Each step of a trajectory (reasoning + tool call + tool response; the last step includes the answer) is judged
+against a clue set recovered backwards from the verified answer. This module turns those judgements into step
+rewards, SFT weights (ABC-SFT) and group-normalised, backward-accumulated advantages (ABC-GRPO). The judging itself
+(matching a step's text against clues) is host code elsewhere; here everything is counts and arrays.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax.credit._checks import check_choice, check_float, check_int, check_rank, compute_dtype
+from trace_jax.credit.outcome import group_moments
+
+NORMALIZE_MODES = ("joint", "per_step")
+
+
+def abc_step_rewards(n_found, n_excluded, n_rejected, answer_outcome, *, base: float = 1.0, w_found: float = 0.8,
+                     w_excluded: float = 0.4, w_rejected: float = 0.8, w_answer: float = 1.0,
+                     low: float = 0.0, high: float = 2.0):
+    """Step score against the clue set.
+
+        r_t = clip(base + w_found*n_found + w_excluded*n_excluded - w_rejected*n_rejected + w_answer*ans, low, high)
+            = clip(1.0 + 0.8*n_found + 0.4*n_excluded - 0.8*n_rejected + 1.0*ans, 0, 2)   (defaults)
+
+    Args (all the same shape, e.g. `[..., G, T]`; counts may exceed 1):
+      n_found: correct clues discovered or verified in the step.
+      n_excluded: wrong candidates correctly ruled out.
+      n_rejected: correct clues wrongly rejected.
+      answer_outcome: +1 correct final answer in this step, -1 wrong, 0 none.
+
+    Returns:
+      float32 step rewards of the same shape.
+    """
+    arrays = [jnp.asarray(a) for a in (n_found, n_excluded, n_rejected, answer_outcome)]
+    shapes = {a.shape for a in arrays}
+    if len(shapes) != 1:
+        raise ValueError(f"n_found, n_excluded, n_rejected and answer_outcome must share one shape, got {shapes}")
+    dtype = compute_dtype(*arrays)
+    n_found, n_excluded, n_rejected, answer_outcome = (a.astype(dtype) for a in arrays)
+    raw = base + w_found * n_found + w_excluded * n_excluded - w_rejected * n_rejected + w_answer * answer_outcome
+    return jnp.clip(raw, low, high)
+
+
+def abc_sft_weights(step_rewards, *, scale: float = 2.0, sharpness: float = 2.0, neutral: float = 1.0):
+    """ABC-SFT per-step loss weight `w_t = 2 * sigmoid(2 * (r_t - 1))`.
+
+    Range 0.238..1.762 for `r` in [0, 2]; a neutral step (`r = 1`) keeps weight 1.
+    Checks: `w(0)=0.2384, w(0.6)=0.6201, w(1)=1, w(1.4)=1.3799, w(2)=1.7616`.
+
+    Args:
+      step_rewards: any shape, float.
+
+    Returns:
+      float32 weights of the same shape.
+    """
+    check_float("step_rewards", step_rewards)
+    rewards = step_rewards.astype(compute_dtype(step_rewards))
+    return scale * jax.nn.sigmoid(sharpness * (rewards - neutral))
+
+
+def _discount_matrix(size: int, gamma, dtype):
+    """`M[t, u] = gamma^(u - t)` for `u >= t`, else 0."""
+    offset = jnp.arange(size)[None, :] - jnp.arange(size)[:, None]
+    return jnp.where(offset >= 0, jnp.power(jnp.asarray(gamma, dtype), jnp.maximum(offset, 0).astype(dtype)), 0.0)
+
+
+_BLOCK = 16
+
+
+def _backward_accumulate(values, gamma: float):
+    """`A_t = values_t + gamma * A_{t+1}` along the last axis of `[N, T]` (values already 0 past the end).
+
+    Blocks of 16 steps: a small matrix product inside each block, then the block-start values are themselves
+    accumulated with `gamma^16` and carried back into the blocks. Same result as the full `[T, T]` product with a
+    quarter of the work at T = 64.
+    """
+    n, size = values.shape
+    if size <= _BLOCK:
+        return jnp.einsum("tu,nu->nt", _discount_matrix(size, gamma, values.dtype), values)
+    num_blocks = -(-size // _BLOCK)
+    padded = jnp.pad(values, ((0, 0), (0, num_blocks * _BLOCK - size))).reshape(n, num_blocks, _BLOCK)
+    local = jnp.einsum("tu,nbu->nbt", _discount_matrix(_BLOCK, gamma, values.dtype), padded)
+    block_gamma = jnp.power(jnp.asarray(gamma, values.dtype), _BLOCK)
+    starts = jnp.einsum("bc,nc->nb", _discount_matrix(num_blocks, block_gamma, values.dtype), local[:, :, 0])
+    following = jnp.pad(starts[:, 1:], ((0, 0), (0, 1)))  # accumulated value at the start of the next block
+    tail = jnp.power(jnp.asarray(gamma, values.dtype), jnp.arange(_BLOCK, 0, -1).astype(values.dtype))
+    full = local + tail[None, None, :] * following[:, :, None]
+    return full.reshape(n, num_blocks * _BLOCK)[:, :size]
+
+
+def grouped_abc_grpo_advantages(step_rewards, num_steps, group_id, num_groups: int, *, gamma: float = 0.25,
+                                normalize: str = "joint", eps: float = 1e-6):
+    """ABC-GRPO step advantages for a flat batch with a group id per trajectory.
+
+        R_hat = (r - mean) / (std + eps)      joint: mean/std (population) over all real steps of the group;
+                                              per_step: over step index t across the group's trajectories
+        A_t = R_hat_t + gamma * A_{t+1}       accumulated backwards within each trajectory
+
+    Args:
+      step_rewards: `[N, T]` float step rewards (`abc_step_rewards`); entries `t >= num_steps` ignored.
+      num_steps: `[N]` int in `[0, T]`.
+      group_id: `[N]` int in `[0, num_groups)`.
+      num_groups: static number of groups.
+      gamma: backward accumulation factor.
+      normalize: `"joint"` (default) or `"per_step"`.
+      eps: added to the std.
+
+    Returns:
+      `[N, T]` float32 advantages, 0 for `t >= num_steps`.
+    """
+    check_rank("step_rewards", step_rewards, 2, "[N, T]")
+    check_rank("num_steps", num_steps, 1, "[N]")
+    check_rank("group_id", group_id, 1, "[N]")
+    check_float("step_rewards", step_rewards)
+    check_int("num_steps", num_steps)
+    check_int("group_id", group_id)
+    check_choice("normalize", normalize, NORMALIZE_MODES)
+    if not (step_rewards.shape[0] == num_steps.shape[0] == group_id.shape[0]):
+        raise ValueError(f"step_rewards{step_rewards.shape}, num_steps{num_steps.shape} and group_id{group_id.shape} "
+                         "disagree on N")
+    rewards, valid = _real_steps(step_rewards, num_steps)
+    mean, var, _ = group_moments(rewards, valid.astype(rewards.dtype), group_id, num_groups,
+                                 per_column=normalize == "per_step")
+    return _normalise_and_accumulate(rewards, valid, mean, var, gamma, eps)
+
+
+def _real_steps(step_rewards, num_steps):
+    """Rewards in the compute dtype with padded steps zeroed, and the `[..., T]` mask of real steps."""
+    valid = jnp.arange(step_rewards.shape[-1]) < num_steps[..., None]
+    return jnp.where(valid, step_rewards.astype(compute_dtype(step_rewards)), 0.0), valid
+
+
+def _normalise_and_accumulate(rewards, valid, mean, var, gamma, eps):
+    normalised = jnp.where(valid, (rewards - mean) / (jnp.sqrt(var) + eps), 0.0)
+    flat = normalised.reshape(-1, normalised.shape[-1])
+    return jnp.where(valid, _backward_accumulate(flat, gamma).reshape(normalised.shape), 0.0)
+
+
+def abc_grpo_advantages(step_rewards, num_steps, *, gamma: float = 0.25, normalize: str = "joint",
+                        eps: float = 1e-6):
+    """ABC-GRPO step advantages with the group on the second-to-last axis.
+
+    Args:
+      step_rewards: `[..., G, T]` float step rewards.
+      num_steps: `[..., G]` int steps per trajectory in `[0, T]`.
+      gamma, normalize, eps: see `grouped_abc_grpo_advantages`.
+
+    Returns:
+      `[..., G, T]` float32 advantages.
+
+    Check (joint): steps `{[1.8, 1.0, 2.0], [1.0, 0.2, 0.0]}` give
+    `[[1.1665, 0.3381, 1.3525], [-0.355, -1.4201, -1.3525]]`.
+    """
+    check_rank("step_rewards", step_rewards, tuple(range(2, 8)), "[..., G, T]")
+    if num_steps.shape != step_rewards.shape[:-1]:
+        raise ValueError(f"num_steps{num_steps.shape} must equal step_rewards{step_rewards.shape} without its "
+                         "last axis ([..., G])")
+    group_size = step_rewards.shape[-2]
+    if group_size == 0:
+        raise ValueError(f"step_rewards{step_rewards.shape}: empty group (G = 0)")
+    check_float("step_rewards", step_rewards)
+    check_int("num_steps", num_steps)
+    check_choice("normalize", normalize, NORMALIZE_MODES)
+    # Contiguous groups: dense reductions over the group axes, much faster on CPU than segment sums.
+    rewards, valid = _real_steps(step_rewards, num_steps)
+    weights = valid.astype(rewards.dtype)
+    axes = (-2,) if normalize == "per_step" else (-2, -1)
+    counts = jnp.maximum(jnp.sum(weights, axis=axes, keepdims=True), 1.0)
+    mean = jnp.sum(rewards, axis=axes, keepdims=True) / counts
+    var = jnp.sum(jnp.where(valid, jnp.square(rewards - mean), 0.0), axis=axes, keepdims=True) / counts
+    return _normalise_and_accumulate(rewards, valid, mean, var, gamma, eps)
