@@ -98,4 +98,4 @@ def test_invalid_config_is_rejected_with_the_field_name(bad):
         WorldConfig(**bad)
 
 
-PINNED_DEFAULT_FINGERPRINT = "3929d151f0b62672"
+PINNED_DEFAULT_FINGERPRINT = "d03d2ce2c7c02a44"
