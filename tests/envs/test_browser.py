@@ -317,3 +317,12 @@ def test_schema_parameters_match_what_execute_accepts(browser):
 
 def test_observation_is_a_plain_dataclass():
     assert Observation(text="x", ok=True).page is None
+
+
+def test_wrap_text_matches_textwrap_on_prose_and_cuts_overlong_words():
+    import textwrap
+
+    prose = "The river Kalo flows north past the city of Venmir, where the old mill stands. " * 5
+    assert list(wrap_text(prose, 40)) == textwrap.wrap(prose, 40, break_on_hyphens=False)
+    assert wrap_text("a\n\nb", 10) == ("a", "", "b")
+    assert wrap_text("x" * 25, 10) == ("x" * 10, "x" * 10, "x" * 5)

@@ -127,3 +127,20 @@ def test_in_memory_corpus_needs_an_explicit_index_dir(corpus, index, tmp_path):
         index.save()
     index.save(tmp_path / "idx")
     assert SearchIndex.load(corpus, tmp_path / "idx").search("river", 5) == index.search("river", 5)
+
+
+def test_top_candidate_pruning_matches_a_full_sort_for_every_topn():
+    rng = random.Random(3)
+    vocabulary = [f"w{n}" for n in range(300)]
+    weights = [1 / (n + 1) for n in range(300)]  # Zipf-like: rare and common words mixed in one query
+    records = [{"docid": f"d{rng.randint(0, 10**6):07d}-{n}", "url": f"u{n}", "title": "",
+                "text": " ".join(rng.choices(vocabulary, weights, k=rng.randint(3, 30)))} for n in range(600)]
+    corpus = Corpus.from_records(records)
+    index = SearchIndex.build(corpus)
+    for _ in range(60):
+        query = " ".join(rng.choices(vocabulary, k=rng.randint(2, 5)))
+        scores = index.scores(query)
+        full = sorted(((corpus[i].docid, float(s)) for i, s in enumerate(scores) if s > 0),
+                      key=lambda item: (-item[1], item[0]))
+        for topn in (1, 3, 10, 50, 1000):
+            assert index.search(query, topn) == full[:topn]

@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
 from urllib.parse import quote, urlsplit
@@ -121,14 +120,36 @@ def _link_text(text: str) -> str:
     return _LINK_UNSAFE.sub(" ", text).strip()
 
 
+def _wrap_paragraph(paragraph: str, width: int) -> list[str]:
+    # Greedy word wrap (what textwrap.wrap does for plain prose, ~5x faster); a word longer than the width is cut.
+    lines: list[str] = []
+    current = ""
+    for word in paragraph.split():
+        while len(word) > width:
+            if current:
+                lines.append(current)
+                current = ""
+            lines.append(word[:width])
+            word = word[width:]
+        if not current:
+            current = word
+        elif len(current) + 1 + len(word) <= width:
+            current = f"{current} {word}"
+        else:
+            lines.append(current)
+            current = word
+    if current:
+        lines.append(current)
+    return lines
+
+
 def wrap_text(text: str, width: int) -> tuple[str, ...]:
-    """Split on newlines, wrap each paragraph to ``width``; empty lines are kept and a page has at least one line."""
+    """Split on newlines and wrap each paragraph to ``width`` columns (runs of spaces collapse to one); empty
+    lines are kept and a page has at least one line."""
     lines: list[str] = []
     for paragraph in text.split("\n"):
-        if paragraph.strip():
-            lines.extend(textwrap.wrap(paragraph, width=width, break_on_hyphens=False))
-        else:
-            lines.append("")
+        wrapped = _wrap_paragraph(paragraph, width)
+        lines.extend(wrapped if wrapped else [""])
     return tuple(lines) or ("",)
 
 
@@ -243,6 +264,7 @@ class Browser:
         self.result_filter = result_filter
         # Wrapped document pages are pure functions of (document, width): cache them across episodes.
         self._document_pages: dict[str, Page] = {}
+        self._search_entries: dict[str, tuple[str, tuple[str, ...]]] = {}
         self._document_cache_size = document_cache_size
         self.pages: list[Page] = []
 
@@ -331,13 +353,10 @@ class Browser:
         links: dict[int, Link] = {}
         for link_id, (docid, _score) in enumerate(results):
             document = self.corpus.by_docid(docid)
-            title = _link_text(document.title) or document.docid
             links[link_id] = Link(id=link_id, url=document.url, title=document.title, docid=docid)
-            entry = f"【{link_id}†{title}†{_link_text(domain_of(document.url))}】"
-            snippet = snippet_of(document.text, self.snippet_chars)
-            lines.append(entry)
-            if snippet:
-                lines.extend(textwrap.wrap(snippet, width=self.wrap_width, break_on_hyphens=False))
+            link_label, snippet_lines = self._search_entry(document)
+            lines.append(f"【{link_id}†{link_label}】")
+            lines.extend(snippet_lines)
         if not results:
             lines = [f"No results found for `{query}`."]
         page = Page(kind="search", url="", title=f"Search results for `{query}`", lines=tuple(lines),
@@ -409,6 +428,19 @@ class Browser:
         return self._push_and_show(result_page, loc=0, num_lines=-1)
 
     # Rendering ----------------------------------------------------------------------------------------------------
+
+    def _search_entry(self, document: Document) -> tuple[str, tuple[str, ...]]:
+        """``title†domain`` and the wrapped snippet lines of a result (cached: results repeat across episodes)."""
+        entry = self._search_entries.get(document.docid)
+        if entry is None:
+            if len(self._search_entries) >= self._document_cache_size:
+                self._search_entries.clear()
+            title = _link_text(document.title) or document.docid
+            snippet = snippet_of(document.text, self.snippet_chars)
+            entry = (f"{title}†{_link_text(domain_of(document.url))}",
+                     wrap_text(snippet, self.wrap_width) if snippet else ())
+            self._search_entries[document.docid] = entry
+        return entry
 
     def _document_page(self, document: Document) -> Page:
         page = self._document_pages.get(document.docid)

@@ -185,19 +185,46 @@ class SearchIndex:
             for token_id in token_ids:
                 start, end = indptr[token_id], indptr[token_id + 1]
                 scores[indices[start:end]] += data[start:end]
-            candidates = np.flatnonzero(scores > 0)
+            candidates = self._top_candidates(scores, token_ids, topn)
             candidate_scores = scores[candidates]
         keep = candidate_scores > 0
         if not keep.all():
             candidates, candidate_scores = candidates[keep], candidate_scores[keep]
         if len(candidates) > topn:
             # Keep everything tied with the topn-th score so the docid tie-break sees the whole tie group.
-            threshold = np.partition(candidate_scores, len(candidates) - topn)[len(candidates) - topn]
+            threshold = -np.partition(-candidate_scores, topn - 1)[topn - 1]
             keep = candidate_scores >= threshold
             candidates, candidate_scores = candidates[keep], candidate_scores[keep]
         order = np.lexsort((self._docid_rank[candidates], -candidate_scores))[:topn]
         docids = self._docids
         return [(docids[i], float(s)) for i, s in zip(candidates[order].tolist(), candidate_scores[order].tolist())]
+
+    def _top_candidates(self, scores: np.ndarray, token_ids: list[int], topn: int) -> np.ndarray:
+        """A small superset of the top ``topn`` documents (with all ties), without sorting every match.
+
+        The ``topn``-th best score among *any* ``>= topn`` matching documents is a lower bound on the overall
+        ``topn``-th best score, so keeping documents at or above it is exact. The shortest posting lists (rarest
+        words) hold the likely winners and give a tight bound cheaply.
+        """
+        indices, indptr = self._indices, self._indptr
+        by_rarity = sorted(set(token_ids), key=lambda t: indptr[t + 1] - indptr[t])
+        sample, size = [], 0
+        for token_id in by_rarity:
+            sample.append(indices[indptr[token_id]: indptr[token_id + 1]])
+            size += len(sample[-1])
+            if size >= 4 * topn:
+                break
+        if len(sample) == 1:
+            sample_docs = sample[0]
+        else:  # de-duplicate through a mask: cheaper than np.unique's sort for long posting lists
+            mask = np.zeros(self._num_docs, dtype=bool)
+            for docs in sample:
+                mask[docs] = True
+            sample_docs = np.flatnonzero(mask)
+        if len(sample_docs) < topn:
+            return np.flatnonzero(scores > 0)
+        bound = -np.partition(-scores[sample_docs], topn - 1)[topn - 1]
+        return np.flatnonzero(scores >= bound)
 
     def search_many(self, queries: Iterable[str], topn: int = 10) -> list[list[tuple[str, float]]]:
         return [self.search(query, topn) for query in queries]
