@@ -139,3 +139,27 @@ def test_oracle_copes_with_retrieval_noise_and_short_snippets(world):
     browser = make_browser(world, retrieval_noise=0.1, snippet_chars=40)
     results = solve_all(browser, generate_tasks(world, 100, seed=9))
     assert solve_rate(results) >= 0.97
+
+
+def test_make_tasks_cli_writes_corpus_tasks_trajectories_and_manifest(tmp_path, capsys):
+    from trace_jax.cli import main
+
+    out = tmp_path / "tasks"
+    assert main(["make-tasks", "--out", str(out), "--num", "30", "--seed", "4", "--oracle", "--detour-prob", "0.2",
+                 "--corpus-size", "200"]) == 0
+    tasks = [json.loads(line) for line in (out / "tasks.jsonl").read_text().splitlines()]
+    trajectories = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    documents = [json.loads(line) for line in (out / "corpus.jsonl").read_text().splitlines()]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert len(tasks) == len(trajectories) == 30 and documents
+    assert [Task.from_dict(t) for t in tasks][0].answer == trajectories[0]["answer"]
+    assert manifest["oracle"]["solve_rate"] >= 0.96
+    assert "oracle solved" in capsys.readouterr().out
+    assert (out / "vocabulary.txt").read_text().split("\n")[0]
+
+
+def test_make_tasks_cli_rejects_unknown_question_types(tmp_path, capsys):
+    from trace_jax.cli import main
+
+    assert main(["make-tasks", "--out", str(tmp_path), "--num", "3", "--types", "trivia"]) == 2
+    assert "type_weights" in capsys.readouterr().out
