@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from trace_jax.envs.browser import Browser, Link, Observation, tool_schemas, wrap_text
+from trace_jax.envs.browser import Browser, Link, Observation, observation_templates, tool_schemas, wrap_text
 from trace_jax.envs.corpus import Corpus
 from trace_jax.envs.search_index import SearchIndex
 
@@ -326,3 +326,30 @@ def test_wrap_text_matches_textwrap_on_prose_and_cuts_overlong_words():
     assert list(wrap_text(prose, 40)) == textwrap.wrap(prose, 40, break_on_hyphens=False)
     assert wrap_text("a\n\nb", 10) == ("a", "", "b")
     assert wrap_text("x" * 25, 10) == ("x" * 10, "x" * 10, "x" * 5)
+
+
+def test_fork_shares_caches_but_not_the_page_stack(browser):
+    browser.execute("search", {"query": "London"})
+    other = browser.fork()
+    assert other.pages == [] and browser.cursor == 0
+    assert other.execute("open", {"id": "https://wiki.local/ada"}).startswith("[0] Ada Lovelace")
+    assert other._document_pages is browser._document_pages and browser.cursor == 0
+
+
+def test_page_link_for_finds_the_link_to_a_document(browser):
+    page = browser.step("search", {"query": "London"}).page
+    assert page.links[page.link_for("ada")].docid == "ada" and page.link_for("log") is None
+
+
+def test_observation_templates_cover_the_fixed_words_of_real_observations(browser):
+    import re
+
+    template_words = {w for text in observation_templates() for w in re.findall(r"[A-Za-z]+", text)}
+    corpus_words = {w for d in DOCUMENTS for field in ("title", "text", "url") for w in re.findall(r"[A-Za-z]+", d[field])}
+    session = [("search", {"query": "London"}), ("open", {"id": 0}), ("find", {"pattern": "London"}),
+               ("find", {"pattern": "zeppelin", "cursor": 1}), ("search", {"query": "zeppelin"}),
+               ("open", {"id": 9}), ("open", {"cursor": 99}), ("open", {"loc": 99}), ("find", {"pattern": "x"}),
+               ("open", {"id": "https://nowhere.local"}), ("search", "{"), ("nope", {}), ("search", {"x": 1})]
+    for name, arguments in session:
+        observed = set(re.findall(r"[A-Za-z]+", browser.execute(name, arguments)))
+        assert observed <= template_words | corpus_words | {"zeppelin", "nowhere", "local", "nope", "x"}, name

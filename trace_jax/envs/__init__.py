@@ -19,6 +19,7 @@ from trace_jax.envs.browser import (
     Observation,
     Page,
     ToolError,
+    observation_templates,
     parse_arguments,
     tool_schemas,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "exact_match",
     "extract_answer",
     "normalize_answer",
+    "observation_templates",
     "parse_arguments",
     "token_f1",
     "tokenize",

@@ -90,6 +90,13 @@ class Page:
     def num_lines(self) -> int:
         return len(self.lines)
 
+    def link_for(self, docid: str) -> int | None:
+        """The first link id on this page that leads to ``docid`` (``None`` if none does)."""
+        for link_id, link in self.links.items():
+            if link.docid == docid:
+                return link_id
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class Observation:
@@ -210,7 +217,8 @@ def parse_arguments(arguments: Any) -> dict[str, Any]:
         try:
             arguments = json.loads(arguments)
         except (json.JSONDecodeError, RecursionError) as error:
-            detail = f"{error.msg} at line {error.lineno} column {error.colno}" if isinstance(
+            # json's own messages vary ("Expecting ',' delimiter"...); the position alone keeps the wording fixed.
+            detail = f"error at line {error.lineno} column {error.colno}" if isinstance(
                 error, json.JSONDecodeError) else "nested too deeply"
             raise ToolError(f"arguments are not valid JSON ({detail}); send a JSON object such as "
                             '{"query": "..."}.') from None
@@ -267,6 +275,14 @@ class Browser:
         self._search_entries: dict[str, tuple[str, tuple[str, ...]]] = {}
         self._document_cache_size = document_cache_size
         self.pages: list[Page] = []
+
+    def fork(self) -> "Browser":
+        """A new browser for another concurrent episode: same corpus, index, settings and render caches, its own
+        empty page stack. Cheaper than constructing one, and the caches are shared."""
+        other = object.__new__(Browser)
+        other.__dict__.update(self.__dict__)
+        other.pages = []
+        return other
 
     # Episode state ------------------------------------------------------------------------------------------------
 
@@ -373,7 +389,8 @@ class Browser:
                 raise ToolError("`id` must be a link id (integer) or a url, got an empty string.")
             document = self.corpus.by_url(url)
             if document is None:
-                raise ToolError(f"Error fetching URL `{_short(url, 120)[1:-1]}`: no such page in the corpus. "
+                shown = url if len(url) <= 120 else url[:117] + "..."
+                raise ToolError(f"Error fetching URL `{shown}`: no such page in the corpus. "
                                 "Open a link id from a search results page instead.")
             page = self._document_page(document)
             start = 0
@@ -523,3 +540,42 @@ def tool_schemas() -> list[dict[str, Any]]:
         },
     ]
     return [{"type": "function", "function": function} for function in functions]
+
+
+def observation_templates() -> tuple[str, ...]:
+    """Every fixed string the tools emit (observation chrome, common error messages, schemas, instructions), with
+    example values in the slots: pass to a closed-vocabulary builder (e.g. ``world.vocabulary(extra_texts=...)``) so
+    a word-level tokenizer covers tool output. Values shown to the model that come from outside (document text,
+    titles, urls, the model's own queries and patterns, repr of malformed arguments) are not included."""
+    texts = [
+        "[0] Search results for `q`", "**viewing lines [0 - 9] of 39**", "L0: ", "【0†title†domain】 ...",
+        "No results found for `q`.", "# 【0†match at L12】", "Find results for text: `p` in `t` (u/find?pattern=p)",
+        "No `find` results for pattern: `p`",
+        ERROR_PREFIX + "No pages are open yet; call search first.",
+        ERROR_PREFIX + "Cursor `5` is out of range. Available cursor indices: [0 - 4].",
+        ERROR_PREFIX + "Invalid link id `7` (valid ids: 0-9).", ERROR_PREFIX + "Invalid link id `7` (valid ids: none "
+                                                                               "on this page).",
+        ERROR_PREFIX + "Invalid location parameter: `40`. Cannot exceed page maximum of 39.",
+        ERROR_PREFIX + "Cannot run `find` on search results page or find results page; open a document first.",
+        ERROR_PREFIX + "Error fetching URL `u`: no such page in the corpus. Open a link id from a search results "
+                       "page instead.",
+        ERROR_PREFIX + "`id` must be a link id >= 0, or -1 to scroll the page at `cursor`; got -2.",
+        ERROR_PREFIX + "`id` must be a link id (integer) or a url, got an empty string.",
+        ERROR_PREFIX + "`search` needs a `query` string, e.g. {\"query\": \"river cities\"}.",
+        ERROR_PREFIX + "`find` needs a `pattern` string, e.g. {\"pattern\": \"born in\"}.",
+        ERROR_PREFIX + "`query` must be a non-empty string.", ERROR_PREFIX + "`topn` must be at least 1, got 0.",
+        ERROR_PREFIX + "`topn` must be an integer, got str ('x').", ERROR_PREFIX + "`topn` must be an integer, got a "
+                                                                            "boolean (True).",
+        ERROR_PREFIX + "`query` is too long (2001 characters; at most 2000).",
+        ERROR_PREFIX + "unknown argument(s) ['x'] for `search`; it takes ['query', 'topn'].",
+        ERROR_PREFIX + "unknown argument(s) ['x'] for `open`; it takes ['cursor', 'id', 'loc', 'num_lines'].",
+        ERROR_PREFIX + "unknown argument(s) ['x'] for `find`; it takes ['cursor', 'pattern'].",
+        ERROR_PREFIX + "unknown tool 'x'. Available tools: ['search', 'open', 'find'].",
+        ERROR_PREFIX + "tool name must be a string, got int. Tools: ['search', 'open', 'find'].",
+        ERROR_PREFIX + "arguments are not valid JSON (error at line 1 column 1); send a JSON object such "
+                       "as {\"query\": \"...\"}.",
+        ERROR_PREFIX + "arguments must be a JSON object, got list ([1]).",
+        BROWSER_INSTRUCTIONS,
+    ]
+    texts += [json.dumps(schema) for schema in tool_schemas()]
+    return tuple(texts)
