@@ -1,0 +1,202 @@
+"""Import external QA sets that come with their own corpus (BrowseComp-Plus style) as ``Task`` objects + ``Corpus``.
+
+Inputs (both JSONL, one object per line; blank lines are skipped):
+
+* queries: ``query_id`` (string or int), ``query`` (string), ``answer`` (string), and the supporting documents as
+  ``evidence_docs`` and/or ``gold_docs`` (lists of docids, or of objects with a ``docid``, as in BrowseComp-Plus's
+  decrypted release). Optional: ``answers``/``aliases`` (list of other accepted answers) and ``clues`` (a recovered
+  clue chain: list of objects with ``docid`` and optional ``entity``, ``relation``, ``value``).
+* corpus: ``docid`` (string or int) and ``text``; ``url`` and ``title`` are optional (defaults:
+  ``doc://{docid}`` and the first line of the text, cut to 80 characters).
+
+Clues: the given chain if any; else one clue per evidence document (``relation="evidence_doc"``) followed by the
+gold documents (``relation="gold_doc"``, the pages that contain the answer), in file order, without repeats.
+
+Every problem raises ``ExternalDataError`` naming the file, the 1-based line, the field, what was expected and the fix.
+Nothing is downloaded here: the user supplies decrypted files.
+
+This module knows about tasks and corpora; not about tools, models or training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator, Mapping, NamedTuple
+
+from trace_jax.envs.corpus import Corpus, Document
+from trace_jax.envs.tasks import Clue, Task
+
+QUERY_FIELDS = ("query_id", "query", "answer")
+DOC_LIST_FIELDS = ("evidence_docs", "gold_docs")
+
+
+class ExternalDataError(ValueError):
+    """An external query or corpus file is malformed (the message names file, line and field, and the fix)."""
+
+
+class ExternalDataset(NamedTuple):
+    """Tasks and the corpus they are asked over."""
+
+    tasks: list[Task]
+    corpus: Corpus
+
+
+def _records(path: Path) -> Iterator[tuple[str, Any]]:
+    if not path.is_file():
+        raise ExternalDataError(f"{path}: file not found.")
+    with path.open("r", encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ExternalDataError(f"{where}: invalid JSON ({error.msg} at column {error.colno}); each line must "
+                                        "be one JSON object.") from None
+            if not isinstance(record, Mapping):
+                raise ExternalDataError(f"{where}: expected a JSON object, got {type(record).__name__}.")
+            yield where, record
+
+
+def _identifier(record: Mapping[str, Any], field: str, where: str) -> str:
+    value = record.get(field)
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or (isinstance(value, str) and not value.strip()):
+        raise ExternalDataError(f"{where}: field '{field}' must be a non-empty string or integer, got {value!r:.60}.")
+    return str(value)
+
+
+def _string(record: Mapping[str, Any], field: str, where: str, *, hint: str = "") -> str:
+    value = record.get(field)
+    if not isinstance(value, str) or not value.strip():
+        missing = "missing" if field not in record else f"must be a non-empty string, got {value!r:.60}"
+        raise ExternalDataError(f"{where}: field '{field}' {missing}.{hint}")
+    return value
+
+
+def load_external_corpus(path: str | os.PathLike) -> Corpus:
+    """Read a corpus JSONL (``docid``, ``text``, optional ``url``/``title``) into a ``Corpus``."""
+    path = Path(path)
+    documents, seen = [], {}
+    for where, record in _records(path):
+        docid = _identifier(record, "docid", where)
+        if docid in seen:
+            raise ExternalDataError(f"{where}: duplicate docid {docid!r} (first at {seen[docid]}); docids must be "
+                                    "unique.")
+        seen[docid] = where
+        text = record.get("text")
+        if not isinstance(text, str):
+            raise ExternalDataError(f"{where}: field 'text' must be a string, got {text!r:.60}.")
+        title = record.get("title")
+        if title is None or (isinstance(title, str) and not title.strip()):
+            title = (text.strip().split("\n", 1)[0][:80] if text.strip() else docid)
+        elif not isinstance(title, str):
+            raise ExternalDataError(f"{where}: field 'title' must be a string if given, got {title!r:.60}.")
+        url = record.get("url")
+        if url is None or (isinstance(url, str) and not url.strip()):
+            url = f"doc://{docid}"
+        elif not isinstance(url, str):
+            raise ExternalDataError(f"{where}: field 'url' must be a string if given, got {url!r:.60}.")
+        documents.append(Document(docid=docid, url=url, title=title, text=text))
+    if not documents:
+        raise ExternalDataError(f"{path}: no documents found; expected one JSON object per line.")
+    try:
+        return Corpus(documents, path=path)
+    except ValueError as error:  # e.g. duplicate urls
+        raise ExternalDataError(f"{path}: {error}") from None
+
+
+def _docids(record: Mapping[str, Any], field: str, where: str) -> list[str]:
+    value = record.get(field)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ExternalDataError(f"{where}: field '{field}' must be a list of docids or of objects with a 'docid', "
+                                f"got {type(value).__name__}.")
+    out = []
+    for index, item in enumerate(value):
+        if isinstance(item, Mapping):
+            out.append(_identifier(item, "docid", f"{where}: {field}[{index}]"))
+        elif isinstance(item, (str, int)) and not isinstance(item, bool):
+            out.append(str(item))
+        else:
+            raise ExternalDataError(f"{where}: {field}[{index}] must be a docid or an object with a 'docid', got "
+                                    f"{item!r:.60}.")
+    return out
+
+
+def load_external_tasks(path: str | os.PathLike, *, corpus: Corpus | None = None,
+                        source: str = "browsecomp_plus") -> list[Task]:
+    """Read a BrowseComp-Plus-style queries JSONL into ``Task`` objects (``qtype="external"``).
+
+    With ``corpus``, every referenced docid must exist in it, and clue entities are the documents' titles.
+    """
+    path = Path(path)
+    tasks, seen = [], {}
+    for where, record in _records(path):
+        if "query" not in record and any(k in record for k in ("encrypted_query", "canary")):
+            raise ExternalDataError(f"{where}: this looks like an encrypted release; decrypt it first (the "
+                                    "dataset's own decryption script) so each line has plain 'query' and 'answer'.")
+        query_id = _identifier(record, "query_id", where)
+        if query_id in seen:
+            raise ExternalDataError(f"{where}: duplicate query_id {query_id!r} (first at {seen[query_id]}).")
+        seen[query_id] = where
+        question = _string(record, "query", where)
+        answer = _string(record, "answer", where)
+        aliases = []
+        for field in ("answers", "aliases"):
+            extra = record.get(field, [])
+            if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+                raise ExternalDataError(f"{where}: field '{field}' must be a list of strings if given.")
+            aliases += [a for a in extra if a != answer and a not in aliases]
+        if "clues" in record:
+            clues = _clue_chain(record["clues"], where)
+        else:
+            evidence = _docids(record, "evidence_docs", where)
+            gold = _docids(record, "gold_docs", where)
+            gold_set = set(gold)
+            clues = [Clue(docid=d, entity="", relation="evidence_doc", value="") for d in dict.fromkeys(evidence)
+                     if d not in gold_set]
+            clues += [Clue(docid=d, entity="", relation="gold_doc", value="") for d in dict.fromkeys(gold)]
+        if corpus is not None:
+            resolved = []
+            for clue in clues:
+                document = corpus.get(clue.docid)
+                if document is None:
+                    raise ExternalDataError(f"{where}: docid {clue.docid!r} (in {clue.relation or 'clues'}) is not in "
+                                            f"the corpus {corpus.path or ''}; check that both files come from the same "
+                                            "release.")
+                resolved.append(Clue(docid=clue.docid, entity=clue.entity or document.title, relation=clue.relation,
+                                     value=clue.value, kind=clue.kind))
+            clues = resolved
+        tasks.append(Task(task_id=f"{source}-{query_id}", question=question, answer=answer, aliases=tuple(aliases),
+                          qtype="external", hops=0, clues=tuple(clues), program={}, source=source, world={}))
+    if not tasks:
+        raise ExternalDataError(f"{path}: no queries found; expected one JSON object per line with fields "
+                                f"{list(QUERY_FIELDS)}.")
+    return tasks
+
+
+def _clue_chain(value: Any, where: str) -> list[Clue]:
+    if not isinstance(value, list):
+        raise ExternalDataError(f"{where}: field 'clues' must be a list of objects with a 'docid'.")
+    clues = []
+    for index, item in enumerate(value):
+        label = f"{where}: clues[{index}]"
+        if not isinstance(item, Mapping):
+            raise ExternalDataError(f"{label} must be an object with a 'docid', got {item!r:.60}.")
+        kind = str(item.get("kind", "support"))
+        if kind not in ("support", "exclude"):
+            raise ExternalDataError(f"{label}: 'kind' must be 'support' or 'exclude', got {kind!r}.")
+        clues.append(Clue(docid=_identifier(item, "docid", label), entity=str(item.get("entity", "")),
+                          relation=str(item.get("relation", "clue")), value=str(item.get("value", "")), kind=kind))
+    return clues
+
+
+def load_external(queries_path: str | os.PathLike, corpus_path: str | os.PathLike, *,
+                  source: str = "browsecomp_plus") -> ExternalDataset:
+    """Read a queries JSONL and its corpus JSONL; every referenced docid is checked against the corpus."""
+    corpus = load_external_corpus(corpus_path)
+    return ExternalDataset(tasks=load_external_tasks(queries_path, corpus=corpus, source=source), corpus=corpus)
