@@ -87,14 +87,21 @@ def test_converted_tokenizer_keeps_chatml_tokens(chat):
 
 def test_converted_checkpoint_matches_transformers_gguf_loader(converted_dir, reference_model, prompts):
     import torch
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    reference_state = reference_model.state_dict()
+    for name, tensor in load_file(str(converted_dir / "model.safetensors")).items():
+        assert torch.equal(tensor, reference_state[name]), name
     ours = AutoModelForCausalLM.from_pretrained(str(converted_dir), dtype=torch.float32).eval()
-    for ids in prompts:
-        tokens = torch.tensor([ids])
-        with torch.no_grad():
-            difference = (ours(tokens).logits - reference_model(tokens).logits).abs().max().item()
-        assert difference <= 1e-5
+    for field in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "rms_norm_eps"):
+        assert getattr(ours.config, field) == getattr(reference_model.config, field), field
+    assert ours.config.rope_parameters["rope_theta"] == reference_model.config.rope_parameters["rope_theta"]
+    tokens = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        difference = (ours(tokens).logits - reference_model(tokens).logits).abs().max().item()
+    assert difference <= 1e-5
 
 
 def test_jax_decoder_next_token_logprobs_match_transformers_gguf(jax_model, reference_model, prompts):
@@ -120,3 +127,14 @@ def test_greedy_chat_generation_answers_paris(jax_model, chat, prompts):
             break
     text = chat.tokenizer.decode(generated, skip_special_tokens=True)
     assert "Paris" in text, text
+
+
+def test_chat_format_matches_the_chat_template_shipped_in_the_gguf(chat):
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "What is 2+2?"},
+    ]
+    expected = chat.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat.tokenizer.decode(chat.render(messages).ids) == expected
