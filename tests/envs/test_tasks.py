@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from trace_jax.envs.tasks import (QUESTION_TYPES, Clue, Task, TaskConfig, TaskError, evaluate_program,
+from trace_jax.envs.tasks import (QUESTION_TYPES, Clue, Task, TaskConfig, TaskError, clue_matches, evaluate_program,
                                   generate_splits, generate_tasks, tasks_fingerprint, verify_task)
 from trace_jax.envs.world import WorldConfig, build_world, vocabulary, words
 
@@ -126,3 +126,20 @@ def test_clue_from_dict_requires_docid():
         Task.from_dict({"task_id": "t", "question": "q", "answer": "a", "clues": [{"value": "x"}]})
     assert Task.from_dict({"task_id": "t", "question": "q", "answer": "a",
                            "clues": [{"docid": "d"}]}).clues == (Clue("d", "", "", ""),)
+
+
+def test_task_fingerprint_is_pinned_for_the_default_world():
+    # Same seed -> same questions across processes and Python sessions (not only within one test run).
+    tasks = generate_tasks(build_world(WorldConfig(seed=0)), 50, seed=0)
+    assert tasks_fingerprint(tasks)[:16] == PINNED_TASKS_FINGERPRINT
+
+
+def test_clue_matches_finds_values_even_across_wrapped_lines():
+    clues = (Clue("d1", "Kalo", "on_river", "Venmir River"), Clue("d2", "Venmir River", "length_km", "812"),
+             Clue("d3", "", "gold_doc", ""))
+    assert clue_matches(clues, "L3: Kalo lies on the Venmir\nL4: River. It is 812 km") == [0, 1]
+    assert clue_matches(clues, "the Venmir River", docid="d2") == []
+    assert clue_matches(clues, "anything", docid="d3") == [2]
+
+
+PINNED_TASKS_FINGERPRINT = "105c43458ec655f5"

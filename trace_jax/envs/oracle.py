@@ -18,7 +18,9 @@ This module knows about tasks, worlds and the browser; not about models, tokeniz
 
 from __future__ import annotations
 
+import ast
 import hashlib
+import inspect
 import json
 import random
 import re
@@ -89,12 +91,34 @@ ORACLE_TEXTS = (SYSTEM_PROMPT, SAY_SEARCH, SAY_OPEN, SAY_WRONG_OPEN, SAY_BACK, S
                 "search open find system user assistant tool", json.dumps(tool_schemas()))
 
 
+# Python type names that the browser's argument errors quote ("got NoneType (None)").
+TYPE_NAMES = "NoneType None bool int float str list dict bytes True False"
+
+
+def _code_string_texts(module: Any) -> list[str]:
+    """Every string literal in ``module``'s code except docstrings (its messages, including f-string parts)."""
+    tree = ast.parse(inspect.getsource(module))
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    return [node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+
+
 def trajectory_vocabulary() -> list[str]:
     """Every word token (``world.words``) of documents, questions, answers, tool observations and oracle messages.
 
-    This is the closed vocabulary for a word-level tokenizer over procedural tasks and oracle trajectories.
+    This is the closed vocabulary for a word-level tokenizer over procedural tasks and trajectories. Tool output is
+    covered including the browser's error messages (read from its code), apart from text a policy itself wrote and
+    the browser echoes back (e.g. a misspelt query), which is in the policy's vocabulary by construction.
     """
-    return vocabulary(extra_texts=BROWSER_TEXTS + ORACLE_TEXTS)
+    from trace_jax.envs import browser as browser_module
+
+    return vocabulary(extra_texts=BROWSER_TEXTS + ORACLE_TEXTS + (TYPE_NAMES,)
+                      + tuple(_code_string_texts(browser_module)))
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -587,3 +588,22 @@ def tasks_fingerprint(tasks: Sequence[Task]) -> str:
     for task in tasks:
         digest.update(task.to_json().encode("utf-8") + b"\n")
     return digest.hexdigest()
+
+
+def clue_matches(clues: Sequence[Clue], text: str, docid: str | None = None) -> list[int]:
+    """Indices of the clues that ``text`` (e.g. one tool observation) reveals: for the ABC step score and progress.
+
+    A clue with a value matches when its value occurs in ``text`` (browser line prefixes ``L12: `` removed and
+    whitespace collapsed, so values wrapped across display lines still match) and, when ``docid`` is given, the text
+    comes from the clue's page. A clue without a value (external tasks: gold documents) matches when ``docid`` is
+    its page.
+    """
+    flat = " ".join(re.sub(r"(?m)^L\d+: ", "", text).split())
+    out = []
+    for index, clue in enumerate(clues):
+        if clue.value:
+            if clue.value in flat and (docid is None or docid == clue.docid):
+                out.append(index)
+        elif docid is not None and docid == clue.docid:
+            out.append(index)
+    return out
