@@ -32,7 +32,7 @@ from trace_jax.envs.browser import BROWSER_INSTRUCTIONS, Browser, Observation, t
 from trace_jax.envs.corpus import Corpus
 from trace_jax.envs.search_index import SearchIndex
 from trace_jax.envs.tasks import IDENTIFY_NP, Clue, Task
-from trace_jax.envs.world import World, vocabulary, words
+from trace_jax.envs.world import FACT_TEMPLATES, LIST_TEMPLATES, World, join_names, vocabulary, words
 
 SYSTEM_PROMPT = (
     "You are a research agent. Answer the question by searching and reading documents with the browser tools. "
@@ -247,6 +247,7 @@ class _Episode:
         self.confirmed = [False] * len(task.clues)
         self.progress: list[float] = []
         self.steps = 0
+        self.notes: list[str] = []  # facts confirmed since the last assistant message, said in the next one
 
     # -- tool calls with chat records ------------------------------------------------------------------------------
 
@@ -255,6 +256,8 @@ class _Episode:
         call_id = f"call_{self.steps}"
         arguments_json = json.dumps(arguments, ensure_ascii=False)
         observation = self.browser.step(name, arguments_json)
+        say = " ".join(self.notes + [say])
+        self.notes = []
         self.messages.append({"role": "assistant", "content": say, "tool_calls": [
             {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments_json}}]})
         self.messages.append({"role": "tool", "tool_call_id": call_id, "name": name, "content": observation.text})
@@ -269,9 +272,27 @@ class _Episode:
         return observation
 
     def _update_confirmed(self) -> None:
+        newly: list[Clue] = []
         for index, clue in enumerate(self.task.clues):
             if not self.confirmed[index] and clue.value in self.seen_by_docid.get(clue.docid, ""):
                 self.confirmed[index] = True
+                newly.append(clue)
+        # One sentence per fact; members of one list page in one sentence.
+        lists: dict[tuple[str, str], list[str]] = {}
+        for clue in newly:
+            if clue.relation.startswith("list:"):
+                lists.setdefault((clue.entity, clue.relation), []).append(clue.value)
+        said_lists = set()
+        for clue in newly:
+            key = (clue.entity, clue.relation)
+            if key in lists:
+                if key in said_lists:
+                    continue
+                said_lists.add(key)
+                clue = Clue(clue.docid, clue.entity, clue.relation, join_names(lists[key]))
+            note = fact_sentence(clue)
+            if note:
+                self.notes.append(note)
 
     def out_of_steps(self) -> bool:
         return self.steps >= self.config.max_steps
@@ -352,16 +373,25 @@ class _Episode:
         return self.task.answer, True
 
 
+def fact_sentence(clue: Clue) -> str:
+    """The fact a clue states, as a sentence in the world's first template ("Kalo lies on the Venmir River.");
+    empty for clues without a known relation (external tasks)."""
+    if clue.relation.startswith("list:"):
+        templates = LIST_TEMPLATES.get(clue.relation[len("list:"):])
+    else:
+        templates = FACT_TEMPLATES.get(clue.relation)
+    if not templates or not clue.entity or not clue.value:
+        return ""
+    return templates[0].format(s=clue.entity, o=clue.value)
+
+
 def solve(browser: Browser, task: Task, config: OracleConfig = OracleConfig()) -> OracleResult:
     """Solve ``task`` with ``browser`` (reset first) and return the trajectory and outcome (deterministic)."""
     browser.reset()
     digest = hashlib.sha256(f"{config.seed}:{task.task_id}".encode("utf-8")).digest()
     episode = _Episode(browser, task, random.Random(int.from_bytes(digest[:8], "big")), config)
     answer, complete = episode.run()
-    if complete:
-        final = SAY_ANSWER.format(answer=answer)
-    else:
-        final = SAY_GIVE_UP
+    final = " ".join(episode.notes + [SAY_ANSWER.format(answer=answer) if complete else SAY_GIVE_UP])
     episode.messages.append({"role": "assistant", "content": final})
     solved = answer_reward(final, [task.answer, *task.aliases]).exact
     return OracleResult(task=task, messages=episode.messages, answer=answer, solved=solved,

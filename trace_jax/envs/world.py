@@ -400,7 +400,7 @@ def _capitalise(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def _join_names(names: list[str]) -> str:
+def join_names(names: list[str]) -> str:
     if len(names) == 1:
         return names[0]
     return ", ".join(names[:-1]) + " and " + names[-1]
@@ -520,7 +520,7 @@ def _entity_document(rng: random.Random, config: WorldConfig, entity: Entity, en
         members = [entities[s].name for s in subjects_of.get((relation, entity.id), ())]
         if members:
             templates = LIST_TEMPLATES[relation]
-            facts.append(templates[rng.randrange(len(templates))].format(s=name, o=_join_names(members)))
+            facts.append(templates[rng.randrange(len(templates))].format(s=name, o=join_names(members)))
     rng.shuffle(facts)
     lead, deep = [], []
     for sentence in facts:
