@@ -112,3 +112,22 @@ def test_missing_and_empty_files_are_reported(tmp_path):
 def test_tasks_without_a_corpus_keep_docids_unchecked(tmp_path):
     queries = write_jsonl(tmp_path / "q.jsonl", [{"query_id": 1, "query": "q", "answer": "a", "gold_docs": ["zz"]}])
     assert load_external_tasks(queries)[0].clues[0].docid == "zz"
+
+
+def test_corpus_can_come_from_documents_embedded_in_the_queries(tmp_path):
+    queries = write_jsonl(tmp_path / "q.jsonl", [
+        {"query_id": 1, "query": "q", "answer": "a",
+         "evidence_docs": [{"docid": "e1", "text": "First page\nbody", "url": "https://x.org/1"}],
+         "gold_docs": [{"docid": "g1", "text": "Gold page"}], "negative_docs": [{"docid": "n1", "text": "noise"}]},
+        {"query_id": 2, "query": "q2", "answer": "b", "gold_docs": [{"docid": "g1", "text": "Gold page"}]},
+    ])
+    dataset = load_external(queries)
+    assert sorted(d.docid for d in dataset.corpus) == ["e1", "g1", "n1"]
+    assert dataset.corpus.by_docid("e1").title == "First page"
+    assert [c.entity for c in dataset.tasks[0].clues] == ["First page", "Gold page"]
+
+
+def test_queries_without_embedded_documents_need_a_corpus_file(tmp_path):
+    queries = write_jsonl(tmp_path / "q.jsonl", [{"query_id": 1, "query": "q", "answer": "a", "gold_docs": ["d"]}])
+    with pytest.raises(ExternalDataError, match="pass a corpus JSONL"):
+        load_external(queries)

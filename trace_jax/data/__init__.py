@@ -23,6 +23,7 @@ _EXPORTS = {
     "load_external": "trace_jax.data.external",
     "load_external_corpus": "trace_jax.data.external",
     "load_external_tasks": "trace_jax.data.external",
+    "corpus_from_queries": "trace_jax.data.external",
 }
 
 __all__ = sorted(_EXPORTS)

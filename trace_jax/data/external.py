@@ -195,8 +195,46 @@ def _clue_chain(value: Any, where: str) -> list[Clue]:
     return clues
 
 
-def load_external(queries_path: str | os.PathLike, corpus_path: str | os.PathLike, *,
+def corpus_from_queries(path: str | os.PathLike) -> Corpus:
+    """A corpus from the documents embedded in a queries JSONL (objects with ``docid`` and ``text`` in
+    ``evidence_docs``, ``gold_docs`` or ``negative_docs``, as BrowseComp-Plus ships them), first occurrence kept."""
+    path = Path(path)
+    documents: dict[str, Document] = {}
+    for where, record in _records(path):
+        for field in DOC_LIST_FIELDS + ("negative_docs",):
+            items = record.get(field)
+            if not isinstance(items, list):
+                continue
+            for index, item in enumerate(items):
+                if not isinstance(item, Mapping) or "text" not in item:
+                    continue
+                label = f"{where}: {field}[{index}]"
+                docid = _identifier(item, "docid", label)
+                if docid in documents:
+                    continue
+                text = item["text"]
+                if not isinstance(text, str):
+                    raise ExternalDataError(f"{label}: field 'text' must be a string, got {text!r:.60}.")
+                title = item.get("title") if isinstance(item.get("title"), str) and item.get("title").strip() else (
+                    text.strip().split("\n", 1)[0][:80] or docid)
+                url = item.get("url") if isinstance(item.get("url"), str) and item.get("url").strip() else (
+                    f"doc://{docid}")
+                documents[docid] = Document(docid=docid, url=url, title=title, text=text)
+    if not documents:
+        raise ExternalDataError(f"{path}: no embedded documents (objects with 'docid' and 'text' in "
+                                f"{list(DOC_LIST_FIELDS) + ['negative_docs']}); pass a corpus JSONL instead.")
+    try:
+        return Corpus(documents.values())
+    except ValueError as error:  # e.g. two documents with one url
+        raise ExternalDataError(f"{path}: {error}") from None
+
+
+def load_external(queries_path: str | os.PathLike, corpus_path: str | os.PathLike | None = None, *,
                   source: str = "browsecomp_plus") -> ExternalDataset:
-    """Read a queries JSONL and its corpus JSONL; every referenced docid is checked against the corpus."""
-    corpus = load_external_corpus(corpus_path)
+    """Read a queries JSONL and its corpus JSONL; every referenced docid is checked against the corpus.
+
+    Without ``corpus_path`` the corpus is made of the documents embedded in the queries file
+    (``corpus_from_queries``).
+    """
+    corpus = load_external_corpus(corpus_path) if corpus_path is not None else corpus_from_queries(queries_path)
     return ExternalDataset(tasks=load_external_tasks(queries_path, corpus=corpus, source=source), corpus=corpus)
