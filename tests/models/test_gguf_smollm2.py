@@ -41,6 +41,20 @@ def reference_model(smollm2_gguf):
     from transformers import AutoModelForCausalLM
 
     path = smollm2_gguf
+    try:
+        import accelerate  # noqa: F401  (from_pretrained(gguf_file=...) requires it)
+    except ImportError:
+        # Same transformers GGUF code path (dequantise + Q/K unpermute), loaded without accelerate.
+        from transformers import AutoConfig
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model)["tensors"]
+        missing = model.load_state_dict(tensors, strict=False).missing_keys
+        assert set(missing) <= {"lm_head.weight"} and config.tie_word_embeddings, missing
+        model.tie_weights()
+        return model
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
 

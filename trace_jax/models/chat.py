@@ -1,11 +1,13 @@
 """Qwen3's ChatML chat format, rendered straight to token ids, and a tool-call parser that never raises.
 
-Layout (Qwen3's `chat_template`, written out here because no template ships offline)::
+Layout (Qwen3's `chat_template`, written out here because no template ships offline; indented lines continue a turn)::
 
-    <|im_start|>system\\n{system}\\n\\n# Tools\\n\\nYou may call one or more functions ... <tools>\\n{schema}\\n...</tools>
+    <|im_start|>system\\n{system}\\n\\n# Tools\\n\\nYou may call one or more functions ...
+        <tools>\\n{schema}\\n...</tools>
     ... <tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n
     <|im_start|>user\\n{question}<|im_end|>\\n
-    <|im_start|>assistant\\n{content}\\n<tool_call>\\n{"name": "search", "arguments": {"query": "x"}}\\n</tool_call><|im_end|>\\n
+    <|im_start|>assistant\\n{content}\\n<tool_call>\\n{"name": "search", "arguments": {"query": "x"}}\\n</tool_call>
+        <|im_end|>\\n
     <|im_start|>user\\n<tool_response>\\n{observation}\\n</tool_response><|im_end|>\\n
     <|im_start|>assistant\\n{final answer}<|im_end|>\\n
 
@@ -351,6 +353,9 @@ class ChatFormat:
         """
         ids: list[int] = []
         turns: list[TurnSpan] = []
+        for position, message in enumerate(messages):
+            if not isinstance(message, Mapping):
+                raise ValueError(f"message {position} is {message!r}; expected a dict with 'role' and 'content'")
         first_is_system = bool(messages) and messages[0].get("role") == "system"
         if first_is_system or tools:
             system = _message_text(messages[0], 0) if first_is_system else None
@@ -360,15 +365,14 @@ class ChatFormat:
         index = 1 if first_is_system else 0
         while index < len(messages):
             message = messages[index]
-            if not isinstance(message, Mapping):
-                raise ValueError(f"message {index} is {message!r}; expected a dict with 'role' and 'content'")
             role = message.get("role")
             start = len(ids)
             if role in ("system", "user"):
                 header = self._header(role)
                 body = self._plain(_message_text(message, index))
                 ids += header + body + self._turn_end()
-                turns.append(TurnSpan(role, start, len(ids), start + len(header), start + len(header) + len(body), index))
+                content_start = start + len(header)
+                turns.append(TurnSpan(role, start, len(ids), content_start, content_start + len(body), index))
                 index += 1
             elif role == "assistant":
                 header = self.generation_prompt_ids()
@@ -511,7 +515,9 @@ def parse_tool_call(text: str) -> ToolCall | ToolCallError:
     """
     calls = parse_tool_calls(text)
     if not calls:
-        return ToolCallError("no <tool_call> found; call a tool as <tool_call>\n{\"name\": ..., \"arguments\": {...}}\n</tool_call>")
+        return ToolCallError(
+            'no <tool_call> found; call a tool as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>'
+        )
     if len(calls) > 1:
         return ToolCallError(f"found {len(calls)} tool calls; make exactly one call per turn")
     return calls[0]

@@ -122,7 +122,9 @@ def gguf_to_hf_config(reader) -> dict[str, Any]:
         )
     scaling = _field(reader, prefix + "rope.scaling.type")
     if scaling not in (None, "none"):
-        raise GGUFConversionError(f"GGUF field '{prefix}rope.scaling.type' is {scaling!r}; only unscaled rope is supported")
+        raise GGUFConversionError(
+            f"GGUF field '{prefix}rope.scaling.type' is {scaling!r}; only unscaled rope is supported"
+        )
     tensor_names = {t.name for t in reader.tensors}
     vocab_size = _field(reader, prefix + "vocab_size")
     if vocab_size is None:
@@ -198,7 +200,8 @@ def iter_hf_tensors(reader, config: dict[str, Any], dtype=np.float32) -> Iterato
         type_name = tensor.tensor_type.name
         if type_name not in SUPPORTED_TENSOR_TYPES:
             raise GGUFConversionError(
-                f"GGUF tensor {tensor.name!r} has type {type_name}; supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+                f"GGUF tensor {tensor.name!r} has type {type_name}; "
+                f"supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}"
             )
         name = hf_tensor_name(tensor.name)
         try:
@@ -319,7 +322,10 @@ def convert_gguf(
     missing = sorted(expected_layers - set(names)) + [n for n in ("model.embed_tokens.weight", "model.norm.weight")
                                                       if n not in names]
     if missing:
-        raise GGUFConversionError(f"GGUF file lacks tensors for {missing[:3]} (block_count says {config['num_hidden_layers']})")
+        raise GGUFConversionError(
+            f"GGUF file lacks tensors {missing[:3]} (field '{config['model_type']}.block_count' says "
+            f"{config['num_hidden_layers']} layers)"
+        )
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer:
         save_gguf_tokenizer(src, directory)
