@@ -38,7 +38,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 from trace_jax.envs.corpus import Corpus, Document
 from trace_jax.envs.search_index import SearchIndex
@@ -112,11 +112,8 @@ class Observation:
 
 def domain_of(url: str) -> str:
     """``https://en.wiki.local/a/b`` -> ``en.wiki.local``; a url without a scheme gives its first path part."""
-    try:
-        netloc = urlsplit(url).netloc
-    except ValueError:
-        netloc = ""
-    return netloc or url.split("/", 1)[0]
+    rest = url.split("://", 1)[1] if "://" in url else url
+    return rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0].rsplit("@", 1)[-1]
 
 
 _LINK_UNSAFE = re.compile(r"[【】†\n\r]")
@@ -162,7 +159,8 @@ def wrap_text(text: str, width: int) -> tuple[str, ...]:
 
 def snippet_of(text: str, max_chars: int) -> str:
     """The first ``max_chars`` characters of ``text`` with whitespace collapsed, cut at a word boundary."""
-    flat = " ".join(text.split())
+    # Only the head of the text can reach the snippet; splitting all of a long document would dominate search.
+    flat = " ".join(text[: 2 * max_chars + 64].split())
     if len(flat) <= max_chars:
         return flat
     cut = flat[:max_chars]
