@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from trace_jax.envs.world import (ATTRIBUTES, FOUNDED_ATTRIBUTE, NUMBER_WORDS, PROFESSION_PLURALS, RELATIONS, Entity,
+from trace_jax.envs.world import (ATTRIBUTES, NUMBER_WORDS, PROFESSION_PLURALS, RELATIONS, Entity,
                                   World)
 
 QUESTION_TYPES = ("bridge", "reverse", "intersection", "counting", "comparative")
