@@ -163,3 +163,9 @@ def test_make_tasks_cli_rejects_unknown_question_types(tmp_path, capsys):
 
     assert main(["make-tasks", "--out", str(tmp_path), "--num", "3", "--types", "trivia"]) == 2
     assert "type_weights" in capsys.readouterr().out
+
+
+def test_initial_messages_match_the_start_of_oracle_trajectories(sample):
+    from trace_jax.envs.oracle import initial_messages
+
+    assert sample[0].messages[:2] == initial_messages(sample[0].task)

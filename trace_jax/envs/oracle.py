@@ -237,11 +237,15 @@ def visible_text(observation_text: str) -> str:
     return " ".join(_LINE_PREFIX.sub("", observation_text).split())
 
 
+def initial_messages(task: Task, system_prompt: str = SYSTEM_PROMPT) -> list[dict[str, Any]]:
+    """The prompt of an episode: system message and the question, as the oracle's trajectories start."""
+    return [{"role": "system", "content": system_prompt}, {"role": "user", "content": task.question}]
+
+
 class _Episode:
     def __init__(self, browser: Browser, task: Task, rng: random.Random, config: OracleConfig):
         self.browser, self.task, self.rng, self.config = browser, task, rng, config
-        self.messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT},
-                                               {"role": "user", "content": task.question}]
+        self.messages: list[dict[str, Any]] = initial_messages(task)
         self.seen_by_docid: dict[str, str] = {}  # docid -> visible text seen on that page
         self.known = task.question  # text the agent has seen (names it may search for)
         self.confirmed = [False] * len(task.clues)
@@ -393,7 +397,7 @@ def solve(browser: Browser, task: Task, config: OracleConfig = OracleConfig()) -
     answer, complete = episode.run()
     final = " ".join(episode.notes + [SAY_ANSWER.format(answer=answer) if complete else SAY_GIVE_UP])
     episode.messages.append({"role": "assistant", "content": final})
-    solved = answer_reward(final, [task.answer, *task.aliases]).exact
+    solved = answer_reward(final, task.gold_answers).exact
     return OracleResult(task=task, messages=episode.messages, answer=answer, solved=solved,
                         confirmed=list(episode.confirmed), clue_progress=episode.progress)
 

@@ -180,6 +180,11 @@ class Task:
     world: Mapping[str, Any] = field(default_factory=dict)
 
     @property
+    def gold_answers(self) -> tuple[str, ...]:
+        """The answer and its aliases: what ``answers.answer_reward`` takes as gold."""
+        return (self.answer, *self.aliases)
+
+    @property
     def gold_docids(self) -> tuple[str, ...]:
         """Docids of the clue chain, in order, without repeats."""
         return tuple(dict.fromkeys(c.docid for c in self.clues))
