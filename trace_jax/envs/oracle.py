@@ -118,6 +118,7 @@ def trajectory_vocabulary() -> list[str]:
     from trace_jax.envs import browser as browser_module
 
     return vocabulary(extra_texts=BROWSER_TEXTS + ORACLE_TEXTS + (TYPE_NAMES,)
+                      + tuple(browser_module.observation_templates())
                       + tuple(_code_string_texts(browser_module)))
 
 
