@@ -114,8 +114,15 @@ def param_logical_axes(config: ModelConfig) -> dict:
 
 
 def init_params(config: ModelConfig, rng: jax.Array, *, dtype=None) -> dict:
-    """Random params (normal(0, 0.02) matrices, unit norms, zero biases) in `dtype` (default config.param_dtype)."""
-    dtype = jnp.dtype(dtype or config.param_dtype)
+    """Random params (normal(0, 0.02) matrices, unit norms, zero biases) in `dtype` (default config.param_dtype).
+
+    One jitted computation (wrap in `jax.jit(..., out_shardings=param_shardings(...))` to create them sharded).
+    """
+    return _init_params_jit(config, rng, jnp.dtype(dtype or config.param_dtype).name)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _init_params_jit(config: ModelConfig, rng: jax.Array, dtype: str) -> dict:
     shapes = param_shapes(config)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
     keys = jax.random.split(rng, len(leaves))
