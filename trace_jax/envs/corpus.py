@@ -146,7 +146,7 @@ class Corpus(Sequence[Document]):
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Corpus":
-        """Read a ``.jsonl``/``.json``/``.jsonl`` (one object per line) or ``.parquet`` corpus file."""
+        """Read a JSON-lines (``.jsonl``, ``.json``, ``.ndjson``: one object per line) or ``.parquet`` corpus file."""
         suffix = Path(path).suffix.lower()
         if suffix in (".jsonl", ".json", ".ndjson"):
             return cls.from_jsonl(path)
