@@ -217,6 +217,17 @@ def test_cli_converts_src_to_dst(tmp_path, capsys):
     assert (tmp_path / "out" / "config.json").is_file()
 
 
+def test_cli_source_defaults_to_the_smollm2_package_file(tmp_path, monkeypatch):
+    import trace_jax.models.gguf as gguf_module
+
+    src = write_tiny_gguf(tmp_path / "t.gguf", tiny_hf_state())
+    monkeypatch.setattr(gguf_module, "find_smollm2_gguf", lambda: src)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args([str(tmp_path / "out"), "--no-tokenizer"])) == 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
 def test_cli_reports_errors_without_a_traceback(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     add_arguments(parser)

