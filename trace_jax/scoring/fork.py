@@ -1,0 +1,378 @@
+"""One-pass prefix-fork answer scoring: the gold answer after every state boundary, from one forward per trajectory.
+
+For a trajectory of `L` tokens with states `S_0..S_T` (token offsets `b_k`) and an answer of `m` tokens
+(`template + y*`), the reference model scores `y*` after each state. Instead of `T+1` forwards over growing prefixes
+(`naive.py`), one pass runs the trajectory once plus one copy of the answer per state (design.md, "Prefix-fork
+scoring"). Copy `k` takes RoPE positions `b_k, b_k+1, ...` and sees trajectory keys `< b_k` and its own earlier
+tokens only, so its hidden states equal those of the naive forward over `tokens[:b_k] + answer`.
+
+Two layouts of the same computation:
+
+  * "packed": trajectory and copies in one sequence with an explicit boolean mask (`models.forward_hidden`).
+    Simple; attention memory is `O((L + (T+1) m)^2)`, fine up to a few thousand tokens.
+  * "cached": prefill the trajectory (query-chunked causal attention, keys/values kept per layer), then run all
+    copies as one query block against the cached keys with a per-query key limit (`models.attend_cached_block`).
+    Attention memory is `O(L * chunk + Q * (L + Q))` with `Q = (T+1)(m-1)`: linear in `L`.
+
+Only `m - 1` answer tokens per state run through the model: answer token 0 is predicted by the trajectory's own
+hidden state at `b_k - 1` (which only sees keys `< b_k`), and the last answer token predicts nothing we score.
+Log-probs come from `models.hidden_logprobs` in sequence chunks, so float32 `[batch, length, vocab]` logits never
+exist. The same pass yields the reference's per-token log-probs of the trajectory itself.
+
+Shapes are padded to buckets (`bucket_size`) so jit compiles once per bucket, not per batch. With a `mesh`,
+trajectories are split over the mesh's batch axes (data parallel) and params placed by the logical-axis rules.
+
+This module knows nothing about chat formats, tokenizers, credit or files.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trace_jax import models
+from trace_jax.models import decoder as dec
+from trace_jax.models.config import ModelConfig
+
+METHODS = ("fork", "cached", "naive")
+LAYOUTS = ("auto", "packed", "cached")
+# Above this packed length (trajectory + all answer copies) "auto" switches to the cached layout: the packed mask
+# and score tensors grow as its square.
+DEFAULT_PACKED_MAX_LEN = 4096
+
+
+class PrefixScores(NamedTuple):
+    """Result of `score_answer_prefixes`.
+
+    Attributes:
+      answer_scores: float32 `[N, S]` mean log-prob of the gold answer tokens after state `k`; 0 for padded states
+        (`k >= num_states[n]`).
+      token_logprobs: float32 `[N, L]` the reference's log-prob of the trajectory's next token,
+        `token_logprobs[n, t] = log p(tokens[n, t+1] | tokens[n, :t+1])`; the last position (and positions at or
+        beyond `lengths[n] - 1` when `lengths` is given) is 0.
+    """
+
+    answer_scores: jax.Array
+    token_logprobs: jax.Array
+
+
+# ---------------------------------------------------------------------------------------------------- host helpers
+def bucket_size(n: int, minimum: int = 8) -> int:
+    """Round `n` up to the next bucket `2^i` or `3 * 2^(i-1)` (at least `minimum`): <= 33% padding, few compiles."""
+    n = max(int(n), int(minimum))
+    power = 1 << (n - 1).bit_length()
+    three_quarters = 3 * power // 4
+    return three_quarters if three_quarters >= n and three_quarters % minimum == 0 else power
+
+
+def _as_int_array(name, value, rank, expected):
+    array = np.asarray(value)
+    if array.ndim != rank or not (np.issubdtype(array.dtype, np.integer) or array.dtype == bool):
+        raise ValueError(f"{name} must be an integer array {expected}, got dtype {array.dtype} shape {array.shape}")
+    return array.astype(np.int32)
+
+
+def validate_scoring_inputs(tokens, boundaries, num_states, answer_tokens, answer_mask, lengths=None):
+    """Check shapes and values on the host; returns int32 numpy copies with answers broadcast to `[N, m]`.
+
+    Raises ValueError naming the input, the expected form and the fix.
+    """
+    tokens = _as_int_array("tokens", tokens, 2, "[N, L] token ids")
+    n, length = tokens.shape
+    boundaries = _as_int_array("boundaries", boundaries, 2, "[N, S] state offsets (S = T_max + 1)")
+    num_states = _as_int_array("num_states", num_states, 1, "[N] number of states T_n + 1")
+    answer_tokens = np.asarray(answer_tokens)
+    answer_mask = np.asarray(answer_mask)
+    if answer_tokens.ndim == 1:
+        answer_tokens = np.broadcast_to(answer_tokens, (n, answer_tokens.shape[0]))
+    if answer_mask.ndim == 1:
+        answer_mask = np.broadcast_to(answer_mask, (n, answer_mask.shape[0]))
+    answer_tokens = _as_int_array("answer_tokens", answer_tokens, 2, "[N, m] or [m] (template + gold answer)")
+    answer_mask = _as_int_array("answer_mask", answer_mask, 2, "[N, m] or [m], 1 on scored gold tokens")
+    if boundaries.shape[0] != n or num_states.shape[0] != n or answer_tokens.shape[0] != n:
+        raise ValueError(f"tokens{tokens.shape}, boundaries{boundaries.shape}, num_states{num_states.shape} and "
+                         f"answer_tokens{answer_tokens.shape} must agree on N")
+    if answer_mask.shape != answer_tokens.shape:
+        raise ValueError(f"answer_mask{answer_mask.shape} must match answer_tokens{answer_tokens.shape}")
+    if answer_tokens.shape[1] < 1:
+        raise ValueError("answer_tokens is empty; pass at least one gold answer token per row")
+    slots = boundaries.shape[1]
+    if np.any(num_states < 1) or np.any(num_states > slots):
+        bad = np.flatnonzero((num_states < 1) | (num_states > slots))[:5].tolist()
+        raise ValueError(f"num_states must be in [1, {slots}] (T_n + 1 states, at most boundaries.shape[1]); "
+                         f"rows {bad} are out of range")
+    if not np.all(answer_mask.sum(axis=1) > 0):
+        bad = np.flatnonzero(answer_mask.sum(axis=1) == 0)[:5].tolist()
+        raise ValueError(f"answer_mask rows {bad} score no token; mark the gold answer tokens with 1")
+    limit = np.full((n,), length, np.int32) if lengths is None else _as_int_array("lengths", lengths, 1, "[N]")
+    real = np.arange(slots)[None, :] < num_states[:, None]
+    out_of_range = real & ((boundaries < 1) | (boundaries > limit[:, None]))
+    if out_of_range.any():
+        row = int(np.flatnonzero(out_of_range.any(axis=1))[0])
+        raise ValueError(f"boundaries of row {row} are {boundaries[row, :num_states[row]].tolist()}; every real "
+                         f"state offset must be in [1, {int(limit[row])}] (the trajectory length); S_0 needs a "
+                         "non-empty prompt before it")
+    decreasing = real[:, 1:] & (np.diff(boundaries, axis=1) < 0)
+    if decreasing.any():
+        row = int(np.flatnonzero(decreasing.any(axis=1))[0])
+        raise ValueError(f"boundaries of row {row} decrease: {boundaries[row, :num_states[row]].tolist()}; "
+                         "state offsets must be non-decreasing")
+    return tokens, boundaries, num_states, answer_tokens, answer_mask
+
+
+def _pad_to(array, shape, value=0):
+    pads = [(0, target - size) for size, target in zip(array.shape, shape)]
+    return np.pad(array, pads, constant_values=value)
+
+
+def _batch_sharding(mesh, rules, rank):
+    spec = models.logical_to_mesh_spec(P("batch", *([None] * (rank - 1))), mesh, rules)
+    return NamedSharding(mesh, spec)
+
+
+def _batch_multiple(mesh, rules) -> int:
+    if mesh is None:
+        return 1
+    spec = models.logical_to_mesh_spec(P("batch"), mesh, rules)
+    axes = spec[0]
+    if axes is None:
+        return 1
+    axes = (axes,) if isinstance(axes, str) else axes
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    return math.prod(sizes[a] for a in axes)
+
+
+# ---------------------------------------------------------------------------------------------------- device code
+def _answer_log_probs(config, params, traj_hidden, copy_hidden, boundaries, answer_tokens, answer_mask,
+                      logprob_chunk):
+    """Mean gold log-prob per state from the trajectory hidden [N, L, D] and copy hidden [N, S, m-1, D]."""
+    n, slots = boundaries.shape
+    m = answer_tokens.shape[1]
+    # Answer token 0 is predicted by the trajectory's own state at b_k - 1 (it sees exactly tokens < b_k).
+    first = jnp.take_along_axis(traj_hidden, (boundaries - 1)[:, :, None], axis=1)  # [N, S, D]
+    predictors = first[:, :, None, :]
+    if copy_hidden is not None:
+        predictors = jnp.concatenate([predictors, copy_hidden], axis=2)  # [N, S, m, D]
+    targets = jnp.broadcast_to(answer_tokens[:, None, :], (n, slots, m))
+    log_probs = models.hidden_logprobs(config, params, predictors.reshape(n, slots * m, -1),
+                                       targets.reshape(n, slots * m), chunk_size=logprob_chunk)
+    log_probs = log_probs.reshape(n, slots, m)
+    weights = answer_mask.astype(jnp.float32)[:, None, :]
+    return jnp.sum(log_probs * weights, axis=-1) / jnp.sum(weights, axis=-1)
+
+
+def _trajectory_log_probs(config, params, traj_hidden, tokens, logprob_chunk):
+    shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    log_probs = models.hidden_logprobs(config, params, traj_hidden, shifted, chunk_size=logprob_chunk)
+    return log_probs.at[:, -1].set(0.0)
+
+
+def _copies(answer_tokens, boundaries):
+    """Copy tokens/positions [N, S*(m-1)] and each copy token's (state, offset) ids [S*(m-1)]."""
+    n, slots = boundaries.shape
+    width = answer_tokens.shape[1] - 1
+    offsets = jnp.arange(width, dtype=jnp.int32)
+    copy_tokens = jnp.broadcast_to(answer_tokens[:, None, :width], (n, slots, width)).reshape(n, slots * width)
+    copy_positions = (boundaries[:, :, None] + offsets[None, None, :]).reshape(n, slots * width)
+    state_of = jnp.repeat(jnp.arange(slots, dtype=jnp.int32), width)
+    offset_of = jnp.tile(offsets, slots)
+    return copy_tokens, copy_positions, state_of, offset_of
+
+
+def _packed_hidden(config, params, tokens, boundaries, answer_tokens):
+    n, length = tokens.shape
+    slots = boundaries.shape[1]
+    width = answer_tokens.shape[1] - 1
+    if width == 0:
+        return models.forward_hidden(config, params, tokens), None
+    copy_tokens, copy_positions, state_of, offset_of = _copies(answer_tokens, boundaries)
+    sequence = jnp.concatenate([tokens, copy_tokens], axis=1)
+    positions = jnp.concatenate([jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (n, length)),
+                                 copy_positions], axis=1)
+    key = jnp.arange(length + slots * width)
+    # Trajectory queries: causal (added by the model). Copy query (k, j): trajectory keys < b_k, plus copy keys of
+    # the same state k at offsets <= j.
+    copy_sees_traj = key[None, None, :length] < jnp.repeat(boundaries, width, axis=1)[:, :, None]  # [N, Q, L]
+    same_copy = (state_of[:, None] == state_of[None, :]) & (offset_of[None, :] <= offset_of[:, None])  # [Q, Q]
+    copy_rows = jnp.concatenate([copy_sees_traj, jnp.broadcast_to(same_copy, (n,) + same_copy.shape)], axis=2)
+    traj_rows = jnp.broadcast_to(key[None, None, :] < length, (n, length, key.shape[0]))
+    mask = jnp.concatenate([traj_rows, copy_rows], axis=1)
+    hidden = models.forward_hidden(config, params, sequence, positions=positions, attention_mask=mask)
+    return hidden[:, :length], hidden[:, length:].reshape(n, slots, width, -1)
+
+
+def _prefill(config, params, tokens, query_chunk):
+    """Final-normed hidden [N, L, D] and per-layer keys/values [layers, N, L, K, Dh] of a causal pass.
+
+    Attention runs over query blocks of `query_chunk` with the causal mask built per block, so no [L, L] tensor
+    exists. (models.extend would return the cache but not the hidden states we also need, and builds an [n, L]
+    mask per row; hence this small re-assembly of the decoder's layer pieces.)
+    """
+    n, length = tokens.shape
+    chunk = math.gcd(length, query_chunk)
+    blocks = length // chunk
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (n, length))
+    key = jnp.arange(length)
+
+    def attend_causal(q, k, v):
+        qs = jnp.moveaxis(q.reshape(n, blocks, chunk, *q.shape[2:]), 1, 0)
+        starts = jnp.arange(blocks) * chunk
+
+        def block(args):
+            q_block, start = args
+            query = start + jnp.arange(chunk)
+            mask = jnp.broadcast_to(key[None, :] <= query[:, None], (n, chunk, length))
+            return dec._attend_block(config, q_block, k, v, mask)
+
+        out = jax.lax.map(block, (qs, starts))
+        return jnp.moveaxis(out, 0, 1).reshape(q.shape)
+
+    def layer(h, lp):
+        x = dec.rms_norm(h, lp["input_norm"], config.rms_norm_eps)
+        q, k, v = dec._project_qkv(config, lp["attn"], x, positions)
+        h = h + dec._attn_output(lp["attn"], attend_causal(q, k, v))
+        x = dec.rms_norm(h, lp["post_attn_norm"], config.rms_norm_eps)
+        return h + dec.mlp_block(config, lp, x), (k, v)
+
+    h, (keys, values) = jax.lax.scan(dec.remat_wrap(config, layer), dec.embed_tokens(config, params, tokens),
+                                     params["layers"])
+    return dec.final_norm(config, params, h), keys, values
+
+
+def _cached_hidden(config, params, tokens, boundaries, answer_tokens, query_chunk):
+    n, length = tokens.shape
+    slots = boundaries.shape[1]
+    width = answer_tokens.shape[1] - 1
+    traj_hidden, keys, values = _prefill(config, params, tokens, query_chunk)
+    if width == 0:
+        return traj_hidden, None
+    copy_tokens, copy_positions, state_of, offset_of = _copies(answer_tokens, boundaries)
+    cache = models.KVCache(k=keys, v=values, lengths=jnp.full((n,), length, jnp.int32))
+    key_limit = jnp.repeat(boundaries, width, axis=1)
+    same_copy = (state_of[:, None] == state_of[None, :]) & (offset_of[None, :] <= offset_of[:, None])
+    block_mask = jnp.broadcast_to(same_copy, (n,) + same_copy.shape)
+    copy_hidden = models.attend_cached_block(config, params, cache, copy_tokens, copy_positions, key_limit,
+                                             block_mask)
+    return traj_hidden, copy_hidden.reshape(n, slots, width, -1)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "layout", "logprob_chunk", "query_chunk"))
+def _fork_scores(params, tokens, boundaries, state_valid, answer_tokens, answer_mask, *, config: ModelConfig,
+                 layout: str, logprob_chunk: int, query_chunk: int):
+    length = tokens.shape[1]
+    boundaries = jnp.clip(boundaries, 1, length)  # padded states: any legal offset, result discarded
+    if layout == "packed":
+        traj_hidden, copy_hidden = _packed_hidden(config, params, tokens, boundaries, answer_tokens)
+    else:
+        traj_hidden, copy_hidden = _cached_hidden(config, params, tokens, boundaries, answer_tokens, query_chunk)
+    scores = _answer_log_probs(config, params, traj_hidden, copy_hidden, boundaries, answer_tokens, answer_mask,
+                               logprob_chunk)
+    scores = jnp.where(state_valid, scores, 0.0)
+    return scores, _trajectory_log_probs(config, params, traj_hidden, tokens, logprob_chunk)
+
+
+def packed_length(length: int, num_slots: int, answer_length: int) -> int:
+    """Tokens in one packed fork pass: the trajectory plus `m - 1` answer tokens per state."""
+    return length + num_slots * (answer_length - 1)
+
+
+def choose_layout(length: int, num_slots: int, answer_length: int, packed_max_len: int = DEFAULT_PACKED_MAX_LEN):
+    """"packed" while the packed sequence is at most `packed_max_len` tokens, else "cached" (linear memory)."""
+    return "packed" if packed_length(length, num_slots, answer_length) <= packed_max_len else "cached"
+
+
+# ---------------------------------------------------------------------------------------------------- public API
+def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_states, answer_tokens, answer_mask,
+                          *, method: str = "fork", layout: str = "auto", lengths=None, mesh=None, rules=None,
+                          packed_max_len: int = DEFAULT_PACKED_MAX_LEN, logprob_chunk: int = 256,
+                          query_chunk: int = 256, bucket: bool = True) -> PrefixScores:
+    """Score the gold answer after every state boundary of every trajectory (TRACE's reference scores).
+
+        answer_scores[n, k] = (1/|y*|) sum_j log pi_ref(y*_j | tokens[n, :b_k] + template, y*_<j)
+
+    Args:
+      config, params: the reference model (any `models` decoder; params not differentiated).
+      tokens: int `[N, L]` trajectories, right-padded (padding is never attended by a real state).
+      boundaries: int `[N, S]` state offsets `b_k` (`S >= T_n + 1`); `1 <= b_k <= L`, non-decreasing; entries at
+        `k >= num_states[n]` are ignored.
+      num_states: int `[N]` number of real states `T_n + 1` (`1` for a trajectory without tool calls).
+      answer_tokens: int `[N, m]` or `[m]`: template tokens, then gold tokens, then any right padding.
+      answer_mask: `[N, m]` or `[m]`, nonzero on the gold tokens that are scored. Tokens before them (the template)
+        are conditioned on; tokens after them (padding) influence nothing.
+      method: "fork" (one pass; layout by `layout`), "cached" (= fork with layout "cached"), "naive" (one forward
+        per prefix, the reference; see `trace_jax.scoring.naive`).
+      layout: "auto" (packed up to `packed_max_len` tokens, else cached), "packed" or "cached".
+      lengths: optional int `[N]` true trajectory lengths; only used to zero `token_logprobs` beyond them and to
+        check boundaries.
+      mesh, rules: optional mesh; trajectories are split over the mesh axes that the logical "batch" axis maps to
+        (data parallel) and params placed by `rules` (default `models.DEFAULT_RULES`).
+      logprob_chunk: positions per log-softmax chunk (at most float32 `[N, chunk, V]` logits at once).
+      query_chunk: query block of the cached layout's prefill attention.
+      bucket: pad `N, L, S, m` up to buckets (`bucket_size`) so jit compiles once per bucket.
+
+    Returns:
+      `PrefixScores(answer_scores [N, S] float32, token_logprobs [N, L] float32)`, as numpy-convertible jax arrays
+      cut back to the input shapes.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    tokens, boundaries, num_states, answer_tokens, answer_mask = validate_scoring_inputs(
+        tokens, boundaries, num_states, answer_tokens, answer_mask, lengths)
+    if method == "naive":
+        from trace_jax.scoring.naive import score_answer_prefixes_naive
+
+        return score_answer_prefixes_naive(config, params, tokens, boundaries, num_states, answer_tokens,
+                                           answer_mask, lengths=lengths, logprob_chunk=logprob_chunk)
+    if method == "cached":
+        layout = "cached"
+    n, length = tokens.shape
+    slots, m = boundaries.shape[1], answer_tokens.shape[1]
+    multiple = _batch_multiple(mesh, rules)
+    if bucket:
+        padded_n = -(-bucket_size(n, 1) // multiple) * multiple
+        padded_shape = (padded_n, bucket_size(length, 16), bucket_size(slots, 1), bucket_size(m, 1))
+    else:
+        padded_shape = (-(-n // multiple) * multiple, length, slots, m)
+    pn, pl, ps, pm = padded_shape
+    if layout == "auto":
+        layout = choose_layout(pl, ps, pm, packed_max_len)
+    state_valid = np.arange(ps)[None, :] < _pad_to(num_states, (pn,))[:, None]
+    # Padded rows: one state at offset 1 with one scored token, so nothing divides by zero; results discarded.
+    padded_boundaries = _pad_to(boundaries, (pn, ps), 1)
+    args = (_pad_to(tokens, (pn, pl)), padded_boundaries, state_valid,
+            _pad_to(answer_tokens, (pn, pm)), _pad_to(answer_mask, (pn, pm)))
+    if n < pn:
+        args[4][n:, 0] = 1
+    if mesh is not None:
+        params = models.shard_params(params, config, mesh, rules)
+        args = tuple(jax.device_put(a, _batch_sharding(mesh, rules, a.ndim)) for a in args)
+    scores, token_lp = _fork_scores(params, *args, config=config, layout=layout, logprob_chunk=logprob_chunk,
+                                    query_chunk=query_chunk)
+    scores, token_lp = scores[:n, :slots], token_lp[:n, :length].at[:, -1].set(0.0)
+    if lengths is not None:
+        keep = jnp.arange(length)[None, :] < (jnp.asarray(lengths, jnp.int32)[:, None] - 1)
+        token_lp = jnp.where(keep, token_lp, 0.0)
+    return PrefixScores(scores, token_lp)
+
+
+def compiled_memory(config: ModelConfig, params, tokens, boundaries, num_states, answer_tokens, answer_mask, *,
+                    layout: str = "packed", logprob_chunk: int = 256, query_chunk: int = 256) -> dict:
+    """Compiled memory analysis (bytes) of one fork pass for these (already bucketed) shapes, for benchmarks."""
+    tokens, boundaries, num_states, answer_tokens, answer_mask = validate_scoring_inputs(
+        tokens, boundaries, num_states, answer_tokens, answer_mask)
+    state_valid = np.arange(boundaries.shape[1])[None, :] < num_states[:, None]
+    lowered = _fork_scores.lower(params, tokens, boundaries, state_valid, answer_tokens, answer_mask, config=config,
+                                 layout=layout, logprob_chunk=logprob_chunk, query_chunk=query_chunk)
+    analysis = lowered.compile().memory_analysis()
+    return {"temp_bytes": int(getattr(analysis, "temp_size_in_bytes", 0)),
+            "argument_bytes": int(getattr(analysis, "argument_size_in_bytes", 0)),
+            "output_bytes": int(getattr(analysis, "output_size_in_bytes", 0))}
