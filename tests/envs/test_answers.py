@@ -1,6 +1,8 @@
 """Answer extraction, normalisation, exact match, token F1 and the reward function."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from trace_jax.envs.answers import answer_reward, exact_match, extract_answer, normalize_answer, token_f1
 
@@ -97,3 +99,18 @@ def test_f1_weight_gives_partial_credit():
 def test_reward_weights_are_validated():
     with pytest.raises(ValueError, match="format_weight"):
         answer_reward("<answer>x</answer>", "x", format_weight=0.8, f1_weight=0.5)
+
+
+answer_words = st.sampled_from("one two twenty hundred thousand and a the ninety-nine 1,000 3.50 , . U.S. - Kalo".split())
+
+
+@given(st.text(max_size=40) | st.lists(answer_words, max_size=8).map(" ".join))
+def test_normalize_answer_is_idempotent(text):
+    normalized = normalize_answer(text)
+    assert normalize_answer(normalized) == normalized
+
+
+@given(st.text(max_size=60), st.lists(st.text(max_size=10), min_size=1, max_size=3))
+def test_reward_stays_in_unit_interval_for_any_text(response, gold):
+    result = answer_reward(response, gold, format_weight=0.1, f1_weight=0.1)
+    assert 0.0 <= result.reward <= 1.0 and result.has_answer == (result.answer is not None)

@@ -44,6 +44,18 @@ def test_execute_with_arbitrary_dict_arguments_returns_text(name, arguments):
     check(BROWSER.execute(name, arguments))
 
 
+@given(name=tool_names, arguments=argument_dicts)
+def test_errors_leave_the_stack_and_successes_push_one_page(name, arguments):
+    _prime()
+    before = list(BROWSER.pages)
+    observation = BROWSER.step(name, arguments)
+    if observation.ok:
+        assert BROWSER.pages[:-1] == before and BROWSER.pages[-1] is observation.page
+        assert observation.text.startswith(f"[{len(before)}] ")
+    else:
+        assert BROWSER.pages == before and observation.text.startswith("Error: ")
+
+
 @given(name=st.sampled_from(["search", "open", "find"]), raw=st.text(max_size=60))
 def test_execute_with_arbitrary_argument_strings_returns_text(name, raw):
     _prime()

@@ -246,13 +246,14 @@ class Browser:
       max_find_results: most matches listed by one ``find``.
       result_filter: optional ``(query, [(docid, score)]) -> [(docid, score)]`` applied to search results before
         display (e.g. to inject retrieval noise); it must be deterministic for reproducible episodes.
+      document_cache_size: wrapped documents and rendered result entries kept across episodes (cleared when full).
     """
 
     def __init__(self, corpus: Corpus, index: SearchIndex | None = None, *, wrap_width: int = 80,
                  view_lines: int = 30, max_search_results: int = 10, default_topn: int = 10,
                  snippet_chars: int = 160, find_context_lines: int = 4, max_find_results: int = 50,
                  result_filter: Callable[[str, list[tuple[str, float]]], list[tuple[str, float]]] | None = None,
-                 document_cache_size: int = 100_000):
+                 document_cache_size: int = 20_000):
         if wrap_width < 10 or view_lines < 1 or max_search_results < 1 or find_context_lines < 1:
             raise ValueError("wrap_width >= 10, view_lines >= 1, max_search_results >= 1 and "
                              "find_context_lines >= 1 are required.")
