@@ -160,6 +160,8 @@ def qwen3_text(tokenizer, messages, tools=None, add_generation_prompt=True):
         (EPISODE[1:2], TOOLS),
         (EPISODE[:4], TOOLS),
         (EPISODE[:7], TOOLS),
+        ([{"role": "system", "content": ""}, EPISODE[1]], TOOLS),
+        ([{"role": "system", "content": ""}, EPISODE[1]], None),
         (EPISODE[:7] + [{"role": "user", "content": "Thanks"}, {"role": "system", "content": "late system"}], None),
     ],
 )
@@ -299,3 +301,35 @@ def test_any_conversation_renders_to_contiguous_turns_and_round_trips_as_text(to
     expected = qwen3_text(tokenizer, messages) if "assistant" not in roles else None
     if expected is not None and not any("<|" in t for t in texts):
         assert tokenizer.decode(rendered.ids) == expected
+
+
+def test_disabled_thinking_writes_qwen3_empty_think_block_after_every_assistant_header(tokenizer):
+    chat = ChatFormat(tokenizer, enable_thinking=False)
+    prompt = chat.prompt_ids(None, "hi")
+    expected = qwen3_text(tokenizer, [{"role": "user", "content": "hi"}])
+    assert tokenizer.decode(prompt) == expected + "<think>\n\n</think>\n\n"
+    assert tokenizer.decode(chat.tool_response_ids("obs")).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    record = chat.messages_to_ids(EPISODE, tools=TOOLS)
+    assert tokenizer.decode(record.ids[record.boundaries[1] - 8 : record.boundaries[1]]).endswith("</think>\n\n")
+
+
+texts = st.text(alphabet=st.characters(codec="utf-8"), max_size=15)
+
+
+@given(texts, texts, texts, texts, texts)
+def test_incremental_pieces_concatenate_to_the_rendering_for_any_text(chat, system, user, thought, observation, answer):
+    calls = [{"function": {"name": "search", "arguments": {"query": thought}}}]
+    messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": thought, "tool_calls": calls},
+        {"role": "tool", "content": observation},
+        {"role": "assistant", "content": answer},
+    ]
+    first = chat.assistant_content_ids(thought, calls)
+    ids = chat.prompt_ids(system, user, TOOLS) + first + chat.tool_response_ids(observation, previous_ids=first)
+    final = chat.assistant_content_ids(answer) + [chat.im_end_id]
+    ids += final + chat.end_of_turn_ids(final)
+    record = chat.messages_to_ids(messages, tools=TOOLS)
+    assert record.ids.tolist() == ids
+    assert len(record.boundaries) == 2 and (record.loss_mask[record.boundaries[1] :].sum() == len(final))

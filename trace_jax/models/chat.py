@@ -28,7 +28,9 @@ added-but-not-special tokens and are recognised anywhere. Assistant text is enco
 
 Differences from Qwen3's template, on purpose: assistant content is rendered verbatim (Qwen3 strips `<think>`
 blocks from assistant turns before the last user query and re-wraps reasoning after it); RL trains on the tokens
-the policy generated, so history is never rewritten.
+the policy generated, so history is never rewritten. `ChatFormat(tokenizer, enable_thinking=False)` writes Qwen3's
+empty think block `<think>\n\n</think>\n\n` after every assistant header (Qwen3 adds it to the generation
+prompt only), so the prompt of every turn, not just the first, disables thinking and history stays append-only.
 
 This module knows nothing about models, sampling, rewards or answer checking.
 """
@@ -213,10 +215,15 @@ class ChatFormat:
         ids += generated
         ids += chat.tool_response_ids(observation, previous_ids=generated)
         boundaries.append(len(ids))                              # S_1
+
+    Args:
+      tokenizer: a Hugging Face tokenizer (`load_tokenizer`).
+      enable_thinking: False appends Qwen3's empty think block to every assistant header (see module docstring).
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, *, enable_thinking: bool = True):
         self.tokenizer = tokenizer
+        self.enable_thinking = enable_thinking
         self.im_start_id = self._single_token_id(IM_START, required=True)
         self.im_end_id = self._single_token_id(IM_END, required=True)
         self.end_of_text_id = self._single_token_id(END_OF_TEXT, required=False)
@@ -272,10 +279,10 @@ class ChatFormat:
             return [], 0, 0
         ids = self._header("system")
         content_start = len(ids)
-        if system:
+        if system is not None:
             ids += self._plain(system)
-        if tools:
-            ids += self._markup(("\n\n" if system else "") + tools_block(tools))
+        if tools:  # Qwen3 writes the "\n\n" separator whenever there is a system message, even an empty one
+            ids += self._markup(("\n\n" if system is not None else "") + tools_block(tools))
         content_end = len(ids)
         return ids + self._turn_end(), content_start, content_end
 
@@ -284,8 +291,12 @@ class ChatFormat:
         return self._header("user") + self._plain(text) + self._turn_end()
 
     def generation_prompt_ids(self) -> list[int]:
-        """`<|im_start|>assistant\\n`: the assistant header the policy's generation follows."""
-        return self._header("assistant")
+        """`<|im_start|>assistant\\n` (+ `<think>\\n\\n</think>\\n\\n` when thinking is disabled): the assistant
+        header the policy's generation follows."""
+        header = self._header("assistant")
+        if not self.enable_thinking:
+            header += self._markup("<think>\n\n</think>\n\n")
+        return header
 
     def prompt_ids(
         self, system: str | None, user: str, tools: Sequence[Mapping[str, Any]] | None = None
