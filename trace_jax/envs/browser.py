@@ -399,7 +399,8 @@ class Browser:
             if link_id >= 0:
                 link = current.links.get(link_id)
                 if link is None:
-                    available = f"0-{len(current.links) - 1}" if current.links else "none on this page"
+                    count = len(current.links)
+                    available = "none on this page" if not count else ("0" if count == 1 else f"0-{count - 1}")
                     raise ToolError(f"Invalid link id `{link_id}` (valid ids: {available}).")
                 page = self._document_page(self.corpus.by_docid(link.docid))
                 # gpt-oss: land a few lines above a find match so its context is visible.
