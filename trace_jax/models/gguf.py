@@ -151,7 +151,7 @@ def gguf_to_hf_config(reader) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "torch_dtype": "float32",
+        "dtype": "float32",
     }
     for hf_key, gguf_key in (
         ("bos_token_id", "tokenizer.ggml.bos_token_id"),
@@ -314,7 +314,7 @@ def convert_gguf(
         raise GGUFConversionError(f"dtype {dtype!r} is not supported; choose one of {', '.join(_OUTPUT_DTYPES)}")
     reader = gguf.GGUFReader(str(src))
     config = gguf_to_hf_config(reader)
-    config["torch_dtype"] = dtype
+    config["dtype"] = dtype
     directory = Path(dst_dir)
     directory.mkdir(parents=True, exist_ok=True)
     names = _write_safetensors(iter_hf_tensors(reader, config, _OUTPUT_DTYPES[dtype]), directory, max_shard_bytes)
