@@ -240,3 +240,20 @@ def test_cli_is_registered_with_the_trace_jax_dispatcher(tmp_path):
 
     src = write_tiny_gguf(tmp_path / "t.gguf", tiny_hf_state())
     assert main(["convert-gguf", str(src), str(tmp_path / "out"), "--no-tokenizer"]) == 0
+
+
+def test_sharded_conversion_loads_in_our_decoder_with_transformers_logits(tmp_path):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from trace_jax.models import forward, load_pretrained
+
+    path = write_tiny_gguf(tmp_path / "t.gguf", tiny_hf_state(seed=5))
+    out = convert_gguf(path, tmp_path / "hf", tokenizer=False, max_shard_bytes=40_000)
+    config, params = load_pretrained(out)
+    tokens = np.array([[5, 17, 99, 3, 64, 2, 1]], np.int32)
+    ours = np.asarray(forward(config, params, tokens))
+    reference = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(tokens).long()).logits.numpy()
+    np.testing.assert_allclose(ours, expected, atol=1e-4)
