@@ -92,3 +92,13 @@ def test_load_tokenizer_names_a_missing_directory(tmp_path):
 def test_load_tokenizer_names_a_directory_without_tokenizer_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         load_tokenizer(tmp_path)
+
+
+def test_ids_are_contiguous_so_len_is_the_embedding_size(tokenizer):
+    ids = sorted(tokenizer.get_vocab().values())
+    assert ids == list(range(len(tokenizer)))
+
+
+def test_chat_special_tokens_have_fixed_small_ids(tokenizer):
+    assert tokenizer.convert_tokens_to_ids(list(CHAT_SPECIAL_TOKENS)) == [0, 1, 2]
+    assert tokenizer.eos_token_id == 2 and tokenizer.pad_token_id == 0
