@@ -1,7 +1,7 @@
 """Search environment: an offline corpus, BM25 search, gpt-oss-style browser tools and answer checking.
 
-The task generator, oracle and datasets live in sibling modules (``world``, ``tasks``, ``oracle``) and are imported
-from there directly.
+Also the procedural task family: seeded worlds (``world``), verified multi-hop questions with gold clue chains
+(``tasks``) and an oracle agent that solves them through the tools (``oracle``). Datasets live in ``trace_jax.data``.
 """
 
 from trace_jax.envs.answers import (
@@ -24,9 +24,54 @@ from trace_jax.envs.browser import (
     tool_schemas,
 )
 from trace_jax.envs.corpus import Corpus, CorpusError, Document
+from trace_jax.envs.oracle import (
+    SYSTEM_PROMPT,
+    OracleConfig,
+    OracleResult,
+    initial_messages,
+    make_browser,
+    solve,
+    solve_all,
+    solve_rate,
+    trajectory_vocabulary,
+)
 from trace_jax.envs.search_index import SearchIndex, tokenize
+from trace_jax.envs.tasks import (
+    QUESTION_TYPES,
+    Clue,
+    Task,
+    TaskConfig,
+    TaskError,
+    clue_matches,
+    generate_splits,
+    generate_tasks,
+    verify_task,
+)
+from trace_jax.envs.world import World, WorldConfig, build_world, vocabulary
 
 __all__ = [
+    "QUESTION_TYPES",
+    "SYSTEM_PROMPT",
+    "Clue",
+    "OracleConfig",
+    "OracleResult",
+    "Task",
+    "TaskConfig",
+    "TaskError",
+    "World",
+    "WorldConfig",
+    "build_world",
+    "clue_matches",
+    "generate_splits",
+    "generate_tasks",
+    "initial_messages",
+    "make_browser",
+    "solve",
+    "solve_all",
+    "solve_rate",
+    "trajectory_vocabulary",
+    "verify_task",
+    "vocabulary",
     "BROWSER_INSTRUCTIONS",
     "Browser",
     "Corpus",
