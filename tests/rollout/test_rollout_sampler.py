@@ -1,0 +1,154 @@
+"""KV-cache sampler: same tokens and log-probs as full recompute, log-probs equal the model's, stops, sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trace_jax import models
+from trace_jax.rollout import sampler as S
+
+PROMPTS = [[5, 9, 17, 33, 2, 71, 8], [100, 3], [44, 45, 46, 47, 48], [7]]
+MAX_LEN = 64
+# Few distinct sampling configs and one batch shape, so the tests share compiled steps.
+FILTERED = S.SamplingConfig(temperature=0.8, top_k=64, top_p=0.95)
+GREEDY = S.SamplingConfig(greedy=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = models.get_preset("tiny-qwen3")
+    return config, models.init_params(config, jax.random.PRNGKey(0))
+
+
+def cached_generate(config, params, sampling, rng, *, budget=12, stop_ids=(), prompts=PROMPTS, sync_every=4,
+                    mesh=None, **kwargs):
+    state = S.init_state(config, len(prompts), MAX_LEN, mesh=mesh)
+    state = S.append(config, params, state, prompts)
+    return S.generate(config, params, state, rng=rng, active=np.ones(len(prompts), bool), max_new_tokens=budget,
+                      stop_ids=stop_ids, sampling=sampling, sync_every=sync_every, **kwargs)
+
+
+@pytest.mark.parametrize("sampling", [FILTERED, GREEDY], ids=["temperature-topk-topp", "greedy"])
+def test_cached_sampler_equals_full_recompute_for_the_same_keys(model, sampling):
+    config, params = model
+    rng = jax.random.PRNGKey(3)
+    _, cached = cached_generate(config, params, sampling, rng)
+    reference = S.generate_without_cache(config, params, PROMPTS, rng=rng, max_new_tokens=12, stop_ids=(),
+                                         sampling=sampling, max_len=MAX_LEN)
+    for row in range(len(PROMPTS)):
+        np.testing.assert_array_equal(cached.tokens[row], reference.tokens[row])
+        np.testing.assert_allclose(cached.logprobs[row], reference.logprobs[row], atol=1e-5)
+        np.testing.assert_allclose(cached.sampling_logprobs[row], reference.sampling_logprobs[row], atol=1e-5)
+
+
+def test_sampler_logprobs_match_token_logprobs_of_the_model(model):
+    """The recorded log-probs are the raw model's (T=1, unfiltered), even when sampling is tempered/filtered."""
+    config, params = model
+    _, gen = cached_generate(config, params, FILTERED, jax.random.PRNGKey(5), budget=20)
+    gaps = []
+    for row, prompt in enumerate(PROMPTS):
+        sequence = jnp.asarray([prompt + gen.tokens[row].tolist()])
+        trainer = np.asarray(models.token_logprobs(config, params, sequence))[0]
+        recomputed = trainer[len(prompt) - 1:len(prompt) - 1 + len(gen.tokens[row])]
+        gaps.append(np.abs(recomputed - gen.logprobs[row]).max())
+        # the sampled distribution is sharper than the model's: its log-probs are higher on average
+        assert gen.sampling_logprobs[row].mean() > gen.logprobs[row].mean()
+    max_gap = float(max(gaps))
+    print(f"max |sampler - token_logprobs| = {max_gap:.2e}")
+    assert max_gap < 1e-4
+
+
+def test_rows_stop_at_stop_ids_and_budgets(model):
+    config, params = model
+    _, free = cached_generate(config, params, S.SamplingConfig(greedy=True), jax.random.PRNGKey(0), budget=12)
+    stop = int(free.tokens[0][3])  # row 0 emits this token at step 3 under greedy decoding
+    state, gen = cached_generate(config, params, S.SamplingConfig(greedy=True), jax.random.PRNGKey(0),
+                                 budget=np.asarray([12, 5, 12, 1]), stop_ids=[stop])
+    first = list(free.tokens[0]).index(stop)
+    assert gen.tokens[0].tolist() == free.tokens[0][:first + 1].tolist()
+    assert gen.stop_reason[0] == S.STOP_TOKEN
+    assert len(gen.tokens[1]) <= 5 and len(gen.tokens[3]) == 1 and gen.stop_reason[3] == S.BUDGET
+    expected_lengths = [len(p) + len(t) for p, t in zip(PROMPTS, gen.tokens)]
+    np.testing.assert_array_equal(state.lengths, expected_lengths)
+
+
+def test_rows_stop_when_the_cache_is_full(model):
+    config, params = model
+    prompts = [list(range(1, MAX_LEN - 2)), [1, 2], [3], [4]]
+    _, gen = cached_generate(config, params, GREEDY, jax.random.PRNGKey(0), budget=10, prompts=prompts)
+    assert len(gen.tokens[0]) == 3 and gen.stop_reason[0] == S.CONTEXT_FULL
+    assert len(gen.tokens[1]) == 10 and gen.stop_reason[1] == S.BUDGET
+
+
+def test_logits_hook_forces_tokens(model):
+    config, params = model
+    forced = [11, 12, 13, 14]
+
+    def hook(step, generated):
+        bias = np.zeros((len(PROMPTS), config.vocab_size), np.float32)
+        bias[:, forced[min(step, 3)]] = 1e4
+        return bias
+
+    _, gen = cached_generate(config, params, S.SamplingConfig(), jax.random.PRNGKey(0), budget=4, logits_hook=hook)
+    for row in range(len(PROMPTS)):
+        assert gen.tokens[row].tolist() == forced
+
+
+class _CharTokenizer:
+    """Each id is one character, so multi-token stop strings are easy to write."""
+
+    alphabet = "abcdefghijklmnopqrstuvwxyz</>_ "
+
+    def __len__(self):
+        return len(self.alphabet)
+
+    def convert_ids_to_tokens(self, ids):
+        return [self.alphabet[i] for i in ids]
+
+    def decode(self, ids, **_):
+        return "".join(self.alphabet[int(i)] for i in ids)
+
+
+def test_stop_string_rolls_back_the_overshoot(model):
+    config, params = model
+    tokenizer = _CharTokenizer()
+    text = "ab</x>cdefgh"
+    script = [tokenizer.alphabet.index(ch) for ch in text]
+
+    def hook(step, generated):
+        bias = np.zeros((4, config.vocab_size), np.float32)
+        bias[:, script[min(step, len(script) - 1)]] = 1e4
+        return bias
+
+    state, gen = cached_generate(config, params, S.SamplingConfig(), jax.random.PRNGKey(0), budget=[12, 3, 0, 0],
+                                 prompts=[[1, 2, 3], [4], [5], [6]], logits_hook=hook,
+                                 stop_strings=S.StopStrings(tokenizer, ["</x>"]))
+    assert tokenizer.decode(gen.tokens[0]) == "ab</x>" and gen.stop_reason[0] == S.STOP_STRING
+    assert tokenizer.decode(gen.tokens[1]) == "ab<" and gen.stop_reason[1] == S.BUDGET
+    np.testing.assert_array_equal(state.lengths, [3 + 6, 1 + 3, 1, 1])
+
+
+def test_decode_step_compiles_once_across_calls_and_prompt_lengths(model):
+    config, params = model
+    sampling = FILTERED
+    cached_generate(config, params, sampling, jax.random.PRNGKey(0), budget=3)
+    before = S._decode_jit._cache_size()
+    for seed, prompts in enumerate([[[1] * 20, [2], [3, 4], [5]], [[9, 9], [8] * 9, [7], [6]]]):
+        cached_generate(config, params, sampling, jax.random.PRNGKey(seed), budget=5 + seed, prompts=prompts)
+    assert S._decode_jit._cache_size() == before
+
+
+def test_sharded_sampler_equals_single_device(model):
+    """Rows over `data` (4) and kv heads / mlp / vocab over `tensor` (2) on 8 fake CPU devices."""
+    config, params = model
+    mesh = models.make_mesh({"data": 4, "tensor": 2})
+    sharded_params = models.shard_params(params, config, mesh)
+    sampling = FILTERED
+    rng = jax.random.PRNGKey(9)
+    state, sharded = cached_generate(config, sharded_params, sampling, rng, mesh=mesh)
+    assert len(state.cache.k.sharding.device_set) == 8
+    _, single = cached_generate(config, params, sampling, rng)
+    for row in range(len(PROMPTS)):
+        np.testing.assert_array_equal(sharded.tokens[row], single.tokens[row])
+        np.testing.assert_allclose(sharded.logprobs[row], single.logprobs[row], atol=1e-5)

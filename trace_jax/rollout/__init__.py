@@ -1,0 +1,31 @@
+"""Rollouts: the KV-cache sampler, the batched multi-turn agent loop and the `TrajectoryBatch` they produce.
+
+Public API (see docs/rollout.md):
+  TrajectoryBatch, EpisodeRecord, STATUSES, build_batch                       (batch)
+  SamplingConfig, SamplerState, init_state, append, generate, Generation,
+  generate_without_cache, sample_from_logits, StopStrings                     (sampler)
+  RolloutConfig, Rollout, run_episodes, ScriptedPolicy                        (agent)
+
+This package knows nothing about credit assignment or training; it only produces their input.
+"""
+
+from trace_jax.rollout.agent import DEFAULT_SYSTEM_PROMPT, Rollout, RolloutConfig, ScriptedPolicy, run_episodes
+from trace_jax.rollout.batch import STATUS_CODES, STATUSES, EpisodeRecord, TrajectoryBatch, build_batch
+from trace_jax.rollout.sampler import (
+    STOP_REASONS,
+    Generation,
+    SamplerState,
+    SamplingConfig,
+    StopStrings,
+    append,
+    generate,
+    generate_without_cache,
+    init_state,
+    sample_from_logits,
+)
+
+__all__ = [
+    "DEFAULT_SYSTEM_PROMPT", "EpisodeRecord", "Generation", "Rollout", "RolloutConfig", "STATUSES", "STATUS_CODES",
+    "STOP_REASONS", "SamplerState", "SamplingConfig", "ScriptedPolicy", "StopStrings", "TrajectoryBatch", "append",
+    "build_batch", "generate", "generate_without_cache", "init_state", "run_episodes", "sample_from_logits",
+]

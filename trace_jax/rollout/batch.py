@@ -1,0 +1,149 @@
+"""`TrajectoryBatch`: the device-side record of a batch of agent episodes, and its host-side companion.
+
+Shapes (static for a given rollout config): `N` = prompts x samples, `L` = the rollout's `max_context`,
+`T` = `max_turns` (tool-calling turns; one more final turn is always allowed, so `T + 1` states).
+
+  tokens            int32   [N, L]   prompt, generated and observation ids, padded with `pad_id` after `lengths`
+  positions         int32   [N, L]   RoPE positions (0..L-1: rows are never left-padded)
+  loss_mask         float32 [N, L]   1 on tokens the policy generated (each turn's text, its stop token, the final
+                                     answer's `<|im_end|>`); 0 on prompt, observation, template and padding tokens
+  turn_index        int32   [N, L]   on generated tokens the state k their turn started from (k-th tool response
+                                     seen so far); the final turn has index `num_turns`; -1 elsewhere
+  boundaries        int32   [N, T+1] offset of state S_k: S_0 = end of the prompt (after `<|im_start|>assistant\\n`),
+                                     S_k = start of the generation following observation k; states k > num_turns are
+                                     padded with the row's last real boundary (always a valid offset)
+  num_turns         int32   [N]      tool calls answered by an observation (`T_g` of the credit API)
+  group_id          int32   [N]      prompt index (rows of one prompt are contiguous: row = prompt * G + sample)
+  reward            float32 [N]      `answer_reward` of the final turn's text against the gold answer and aliases
+  sampler_logprobs  float32 [N, L]   raw-model log-probs (temperature 1, unfiltered) of generated tokens; 0 elsewhere
+  sampling_logprobs float32 [N, L]   log-probs under the distribution actually sampled from (tempered/filtered)
+  lengths           int32   [N]      tokens in each row
+  status            int32   [N]      `STATUSES` code of how the episode ended
+
+`tokens[n, :boundaries[n, k]]` is exactly the context the policy saw at state k, so the scorer takes
+`(tokens, boundaries, num_states)` as they are, and the credit API takes `(turn_index, loss_mask, num_turns,
+group_id, reward)` as they are.
+
+Host-side metadata (answer text, status names, per-turn texts) lives in `EpisodeRecord`s next to the batch, not
+inside it: strings as static pytree data would make every jitted consumer recompile on every batch.
+
+This module knows nothing about models, tokenizers or tools.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+# How an episode ended.
+STATUSES = ("running", "answered", "malformed_answer", "max_turns", "context_overflow")
+STATUS_CODES = {name: code for code, name in enumerate(STATUSES)}
+
+
+@struct.dataclass
+class TrajectoryBatch:
+    """A batch of finished episodes as fixed-shape arrays (see the module doc for every field)."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    loss_mask: jax.Array
+    turn_index: jax.Array
+    boundaries: jax.Array
+    num_turns: jax.Array
+    group_id: jax.Array
+    reward: jax.Array
+    sampler_logprobs: jax.Array
+    sampling_logprobs: jax.Array
+    lengths: jax.Array
+    status: jax.Array
+
+    @property
+    def num_states(self) -> jax.Array:
+        """int32 [N]: real states per row (`num_turns + 1`), the scorer's `num_states`."""
+        return self.num_turns + 1
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.tokens.shape)
+
+    def credit_inputs(self, **extra):
+        """`trace_jax.credit.CreditInputs` from this batch (pass `answer_scores=...` etc. as keywords)."""
+        from trace_jax.credit import CreditInputs
+
+        return CreditInputs(rewards=self.reward, group_id=self.group_id, loss_mask=self.loss_mask,
+                            turn_index=self.turn_index, num_turns=self.num_turns, **extra)
+
+
+@dataclasses.dataclass
+class EpisodeRecord:
+    """Host-side metadata of one row.
+
+    Attributes:
+      task_id, question, gold: the task (gold = answer and aliases).
+      status: a `STATUSES` name.
+      answer: the extracted final answer (None if none).
+      final_text: decoded text of the last generated turn.
+      turn_texts: decoded text of every generated turn.
+      tool_calls: per tool turn, `(name, arguments)` or the parse error message.
+      observations: per tool turn, the observation text given back.
+      num_tool_errors: error observations (unparseable calls and tool errors).
+    """
+
+    task_id: str
+    question: str
+    gold: tuple[str, ...]
+    status: str = "running"
+    answer: str | None = None
+    final_text: str = ""
+    turn_texts: list[str] = dataclasses.field(default_factory=list)
+    tool_calls: list[Any] = dataclasses.field(default_factory=list)
+    observations: list[str] = dataclasses.field(default_factory=list)
+    num_tool_errors: int = 0
+
+
+def build_batch(rows: list[dict], *, max_len: int, max_turns: int, group_id, pad_id: int = 0) -> TrajectoryBatch:
+    """Pack per-row host lists into a `TrajectoryBatch` of shape [N, max_len] / [N, max_turns + 1].
+
+    Each row dict holds lists `tokens`, `loss_mask`, `turn_index`, `logprobs`, `sampling_logprobs` (one entry per
+    token), `boundaries` (1..max_turns+1 offsets), and scalars `reward`, `status` (a name).
+    """
+    n = len(rows)
+    tokens = np.full((n, max_len), pad_id, np.int32)
+    loss_mask = np.zeros((n, max_len), np.float32)
+    turn_index = np.full((n, max_len), -1, np.int32)
+    logprobs = np.zeros((n, max_len), np.float32)
+    sampling_lp = np.zeros((n, max_len), np.float32)
+    boundaries = np.zeros((n, max_turns + 1), np.int32)
+    num_turns = np.zeros(n, np.int32)
+    lengths = np.zeros(n, np.int32)
+    reward = np.zeros(n, np.float32)
+    status = np.zeros(n, np.int32)
+    for i, row in enumerate(rows):
+        length = len(row["tokens"])
+        if length > max_len:
+            raise ValueError(f"row {i} has {length} tokens, more than max_len={max_len}")
+        if not 1 <= len(row["boundaries"]) <= max_turns + 1:
+            raise ValueError(f"row {i} has {len(row['boundaries'])} boundaries; expected 1..{max_turns + 1}")
+        tokens[i, :length] = row["tokens"]
+        loss_mask[i, :length] = row["loss_mask"]
+        turn_index[i, :length] = row["turn_index"]
+        logprobs[i, :length] = row["logprobs"]
+        sampling_lp[i, :length] = row["sampling_logprobs"]
+        b = list(row["boundaries"])
+        boundaries[i] = b + [b[-1]] * (max_turns + 1 - len(b))
+        num_turns[i] = len(b) - 1
+        lengths[i] = length
+        reward[i] = row["reward"]
+        status[i] = STATUS_CODES[row["status"]]
+    positions = np.broadcast_to(np.arange(max_len, dtype=np.int32), (n, max_len))
+    return TrajectoryBatch(
+        tokens=jnp.asarray(tokens), positions=jnp.asarray(positions), loss_mask=jnp.asarray(loss_mask),
+        turn_index=jnp.asarray(turn_index), boundaries=jnp.asarray(boundaries), num_turns=jnp.asarray(num_turns),
+        group_id=jnp.asarray(np.asarray(group_id, np.int32)), reward=jnp.asarray(reward),
+        sampler_logprobs=jnp.asarray(logprobs), sampling_logprobs=jnp.asarray(sampling_lp),
+        lengths=jnp.asarray(lengths), status=jnp.asarray(status))

@@ -1,0 +1,445 @@
+"""KV-cache sampler: jitted prefill/append and single-token decode over a fixed batch of rows.
+
+The device side is two jitted functions with the cache donated:
+
+  * `_append_jit` runs a variable-length chunk per row through the model (`trace_jax.models.extend`) and keeps the
+    last logits of every row that received tokens. Prefill of the prompts and appending tool responses to some rows
+    are the same call. Chunks are padded to power-of-two buckets (>= 16), so it compiles once per bucket.
+  * `_decode_jit` samples one token per active row from the pending logits, feeds it to the model (n = 1) and
+    updates each row's stop state (stop token, per-row token budget, cache full). One compile per batch shape.
+
+`generate` is the host loop around `_decode_jit`. It reads the stop flags back every `sync_every` steps (every step
+when a logits hook is set), checks stop *strings* (tags that are not single tokens, e.g. `</tool_call>` for SmolLM2)
+on the host, and rolls back the cache length of a row that overshot a stop string.
+
+Log-probs. For every generated token two values are returned:
+  * `logprobs`: log p(token) under the *raw model* distribution at temperature 1, no top-k/top-p filtering (with a
+    logits hook: of the hooked logits). This is what `trace_jax.models.token_logprobs` recomputes, so the
+    trainer can compare it with its own log-probs (the sampler/trainer gap) and use it as the behaviour policy.
+    It goes into `TrajectoryBatch.sampler_logprobs`.
+  * `sampling_logprobs`: log q(token) under the distribution actually sampled from (tempered, then top-k, then
+    top-p); 0.0 for greedy. Useful for importance corrections of the sampling procedure itself.
+
+Randomness: step `s` of a `generate` call uses `jax.random.fold_in(rng, s)` for the whole batch, so a run is a
+pure function of (params, prompts, rng) and the no-cache reference `generate_without_cache` reproduces it exactly.
+
+Rows never left-pad: row b's tokens sit at cache slots 0..length-1 and positions equal slot indices.
+
+This module knows nothing about chat formats, tools, tasks or rewards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from trace_jax.models import cache as cache_lib
+from trace_jax.models import decoder as dec
+from trace_jax.models.config import ModelConfig
+from trace_jax.models.sharding import cache_logical_axes, logical_to_sharding
+
+# Why a row stopped generating (`Generation.stop_reason`).
+RUNNING, STOP_TOKEN, STOP_STRING, BUDGET, CONTEXT_FULL = 0, 1, 2, 3, 4
+STOP_REASONS = ("running", "stop_token", "stop_string", "budget", "context_full")
+MIN_BUCKET = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are drawn. Hashable: it is a static argument of the decode step.
+
+    Attributes:
+      temperature: > 0; logits are divided by it before top-k / top-p.
+      top_k: keep the k most likely tokens (0 = off).
+      top_p: keep the smallest set of tokens whose probability reaches top_p (1.0 = off); at least one token.
+      greedy: argmax of the raw logits (temperature, top_k, top_p ignored).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"SamplingConfig.temperature must be > 0, got {self.temperature!r}; use greedy=True "
+                             "for argmax decoding")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            raise ValueError(f"SamplingConfig.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p!r}")
+
+
+def bucket_length(n: int, minimum: int = MIN_BUCKET) -> int:
+    """The smallest power of two >= max(n, minimum): the padded chunk length, so shapes repeat."""
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+# ---------------------------------------------------------------------------------------------------- sampling
+def sampling_logits(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
+    """float32 [B, V] logits of the distribution actually sampled from: tempered, top-k, top-p (-inf = removed)."""
+    logits = logits.astype(jnp.float32) / sampling.temperature
+    if sampling.top_k and sampling.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if sampling.top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep = mass_before < sampling.top_p  # the first token always stays
+        threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return logits
+
+
+def sample_from_logits(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig):
+    """Draw one token per row.
+
+    Args:
+      logits: float [B, V] next-token logits (raw model, or hooked).
+      rng: one key for the whole batch.
+
+    Returns:
+      (tokens int32 [B], logprobs float32 [B] under log_softmax(logits), sampling_logprobs float32 [B] under the
+      sampled distribution; 0 for greedy).
+    """
+    logits = logits.astype(jnp.float32)
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    if sampling.greedy:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        sampled_lp = jnp.zeros(tokens.shape, jnp.float32)
+    else:
+        filtered = sampling_logits(logits, sampling)
+        tokens = jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
+        sampled_lp = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    return tokens, logprobs, sampled_lp
+
+
+# ---------------------------------------------------------------------------------------------------- state
+@struct.dataclass
+class SamplerState:
+    """The device state of a batch of rows: the KV cache and each row's pending next-token logits.
+
+    `logits [B, V]` float32 are the model's logits after each row's last token; they are valid for a row after an
+    `append` to it, or after a `generate` that stopped it by a stop token, the budget, or not at all (a stop-string
+    rollback leaves them stale: append to the row before generating again, as the agent loop always does).
+    """
+
+    cache: cache_lib.KVCache
+    logits: jax.Array
+
+    @property
+    def lengths(self) -> jax.Array:
+        return self.cache.lengths
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+
+def state_shardings(mesh, rules=None):
+    """`NamedSharding`s of a `SamplerState` on `mesh`: rows over the batch axes, kv heads over `tensor`."""
+    from jax.sharding import PartitionSpec as P
+
+    axes = cache_logical_axes()
+    cache_axes = cache_lib.KVCache(k=axes["k"], v=axes["v"], lengths=axes["lengths"])
+    return SamplerState(cache=logical_to_sharding(cache_axes, mesh, rules),
+                        logits=logical_to_sharding(P("batch", "vocab"), mesh, rules))
+
+
+def init_state(config: ModelConfig, batch_size: int, max_len: int, *, mesh=None, rules=None,
+               cache_dtype=None) -> SamplerState:
+    """An empty state for `batch_size` rows of at most `max_len` tokens (placed on `mesh` when given).
+
+    With a mesh, rows are split over its batch axes (`data`, `fsdp`, `expert`) and kv heads over `tensor` when
+    divisible; shard the params with `trace_jax.models.shard_params` on the same mesh.
+    """
+    state = SamplerState(cache=cache_lib.init_cache(config, batch_size, max_len, dtype=cache_dtype),
+                         logits=jnp.zeros((batch_size, config.vocab_size), jnp.float32))
+    if mesh is not None:
+        state = jax.device_put(state, _divisible_shardings(state, state_shardings(mesh, rules)))
+    return state
+
+
+def _divisible_shardings(tree, shardings):
+    """Replicate any dimension whose size is not divisible by its mesh axes (e.g. 2 kv heads on tensor=4)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    def fix(x, sharding):
+        sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.devices.shape))
+        spec = []
+        for dim, axes in enumerate(tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))):
+            names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            total = int(np.prod([sizes[a] for a in names])) if names else 1
+            spec.append(axes if x.shape[dim] % total == 0 else None)
+        return NamedSharding(sharding.mesh, P(*spec))
+
+    return jax.tree_util.tree_map(fix, tree, shardings)
+
+
+# ---------------------------------------------------------------------------------------------------- device steps
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _append_jit(config: ModelConfig, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array):
+    logits, cache = cache_lib.extend.__wrapped__(config, params, state.cache, tokens, num_new, return_logits="last")
+    logits = jnp.where((num_new > 0)[:, None], logits, state.logits)
+    return SamplerState(cache=cache, logits=logits)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+def _decode_jit(config: ModelConfig, sampling: SamplingConfig, params, state: SamplerState, active: jax.Array,
+                budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array, logit_bias):
+    logits = state.logits if logit_bias is None else state.logits + logit_bias
+    tokens, logprobs, sampled_lp = sample_from_logits(logits, rng, sampling)
+    tokens = jnp.where(active, tokens, 0)
+    new_logits, cache = cache_lib.extend.__wrapped__(config, params, state.cache, tokens[:, None],
+                                                     active.astype(jnp.int32), return_logits="last")
+    budget_left = budget_left - active.astype(jnp.int32)
+    hit_stop = jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
+    full = cache.lengths >= cache.max_len
+    reason = jnp.where(hit_stop, STOP_TOKEN, jnp.where(full, CONTEXT_FULL, jnp.where(budget_left <= 0, BUDGET,
+                                                                                       RUNNING)))
+    reason = jnp.where(active, reason, RUNNING)
+    still_active = active & (reason == RUNNING)
+    logits_out = jnp.where(active[:, None], new_logits, state.logits)
+    return SamplerState(cache=cache, logits=logits_out), tokens, logprobs, sampled_lp, still_active, reason, \
+        budget_left
+
+
+def append(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Sequence[int]]) -> SamplerState:
+    """Append `chunks[b]` (token ids; empty = leave row b alone) to each row and refresh its pending logits.
+
+    Prefill is `append` to a fresh state. The caller checks capacity (`len(chunk) <= max_len - length`); tokens
+    beyond the cache are dropped by the model's `extend`. The old state is donated: do not reuse it.
+    """
+    if len(chunks) != state.cache.batch_size:
+        raise ValueError(f"append got {len(chunks)} chunks for a state of {state.cache.batch_size} rows; pass one "
+                         "(possibly empty) chunk per row")
+    longest = max((len(c) for c in chunks), default=0)
+    if longest == 0:
+        return state
+    width = min(bucket_length(longest), bucket_length(state.max_len))
+    tokens = np.zeros((len(chunks), width), np.int32)
+    for row, chunk in enumerate(chunks):
+        tokens[row, :len(chunk)] = chunk
+    num_new = np.asarray([len(c) for c in chunks], np.int32)
+    return _append_jit(config, params, state, jnp.asarray(tokens), jnp.asarray(num_new))
+
+
+@dataclasses.dataclass
+class Generation:
+    """What one `generate` call produced, per row (host numpy; rows that did not run have empty entries).
+
+    Attributes:
+      tokens: list of int32 [n_b] generated ids, including the stop token / the token that completed a stop string.
+      logprobs: list of float32 [n_b] raw-model log-probs (temperature 1, unfiltered; see module doc).
+      sampling_logprobs: list of float32 [n_b] log-probs under the sampled (tempered/filtered) distribution.
+      stop_reason: int32 [B] (`STOP_REASONS`); RUNNING for rows that were not active.
+      steps: decode steps run (the longest row).
+    """
+
+    tokens: list
+    logprobs: list
+    sampling_logprobs: list
+    stop_reason: np.ndarray
+    steps: int
+
+
+class StopStrings:
+    """Host-side detection of stop strings (tags that are not single tokens) in generated ids.
+
+    Only tokens whose text contains the last character of some stop string are checked, by decoding the tail of
+    the row, so the cost per token is a set lookup.
+    """
+
+    def __init__(self, tokenizer, strings: Sequence[str], tail_tokens: int = 24):
+        self.tokenizer = tokenizer
+        self.strings = tuple(strings)
+        self.tail_tokens = tail_tokens
+        last_chars = {s[-1] for s in self.strings}
+        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        self.candidates = frozenset(i for i, p in enumerate(pieces) if p is None or any(c in p for c in last_chars))
+
+    def first_stop(self, ids: Sequence[int], start: int = 0) -> int | None:
+        """Smallest j >= start such that ids[:j+1] contains a stop string that ids[:j] does not; else None."""
+        for j in range(start, len(ids)):
+            if int(ids[j]) not in self.candidates:
+                continue
+            lo = max(0, j + 1 - self.tail_tokens)
+            text = self.tokenizer.decode(ids[lo:j + 1])
+            if any(s in text for s in self.strings):
+                before = self.tokenizer.decode(ids[lo:j])
+                if not any(s in before for s in self.strings):
+                    return j
+        return None
+
+
+def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array, active, max_new_tokens,
+             stop_ids: Sequence[int], sampling: SamplingConfig = SamplingConfig(),
+             stop_strings: StopStrings | None = None,
+             logits_hook: Callable[[int, list], np.ndarray | None] | None = None,
+             sync_every: int = 8) -> tuple[SamplerState, Generation]:
+    """Sample until every active row stops; returns the new state (old one donated) and a `Generation`.
+
+    Args:
+      state: rows with valid pending logits (after `append`).
+      rng: key; step s uses `fold_in(rng, s)`.
+      active: bool [B], rows that generate (others are untouched).
+      max_new_tokens: int or int [B], the per-row token budget of this call.
+      stop_ids: token ids that end a row's generation (the stop token is kept and fed to the cache).
+      stop_strings: optional host check for multi-token stop tags.
+      logits_hook: test hook `(step, generated_so_far: list of per-row id lists) -> float [B, V] bias or None`,
+        added to the logits before sampling (a large bias on one id forces it: a scripted policy).
+      sync_every: decode steps between host reads of the stop flags (1 with a hook).
+
+    A row also stops when its cache is full (`CONTEXT_FULL`).
+    """
+    batch = state.cache.batch_size
+    active = np.asarray(active, bool).copy()
+    budget = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (batch,)).copy()
+    lengths0 = np.asarray(state.cache.lengths)
+    active &= (budget > 0) & (lengths0 < state.max_len)  # a full row cannot take another token
+    stop_arr = jnp.asarray(np.asarray(list(stop_ids) or [-1], np.int32))
+    active_dev = jnp.asarray(active)
+    budget_dev = jnp.asarray(budget)
+    sync_every = 1 if logits_hook is not None else max(1, sync_every)
+
+    per_step_tokens, per_step_lp, per_step_slp, per_step_active = [], [], [], []
+    reason = np.zeros(batch, np.int32)
+    generated: list[list[int]] = [[] for _ in range(batch)]
+    checked = np.zeros(batch, np.int64)  # tokens of each row already scanned for stop strings
+    host_active = active.copy()
+    step = 0
+    while host_active.any():
+        for _ in range(sync_every):
+            bias = None
+            if logits_hook is not None:
+                hooked = logits_hook(step, generated)
+                bias = None if hooked is None else jnp.asarray(hooked, jnp.float32)
+            was_active = active_dev
+            state, tokens, lp, slp, active_dev, step_reason, budget_dev = _decode_jit(
+                config, sampling, params, state, active_dev, budget_dev, stop_arr, jax.random.fold_in(rng, step),
+                bias)
+            per_step_tokens.append(tokens)
+            per_step_lp.append(lp)
+            per_step_slp.append(slp)
+            per_step_active.append(was_active)
+            reason_dev = step_reason if step == 0 else jnp.where(was_active, step_reason, reason_dev)
+            step += 1
+            if logits_hook is not None:
+                tok_np, act_np = np.asarray(tokens), np.asarray(was_active)
+                for row in np.nonzero(act_np)[0]:
+                    generated[row].append(int(tok_np[row]))
+        host_active = np.asarray(active_dev)
+        reason = np.asarray(reason_dev).copy()
+        if stop_strings is not None and stop_strings.strings:
+            # Check the rows' new tokens; a row that completed a stop string is stopped and rolled back.
+            tokens_np = np.stack([np.asarray(t) for t in per_step_tokens], axis=1)
+            mask_np = np.stack([np.asarray(a) for a in per_step_active], axis=1)
+            rollback = {}
+            for row in np.nonzero(active)[0]:
+                ids = tokens_np[row][mask_np[row]]
+                if reason[row] in (STOP_TOKEN,) and checked[row] >= len(ids):
+                    continue
+                hit = stop_strings.first_stop(ids, start=int(checked[row]))
+                checked[row] = len(ids)
+                if hit is not None and (reason[row] != STOP_TOKEN or hit < len(ids) - 1):
+                    rollback[row] = hit + 1
+            if rollback:
+                new_active = host_active.copy()
+                lengths = lengths0.copy()
+                current = np.asarray(state.cache.lengths).copy()
+                for row, keep in rollback.items():
+                    new_active[row] = False
+                    reason[row] = STOP_STRING
+                    current[row] = lengths[row] + keep
+                    # Drop the overshoot from the recorded steps of this row.
+                    seen = 0
+                    for s, act in enumerate(per_step_active):
+                        if mask_np[row, s]:
+                            seen += 1
+                            if seen > keep:
+                                per_step_active[s] = per_step_active[s].at[row].set(False)
+                host_active = new_active
+                active_dev = jnp.asarray(new_active)
+                reason_dev = jnp.asarray(reason)
+                new_lengths = jax.device_put(jnp.asarray(current, jnp.int32), state.cache.lengths.sharding)
+                state = state.replace(cache=state.cache.replace(lengths=new_lengths))
+
+    if step == 0:
+        empty = [np.zeros(0, np.int32) for _ in range(batch)]
+        return state, Generation(empty, [np.zeros(0, np.float32)] * batch, [np.zeros(0, np.float32)] * batch,
+                                 reason, 0)
+    tokens_np = np.stack([np.asarray(t) for t in per_step_tokens], axis=1)
+    lp_np = np.stack([np.asarray(t) for t in per_step_lp], axis=1)
+    slp_np = np.stack([np.asarray(t) for t in per_step_slp], axis=1)
+    mask_np = np.stack([np.asarray(a) for a in per_step_active], axis=1)
+    out = Generation(tokens=[tokens_np[b][mask_np[b]].astype(np.int32) for b in range(batch)],
+                     logprobs=[lp_np[b][mask_np[b]] for b in range(batch)],
+                     sampling_logprobs=[slp_np[b][mask_np[b]] for b in range(batch)],
+                     stop_reason=np.where(active, reason, RUNNING).astype(np.int32), steps=step)
+    return state, out
+
+
+# ---------------------------------------------------------------------------------------------------- reference
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _recompute_step(config: ModelConfig, sampling: SamplingConfig, params, tokens: jax.Array, lengths: jax.Array,
+                    rng: jax.Array):
+    hidden = dec._forward_hidden(config, params, tokens, None, None, None)
+    last = hidden[jnp.arange(tokens.shape[0]), lengths - 1]
+    logits = dec.logits_from_hidden(config, params, last)
+    return sample_from_logits(logits, rng, sampling)
+
+
+def generate_without_cache(config: ModelConfig, params, prompts: Sequence[Sequence[int]], *, rng: jax.Array,
+                           max_new_tokens: int, stop_ids: Sequence[int],
+                           sampling: SamplingConfig = SamplingConfig(), max_len: int | None = None) -> Generation:
+    """Reference sampler without a cache: every step runs the full forward over each row's whole sequence.
+
+    Same sampling rule and the same per-step keys as `generate` (prefill + `generate` with the same rng gives the
+    same tokens). The sequence buffer is `max_len` wide (default: bucket of the longest prompt + max_new_tokens),
+    so it compiles once. Used by tests and by the benchmark as the no-cache baseline.
+    """
+    batch = len(prompts)
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    width = max_len or bucket_length(int(lengths.max()) + max_new_tokens)
+    buffer = np.zeros((batch, width), np.int32)
+    for row, prompt in enumerate(prompts):
+        buffer[row, :len(prompt)] = prompt
+    active = np.ones(batch, bool)
+    stops = set(int(s) for s in stop_ids)
+    reason = np.zeros(batch, np.int32)
+    out_tokens = [[] for _ in range(batch)]
+    out_lp = [[] for _ in range(batch)]
+    out_slp = [[] for _ in range(batch)]
+    step = 0
+    while active.any():
+        tokens, lp, slp = _recompute_step(config, sampling, params, jnp.asarray(buffer), jnp.asarray(lengths),
+                                          jax.random.fold_in(rng, step))
+        tokens, lp, slp = np.asarray(tokens), np.asarray(lp), np.asarray(slp)
+        step += 1
+        for row in np.nonzero(active)[0]:
+            out_tokens[row].append(int(tokens[row]))
+            out_lp[row].append(float(lp[row]))
+            out_slp[row].append(float(slp[row]))
+            buffer[row, lengths[row]] = tokens[row]
+            lengths[row] += 1
+            if int(tokens[row]) in stops:
+                active[row], reason[row] = False, STOP_TOKEN
+            elif lengths[row] >= width:
+                active[row], reason[row] = False, CONTEXT_FULL
+            elif len(out_tokens[row]) >= max_new_tokens:
+                active[row], reason[row] = False, BUDGET
+    return Generation(tokens=[np.asarray(t, np.int32) for t in out_tokens],
+                      logprobs=[np.asarray(t, np.float32) for t in out_lp],
+                      sampling_logprobs=[np.asarray(t, np.float32) for t in out_slp], stop_reason=reason, steps=step)
