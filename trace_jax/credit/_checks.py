@@ -26,11 +26,11 @@ def check_int(name: str, x) -> None:
         raise ValueError(f"{name}: expected an integer array, got dtype {jnp.result_type(x)}")
 
 
-def check_same_leading(names: tuple[str, ...], arrays, dims: int) -> None:
-    shapes = [tuple(jnp.shape(a))[:dims] for a in arrays]
-    if len(set(shapes)) != 1:
-        detail = ", ".join(f"{n}{tuple(jnp.shape(a))}" for n, a in zip(names, arrays))
-        raise ValueError(f"mismatched leading dimensions (first {dims}) between {detail}")
+def check_same_batch(**arrays) -> None:
+    """All arrays share their leading (batch) dimension N."""
+    if len({jnp.shape(a)[0] for a in arrays.values()}) != 1:
+        detail = ", ".join(f"{name}{tuple(jnp.shape(a))}" for name, a in arrays.items())
+        raise ValueError(f"{detail} disagree on N (the leading batch dimension)")
 
 
 def check_choice(name: str, value, choices) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from trace_jax.credit._checks import check_choice, check_float, check_int, check_rank, compute_dtype
+from trace_jax.credit._checks import check_choice, check_float, check_int, check_rank, check_same_batch, compute_dtype
 from trace_jax.credit.outcome import group_moments
 
 NORMALIZE_MODES = ("joint", "per_step")
@@ -118,9 +118,7 @@ def grouped_abc_grpo_advantages(step_rewards, num_steps, group_id, num_groups: i
     check_int("num_steps", num_steps)
     check_int("group_id", group_id)
     check_choice("normalize", normalize, NORMALIZE_MODES)
-    if not (step_rewards.shape[0] == num_steps.shape[0] == group_id.shape[0]):
-        raise ValueError(f"step_rewards{step_rewards.shape}, num_steps{num_steps.shape} and group_id{group_id.shape} "
-                         "disagree on N")
+    check_same_batch(step_rewards=step_rewards, num_steps=num_steps, group_id=group_id)
     rewards, valid = _real_steps(step_rewards, num_steps)
     mean, var, _ = group_moments(rewards, valid.astype(rewards.dtype), group_id, num_groups,
                                  per_column=normalize == "per_step")

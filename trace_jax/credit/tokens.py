@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from trace_jax.credit._checks import check_float, check_int, check_rank, compute_dtype
+from trace_jax.credit._checks import check_float, check_int, check_rank, check_same_batch, compute_dtype
 
 
 def _check_token_layout(turn_index, loss_mask, num_turns):
@@ -21,8 +21,7 @@ def _check_token_layout(turn_index, loss_mask, num_turns):
     check_int("num_turns", num_turns)
     if turn_index.shape != loss_mask.shape:
         raise ValueError(f"turn_index{turn_index.shape} and loss_mask{loss_mask.shape} must have the same shape")
-    if turn_index.shape[0] != num_turns.shape[0]:
-        raise ValueError(f"turn_index{turn_index.shape} and num_turns{num_turns.shape} disagree on N")
+    check_same_batch(turn_index=turn_index, num_turns=num_turns)
 
 
 def gather_per_turn(per_turn, turn_index, *, default=0.0):
@@ -69,9 +68,7 @@ def token_advantages(turn_index, loss_mask, turn_credit, outcome_adv, num_turns,
     check_rank("outcome_adv", outcome_adv, 1, "[N]")
     check_float("turn_credit", turn_credit)
     check_float("outcome_adv", outcome_adv)
-    if not (turn_credit.shape[0] == outcome_adv.shape[0] == turn_index.shape[0]):
-        raise ValueError(f"turn_credit{turn_credit.shape}, outcome_adv{outcome_adv.shape} and "
-                         f"turn_index{turn_index.shape} disagree on N")
+    check_same_batch(turn_credit=turn_credit, outcome_adv=outcome_adv, turn_index=turn_index)
     dtype = compute_dtype(turn_credit, outcome_adv)
     is_tool_turn = (turn_index >= 0) & (turn_index < num_turns[:, None])
     is_answer_turn = turn_index == num_turns[:, None]

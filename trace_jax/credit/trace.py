@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from trace_jax.credit._checks import check_choice, check_float, check_int, check_rank, compute_dtype
+from trace_jax.credit._checks import check_choice, check_float, check_int, check_rank, check_same_batch, compute_dtype
 
 FORMS = ("log_ratio", "linear_gap", "raw_delta")
 DEFAULT_MIN_SCORE = -1e4
@@ -27,8 +27,7 @@ def _check_scores(answer_scores, num_turns):
     check_rank("num_turns", num_turns, 1, "[N] number of tool calls per trajectory")
     check_float("answer_scores", answer_scores)
     check_int("num_turns", num_turns)
-    if answer_scores.shape[0] != num_turns.shape[0]:
-        raise ValueError(f"answer_scores{answer_scores.shape} and num_turns{num_turns.shape} disagree on N")
+    check_same_batch(answer_scores=answer_scores, num_turns=num_turns)
     if answer_scores.shape[1] < 1:
         raise ValueError(f"answer_scores{answer_scores.shape}: needs at least one state (T+1 >= 1)")
 
@@ -133,9 +132,7 @@ def lookahead_credit(deltas, num_turns, outcome_adv, *, horizon: int = 3, gamma:
     check_float("deltas", deltas)
     check_float("outcome_adv", outcome_adv)
     check_int("num_turns", num_turns)
-    if not (deltas.shape[0] == num_turns.shape[0] == outcome_adv.shape[0]):
-        raise ValueError(f"deltas{deltas.shape}, num_turns{num_turns.shape} and outcome_adv{outcome_adv.shape} "
-                         "disagree on N")
+    check_same_batch(deltas=deltas, num_turns=num_turns, outcome_adv=outcome_adv)
     if not isinstance(horizon, int) or horizon < 0:
         raise ValueError(f"horizon must be a non-negative Python int (static), got {horizon!r}")
     dtype = compute_dtype(deltas, outcome_adv)
