@@ -4,7 +4,8 @@ The device side is two jitted functions with the cache donated:
 
   * `_append_jit` runs a variable-length chunk per row through the model (`trace_jax.models.extend`) and keeps the
     last logits of every row that received tokens. Prefill of the prompts and appending tool responses to some rows
-    are the same call. Chunks are padded to power-of-two buckets (>= 16), so it compiles once per bucket.
+    are the same call. Chunks are padded to buckets (`bucket_length`: powers of two >= 16, multiples of 256 above 512), so it
+    compiles once per bucket.
   * `_decode_jit` samples one token per active row from the pending logits, feeds it to the model (n = 1) and
     updates each row's stop state (stop token, per-row token budget, cache full). One compile per batch shape.
 
@@ -77,7 +78,10 @@ class SamplingConfig:
 
 
 def bucket_length(n: int, minimum: int = MIN_BUCKET) -> int:
-    """The smallest power of two >= max(n, minimum): the padded chunk length, so shapes repeat."""
+    """The padded chunk length for n tokens, so shapes repeat: powers of two up to 512, then multiples of 256
+    (a 645-token prompt pads to 768, not 1024)."""
+    if n > 512:
+        return -(-n // 256) * 256
     size = minimum
     while size < n:
         size *= 2
