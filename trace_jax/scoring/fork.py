@@ -44,8 +44,10 @@ from trace_jax.models.config import ModelConfig
 METHODS = ("fork", "cached", "naive")
 LAYOUTS = ("auto", "packed", "cached")
 # Above this packed length (trajectory + all answer copies) "auto" switches to the cached layout: the packed mask
-# and score tensors grow as its square.
-DEFAULT_PACKED_MAX_LEN = 4096
+# and score tensors grow as its square, while the cached layout skips the masked half of the trajectory's
+# attention (block-causal prefill). Measured on CPU (benchmarks/scoring_bench.py) the cached layout is already
+# 2-3x faster at L=1024; the packed one wins only for short inputs, where its single fused pass has less overhead.
+DEFAULT_PACKED_MAX_LEN = 512
 
 
 class PrefixScores(NamedTuple):
@@ -208,31 +210,35 @@ def _packed_hidden(config, params, tokens, boundaries, answer_tokens):
     return hidden[:, :length], hidden[:, length:].reshape(n, slots, width, -1)
 
 
+def _prefill_blocks(length: int, query_chunk: int, max_blocks: int = 32) -> int:
+    """Number of causal query blocks: about length / query_chunk, at most `max_blocks`, dividing `length`."""
+    blocks = max(1, min(max_blocks, length // max(1, query_chunk)))
+    while length % blocks:
+        blocks -= 1
+    return blocks
+
+
 def _prefill(config, params, tokens, query_chunk):
     """Final-normed hidden [N, L, D] and per-layer keys/values [layers, N, L, K, Dh] of a causal pass.
 
-    Attention runs over query blocks of `query_chunk` with the causal mask built per block, so no [L, L] tensor
-    exists. (models.extend would return the cache but not the hidden states we also need, and builds an [n, L]
-    mask per row; hence this small re-assembly of the decoder's layer pieces.)
+    Block-causal attention: query block c (of size C) attends keys [0, (c+1) C) only, so about half of the
+    [L, L] score square is never computed, and no tensor larger than [N, H, C, L] exists (memory linear in L).
+    Blocks are unrolled (static shapes; at most 32 per layer). models.extend would give the cache but not the
+    hidden states (nor skip masked blocks), hence this small re-assembly of the decoder's layer pieces.
     """
     n, length = tokens.shape
-    chunk = math.gcd(length, query_chunk)
-    blocks = length // chunk
+    blocks = _prefill_blocks(length, query_chunk)
+    chunk = length // blocks
     positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (n, length))
-    key = jnp.arange(length)
 
     def attend_causal(q, k, v):
-        qs = jnp.moveaxis(q.reshape(n, blocks, chunk, *q.shape[2:]), 1, 0)
-        starts = jnp.arange(blocks) * chunk
-
-        def block(args):
-            q_block, start = args
-            query = start + jnp.arange(chunk)
-            mask = jnp.broadcast_to(key[None, :] <= query[:, None], (n, chunk, length))
-            return dec._attend_block(config, q_block, k, v, mask)
-
-        out = jax.lax.map(block, (qs, starts))
-        return jnp.moveaxis(out, 0, 1).reshape(q.shape)
+        outs = []
+        for c in range(blocks):
+            lo, hi = c * chunk, (c + 1) * chunk
+            visible = jnp.arange(hi)[None, :] <= jnp.arange(lo, hi)[:, None]
+            mask = jnp.broadcast_to(visible, (n, chunk, hi))
+            outs.append(dec._attend_block(config, q[:, lo:hi], k[:, :hi], v[:, :hi], mask))
+        return jnp.concatenate(outs, axis=1)
 
     def layer(h, lp):
         x = dec.rms_norm(h, lp["input_norm"], config.rms_norm_eps)
@@ -292,7 +298,7 @@ def choose_layout(length: int, num_slots: int, answer_length: int, packed_max_le
 def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_states, answer_tokens, answer_mask,
                           *, method: str = "fork", layout: str = "auto", lengths=None, mesh=None, rules=None,
                           packed_max_len: int = DEFAULT_PACKED_MAX_LEN, logprob_chunk: int = 256,
-                          query_chunk: int = 256, bucket: bool = True) -> PrefixScores:
+                          query_chunk: int = 128, bucket: bool = True) -> PrefixScores:
     """Score the gold answer after every state boundary of every trajectory (TRACE's reference scores).
 
         answer_scores[n, k] = (1/|y*|) sum_j log pi_ref(y*_j | tokens[n, :b_k] + template, y*_<j)
@@ -314,7 +320,7 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
       mesh, rules: optional mesh; trajectories are split over the mesh axes that the logical "batch" axis maps to
         (data parallel) and params placed by `rules` (default `models.DEFAULT_RULES`).
       logprob_chunk: positions per log-softmax chunk (at most float32 `[N, chunk, V]` logits at once).
-      query_chunk: query block of the cached layout's prefill attention.
+      query_chunk: query block of the cached layout's block-causal prefill (at most 32 blocks).
       bucket: pad `N, L, S, m` up to buckets (`bucket_size`) so jit compiles once per bucket.
 
     Returns:
@@ -365,7 +371,7 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
 
 
 def compiled_memory(config: ModelConfig, params, tokens, boundaries, num_states, answer_tokens, answer_mask, *,
-                    layout: str = "packed", logprob_chunk: int = 256, query_chunk: int = 256) -> dict:
+                    layout: str = "packed", logprob_chunk: int = 256, query_chunk: int = 128) -> dict:
     """Compiled memory analysis (bytes) of one fork pass for these (already bucketed) shapes, for benchmarks."""
     tokens, boundaries, num_states, answer_tokens, answer_mask = validate_scoring_inputs(
         tokens, boundaries, num_states, answer_tokens, answer_mask)
