@@ -222,10 +222,16 @@ class OracleResult:
         return len(self.clue_progress)
 
     def to_record(self) -> dict[str, Any]:
-        """JSON-able record: the trajectory plus gold data (SFT / test format)."""
+        """JSON-able record: the trajectory plus gold data (SFT / test format).
+
+        `reward` is the environment's answer reward (`answers.answer_reward`) of the final message, the field
+        `trace-jax credit` reads by default.
+        """
+        final_text = next((m.get("content") or "" for m in reversed(self.messages) if m["role"] == "assistant"), "")
         return {"task_id": self.task.task_id, "question": self.task.question, "messages": self.messages,
                 "tools": tool_schemas(), "answer": self.task.answer, "aliases": list(self.task.aliases),
-                "predicted_answer": self.answer, "solved": self.solved, "qtype": self.task.qtype,
+                "predicted_answer": self.answer, "solved": self.solved,
+                "reward": answer_reward(final_text, self.task.gold_answers).reward, "qtype": self.task.qtype,
                 "hops": self.task.hops, "clues": [c.to_dict() for c in self.task.clues],
                 "clue_progress": self.clue_progress}
 
