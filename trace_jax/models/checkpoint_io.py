@@ -269,28 +269,42 @@ def save_pretrained(path: str | os.PathLike, config: ModelConfig, params: dict, 
     """
     directory = os.fspath(path)
     os.makedirs(directory, exist_ok=True)
+    for stale in os.listdir(directory):  # an old index would shadow a new single-file checkpoint
+        if stale.startswith("model") and ".safetensors" in stale:
+            os.remove(os.path.join(directory, stale))
     out_dtype = None if dtype is None else jnp.dtype(dtype)
-    shards: list[dict[str, np.ndarray]] = [{}]
-    sizes = [0]
-    for name, array in _hf_tensors(config, params, out_dtype):
-        if sizes[-1] and sizes[-1] + array.nbytes > max_shard_bytes:
-            shards.append({})
-            sizes.append(0)
-        shards[-1][name] = array
-        sizes[-1] += array.nbytes
     stored = out_dtype or jnp.dtype(jax.tree_util.tree_leaves(params)[0].dtype)
     hf_config = config.to_hf_dict()
     hf_config["dtype"] = stored.name
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
+    # Shards are written as soon as they fill, so the host holds at most one shard plus one parameter.
     metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(directory, "model.safetensors"), metadata=metadata)
+    partial_files: list[tuple[str, list[str]]] = []
+    shard: dict[str, np.ndarray] = {}
+    shard_bytes = total_bytes = 0
+
+    def flush():
+        nonlocal shard, shard_bytes
+        fname = f"model-{len(partial_files) + 1:05d}.safetensors.partial"
+        save_file(shard, os.path.join(directory, fname), metadata=metadata)
+        partial_files.append((fname, list(shard)))
+        shard, shard_bytes = {}, 0
+
+    for name, array in _hf_tensors(config, params, out_dtype):
+        if shard and shard_bytes + array.nbytes > max_shard_bytes:
+            flush()
+        shard[name] = array
+        shard_bytes += array.nbytes
+        total_bytes += array.nbytes
+    flush()
+    if len(partial_files) == 1:
+        os.replace(os.path.join(directory, partial_files[0][0]), os.path.join(directory, "model.safetensors"))
         return
     weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(directory, fname), metadata=metadata)
-        weight_map.update({name: fname for name in shard})
+    for i, (partial, names) in enumerate(partial_files):
+        fname = f"model-{i + 1:05d}-of-{len(partial_files):05d}.safetensors"
+        os.replace(os.path.join(directory, partial), os.path.join(directory, fname))
+        weight_map.update({name: fname for name in names})
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}, f, indent=2)
+        json.dump({"metadata": {"total_size": int(total_bytes)}, "weight_map": weight_map}, f, indent=2)

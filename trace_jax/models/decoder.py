@@ -190,15 +190,21 @@ def _project_qkv(config: ModelConfig, attn: dict, x: jax.Array, positions: jax.A
 
 
 def _attend_block(config: ModelConfig, q, k, v, mask):
-    """q [B, Q, H, Dh], k/v [B, T, K, Dh], mask bool [B, Q, T] -> [B, Q, H, Dh]. Softmax in float32."""
+    """q [B, Q, H, Dh], k/v [B, T, K, Dh], mask bool [B, Q, T] -> [B, Q, H, Dh]. Softmax statistics in float32.
+
+    Normalisation is applied after the value product ([.., Q, Dh] instead of [.., Q, T] divisions) and the scale is
+    folded into q: both save a pass over the score tensor, which dominates on CPU.
+    """
     B, Q, H, Dh = q.shape
     K = k.shape[2]
-    qg = q.reshape(B, Q, K, H // K, Dh)
-    scores = jnp.einsum("bqkgd,btkd->bkgqt", qg, k, preferred_element_type=jnp.float32) * (Dh ** -0.5)
+    qg = (q * jnp.asarray(Dh ** -0.5, q.dtype)).reshape(B, Q, K, H // K, Dh)
+    scores = jnp.einsum("bqkgd,btkd->bkgqt", qg, k, preferred_element_type=jnp.float32)
     scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqt,btkd->bqkgd", probs, v)
-    return out.reshape(B, Q, H, Dh)
+    probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    denom = jnp.sum(probs, axis=-1)  # [B, K, G, Q]
+    out = jnp.einsum("bkgqt,btkd->bqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out / jnp.transpose(denom, (0, 3, 1, 2))[..., None]
+    return out.astype(v.dtype).reshape(B, Q, H, Dh)
 
 
 def attend(config: ModelConfig, q, k, v, mask):
@@ -216,6 +222,27 @@ def attend(config: ModelConfig, q, k, v, mask):
     ms = jnp.moveaxis(mask.reshape(mask.shape[0], n, c, mask.shape[-1]), 1, 0)
     out = jax.lax.map(lambda qm: _attend_block(config, qm[0], k, v, qm[1]), (qs, ms))
     return jnp.moveaxis(out, 0, 1).reshape(q.shape)
+
+
+_CAUSAL_MIN_BLOCK = 64
+_CAUSAL_MAX_BLOCKS = 16
+
+
+def causal_attend(config: ModelConfig, q, k, v, mask):
+    """`attend` for self-attention whose mask is already causal on the sequence index (q, k, v: [B, S, ...]).
+
+    Query block i only needs keys before the block's end, so queries are split into up to 16 static blocks (>= 64 rows) and
+    each attends to its key prefix: about 53% of the score work of the full square, in cache-sized pieces. With
+    `config.attention_query_chunk` set, the memory-bounded `lax.map` path of `attend` is used instead.
+    """
+    S = q.shape[1]
+    n = min(_CAUSAL_MAX_BLOCKS, -(-S // _CAUSAL_MIN_BLOCK))
+    if config.attention_query_chunk or n <= 1:
+        return attend(config, q, k, v, mask)
+    c = -(-S // n)
+    outs = [_attend_block(config, q[:, a:a + c], k[:, :a + c], v[:, :a + c], mask[:, a:a + c, :a + c])
+            for a in range(0, S, c)]
+    return jnp.concatenate(outs, axis=1)
 
 
 def _attn_output(attn: dict, o: jax.Array) -> jax.Array:
@@ -316,7 +343,7 @@ def _forward_hidden(config, params, tokens, positions, segment_ids, attention_ma
     def layer(h, lp):
         x = rms_norm(h, lp["input_norm"], config.rms_norm_eps)
         q, k, v = _project_qkv(config, lp["attn"], x, positions)
-        h = h + _attn_output(lp["attn"], attend(config, q, k, v, mask))
+        h = h + _attn_output(lp["attn"], causal_attend(config, q, k, v, mask))
         x = rms_norm(h, lp["post_attn_norm"], config.rms_norm_eps)
         return h + mlp_block(config, lp, x), None
 
