@@ -74,6 +74,11 @@ def bucket_size(n: int, minimum: int = 8) -> int:
     return three_quarters if three_quarters >= n and three_quarters % minimum == 0 else power
 
 
+def _state_bucket(slots: int) -> int:
+    """States pad to 1, 2, 3, 4, 6, 8, then multiples of 8: every padded state costs m - 1 copy tokens."""
+    return bucket_size(slots, 1) if slots <= 8 else -(-slots // 8) * 8
+
+
 def _as_int_array(name, value, rank, expected):
     array = np.asarray(value)
     if array.ndim != rank or not (np.issubdtype(array.dtype, np.integer) or array.dtype == bool):
@@ -345,7 +350,7 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
     multiple = _batch_multiple(mesh, rules)
     if bucket:
         padded_n = -(-bucket_size(n, 1) // multiple) * multiple
-        padded_shape = (padded_n, bucket_size(length, 16), bucket_size(slots, 1), bucket_size(m, 1))
+        padded_shape = (padded_n, bucket_size(length, 16), _state_bucket(slots), bucket_size(m, 1))
     else:
         padded_shape = (-(-n // multiple) * multiple, length, slots, m)
     pn, pl, ps, pm = padded_shape
