@@ -58,3 +58,17 @@ def test_sharded_load_places_params_and_forward_matches(preset, mesh_shape, tmp_
     sharded_logits = models.forward(loaded_config, sharded, jax.device_put(tokens, batch_sharding))
     np.testing.assert_allclose(np.asarray(sharded_logits), np.asarray(models.forward(config, params, tokens)),
                                atol=1e-5)
+
+
+def test_forward_under_set_mesh_constrains_activations_and_matches():
+    config = models.get_preset("tiny-qwen3")
+    params = models.init_params(config, jax.random.PRNGKey(3))
+    tokens = jnp.asarray(np.random.RandomState(3).randint(0, config.vocab_size, (4, 8)))
+    reference = np.asarray(models.token_logprobs(config, params, tokens))
+    mesh = models.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    with jax.set_mesh(mesh):
+        sharded_params = models.shard_params(params, config, mesh)
+        hidden = models.forward_hidden(config, sharded_params, tokens)
+        logprobs = models.token_logprobs(config, sharded_params, tokens)
+    assert tuple(hidden.sharding.spec)[:1] == (("data", "fsdp"),)
+    np.testing.assert_allclose(np.asarray(logprobs), reference, atol=1e-5)

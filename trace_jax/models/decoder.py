@@ -29,7 +29,10 @@ Attention semantics (shared by `forward`, `forward_hidden`, `token_logprobs`):
     restart per segment.
   * A query with no visible key gets a uniform average (finite, never NaN); its output is meaningless.
 
-This module knows nothing about checkpoints, meshes or caches (see `checkpoint_io`, `sharding`, `cache`).
+Under `jax.set_mesh(mesh)` the residual stream is constrained to the logical axes (batch, length, embed) via
+`sharding.constrain` (batch over data/fsdp/expert by the default rules); without a mesh that is a no-op.
+
+This module knows nothing about checkpoints or caches (see `checkpoint_io`, `cache`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from trace_jax.models.config import ModelConfig
+from trace_jax.models.sharding import constrain
+
+_RESIDUAL_AXES = ("batch", "length", "embed")
 
 _NEG_INF = -1e30  # finite, so fully masked rows give a uniform average instead of NaN
 
@@ -345,9 +351,10 @@ def _forward_hidden(config, params, tokens, positions, segment_ids, attention_ma
         q, k, v = _project_qkv(config, lp["attn"], x, positions)
         h = h + _attn_output(lp["attn"], causal_attend(config, q, k, v, mask))
         x = rms_norm(h, lp["post_attn_norm"], config.rms_norm_eps)
-        return h + mlp_block(config, lp, x), None
+        return constrain(h + mlp_block(config, lp, x), _RESIDUAL_AXES), None
 
-    h, _ = jax.lax.scan(remat_wrap(config, layer), embed_tokens(config, params, tokens), params["layers"])
+    h = constrain(embed_tokens(config, params, tokens), _RESIDUAL_AXES)
+    h, _ = jax.lax.scan(remat_wrap(config, layer), h, params["layers"])
     return final_norm(config, params, h)
 
 

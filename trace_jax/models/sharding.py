@@ -56,7 +56,7 @@ def _mesh_axes_for(name, rules) -> tuple[str, ...]:
 def logical_to_mesh_spec(logical: P, mesh: Mesh, rules: Rules | None = None, shape=None) -> P:
     """One logical `PartitionSpec` -> a mesh `PartitionSpec` for `mesh` (see module doc for the fallbacks)."""
     rules = DEFAULT_RULES if rules is None else rules
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    sizes = dict(mesh.shape)
     used: set[str] = set()
     out = []
     for dim, name in enumerate(logical):
@@ -89,6 +89,18 @@ def logical_to_sharding(axes_tree, mesh: Mesh, rules: Rules | None = None, *, sh
     out = [NamedSharding(mesh, logical_to_mesh_spec(s, mesh, rules, getattr(sh, "shape", sh)))
            for s, sh in zip(spec_leaves, shape_leaves)]
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def constrain(x: jax.Array, logical: tuple, rules: Rules | None = None) -> jax.Array:
+    """Sharding constraint on an activation by logical names, under the mesh set with `jax.set_mesh(mesh)`.
+
+    A no-op when no mesh is set (single device, or callers that shard only the inputs and let XLA propagate).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return x
+    spec = logical_to_mesh_spec(P(*logical), mesh, rules, shape=x.shape)
+    return jax.lax.with_sharding_constraint(x, spec)
 
 
 def param_shardings(config: ModelConfig, mesh: Mesh, rules: Rules | None = None):
