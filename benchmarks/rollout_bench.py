@@ -143,7 +143,7 @@ def oracle_scripts(chat, browser, tasks, group):
     return scripts, max_calls
 
 
-def env_share(config, params, chat, world, tasks, *, scripted, max_context, group=2, seed=0):
+def env_share(config, params, chat, world, tasks, *, scripted, max_context, group=1, seed=0):
     browser = make_browser(world)
     scripts, max_calls = oracle_scripts(chat, browser, tasks, group)
     rollout = RolloutConfig(group_size=group, max_turns=max_calls if scripted else 2, max_context=max_context,
@@ -188,7 +188,7 @@ def main(argv=None):
             assert rc["first"] == kv["first"][:len(rc["first"])], "greedy tokens of cache and recompute differ"
             th = time_torch(hf_dir, prompts, args.new_tokens)
             print(f"[{name}] torch {th}", flush=True)
-            scripted = env_share(config, params, chat, world, tasks, scripted=True, max_context=4096)
+            scripted = env_share(config, params, chat, world, tasks, scripted=True, max_context=3072)
             print(f"[{name}] oracle-scripted episodes {scripted}", flush=True)
             free = env_share(config, params, chat, world, tasks, scripted=False, max_context=1024)
             print(f"[{name}] free episodes {free}", flush=True)

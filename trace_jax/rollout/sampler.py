@@ -6,8 +6,9 @@ The device side is two jitted functions with the cache donated:
     last logits of every row that received tokens. Prefill of the prompts and appending tool responses to some rows
     are the same call. Chunks are padded to buckets (`bucket_length`: powers of two >= 16, multiples of 256 above 512), so it
     compiles once per bucket.
-  * `_decode_jit` samples one token per active row from the pending logits, feeds it to the model (n = 1) and
-    updates each row's stop state (stop token, per-row token budget, cache full). One compile per batch shape.
+  * `_decode_jit` samples one token per active row from the pending logits, feeds it to the model (`_decode_model`:
+    `extend`'s math for n = 1, with the cache updated in place) and updates each row's stop state (stop token,
+    per-row token budget, cache full). One compile per batch shape.
 
 `generate` is the host loop around `_decode_jit`. It reads the stop flags back every `sync_every` steps (every step
 when a logits hook is set), checks stop *strings* (tags that are not single tokens, e.g. `</tool_call>` for SmolLM2)
@@ -200,14 +201,52 @@ def _append_jit(config: ModelConfig, params, state: SamplerState, tokens: jax.Ar
     return SamplerState(cache=cache, logits=logits)
 
 
+def _decode_model(config: ModelConfig, params, cache: cache_lib.KVCache, tokens: jax.Array, active: jax.Array):
+    """One token per active row through the model; the same math as `models.extend` with n = 1.
+
+    Why not `extend`: it scans over the per-layer caches as scan inputs/outputs, which makes XLA write a fresh copy
+    of the whole cache every step (O(layers x rows x max_len) bytes per token, which dominated decode time at
+    long contexts). Here the full cache is the scan *carry* and each layer scatters its one new key/value in place.
+    """
+    batch, max_len = tokens.shape[0], cache.max_len
+    positions = cache.lengths[:, None]  # [B, 1]
+    write_slot = jnp.where(active, cache.lengths, max_len)  # max_len = out of range -> dropped
+    mask = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]  # [B, 1, T]
+    rows = jnp.arange(batch)
+
+    def layer(carry, xs):
+        h, k_all, v_all = carry
+        lp, index = xs
+        x = dec.rms_norm(h, lp["input_norm"], config.rms_norm_eps)
+        q, k, v = dec._project_qkv(config, lp["attn"], x, positions)
+        k_all = k_all.at[index, rows, write_slot].set(k[:, 0].astype(k_all.dtype), mode="drop")
+        v_all = v_all.at[index, rows, write_slot].set(v[:, 0].astype(v_all.dtype), mode="drop")
+        k_layer = jax.lax.dynamic_index_in_dim(k_all, index, keepdims=False)
+        v_layer = jax.lax.dynamic_index_in_dim(v_all, index, keepdims=False)
+        o = dec.attend(config, q, k_layer.astype(q.dtype), v_layer.astype(q.dtype), mask)
+        h = h + dec._attn_output(lp["attn"], o)
+        x = dec.rms_norm(h, lp["post_attn_norm"], config.rms_norm_eps)
+        return (h + dec.mlp_block(config, lp, x), k_all, v_all), None
+
+    layers = jnp.arange(config.num_hidden_layers)
+    (h, new_k, new_v), _ = jax.lax.scan(layer, (dec.embed_tokens(config, params, tokens[:, None]), cache.k, cache.v),
+                                        (params["layers"], layers))
+    logits = dec.logits_from_hidden(config, params, dec.final_norm(config, params, h[:, 0]))
+    return logits, cache_lib.KVCache(k=new_k, v=new_v, lengths=cache.lengths + active.astype(jnp.int32))
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
 def _decode_jit(config: ModelConfig, sampling: SamplingConfig, params, state: SamplerState, active: jax.Array,
                 budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array, logit_bias):
     logits = state.logits if logit_bias is None else state.logits + logit_bias
     tokens, logprobs, sampled_lp = sample_from_logits(logits, rng, sampling)
     tokens = jnp.where(active, tokens, 0)
-    new_logits, cache = cache_lib.extend.__wrapped__(config, params, state.cache, tokens[:, None],
-                                                     active.astype(jnp.int32), return_logits="last")
+
+    def run_model(cache):
+        return _decode_model(config, params, cache, tokens, active)
+
+    # Steps run between host syncs after every row stopped skip the model.
+    new_logits, cache = jax.lax.cond(jnp.any(active), run_model, lambda cache: (state.logits, cache), state.cache)
     budget_left = budget_left - active.astype(jnp.int32)
     hit_stop = jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
     full = cache.lengths >= cache.max_len
