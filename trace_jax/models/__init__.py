@@ -4,7 +4,8 @@ Public API (see docs/models.md):
   ModelConfig, get_preset, init_params, load_pretrained, save_pretrained,
   forward, forward_hidden, token_logprobs, hidden_logprobs,
   KVCache, init_cache, extend, attend_cached_block,
-  param_logical_axes, logical_to_sharding, param_shardings, DEFAULT_RULES.
+  param_logical_axes, param_shapes, logical_to_sharding, param_shardings, shard_params, constrain, make_mesh,
+  DEFAULT_RULES.
 
 Tokenizer, chat format and GGUF conversion live in sibling modules and are imported from there directly.
 """
@@ -27,6 +28,7 @@ from trace_jax.models.presets import PRESETS, get_preset, preset_names
 from trace_jax.models.sharding import (
     DEFAULT_RULES,
     cache_logical_axes,
+    constrain,
     logical_to_mesh_spec,
     logical_to_sharding,
     make_mesh,
@@ -36,7 +38,7 @@ from trace_jax.models.sharding import (
 
 __all__ = [
     "CheckpointError", "ConfigError", "DEFAULT_RULES", "KVCache", "ModelConfig", "PRESETS",
-    "attend_cached_block", "build_attention_mask", "cache_logical_axes", "extend", "forward", "forward_hidden",
+    "attend_cached_block", "build_attention_mask", "cache_logical_axes", "constrain", "extend", "forward", "forward_hidden",
     "get_preset", "hidden_logprobs", "init_cache", "init_params", "load_pretrained", "logical_to_mesh_spec",
     "logical_to_sharding", "logits_from_hidden", "make_mesh", "param_logical_axes", "param_shapes",
     "param_shardings", "preset_names", "save_pretrained", "shard_params", "token_logprobs",

@@ -2,8 +2,8 @@
 
 `load_pretrained(path)` reads `config.json` plus `model.safetensors` or a sharded `model.safetensors.index.json`
 with the `safetensors` package (no torch). Every parameter is built with `jax.make_array_from_callback`: each
-device shard is read straight from the memory-mapped file (one Hugging Face tensor at a time), transposed into
-our layout and cast, so a host never holds two full copies of the model. `save_pretrained` writes the Hugging Face
+device shard reads only its own rows/columns of each Hugging Face tensor from the file (bf16 through a memory
+map), transposes them into our layout and casts them, so a host never holds two full copies of the model. `save_pretrained` writes the Hugging Face
 layout back (per-expert MoE tensors, `[out, in]` linear weights) so transformers, vLLM or SGLang can load it.
 
 This module knows the Hugging Face tensor names; the decoder does not.
@@ -143,7 +143,8 @@ class _SafetensorsReader:
             raise CheckpointError(f"tensor {name!r} is listed in the index but missing from {path}")
         return tuple(header[name]["shape"]), header[name]["dtype"]
 
-    def read(self, name: str) -> np.ndarray:
+    def read(self, name: str, index: tuple | None = None) -> np.ndarray:
+        """The tensor, or only `index` (a tuple of slices) of it: only those bytes are read from the file."""
         path = self.file_of[name]
         offset, header = self._header(path)
         info = header[name]
@@ -152,10 +153,11 @@ class _SafetensorsReader:
                                   f"{sorted(_ST_DTYPES)})")
         if info["dtype"] != "BF16":
             with safe_open(path, framework="numpy") as f:
-                return f.get_tensor(name)
+                return f.get_tensor(name) if index is None else f.get_slice(name)[index]
         start, end = info["data_offsets"]
         mm = np.memmap(path, dtype=np.uint8, mode="r", offset=offset + start, shape=(end - start,))
-        return np.asarray(mm.view(_ST_DTYPES["BF16"]).reshape(info["shape"]))
+        view = mm.view(_ST_DTYPES["BF16"]).reshape(info["shape"])
+        return np.array(view if index is None else view[index])
 
 
 def _check_tensors(config: ModelConfig, reader: _SafetensorsReader, directory: str):
@@ -183,25 +185,50 @@ def _check_tensors(config: ModelConfig, reader: _SafetensorsReader, directory: s
                                           f"{tuple(expected)} from config.json")
 
 
+def _span(sl: slice, n: int) -> tuple[int, int]:
+    start, stop, step = sl.indices(n)
+    assert step == 1, "device shards are contiguous"
+    return start, stop
+
+
+def _read_slice(config: ModelConfig, reader: _SafetensorsReader, name: str, kind: str, rest: tuple) -> np.ndarray:
+    """rest (slices in our layout) of one HF tensor, reading only the HF rows/columns that slice needs."""
+    Dh = config.head_dim
+    if kind == "copy":
+        return reader.read(name, rest)
+    if kind == "T":
+        return reader.read(name, rest[::-1]).T
+    if kind in ("q", "kv"):  # ours [D, N, Dh] <- HF [N * Dh, D]
+        n = config.num_attention_heads if kind == "q" else config.num_key_value_heads
+        n0, n1 = _span(rest[1], n)
+        w = reader.read(name, (slice(n0 * Dh, n1 * Dh), rest[0]))
+        return w.T.reshape(w.shape[1], n1 - n0, Dh)[:, :, rest[2]]
+    if kind == "o":  # ours [H, Dh, D] <- HF [D, H * Dh]
+        h0, h1 = _span(rest[0], config.num_attention_heads)
+        w = reader.read(name, (rest[2], slice(h0 * Dh, h1 * Dh)))
+        return w.T.reshape(h1 - h0, Dh, w.shape[0])[:, rest[1], :]
+    return _to_ours(kind, config)(reader.read(name))[rest]  # small bias vectors
+
+
 def _callback_for(config, reader, path, template, kind, dtype):
-    to_ours = _to_ours(kind, config)
     stacked = path[0] == "layers"
     per_expert = "{expert}" in template
 
-    def read_one(layer=None, expert=None):
-        return to_ours(reader.read(template.format(layer=layer, expert=expert)))
+    def read_one_slice(rest, layer=None, expert=None):
+        return _read_slice(config, reader, template.format(layer=layer, expert=expert), kind, rest)
 
     def callback(index):
+        index = tuple(index)
         if not stacked:
-            return np.asarray(read_one()[index], dtype=dtype)
+            return np.asarray(read_one_slice(index), dtype=dtype)
         layer_idx = range(config.num_hidden_layers)[index[0]]
         if per_expert:
             expert_idx = range(config.num_experts)[index[1]]
             rest = index[2:]
-            block = [[read_one(l, e)[rest] for e in expert_idx] for l in layer_idx]
+            block = [[read_one_slice(rest, l, e) for e in expert_idx] for l in layer_idx]
         else:
             rest = index[1:]
-            block = [read_one(l)[rest] for l in layer_idx]
+            block = [read_one_slice(rest, l) for l in layer_idx]
         return np.asarray(np.array(block), dtype=dtype)
 
     return callback
