@@ -69,6 +69,21 @@ def test_query_chunked_attention_matches_unchunked():
     ref = run_forward(config, params, tokens, segment_ids=segments)
     chunked = run_forward(config.replace(attention_query_chunk=8), params, tokens, segment_ids=segments)
     np.testing.assert_allclose(chunked, ref, atol=1e-5)
+    mask = jnp.asarray(np.random.RandomState(0).rand(2, 32, 32) < 0.7)
+    np.testing.assert_allclose(run_forward(config.replace(attention_query_chunk=8), params, tokens, attention_mask=mask),
+                               run_forward(config, params, tokens, attention_mask=mask), atol=1e-5)
+
+
+def test_query_chunked_attention_bounds_score_memory():
+    """S=8192, 8 heads: the full float32 score tensor of one layer is 2.1 GB; chunks of 512 must stay far below."""
+    config = models.ModelConfig(model_type="qwen3", vocab_size=1000, hidden_size=64, intermediate_size=32,
+                                num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+                                qk_norm=True, tie_word_embeddings=True, attention_query_chunk=512)
+    params = jax.eval_shape(lambda: models.init_params(config, jax.random.PRNGKey(0)))
+    tokens = jax.ShapeDtypeStruct((1, 8192), jnp.int32)
+    segments = jax.ShapeDtypeStruct((1, 8192), jnp.int32)
+    compiled = models.forward_hidden.lower(config, params, tokens, segment_ids=segments).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 8 * 8192 * 8192 * 4 / 5
 
 
 def naive_logprobs(config, params, tokens, targets):

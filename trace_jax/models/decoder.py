@@ -214,19 +214,22 @@ def _attend_block(config: ModelConfig, q, k, v, mask):
 
 
 def attend(config: ModelConfig, q, k, v, mask):
-    """Grouped-query attention with an explicit boolean mask [B, Q, T] (True = may attend).
+    """Grouped-query attention with a boolean mask (True = may attend).
 
+    `mask` is either an array [B, Q, T] or a function `(q_start, q_len) -> [B, q_len, T]` (q_start may be traced),
+    which lets the chunked path build each block's mask on the fly instead of holding [B, Q, T].
     When `config.attention_query_chunk` divides Q into several blocks, queries are processed block by block
     under `lax.map`, so the float32 score tensor is [B, H, chunk, T] instead of [B, H, Q, T].
     """
     Q = q.shape[1]
     c = config.attention_query_chunk
+    mask_rows = mask if callable(mask) else (
+        lambda start, size: jax.lax.dynamic_slice_in_dim(mask, start, size, axis=1))
     if not c or Q <= c or Q % c:
-        return _attend_block(config, q, k, v, mask)
+        return _attend_block(config, q, k, v, mask_rows(0, Q))
     n = Q // c
     qs = jnp.moveaxis(q.reshape(q.shape[0], n, c, *q.shape[2:]), 1, 0)
-    ms = jnp.moveaxis(mask.reshape(mask.shape[0], n, c, mask.shape[-1]), 1, 0)
-    out = jax.lax.map(lambda qm: _attend_block(config, qm[0], k, v, qm[1]), (qs, ms))
+    out = jax.lax.map(lambda iq: _attend_block(config, iq[1], k, v, mask_rows(iq[0] * c, c)), (jnp.arange(n), qs))
     return jnp.moveaxis(out, 0, 1).reshape(q.shape)
 
 
@@ -237,15 +240,18 @@ _CAUSAL_MAX_BLOCKS = 16
 def causal_attend(config: ModelConfig, q, k, v, mask):
     """`attend` for self-attention whose mask is already causal on the sequence index (q, k, v: [B, S, ...]).
 
-    Query block i only needs keys before the block's end, so queries are split into up to 16 static blocks (>= 64 rows) and
-    each attends to its key prefix: about 53% of the score work of the full square, in cache-sized pieces. With
-    `config.attention_query_chunk` set, the memory-bounded `lax.map` path of `attend` is used instead.
+    Fast path (no `attention_query_chunk`): query block i only needs keys before the block's end, so queries are
+    split into up to 16 static blocks of >= 64 rows, each attending to its key prefix (about half the score work
+    of the full square, in cache-sized pieces). XLA may keep all blocks' scores alive at once, so this path is for
+    moderate lengths. With `config.attention_query_chunk` set, the rolled `lax.map` path of `attend` runs instead:
+    no skipping, but score memory is bounded by [B, H, chunk, S] (use it for long contexts).
     """
     S = q.shape[1]
-    n = min(_CAUSAL_MAX_BLOCKS, -(-S // _CAUSAL_MIN_BLOCK))
-    if config.attention_query_chunk or n <= 1:
+    if config.attention_query_chunk or callable(mask):
         return attend(config, q, k, v, mask)
-    c = -(-S // n)
+    c = max(_CAUSAL_MIN_BLOCK, -(-S // _CAUSAL_MAX_BLOCKS))
+    if S <= c:
+        return _attend_block(config, q, k, v, mask)
     outs = [_attend_block(config, q[:, a:a + c], k[:, :a + c], v[:, :a + c], mask[:, a:a + c, :a + c])
             for a in range(0, S, c)]
     return jnp.concatenate(outs, axis=1)
@@ -325,26 +331,41 @@ def logits_from_hidden(config: ModelConfig, params: dict, hidden: jax.Array) -> 
 
 
 # ---------------------------------------------------------------------------------------------------- forward
-def build_attention_mask(tokens_shape, segment_ids=None, attention_mask=None) -> jax.Array:
-    """The boolean [B, S, S] mask implied by causality, segment ids and an optional user mask (see module doc)."""
+def attention_mask_rows(tokens_shape, segment_ids=None, attention_mask=None):
+    """A function `(q_start, q_len) -> bool [B, q_len, S]`: rows of the mask implied by causality, segment ids and
+    an optional user mask (see module doc); q_start may be traced."""
     B, S = tokens_shape
-    idx = jnp.arange(S)
-    mask = jnp.broadcast_to(idx[:, None] >= idx[None, :], (B, S, S))
-    if segment_ids is not None:
-        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
     if attention_mask is not None:
         attention_mask = jnp.asarray(attention_mask).astype(bool)
-        if attention_mask.ndim == 2:
-            attention_mask = attention_mask[:, None, :]
-        mask = mask & attention_mask
-    return mask
+
+    def rows(q_start, q_len):
+        q_idx = q_start + jnp.arange(q_len)
+        mask = jnp.broadcast_to(q_idx[:, None] >= jnp.arange(S)[None, :], (B, q_len, S))
+        if segment_ids is not None:
+            q_seg = jax.lax.dynamic_slice_in_dim(segment_ids, q_start, q_len, axis=1)
+            mask = mask & (q_seg[:, :, None] == segment_ids[:, None, :])
+        if attention_mask is not None:
+            if attention_mask.ndim == 2:
+                mask = mask & attention_mask[:, None, :]
+            else:
+                mask = mask & jax.lax.dynamic_slice_in_dim(attention_mask, q_start, q_len, axis=1)
+        return mask
+
+    return rows
+
+
+def build_attention_mask(tokens_shape, segment_ids=None, attention_mask=None) -> jax.Array:
+    """The boolean [B, S, S] mask implied by causality, segment ids and an optional user mask (see module doc)."""
+    return attention_mask_rows(tokens_shape, segment_ids, attention_mask)(0, tokens_shape[1])
 
 
 def _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask):
     B, S = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    mask = build_attention_mask((B, S), segment_ids, attention_mask)
+    mask = attention_mask_rows((B, S), segment_ids, attention_mask)
+    if not config.attention_query_chunk:
+        mask = mask(0, S)  # built once, outside the layer scan; the chunked path builds rows per block instead
 
     def layer(h, lp):
         x = rms_norm(h, lp["input_norm"], config.rms_norm_eps)
