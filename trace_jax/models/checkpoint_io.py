@@ -3,8 +3,9 @@
 `load_pretrained(path)` reads `config.json` plus `model.safetensors` or a sharded `model.safetensors.index.json`
 with the `safetensors` package (no torch). Every parameter is built with `jax.make_array_from_callback`: each
 device shard reads only its own rows/columns of each Hugging Face tensor from the file (bf16 through a memory
-map), transposes them into our layout and casts them, so a host never holds two full copies of the model. `save_pretrained` writes the Hugging Face
-layout back (per-expert MoE tensors, `[out, in]` linear weights) so transformers, vLLM or SGLang can load it.
+map), transposes them into our layout and casts them, so a host never holds two full copies of the model.
+`save_pretrained` writes the Hugging Face layout back (per-expert MoE tensors, `[out, in]` linear weights) so
+transformers, vLLM or SGLang can load it.
 
 This module knows the Hugging Face tensor names; the decoder does not.
 """
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import SingleDeviceSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 

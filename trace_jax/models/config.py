@@ -282,7 +282,8 @@ class ModelConfig:
             out["use_sliding_window"] = False
             out["sliding_window"] = None
         if self.model_type == "qwen3_moe":
-            out.update(num_experts=self.num_experts, num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+            out.update(num_experts=self.num_experts, num_local_experts=self.num_experts,
+                       num_experts_per_tok=self.num_experts_per_tok,
                        moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
                        decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
                        output_router_logits=False, router_aux_loss_coef=0.001)
