@@ -89,6 +89,16 @@ def test_fork_layouts_equal_naive_on_mixed_batch(tiny, reference, method):
     np.testing.assert_allclose(_real(token_lp, lengths), _real(naive_lp, lengths), **LP_TOL)
 
 
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_fork_layouts_equal_naive_on_more_random_batches(tiny, seed):
+    config, params = tiny
+    batch, _ = _random_batch(seed)
+    naive_scores, _ = _score(config, params, batch, method="naive")
+    for method in ("fork", "cached"):
+        scores, _ = _score(config, params, batch, method=method)
+        np.testing.assert_allclose(scores, naive_scores, atol=TOL, rtol=0)
+
+
 def test_padded_states_score_zero_and_padding_values_do_not_matter(tiny, reference):
     config, params = tiny
     batch, _, (naive_scores, _) = reference
