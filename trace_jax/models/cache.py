@@ -76,19 +76,23 @@ def extend(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
     mask = jnp.arange(T)[None, None, :] <= positions[:, :, None]  # [B, n, T]
     rows = jnp.arange(B)[:, None]
 
-    def layer(h, xs):
-        lp, k_cache, v_cache = xs
+    # The whole cache is the scan carry and each layer scatters its new keys/values in place (a scan over the
+    # cache as xs -> ys would copy every layer's cache on every call).
+    def layer(carry, xs):
+        h, k_all, v_all = carry
+        lp, index = xs
         x = dec.rms_norm(h, lp["input_norm"], config.rms_norm_eps)
         q, k, v = dec._project_qkv(config, lp["attn"], x, positions)
-        k_cache = k_cache.at[rows, write_slot].set(k.astype(k_cache.dtype), mode="drop")
-        v_cache = v_cache.at[rows, write_slot].set(v.astype(v_cache.dtype), mode="drop")
-        o = dec.attend(config, q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
-        h = h + dec._attn_output(lp["attn"], o)
+        k_all = k_all.at[index, rows, write_slot].set(k.astype(k_all.dtype), mode="drop")
+        v_all = v_all.at[index, rows, write_slot].set(v.astype(v_all.dtype), mode="drop")
+        k_layer = jax.lax.dynamic_index_in_dim(k_all, index, keepdims=False).astype(q.dtype)
+        v_layer = jax.lax.dynamic_index_in_dim(v_all, index, keepdims=False).astype(q.dtype)
+        h = h + dec._attn_output(lp["attn"], dec.attend(config, q, k_layer, v_layer, mask))
         x = dec.rms_norm(h, lp["post_attn_norm"], config.rms_norm_eps)
-        return h + dec.mlp_block(config, lp, x), (k_cache, v_cache)
+        return (h + dec.mlp_block(config, lp, x), k_all, v_all), None
 
-    h, (new_k, new_v) = jax.lax.scan(layer, dec.embed_tokens(config, params, tokens),
-                                     (params["layers"], cache.k, cache.v))
+    (h, new_k, new_v), _ = jax.lax.scan(layer, (dec.embed_tokens(config, params, tokens), cache.k, cache.v),
+                                        (params["layers"], jnp.arange(config.num_hidden_layers)))
     new_cache = KVCache(k=new_k, v=new_v, lengths=cache.lengths + num_new)
     if return_logits == "none":
         return None, new_cache
