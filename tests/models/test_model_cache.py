@@ -123,3 +123,22 @@ def test_attend_cached_block_equals_forward_with_equivalent_mask(model):
     naive = np.asarray(models.token_logprobs(config, params, jnp.asarray(naive_rows)))
     for k, b in enumerate(boundaries):
         np.testing.assert_allclose(lp[0, k * m:k * m + m - 1], naive[k, b:b + m - 1], atol=1e-5)
+
+
+def test_extend_hidden_and_query_chunked_paths_match(model):
+    """return_logits="hidden" gives forward_hidden's states; attention_query_chunk changes no result."""
+    config, params = model
+    chunked = config.replace(attention_query_chunk=4)
+    tokens = tokens_of((2, 8), 6)
+    reference = np.asarray(models.forward_hidden(config, params, tokens))
+    for cfg in (config, chunked):
+        cache = models.init_cache(cfg, 2, 12)
+        hidden, cache = models.extend(cfg, params, cache, tokens, jnp.asarray([8, 8]), return_logits="hidden")
+        np.testing.assert_allclose(np.asarray(hidden), reference, atol=1e-5)
+    block = tokens_of((2, 4), 7)
+    positions = jnp.asarray([[3, 4, 5, 6], [8, 9, 10, 11]])
+    key_limit = jnp.asarray([[3, 3, 3, 3], [8, 8, 8, 8]])
+    block_mask = jnp.asarray(np.tril(np.ones((4, 4), bool))[None].repeat(2, 0))
+    outs = [np.asarray(models.attend_cached_block(cfg, params, cache, block, positions, key_limit, block_mask))
+            for cfg in (config, chunked)]
+    np.testing.assert_allclose(outs[1], outs[0], atol=1e-5)

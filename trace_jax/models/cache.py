@@ -59,21 +59,27 @@ def extend(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
       tokens: int [B, n]; entries at i >= num_new[b] are ignored (any value).
       num_new: int [B] in [0, n]; rows with 0 keep their cache and length unchanged.
       return_logits: "last" -> float32 [B, V] logits of each row's last new token (rows with num_new == 0 get
-        meaningless values); "all" -> float32 [B, n, V] (only i < num_new[b] meaningful); "none" -> None.
+        meaningless values); "all" -> float32 [B, n, V] (only i < num_new[b] meaningful); "hidden" -> the
+        final-normed hidden states [B, n, D] (score them in chunks with `hidden_logprobs`, e.g. a long prefill
+        whose own token log-probs are needed); "none" -> None.
 
     Each new token attends to its row's cached tokens and the row's earlier new tokens (causal). Tokens that
     would land at or beyond `max_len` are dropped silently: check capacity on the host.
     Returns (logits, new_cache) with new_cache.lengths = lengths + num_new.
     """
-    if return_logits not in ("last", "all", "none"):
-        raise ValueError(f"return_logits must be 'last', 'all' or 'none', got {return_logits!r}")
+    if return_logits not in ("last", "all", "hidden", "none"):
+        raise ValueError(f"return_logits must be 'last', 'all', 'hidden' or 'none', got {return_logits!r}")
     B, n = tokens.shape
     T = cache.max_len
     num_new = num_new.astype(jnp.int32)
     offsets = jnp.arange(n, dtype=jnp.int32)
     positions = cache.lengths[:, None] + offsets[None, :]  # [B, n]
     write_slot = jnp.where(offsets[None, :] < num_new[:, None], positions, T)  # T = out of range -> dropped
-    mask = jnp.arange(T)[None, None, :] <= positions[:, :, None]  # [B, n, T]
+
+    def mask(start, size):  # rows of the [B, n, T] mask, built per query block (see decoder.attend)
+        block_positions = jax.lax.dynamic_slice_in_dim(positions, start, size, axis=1)
+        return jnp.arange(T)[None, None, :] <= block_positions[:, :, None]
+
     rows = jnp.arange(B)[:, None]
 
     # The whole cache is the scan carry and each layer scatters its new keys/values in place (a scan over the
@@ -96,6 +102,8 @@ def extend(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
     new_cache = KVCache(k=new_k, v=new_v, lengths=cache.lengths + num_new)
     if return_logits == "none":
         return None, new_cache
+    if return_logits == "hidden":
+        return dec.final_norm(config, params, h), new_cache
     if return_logits == "last":
         h = h[jnp.arange(B), jnp.clip(num_new - 1, 0, n - 1)]
     logits = dec.logits_from_hidden(config, params, dec.final_norm(config, params, h))
@@ -118,8 +126,13 @@ def attend_cached_block(config: ModelConfig, params: dict, cache: KVCache, token
     Compute log-probs from the result with `hidden_logprobs` (chunked; no [B, Q, V] float32 tensor).
     """
     T = cache.max_len
-    cache_mask = jnp.arange(T)[None, None, :] < key_limit[:, :, None]
-    mask = jnp.concatenate([cache_mask, block_mask.astype(bool)], axis=-1)  # [B, Q, T + Q]
+    block_mask = block_mask.astype(bool)
+
+    def mask(start, size):  # rows of the [B, Q, T + Q] mask, built per query block (see decoder.attend)
+        limits = jax.lax.dynamic_slice_in_dim(key_limit, start, size, axis=1)
+        cache_rows = jnp.arange(T)[None, None, :] < limits[:, :, None]
+        return jnp.concatenate([cache_rows, jax.lax.dynamic_slice_in_dim(block_mask, start, size, axis=1)], axis=-1)
+
 
     def layer(h, xs):
         lp, k_cache, v_cache = xs
