@@ -203,7 +203,8 @@ def main(argv=None):
         print(f"| {name} | {kv['tok_s']:.1f} ({kv['tok_s_with_prefill']:.1f}) | {rc['tok_s']:.2f} | "
               f"{kv['tok_s'] / rc['tok_s']:.1f}x | {th['tok_s']:.1f} ({th['tok_s_with_prefill']:.1f}) | "
               f"{kv['tok_s'] / th['tok_s']:.1f}x ({kv['tok_s_with_prefill'] / th['tok_s_with_prefill']:.1f}x) | "
-              f"{100 * scripted['share']:.2f}% ({scripted['calls']} calls, {scripted['env_s']:.3f} / "
+              f"{100 * scripted['share']:.2f}% ({scripted['calls']} calls, "
+              f"{1e3 * scripted['env_s'] / max(scripted['calls'], 1):.2f} ms/call, {scripted['env_s']:.3f} / "
               f"{scripted['total_s']:.1f} s, reward {scripted['reward']:.2f}) | "
               f"{100 * free['share']:.3f}% ({free['calls']} calls) |")
     return rows

@@ -14,7 +14,7 @@ from trace_jax.envs.tasks import generate_tasks
 from trace_jax.envs.world import WorldConfig, build_world
 from trace_jax.models.chat import ChatFormat
 from trace_jax.models.tokenizer import load_tokenizer
-from trace_jax.rollout import STATUSES, RolloutConfig, SamplingConfig, run_episodes
+from trace_jax.rollout import STATUSES, RolloutConfig, SamplingConfig, ScriptedPolicy, run_episodes
 
 pytestmark = pytest.mark.slow
 
@@ -25,13 +25,26 @@ def test_smollm2_runs_procedural_episodes_end_to_end(smollm2_hf_dir):
     assert chat.assistant_stop_strings == ("</tool_call>",)  # SmolLM2 spells the tag with several tokens
     world = build_world(WorldConfig.from_corpus_size(40, seed=3))
     tasks = generate_tasks(world, 1, seed=0)
-    rollout = RolloutConfig(group_size=2, max_turns=2, max_context=320, turn_token_budget=12,
+    rollout = RolloutConfig(group_size=2, max_turns=1, max_context=320, turn_token_budget=40,
                             sampling=SamplingConfig(temperature=0.7, top_p=0.95), with_tools=False,
                             max_observation_chars=200)
-    result = run_episodes(config, params, chat, tasks, make_browser(world), rollout, jax.random.PRNGKey(0))
+    # Row 0 plays a real tool call (SmolLM2 spells </tool_call> with several tokens) and the gold answer; row 1 is
+    # the model's own messy generation.
+    call = chat.assistant_content_ids("Let me search.", [{"name": "search", "arguments": {"query": "population"}}])
+    answer = chat.assistant_content_ids(f"<answer>{tasks[0].answer}</answer>") + [chat.im_end_id]
+    hook = ScriptedPolicy([[call, answer]], config.vocab_size)
+    result = run_episodes(config, params, chat, tasks, make_browser(world), rollout, jax.random.PRNGKey(0),
+                          logits_hook=hook)
     batch = result.batch
     n = 2
-    assert batch.tokens.shape == (n, 320) and batch.boundaries.shape == (n, 3)
+    assert batch.tokens.shape == (n, 320) and batch.boundaries.shape == (n, 2)
+    scripted = result.episodes[0]
+    assert scripted.status == "answered" and float(batch.reward[0]) == 1.0
+    assert scripted.tool_calls[0] == ("search", {"query": "population"})
+    assert not scripted.observations[0].startswith("Error")
+    assert scripted.turn_texts[0].endswith("</tool_call>")  # stopped by the stop string, overshoot rolled back
+    start = int(batch.boundaries[0, 0])
+    np.testing.assert_array_equal(batch.tokens[0, start:start + len(call)], call)
     lengths = np.asarray(batch.lengths)
     mask = np.asarray(batch.loss_mask)
     turn_index = np.asarray(batch.turn_index)
