@@ -106,8 +106,8 @@ def time_torch(hf_dir, prompts, new_tokens):
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     ids = torch.tensor(prompts)
-    kwargs = dict(do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None, attention_mask=torch.ones_like(ids),
-                  max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    kwargs = dict(do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None,
+                  attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     with torch.no_grad():
         model.generate(ids, **kwargs)  # warm-up
         times = []
@@ -122,7 +122,8 @@ def time_torch(hf_dir, prompts, new_tokens):
     generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     decode_tokens = generated - ids.shape[0]
     return {"total_s": elapsed, "prefill_s": prefill, "tokens": generated, "tok_s_with_prefill": generated / elapsed,
-            "tok_s": decode_tokens / max(elapsed - prefill, 1e-9), "first": out[0, ids.shape[1]:ids.shape[1] + 8].tolist()}
+            "tok_s": decode_tokens / max(elapsed - prefill, 1e-9),
+            "first": out[0, ids.shape[1]:ids.shape[1] + 8].tolist()}
 
 
 def oracle_scripts(chat, browser, tasks, group):

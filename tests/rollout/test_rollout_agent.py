@@ -160,3 +160,16 @@ def test_batch_feeds_credit_and_scorer_without_reshaping(setup):
     assert np.isfinite(np.asarray(scores.answer_scores)).all()
     trace = credit.compute_advantages("trace", batch.credit_inputs(answer_scores=scores.answer_scores), check=True)
     assert trace.token_advantages.shape == (n, length)
+
+
+def test_sharded_rollout_equals_single_device(setup):
+    """Rows over `data`, kv heads / mlp / vocab over `tensor`: the same episode, token for token."""
+    chat, config, params, browser = setup
+    mesh = models.make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
+    hook = ScriptedPolicy(scripts(chat), config.vocab_size)
+    single = run_episodes(config, params, chat, TASKS, browser, ROLLOUT, jax.random.PRNGKey(0), logits_hook=hook)
+    sharded = run_episodes(config, models.shard_params(params, config, mesh), chat, TASKS, browser, ROLLOUT,
+                           jax.random.PRNGKey(0), mesh=mesh, logits_hook=hook)
+    for name in ("tokens", "loss_mask", "turn_index", "boundaries", "num_turns", "status", "reward"):
+        np.testing.assert_array_equal(getattr(sharded.batch, name), getattr(single.batch, name), err_msg=name)
+    np.testing.assert_allclose(sharded.batch.sampler_logprobs, single.batch.sampler_logprobs, atol=1e-4)

@@ -4,8 +4,8 @@ The device side is two jitted functions with the cache donated:
 
   * `_append_jit` runs a variable-length chunk per row through the model (`trace_jax.models.extend`) and keeps the
     last logits of every row that received tokens. Prefill of the prompts and appending tool responses to some rows
-    are the same call. Chunks are padded to buckets (`bucket_length`: powers of two >= 16, multiples of 256 above 512), so it
-    compiles once per bucket.
+    are the same call. Chunks are padded to buckets (`bucket_length`: powers of two >= 16, multiples of 256 above
+    512), so it compiles once per bucket.
   * `_decode_jit` samples one token per active row from the pending logits, feeds it to the model (`_decode_model`:
     `extend`'s math for n = 1, with the cache updated in place) and updates each row's stop state (stop token,
     per-row token budget, cache full). One compile per batch shape.
@@ -400,19 +400,14 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
                     rollback[row] = hit + 1
             if rollback:
                 new_active = host_active.copy()
-                lengths = lengths0.copy()
                 current = np.asarray(state.cache.lengths).copy()
                 for row, keep in rollback.items():
                     new_active[row] = False
                     reason[row] = STOP_STRING
-                    current[row] = lengths[row] + keep
+                    current[row] = lengths0[row] + keep
                     # Drop the overshoot from the recorded steps of this row.
-                    seen = 0
-                    for s, act in enumerate(per_step_active):
-                        if mask_np[row, s]:
-                            seen += 1
-                            if seen > keep:
-                                per_step_active[s] = per_step_active[s].at[row].set(False)
+                    for s in np.nonzero(mask_np[row])[0][keep:]:
+                        per_step_active[s] = per_step_active[s].at[row].set(False)
                 host_active = new_active
                 active_dev = jnp.asarray(new_active)
                 reason_dev = jnp.asarray(reason)
