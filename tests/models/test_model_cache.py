@@ -142,3 +142,31 @@ def test_extend_hidden_and_query_chunked_paths_match(model):
     outs = [np.asarray(models.attend_cached_block(cfg, params, cache, block, positions, key_limit, block_mask))
             for cfg in (config, chunked)]
     np.testing.assert_allclose(outs[1], outs[0], atol=1e-5)
+
+
+def test_prefill_returns_forward_hidden_and_the_cache_extend_would_build(model):
+    config, params = model
+    tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 12), 0, config.vocab_size)
+    hidden, cache = models.prefill(config, params, tokens)
+    np.testing.assert_allclose(hidden, models.forward_hidden(config, params, tokens), atol=1e-5)
+    _, extended = models.extend(config, params, models.init_cache(config, 2, 12), tokens, jnp.array([12, 12]),
+                                return_logits="none")
+    np.testing.assert_array_equal(cache.lengths, [12, 12])
+    np.testing.assert_allclose(cache.k, extended.k, atol=1e-5)
+    np.testing.assert_allclose(cache.v, extended.v, atol=1e-5)
+
+
+def test_long_self_attention_switches_to_bounded_memory():
+    """Past AUTO_CHUNK_ABOVE tokens the causal path is rolled: temp memory grows about linearly, not with S^2."""
+    from trace_jax.models import decoder
+
+    config = models.get_preset("tiny-qwen3")
+    params = jax.eval_shape(lambda: models.init_params(config, jax.random.PRNGKey(0)))
+
+    def temp_bytes(length):
+        tokens = jax.ShapeDtypeStruct((1, length), jnp.int32)
+        compiled = jax.jit(lambda p, t: models.prefill(config, p, t)).lower(params, tokens).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    short, long = 2 * decoder.AUTO_CHUNK_ABOVE, 4 * decoder.AUTO_CHUNK_ABOVE
+    assert temp_bytes(long) < 2.6 * temp_bytes(short)  # quadratic would be ~4x

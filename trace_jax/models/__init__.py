@@ -3,14 +3,14 @@
 Public API (see docs/models.md):
   ModelConfig, get_preset, init_params, load_pretrained, save_pretrained,
   forward, forward_hidden, token_logprobs, hidden_logprobs,
-  KVCache, init_cache, extend, attend_cached_block,
+  KVCache, init_cache, extend, prefill, attend_cached_block,
   param_logical_axes, param_shapes, logical_to_sharding, param_shardings, shard_params, constrain, make_mesh,
   DEFAULT_RULES.
 
 Tokenizer, chat format and GGUF conversion live in sibling modules and are imported from there directly.
 """
 
-from trace_jax.models.cache import KVCache, attend_cached_block, extend, init_cache
+from trace_jax.models.cache import KVCache, attend_cached_block, extend, init_cache, prefill
 from trace_jax.models.checkpoint_io import CheckpointError, load_pretrained, save_pretrained
 from trace_jax.models.config import ConfigError, ModelConfig
 from trace_jax.models.decoder import (
@@ -41,5 +41,5 @@ __all__ = [
     "attend_cached_block", "build_attention_mask", "cache_logical_axes", "constrain", "extend", "forward", "forward_hidden",
     "get_preset", "hidden_logprobs", "init_cache", "init_params", "load_pretrained", "logical_to_mesh_spec",
     "logical_to_sharding", "logits_from_hidden", "make_mesh", "param_logical_axes", "param_shapes",
-    "param_shardings", "preset_names", "save_pretrained", "shard_params", "token_logprobs",
+    "param_shardings", "prefill", "preset_names", "save_pretrained", "shard_params", "token_logprobs",
 ]

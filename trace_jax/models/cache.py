@@ -6,6 +6,8 @@ indices; rows are never left-padded).
 
   * `extend` appends a variable number of new tokens per row (prefill = extend an empty cache; decode = n=1;
     tool responses = extend only some rows). It is jitted with the cache donated: do not reuse the old cache.
+  * `prefill` runs full rows once and returns their hidden states together with a cache of exactly those rows
+    (the causal self-attention path of `forward`, so memory stays linear in length for long inputs).
   * `attend_cached_block` runs a block of queries against a prefilled cache with a per-query key limit and an
     in-block boolean mask, without writing to the cache (memory O(L + Q) keys per query, not O(L^2)).
 
@@ -47,6 +49,20 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, *, dtype=None
     shape = (config.num_hidden_layers, batch_size, max_len, config.num_key_value_heads, config.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    lengths=jnp.zeros((batch_size,), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def prefill(config: ModelConfig, params: dict, tokens: jax.Array) -> tuple[jax.Array, KVCache]:
+    """One causal pass over full rows `tokens [B, S]`.
+
+    Returns `(hidden [B, S, D], cache)`: the final-normed hidden states (score them in chunks with
+    `hidden_logprobs`) and a `KVCache` with `max_len = S` and `lengths = S` for every row, ready for
+    `attend_cached_block`. Padding at the end of a row is harmless to earlier tokens (causality).
+    """
+    dec._check_tokens(tokens)
+    hidden, (keys, values) = dec._forward_hidden(config, params, tokens, None, None, None, return_kv=True)
+    lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
+    return hidden, KVCache(k=keys, v=values, lengths=lengths)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("return_logits",), donate_argnums=2)

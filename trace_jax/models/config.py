@@ -41,8 +41,10 @@ class ModelConfig:
     `init_params`. Attention softmax, RMSNorm statistics, router softmax and log-softmax always run in float32.
     `remat` is the rematerialisation policy of one decoder layer: "none", "full" (save nothing), "dots" (save
     matmul outputs) or "dots_no_batch" (save matmuls without batch dims, MaxText's default).
-    `attention_query_chunk`: when > 0 and the query length is a larger multiple of it, attention scores are
-    computed in query blocks of this size under `lax.map`, so memory is O(chunk * keys) instead of O(S^2).
+    `attention_query_chunk`: when > 0 and the query length is larger, attention scores are computed in query
+    blocks of this size under `lax.map`, so memory is O(chunk * keys) instead of O(S^2). 0 (default) is
+    automatic: self-attention over more than `decoder.AUTO_CHUNK_ABOVE` tokens uses blocks of
+    `decoder.AUTO_CHUNK`; shorter inputs use unrolled causal blocks (faster on CPU).
     """
 
     model_type: str
@@ -107,7 +109,7 @@ class ModelConfig:
         need(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         need(self.param_dtype in _DTYPES, "param_dtype", f"must be one of {_DTYPES}, got {self.param_dtype!r}")
         need(self.remat in REMAT_POLICIES, "remat", f"must be one of {REMAT_POLICIES}, got {self.remat!r}")
-        need(self.attention_query_chunk >= 0, "attention_query_chunk", "must be >= 0 (0 disables chunking)")
+        need(self.attention_query_chunk >= 0, "attention_query_chunk", "must be >= 0 (0 = automatic)")
         need(isinstance(self.mlp_only_layers, tuple), "mlp_only_layers",
              "must be a tuple (the config is hashed as a static jit argument)")
         if self.model_type == "qwen3_moe":

@@ -213,24 +213,41 @@ def _attend_block(config: ModelConfig, q, k, v, mask):
     return out.astype(v.dtype).reshape(B, Q, H, Dh)
 
 
-def attend(config: ModelConfig, q, k, v, mask):
+# Without an explicit `attention_query_chunk`, self-attention over more than this many tokens switches to the
+# rolled, memory-bounded path with this chunk (the unrolled causal blocks keep every block's scores alive).
+AUTO_CHUNK_ABOVE = 2048
+AUTO_CHUNK = 512
+
+
+def query_chunk(config: ModelConfig, num_queries: int) -> int:
+    """The query block size used for `num_queries` queries: the configured one, else automatic for long inputs."""
+    if config.attention_query_chunk:
+        return config.attention_query_chunk
+    return AUTO_CHUNK if num_queries > AUTO_CHUNK_ABOVE else 0
+
+
+def attend(config: ModelConfig, q, k, v, mask, *, chunk: int | None = None):
     """Grouped-query attention with a boolean mask (True = may attend).
 
     `mask` is either an array [B, Q, T] or a function `(q_start, q_len) -> [B, q_len, T]` (q_start may be traced),
     which lets the chunked path build each block's mask on the fly instead of holding [B, Q, T].
-    When `config.attention_query_chunk` divides Q into several blocks, queries are processed block by block
-    under `lax.map`, so the float32 score tensor is [B, H, chunk, T] instead of [B, H, Q, T].
+    With a chunk (`chunk`, else `config.attention_query_chunk`) smaller than Q, queries are processed block by
+    block under `lax.map` (a final partial block runs on its own), so the float32 score tensor is
+    [B, H, chunk, T] instead of [B, H, Q, T].
     """
-    Q = q.shape[1]
-    c = config.attention_query_chunk
+    B, Q = q.shape[:2]
+    c = config.attention_query_chunk if chunk is None else chunk
     mask_rows = mask if callable(mask) else (
         lambda start, size: jax.lax.dynamic_slice_in_dim(mask, start, size, axis=1))
-    if not c or Q <= c or Q % c:
+    if not c or Q <= c:
         return _attend_block(config, q, k, v, mask_rows(0, Q))
-    n = Q // c
-    qs = jnp.moveaxis(q.reshape(q.shape[0], n, c, *q.shape[2:]), 1, 0)
+    n, rest = divmod(Q, c)
+    qs = jnp.moveaxis(q[:, :n * c].reshape(B, n, c, *q.shape[2:]), 1, 0)
     out = jax.lax.map(lambda iq: _attend_block(config, iq[1], k, v, mask_rows(iq[0] * c, c)), (jnp.arange(n), qs))
-    return jnp.moveaxis(out, 0, 1).reshape(q.shape)
+    out = jnp.moveaxis(out, 0, 1).reshape(B, n * c, *q.shape[2:])
+    if rest:
+        out = jnp.concatenate([out, _attend_block(config, q[:, n * c:], k, v, mask_rows(n * c, rest))], axis=1)
+    return out
 
 
 _CAUSAL_MIN_BLOCK = 64
@@ -240,15 +257,16 @@ _CAUSAL_MAX_BLOCKS = 16
 def causal_attend(config: ModelConfig, q, k, v, mask):
     """`attend` for self-attention whose mask is already causal on the sequence index (q, k, v: [B, S, ...]).
 
-    Fast path (no `attention_query_chunk`): query block i only needs keys before the block's end, so queries are
-    split into up to 16 static blocks of >= 64 rows, each attending to its key prefix (about half the score work
-    of the full square, in cache-sized pieces). XLA may keep all blocks' scores alive at once, so this path is for
-    moderate lengths. With `config.attention_query_chunk` set, the rolled `lax.map` path of `attend` runs instead:
-    no skipping, but score memory is bounded by [B, H, chunk, S] (use it for long contexts).
+    Up to `AUTO_CHUNK_ABOVE` tokens with no `attention_query_chunk` (and an array mask): query block i only needs
+    keys before the block's end, so queries are split into up to 16 static blocks of >= 64 rows, each attending to
+    its key prefix (about half the score work of the full square, in cache-sized pieces). XLA may keep all blocks'
+    scores alive at once, so longer inputs (or a configured chunk, or a mask function) take the rolled `lax.map`
+    path of `attend`: no skipping, but score memory bounded by [B, H, chunk, S].
     """
     S = q.shape[1]
-    if config.attention_query_chunk or callable(mask):
-        return attend(config, q, k, v, mask)
+    chunk = query_chunk(config, S)
+    if chunk or callable(mask):
+        return attend(config, q, k, v, mask, chunk=chunk)
     c = max(_CAUSAL_MIN_BLOCK, -(-S // _CAUSAL_MAX_BLOCKS))
     if S <= c:
         return _attend_block(config, q, k, v, mask)
@@ -359,12 +377,14 @@ def build_attention_mask(tokens_shape, segment_ids=None, attention_mask=None) ->
     return attention_mask_rows(tokens_shape, segment_ids, attention_mask)(0, tokens_shape[1])
 
 
-def _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask):
+def _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask, *, return_kv=False):
+    """Final-normed hidden [B, S, D]; with `return_kv`, also every layer's keys and values
+    `([layers, B, S, K, Dh], [layers, B, S, K, Dh])` (what a KV cache of these tokens holds)."""
     B, S = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     mask = attention_mask_rows((B, S), segment_ids, attention_mask)
-    if not config.attention_query_chunk:
+    if not query_chunk(config, S):
         mask = mask(0, S)  # built once, outside the layer scan; the chunked path builds rows per block instead
 
     def layer(h, lp):
@@ -372,11 +392,11 @@ def _forward_hidden(config, params, tokens, positions, segment_ids, attention_ma
         q, k, v = _project_qkv(config, lp["attn"], x, positions)
         h = h + _attn_output(lp["attn"], causal_attend(config, q, k, v, mask))
         x = rms_norm(h, lp["post_attn_norm"], config.rms_norm_eps)
-        return constrain(h + mlp_block(config, lp, x), _RESIDUAL_AXES), None
+        return constrain(h + mlp_block(config, lp, x), _RESIDUAL_AXES), ((k, v) if return_kv else None)
 
     h = constrain(embed_tokens(config, params, tokens), _RESIDUAL_AXES)
-    h, _ = jax.lax.scan(remat_wrap(config, layer), h, params["layers"])
-    return final_norm(config, params, h)
+    h, kv = jax.lax.scan(remat_wrap(config, layer), h, params["layers"])
+    return (final_norm(config, params, h), kv) if return_kv else final_norm(config, params, h)
 
 
 def _check_tokens(tokens, name="tokens"):

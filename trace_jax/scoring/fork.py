@@ -38,7 +38,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trace_jax import models
-from trace_jax.models import decoder as dec
 from trace_jax.models.config import ModelConfig
 
 METHODS = ("fork", "cached", "naive")
@@ -215,57 +214,14 @@ def _packed_hidden(config, params, tokens, boundaries, answer_tokens):
     return hidden[:, :length], hidden[:, length:].reshape(n, slots, width, -1)
 
 
-def _prefill_blocks(length: int, query_chunk: int, max_blocks: int = 32) -> int:
-    """Number of causal query blocks: about length / query_chunk, at most `max_blocks`, dividing `length`."""
-    blocks = max(1, min(max_blocks, length // max(1, query_chunk)))
-    while length % blocks:
-        blocks -= 1
-    return blocks
-
-
-def _prefill(config, params, tokens, query_chunk):
-    """Final-normed hidden [N, L, D] and per-layer keys/values [layers, N, L, K, Dh] of a causal pass.
-
-    Block-causal attention: query block c (of size C) attends keys [0, (c+1) C) only, so about half of the
-    [L, L] score square is never computed, and no tensor larger than [N, H, C, L] exists (memory linear in L).
-    Blocks are unrolled (static shapes; at most 32 per layer). models.extend would give the cache but not the
-    hidden states (nor skip masked blocks), hence this small re-assembly of the decoder's layer pieces.
-    """
-    n, length = tokens.shape
-    blocks = _prefill_blocks(length, query_chunk)
-    chunk = length // blocks
-    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (n, length))
-
-    def attend_causal(q, k, v):
-        outs = []
-        for c in range(blocks):
-            lo, hi = c * chunk, (c + 1) * chunk
-            visible = jnp.arange(hi)[None, :] <= jnp.arange(lo, hi)[:, None]
-            mask = jnp.broadcast_to(visible, (n, chunk, hi))
-            outs.append(dec._attend_block(config, q[:, lo:hi], k[:, :hi], v[:, :hi], mask))
-        return jnp.concatenate(outs, axis=1)
-
-    def layer(h, lp):
-        x = dec.rms_norm(h, lp["input_norm"], config.rms_norm_eps)
-        q, k, v = dec._project_qkv(config, lp["attn"], x, positions)
-        h = h + dec._attn_output(lp["attn"], attend_causal(q, k, v))
-        x = dec.rms_norm(h, lp["post_attn_norm"], config.rms_norm_eps)
-        return h + dec.mlp_block(config, lp, x), (k, v)
-
-    h, (keys, values) = jax.lax.scan(dec.remat_wrap(config, layer), dec.embed_tokens(config, params, tokens),
-                                     params["layers"])
-    return dec.final_norm(config, params, h), keys, values
-
-
-def _cached_hidden(config, params, tokens, boundaries, answer_tokens, query_chunk):
-    n, length = tokens.shape
+def _cached_hidden(config, params, tokens, boundaries, answer_tokens):
+    n = tokens.shape[0]
     slots = boundaries.shape[1]
     width = answer_tokens.shape[1] - 1
-    traj_hidden, keys, values = _prefill(config, params, tokens, query_chunk)
+    traj_hidden, cache = models.prefill(config, params, tokens)
     if width == 0:
         return traj_hidden, None
     copy_tokens, copy_positions, state_of, offset_of = _copies(answer_tokens, boundaries)
-    cache = models.KVCache(k=keys, v=values, lengths=jnp.full((n,), length, jnp.int32))
     key_limit = jnp.repeat(boundaries, width, axis=1)
     same_copy = (state_of[:, None] == state_of[None, :]) & (offset_of[None, :] <= offset_of[:, None])
     block_mask = jnp.broadcast_to(same_copy, (n,) + same_copy.shape)
@@ -282,7 +238,9 @@ def _fork_scores(params, tokens, boundaries, state_valid, answer_tokens, answer_
     if layout == "packed":
         traj_hidden, copy_hidden = _packed_hidden(config, params, tokens, boundaries, answer_tokens)
     else:
-        traj_hidden, copy_hidden = _cached_hidden(config, params, tokens, boundaries, answer_tokens, query_chunk)
+        if query_chunk:
+            config = config.replace(attention_query_chunk=query_chunk)
+        traj_hidden, copy_hidden = _cached_hidden(config, params, tokens, boundaries, answer_tokens)
     scores = _answer_log_probs(config, params, traj_hidden, copy_hidden, boundaries, answer_tokens, answer_mask,
                                logprob_chunk)
     scores = jnp.where(state_valid, scores, 0.0)
@@ -303,7 +261,7 @@ def choose_layout(length: int, num_slots: int, answer_length: int, packed_max_le
 def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_states, answer_tokens, answer_mask,
                           *, method: str = "fork", layout: str = "auto", lengths=None, mesh=None, rules=None,
                           packed_max_len: int = DEFAULT_PACKED_MAX_LEN, logprob_chunk: int = 256,
-                          query_chunk: int = 128, bucket: bool = True) -> PrefixScores:
+                          query_chunk: int = 0, bucket: bool = True) -> PrefixScores:
     """Score the gold answer after every state boundary of every trajectory (TRACE's reference scores).
 
         answer_scores[n, k] = (1/|y*|) sum_j log pi_ref(y*_j | tokens[n, :b_k] + template, y*_<j)
@@ -325,7 +283,9 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
       mesh, rules: optional mesh; trajectories are split over the mesh axes that the logical "batch" axis maps to
         (data parallel) and params placed by `rules` (default `models.DEFAULT_RULES`).
       logprob_chunk: positions per log-softmax chunk (at most float32 `[N, chunk, V]` logits at once).
-      query_chunk: query block of the cached layout's block-causal prefill (at most 32 blocks).
+      query_chunk: query block of the cached layout's prefill attention (`ModelConfig.attention_query_chunk`);
+        0 = the model's automatic choice (unrolled causal blocks up to 2048 tokens, rolled 512-row blocks above,
+        so memory stays linear in length).
       bucket: pad `N, L, S, m` up to buckets (`bucket_size`) so jit compiles once per bucket.
 
     Returns:
@@ -376,7 +336,7 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
 
 
 def compiled_memory(config: ModelConfig, params, tokens, boundaries, num_states, answer_tokens, answer_mask, *,
-                    layout: str = "packed", logprob_chunk: int = 256, query_chunk: int = 128) -> dict:
+                    layout: str = "packed", logprob_chunk: int = 256, query_chunk: int = 0) -> dict:
     """Compiled memory analysis (bytes) of one fork pass for these (already bucketed) shapes, for benchmarks."""
     tokens, boundaries, num_states, answer_tokens, answer_mask = validate_scoring_inputs(
         tokens, boundaries, num_states, answer_tokens, answer_mask)
