@@ -202,37 +202,11 @@ def _append_jit(config: ModelConfig, params, state: SamplerState, tokens: jax.Ar
 
 
 def _decode_model(config: ModelConfig, params, cache: cache_lib.KVCache, tokens: jax.Array, active: jax.Array):
-    """One token per active row through the model; the same math as `models.extend` with n = 1.
+    """One token per active row through the model (`models.extend` with n = 1); inactive rows keep their cache.
 
-    Why not `extend`: it scans over the per-layer caches as scan inputs/outputs, which makes XLA write a fresh copy
-    of the whole cache every step (O(layers x rows x max_len) bytes per token, which dominated decode time at
-    long contexts). Here the full cache is the scan *carry* and each layer scatters its one new key/value in place.
+    Returns float32 logits [B, V] (meaningless for inactive rows) and the cache.
     """
-    batch, max_len = tokens.shape[0], cache.max_len
-    positions = cache.lengths[:, None]  # [B, 1]
-    write_slot = jnp.where(active, cache.lengths, max_len)  # max_len = out of range -> dropped
-    mask = jnp.arange(max_len)[None, None, :] <= positions[:, :, None]  # [B, 1, T]
-    rows = jnp.arange(batch)
-
-    def layer(carry, xs):
-        h, k_all, v_all = carry
-        lp, index = xs
-        x = dec.rms_norm(h, lp["input_norm"], config.rms_norm_eps)
-        q, k, v = dec._project_qkv(config, lp["attn"], x, positions)
-        k_all = k_all.at[index, rows, write_slot].set(k[:, 0].astype(k_all.dtype), mode="drop")
-        v_all = v_all.at[index, rows, write_slot].set(v[:, 0].astype(v_all.dtype), mode="drop")
-        k_layer = jax.lax.dynamic_index_in_dim(k_all, index, keepdims=False)
-        v_layer = jax.lax.dynamic_index_in_dim(v_all, index, keepdims=False)
-        o = dec.attend(config, q, k_layer.astype(q.dtype), v_layer.astype(q.dtype), mask)
-        h = h + dec._attn_output(lp["attn"], o)
-        x = dec.rms_norm(h, lp["post_attn_norm"], config.rms_norm_eps)
-        return (h + dec.mlp_block(config, lp, x), k_all, v_all), None
-
-    layers = jnp.arange(config.num_hidden_layers)
-    (h, new_k, new_v), _ = jax.lax.scan(layer, (dec.embed_tokens(config, params, tokens[:, None]), cache.k, cache.v),
-                                        (params["layers"], layers))
-    logits = dec.logits_from_hidden(config, params, dec.final_norm(config, params, h[:, 0]))
-    return logits, cache_lib.KVCache(k=new_k, v=new_v, lengths=cache.lengths + active.astype(jnp.int32))
+    return cache_lib.extend(config, params, cache, tokens[:, None], active.astype(jnp.int32), return_logits="last")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
