@@ -29,19 +29,25 @@ def _module_exists(module: str) -> bool:
         return False
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The full parser; only the sub-command named by `argv[0]` imports its module and adds its arguments."""
     parser = argparse.ArgumentParser(prog="trace-jax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     wanted = argv[0] if argv else None
-    for name, (module_name, help_text) in ((n, e) for n, e in COMMANDS.items() if _module_exists(e[0])):
+    for name, (module_name, help_text) in COMMANDS.items():
+        if not _module_exists(module_name):
+            continue
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
         command_parser.set_defaults(_module=module_name)
         if name == wanted:
             importlib.import_module(module_name).add_arguments(command_parser)
-    args = parser.parse_args(argv)
-    module = importlib.import_module(args._module)
-    return int(module.run(args) or 0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
+    return int(importlib.import_module(args._module).run(args) or 0)
 
 
 if __name__ == "__main__":
