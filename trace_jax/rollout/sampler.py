@@ -7,7 +7,7 @@ The device side is two jitted functions with the cache donated:
     are the same call. Chunks are padded to buckets (`bucket_length`: powers of two >= 16, multiples of 256 above
     512), so it compiles once per bucket.
   * `_decode_jit` samples one token per active row from the pending logits, feeds it to the model (`_decode_model`:
-    `extend`'s math for n = 1, with the cache updated in place) and updates each row's stop state (stop token,
+    `models.extend` with n = 1, which updates the cache in place) and updates each row's stop state (stop token,
     per-row token budget, cache full). One compile per batch shape.
 
 `generate` is the host loop around `_decode_jit`. It reads the stop flags back every `sync_every` steps (every step

@@ -43,8 +43,8 @@ from trace_jax.models.config import ModelConfig
 METHODS = ("fork", "cached", "naive")
 LAYOUTS = ("auto", "packed", "cached")
 # Above this packed length (trajectory + all answer copies) "auto" switches to the cached layout: the packed mask
-# and score tensors grow as its square, while the cached layout skips the masked half of the trajectory's
-# attention (block-causal prefill). Measured on CPU (benchmarks/scoring_bench.py) the cached layout is already
+# and score tensors grow as its square, while the cached layout's prefill (`models.prefill`) skips the masked half
+# of the trajectory's attention up to 2048 tokens and stays linear in memory beyond. Measured on CPU (benchmarks/scoring_bench.py) the cached layout is already
 # 2-3x faster at L=1024; the packed one wins only for short inputs, where its single fused pass has less overhead.
 DEFAULT_PACKED_MAX_LEN = 512
 
