@@ -20,13 +20,13 @@ This module knows about tasks and corpora; not about tools, models or training.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NamedTuple
 
 from trace_jax.envs.corpus import Corpus, Document
 from trace_jax.envs.tasks import Clue, Task
+from trace_jax.jsonl import read_jsonl
 
 QUERY_FIELDS = ("query_id", "query", "answer")
 DOC_LIST_FIELDS = ("evidence_docs", "gold_docs")
@@ -44,21 +44,10 @@ class ExternalDataset(NamedTuple):
 
 
 def _records(path: Path) -> Iterator[tuple[str, Any]]:
-    if not path.is_file():
-        raise ExternalDataError(f"{path}: file not found.")
-    with path.open("r", encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ExternalDataError(f"{where}: invalid JSON ({error.msg} at column {error.colno}); each line must "
-                                        "be one JSON object.") from None
-            if not isinstance(record, Mapping):
-                raise ExternalDataError(f"{where}: expected a JSON object, got {type(record).__name__}.")
-            yield where, record
+    for where, record in read_jsonl(path, error=ExternalDataError):
+        if not isinstance(record, Mapping):
+            raise ExternalDataError(f"{where}: expected a JSON object, got {type(record).__name__}.")
+        yield where, record
 
 
 def _identifier(record: Mapping[str, Any], field: str, where: str) -> str:

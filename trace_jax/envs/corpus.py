@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from trace_jax.jsonl import read_jsonl
+
 DOCUMENT_FIELDS = ("docid", "url", "title", "text")
 
 
@@ -102,22 +104,11 @@ class Corpus(Sequence[Document]):
 
     @classmethod
     def from_jsonl(cls, path: str | os.PathLike) -> "Corpus":
-        path = Path(path)
-        if not path.is_file():
-            raise CorpusError(f"{path}: corpus file not found.")
         documents, where = [], []
-        with path.open("r", encoding="utf-8") as lines:
-            for line_number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                label = f"{path}:{line_number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise CorpusError(f"{label}: invalid JSON ({error.msg} at column {error.colno}).") from None
-                documents.append(_document_from_record(record, label))
-                where.append(label)
-        return cls(documents, path=path, _where=where)
+        for label, record in read_jsonl(path, error=CorpusError):
+            documents.append(_document_from_record(record, label))
+            where.append(label)
+        return cls(documents, path=Path(path), _where=where)
 
     @classmethod
     def from_parquet(cls, path: str | os.PathLike) -> "Corpus":
