@@ -407,7 +407,7 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _recompute_step(config: ModelConfig, sampling: SamplingConfig, params, tokens: jax.Array, lengths: jax.Array,
                     rng: jax.Array):
-    hidden = dec._forward_hidden(config, params, tokens, None, None, None)
+    hidden = dec.forward_hidden(config, params, tokens)
     last = hidden[jnp.arange(tokens.shape[0]), lengths - 1]
     logits = dec.logits_from_hidden(config, params, last)
     return sample_from_logits(logits, rng, sampling)
