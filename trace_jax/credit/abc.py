@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from trace_jax.credit._checks import check_choice, check_float, check_int, check_rank, check_same_batch, compute_dtype
 from trace_jax.credit.outcome import group_moments
+from trace_jax.credit.trace import discount_matrix
 
 NORMALIZE_MODES = ("joint", "per_step")
 
@@ -61,12 +62,6 @@ def abc_sft_weights(step_rewards, *, scale: float = 2.0, sharpness: float = 2.0,
     return scale * jax.nn.sigmoid(sharpness * (rewards - neutral))
 
 
-def _discount_matrix(size: int, gamma, dtype):
-    """`M[t, u] = gamma^(u - t)` for `u >= t`, else 0."""
-    offset = jnp.arange(size)[None, :] - jnp.arange(size)[:, None]
-    return jnp.where(offset >= 0, jnp.power(jnp.asarray(gamma, dtype), jnp.maximum(offset, 0).astype(dtype)), 0.0)
-
-
 _BLOCK = 16
 
 
@@ -79,12 +74,12 @@ def _backward_accumulate(values, gamma: float):
     """
     n, size = values.shape
     if size <= _BLOCK:
-        return jnp.einsum("tu,nu->nt", _discount_matrix(size, gamma, values.dtype), values)
+        return jnp.einsum("tu,nu->nt", discount_matrix(size, gamma, values.dtype), values)
     num_blocks = -(-size // _BLOCK)
     padded = jnp.pad(values, ((0, 0), (0, num_blocks * _BLOCK - size))).reshape(n, num_blocks, _BLOCK)
-    local = jnp.einsum("tu,nbu->nbt", _discount_matrix(_BLOCK, gamma, values.dtype), padded)
+    local = jnp.einsum("tu,nbu->nbt", discount_matrix(_BLOCK, gamma, values.dtype), padded)
     block_gamma = jnp.power(jnp.asarray(gamma, values.dtype), _BLOCK)
-    starts = jnp.einsum("bc,nc->nb", _discount_matrix(num_blocks, block_gamma, values.dtype), local[:, :, 0])
+    starts = jnp.einsum("bc,nc->nb", discount_matrix(num_blocks, block_gamma, values.dtype), local[:, :, 0])
     following = jnp.pad(starts[:, 1:], ((0, 0), (0, 1)))  # accumulated value at the start of the next block
     tail = jnp.power(jnp.asarray(gamma, values.dtype), jnp.arange(_BLOCK, 0, -1).astype(values.dtype))
     full = local + tail[None, None, :] * following[:, :, None]

@@ -95,10 +95,13 @@ def td_deltas(answer_scores, num_turns, *, form: str = "log_ratio", eps: float =
     return jnp.where(turn[None, :] < num_turns[:, None], deltas, 0.0)
 
 
-def _window_weights(num_slots: int, horizon: int, gamma: float, dtype):
-    """`W[k, u] = gamma^(u-k)` for `k <= u < k + horizon`, else 0: the look-ahead window of turn `k`."""
-    offset = jnp.arange(num_slots)[None, :] - jnp.arange(num_slots)[:, None]
-    inside = (offset >= 0) & (offset < horizon)
+def discount_matrix(size: int, gamma, dtype, *, horizon: int | None = None):
+    """`W[k, u] = gamma^(u-k)` for `k <= u` (and `u < k + horizon` when given), else 0.
+
+    With a horizon it is turn `k`'s look-ahead window; without one, `W @ x` accumulates `x` backwards with `gamma`.
+    """
+    offset = jnp.arange(size)[None, :] - jnp.arange(size)[:, None]
+    inside = (offset >= 0) if horizon is None else (offset >= 0) & (offset < horizon)
     return jnp.where(inside, jnp.power(jnp.asarray(gamma, dtype), jnp.maximum(offset, 0).astype(dtype)), 0.0)
 
 
@@ -144,7 +147,7 @@ def lookahead_credit(deltas, num_turns, outcome_adv, *, horizon: int = 3, gamma:
         window_average = jnp.zeros_like(deltas)
         reaches_end = turn[None, :] == num_turns[:, None] - 1
     else:
-        weights = _window_weights(num_slots, horizon, gamma, dtype)
+        weights = discount_matrix(num_slots, gamma, dtype, horizon=horizon)
         numerator = jnp.einsum("ku,nu->nk", weights, deltas)
         denominator = jnp.einsum("ku,nu->nk", weights, real.astype(dtype))
         window_average = numerator / jnp.where(real, denominator, 1.0)
