@@ -18,7 +18,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "credit": ("trace_jax.scoring.cli", "TRACE credit for existing trajectories (JSONL in, JSONL + receipts out)"),
     "convert-gguf": ("trace_jax.models.gguf", "dequantise a GGUF checkpoint into a Hugging Face safetensors directory"),
     "make-tasks": ("trace_jax.envs.cli", "generate procedural multi-hop search tasks and their corpus"),
-    "train": ("trace_jax.train.cli", "train a policy with GRPO / GSPO / TRACE / ABC"),
 }
 
 
