@@ -9,7 +9,8 @@ indices; rows are never left-padded).
   * `prefill` runs full rows once and returns their hidden states together with a cache of exactly those rows
     (the causal self-attention path of `forward`, so memory stays linear in length for long inputs).
   * `attend_cached_block` runs a block of queries against a prefilled cache with a per-query key limit and an
-    in-block boolean mask, without writing to the cache (memory O(L + Q) keys per query, not O(L^2)).
+    in-block boolean mask, without writing to the cache: flash-style tiles that skip cached keys beyond each
+    query tile's limit (memory O(tile), work about sum of the key limits).
 
 Both use the decoder's layer pieces and know nothing about sampling or scoring policy.
 """
@@ -126,9 +127,10 @@ def extend(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
     return logits, new_cache
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("block_band",))
 def attend_cached_block(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
-                        positions: jax.Array, key_limit: jax.Array, block_mask: jax.Array) -> jax.Array:
+                        positions: jax.Array, key_limit: jax.Array, block_mask: jax.Array, *,
+                        block_band: int | None = None) -> jax.Array:
     """Final-normed hidden states [B, Q, D] of a query block run against a prefilled cache (cache not modified).
 
     Args:
@@ -138,25 +140,25 @@ def attend_cached_block(config: ModelConfig, params: dict, cache: KVCache, token
       key_limit: int [B, Q]; query q sees cached slots j < key_limit[b, q].
       block_mask: bool [B, Q, Q]; query q sees block token q' where block_mask[b, q, q'] (pass causality and
         copy boundaries explicitly; it is not added for you).
+      block_band: optional static promise that `block_mask[b, q, q']` is False whenever `|q - q'| >= block_band`
+        (e.g. answer copies of width w: band w); each query tile then scores only the block tokens near it.
+
+    Attention runs in flash-style tiles (`decoder.prefix_attend`): each query tile walks the cached key tiles
+    only up to its largest `key_limit`, so the work is about `sum_q key_limit[q]` scores (plus the in-block part)
+    and memory is O(tile) per step, linear in the cache length. Keep `key_limit` non-decreasing along the block
+    (e.g. copies ordered by boundary) for the most skipping.
 
     Compute log-probs from the result with `hidden_logprobs` (chunked; no [B, Q, V] float32 tensor).
     """
-    T = cache.max_len
     block_mask = block_mask.astype(bool)
-
-    def mask(start, size):  # rows of the [B, Q, T + Q] mask, built per query block (see decoder.attend)
-        limits = jax.lax.dynamic_slice_in_dim(key_limit, start, size, axis=1)
-        cache_rows = jnp.arange(T)[None, None, :] < limits[:, :, None]
-        return jnp.concatenate([cache_rows, jax.lax.dynamic_slice_in_dim(block_mask, start, size, axis=1)], axis=-1)
-
 
     def layer(h, xs):
         lp, k_cache, v_cache = xs
         x = dec.rms_norm(h, lp["input_norm"], config.rms_norm_eps)
         q, k, v = dec._project_qkv(config, lp["attn"], x, positions)
-        keys = jnp.concatenate([k_cache.astype(q.dtype), k], axis=1)
-        values = jnp.concatenate([v_cache.astype(q.dtype), v], axis=1)
-        h = h + dec._attn_output(lp["attn"], dec.attend(config, q, keys, values, mask))
+        o = dec.prefix_attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), key_limit,
+                              extra=(k, v, block_mask), extra_band=block_band)
+        h = h + dec._attn_output(lp["attn"], o)
         x = dec.rms_norm(h, lp["post_attn_norm"], config.rms_norm_eps)
         return h + dec.mlp_block(config, lp, x), None
 

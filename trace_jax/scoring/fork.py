@@ -226,7 +226,7 @@ def _cached_hidden(config, params, tokens, boundaries, answer_tokens):
     same_copy = (state_of[:, None] == state_of[None, :]) & (offset_of[None, :] <= offset_of[:, None])
     block_mask = jnp.broadcast_to(same_copy, (n,) + same_copy.shape)
     copy_hidden = models.attend_cached_block(config, params, cache, copy_tokens, copy_positions, key_limit,
-                                             block_mask)
+                                             block_mask, block_band=width)
     return traj_hidden, copy_hidden.reshape(n, slots, width, -1)
 
 
