@@ -17,7 +17,7 @@ Targets (issue 4): naive/fork >= 0.6 x token ratio; fork >= 5x faster than the t
     .venv/bin/python benchmarks/scoring_bench.py --smollm2-dir DIR   # real SmolLM2 weights instead of random ones
 
 Times are the best of at least `--repeats` calls (more, up to 30, while a path's calls take under 3 s in all),
-interleaved round-robin across the JAX paths, after one warm-up call each (compilation excluded).
+interleaved round-robin across all paths (torch included), after one warm-up call each (compilation excluded).
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ import os
 import sys
 import tempfile
 import time
+
+# torch runs interleaved with JAX: OpenMP's default busy-waiting would steal the cores from the JAX calls between
+# torch calls (see model_bench.py). Set OMP_WAIT_POLICY yourself to override; must precede importing torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import jax
 import jax.numpy as jnp
@@ -106,6 +110,14 @@ def run_case(name, config, params, hf_dir, length, turns, m, repeats, with_torch
     fork_tokens = length + (turns + 1) * m
     row["token_ratio"] = naive_tokens / fork_tokens
     results, fns = {}, {}
+    if with_torch:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        results["torch"] = torch_naive(model, tokens, boundaries, answer, mask)
+        fns["torch"] = lambda: torch_naive(model, tokens, boundaries, answer, mask)
     for label, method, layout in (("packed", "fork", "packed"), ("cached", "fork", "cached"),
                                   ("naive", "naive", "auto")):
         kwargs = dict(method=method, layout=layout)
@@ -120,16 +132,7 @@ def run_case(name, config, params, hf_dir, length, turns, m, repeats, with_torch
     row["cached_temp_mb"] = compiled_memory(*args, layout="cached")["temp_bytes"] / 2**20
     row["naive_temp_mb"] = naive_temp_bytes(config, params, tokens, boundaries, answer) / 2**20
     if with_torch:
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-        torch_scores = torch_naive(model, tokens, boundaries, answer, mask)
-        row["max_diff_torch_naive"] = float(np.abs(torch_scores - results["naive"]).max())
-        start = time.perf_counter()
-        torch_naive(model, tokens, boundaries, answer, mask)
-        row["torch_s"] = time.perf_counter() - start
+        row["max_diff_torch_naive"] = float(np.abs(results["torch"] - results["naive"]).max())
     return row
 
 

@@ -10,9 +10,11 @@ Two layouts of the same computation:
 
   * "packed": trajectory and copies in one sequence with an explicit boolean mask (`models.forward_hidden`).
     Simple; attention memory is `O((L + (T+1) m)^2)`, fine up to a few thousand tokens.
-  * "cached": prefill the trajectory (query-chunked causal attention, keys/values kept per layer), then run all
-    copies as one query block against the cached keys with a per-query key limit (`models.attend_cached_block`).
-    Attention memory is `O(L * chunk + Q * (L + Q))` with `Q = (T+1)(m-1)`: linear in `L`.
+  * "cached": prefill the trajectory (causal attention, keys/values kept per layer), then run all copies as one
+    query block against the cached keys with a per-query key limit (`models.attend_cached_block`). Its attention is
+    tiled (`decoder.prefix_attend`): a tile of copy queries reads cached key tiles only up to its largest `b_k`
+    and only the copy tokens within one answer width of it, so the work is about `sum_k (m-1) b_k` scores and
+    memory is linear in `L`.
 
 Only `m - 1` answer tokens per state run through the model: answer token 0 is predicted by the trajectory's own
 hidden state at `b_k - 1` (which only sees keys `< b_k`), and the last answer token predicts nothing we score.
@@ -44,8 +46,9 @@ METHODS = ("fork", "cached", "naive")
 LAYOUTS = ("auto", "packed", "cached")
 # Above this packed length (trajectory + all answer copies) "auto" switches to the cached layout: the packed mask
 # and score tensors grow as its square, while the cached layout's prefill (`models.prefill`) skips the masked half
-# of the trajectory's attention up to 2048 tokens and stays linear in memory beyond. Measured on CPU (benchmarks/scoring_bench.py) the cached layout is already
-# 2-3x faster at L=1024; the packed one wins only for short inputs, where its single fused pass has less overhead.
+# of the trajectory's attention and its copy block skips keys past each copy's boundary, linear in memory.
+# Measured on CPU (benchmarks/scoring_bench.py) the cached layout is faster from L=1024 on; the packed one wins
+# only for short inputs, where its single fused pass has less overhead.
 DEFAULT_PACKED_MAX_LEN = 512
 
 
@@ -283,9 +286,9 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
       mesh, rules: optional mesh; trajectories are split over the mesh axes that the logical "batch" axis maps to
         (data parallel) and params placed by `rules` (default `models.DEFAULT_RULES`).
       logprob_chunk: positions per log-softmax chunk (at most float32 `[N, chunk, V]` logits at once).
-      query_chunk: query block of the cached layout's prefill attention (`ModelConfig.attention_query_chunk`);
-        0 = the model's automatic choice (unrolled causal blocks up to 2048 tokens, rolled 512-row blocks above,
-        so memory stays linear in length).
+      query_chunk: query block of the cached layout's prefill attention (`ModelConfig.attention_query_chunk`;
+        any value takes the tiled `prefix_attend` path with that many query rows per tile); 0 = the model's
+        automatic choice (static causal blocks up to 1024 tokens, skipping tiles above, memory linear in length).
       bucket: pad `N, L, S, m` up to buckets (`bucket_size`) so jit compiles once per bucket.
 
     Returns:
