@@ -143,7 +143,8 @@ def attend_cached_block(config: ModelConfig, params: dict, cache: KVCache, token
       block_band: optional static promise that `block_mask[b, q, q']` is False whenever `|q - q'| >= block_band`
         (e.g. answer copies of width w: band w); each query tile then scores only the block tokens near it.
 
-    Attention runs in flash-style tiles (`decoder.prefix_attend`): each query tile walks the cached key tiles
+    Attention runs in flash-style tiles (`decoder.prefix_attend`, query tiles of `config.attention_query_chunk`
+    rows when set, as in causal self-attention): each query tile walks the cached key tiles
     only up to its largest `key_limit`, so the work is about `sum_q key_limit[q]` scores (plus the in-block part)
     and memory is O(tile) per step, linear in the cache length. Keep `key_limit` non-decreasing along the block
     (e.g. copies ordered by boundary) for the most skipping.
@@ -157,7 +158,8 @@ def attend_cached_block(config: ModelConfig, params: dict, cache: KVCache, token
         x = dec.rms_norm(h, lp["input_norm"], config.rms_norm_eps)
         q, k, v = dec._project_qkv(config, lp["attn"], x, positions)
         o = dec.prefix_attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), key_limit,
-                              extra=(k, v, block_mask), extra_band=block_band)
+                              extra=(k, v, block_mask), extra_band=block_band,
+                              q_block=config.attention_query_chunk or None)
         h = h + dec._attn_output(lp["attn"], o)
         x = dec.rms_norm(h, lp["post_attn_norm"], config.rms_norm_eps)
         return h + dec.mlp_block(config, lp, x), None
