@@ -137,3 +137,46 @@ def test_missing_or_float_anchor_keys_are_named():
         credit.compute_advantages("gigpo", inputs._replace(anchor_keys=None), check=True)
     with pytest.raises(ValueError, match="anchor_key_ids"):
         credit.compute_advantages("gigpo", inputs._replace(anchor_keys=inputs.anchor_keys * 1.0), check=True)
+
+
+@pytest.mark.slow
+def test_rollout_exposes_the_anchor_state_of_every_turn_and_the_clue_chain(tmp_path):
+    """A scripted group of two: both search the same query first (shared S_0 and S_1), then only one opens a page."""
+    import types
+
+    from trace_jax import models
+    from trace_jax.envs.browser import Browser
+    from trace_jax.envs.corpus import Corpus
+    from trace_jax.envs.tasks import Clue
+    from trace_jax.models.chat import ChatFormat
+    from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
+    from trace_jax.rollout import RolloutConfig, ScriptedPolicy, run_episodes
+    from trace_jax.rollout.batch import anchor_keys
+
+    docs = [{"docid": "d1", "url": "https://wiki.example/alpha", "title": "Alpha river",
+             "text": "The Alpha river flows through Paris."}]
+    words = ["Alpha", "river", "flows", "through", "Paris", "The", "search", "open", "query", "id", "answer"]
+    tokenizer = load_tokenizer(build_word_tokenizer(words, tmp_path))
+    chat = ChatFormat(tokenizer)
+    config = models.get_preset("tiny-qwen3", vocab_size=len(tokenizer))
+    params = models.init_params(config, jax.random.PRNGKey(0))
+    clue = Clue("d1", "Alpha river", "on_river", "Paris")
+    task = types.SimpleNamespace(task_id="q0", question="Where does the Alpha river flow?", answer="Paris",
+                                 aliases=(), clues=(clue,))
+    search = chat.assistant_content_ids(None, [{"name": "search", "arguments": {"query": "Alpha river"}}])
+    open_first = chat.assistant_content_ids(None, [{"name": "open", "arguments": {"id": 0}}])
+    answer = chat.assistant_content_ids("<answer>Paris</answer>") + [chat.im_end_id]
+    rollout = RolloutConfig(group_size=2, max_turns=2, max_context=512, turn_token_budget=32, system_prompt="Go.",
+                            with_tools=False, sync_every=1)
+    hook = ScriptedPolicy([[search, answer], [search, open_first, answer]], config.vocab_size)
+    result = run_episodes(config, params, chat, [task], Browser(Corpus.from_records(docs)), rollout,
+                          jax.random.PRNGKey(0), logits_hook=hook)
+    keys = anchor_keys(result.episodes, rollout.max_turns + 1)
+    np.testing.assert_array_equal(np.asarray(result.batch.num_turns), [1, 2])
+    assert keys[0, 0] == keys[1, 0] and keys[0, 1] == keys[1, 1] and keys[1, 2] not in keys[0, :2]
+    assert all(episode.clues == (clue,) for episode in result.episodes)
+    inputs = result.batch.credit_inputs(anchor_keys=jnp.asarray(keys))
+    gigpo = credit.compute_advantages("gigpo", inputs, check=True)
+    # both answered right: no episode signal; from the shared S_1 the row that answered at once has the larger return
+    np.testing.assert_allclose(gigpo.outcome_advantages, [0.0, 0.0])
+    assert float(gigpo.per_turn[0, 1]) > 0 > float(gigpo.per_turn[1, 1])
