@@ -8,7 +8,8 @@ import pytest
 
 from trace_jax import credit
 from trace_jax.abc import Step, StepScorer, counts_to_arrays
-from trace_jax.abc.rules import RuleBasedStepScorer, observation_page, steps_from_episode, steps_from_messages
+from trace_jax.abc.rules import (RuleBasedStepScorer, observation_page, steps_from, steps_from_episode,
+                                 steps_from_messages)
 from trace_jax.envs.tasks import Clue
 from trace_jax.rollout.batch import EpisodeRecord
 
@@ -164,6 +165,7 @@ def test_steps_from_an_episode_record():
                             tool_calls=[("open", {"id": 0})],
                             observations=[page(0, "Sika Institute", "Sika Institute was founded in 1786.")])
     steps = steps_from_episode(episode)
+    assert steps_from(episode) == steps
     assert [s.observation is None for s in steps] == [False, True] and steps[0].tool_call == ("open", {"id": 0})
     counts = RuleBasedStepScorer().score(question="q", gold=episode.gold, clues=BRIDGE_CLUES, steps=steps)
     assert [(c.n_found, c.ans) for c in counts] == [(1, 0), (0, 1)]
@@ -185,7 +187,9 @@ def test_on_oracle_trajectories_the_rules_find_exactly_the_clues_the_oracle_conf
     scorer = RuleBasedStepScorer()
     for task in generate_tasks(world, 12, seed=1, config=TaskConfig(min_hops=1, max_hops=2)):
         result = solve(browser, task, OracleConfig(detour_prob=0.3, seed=2))
-        counts = scorer.score(question=task.question, gold=task.gold_answers, clues=task.clues,
-                              steps=steps_from_messages(result.messages))
+        record = result.to_record()
+        assert steps_from(record) == steps_from(result) == steps_from_messages(result.messages)
+        counts = scorer.score(question=task.question, gold=task.gold_answers, clues=record["clues"],
+                              steps=steps_from(result))
         assert sum(c.n_found + c.n_excluded for c in counts) == sum(result.confirmed), task.question
         assert counts[-1].ans == (1 if result.solved else -1)

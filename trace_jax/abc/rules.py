@@ -123,6 +123,21 @@ def steps_from_episode(episode: Any) -> list[Step]:
     return steps
 
 
+def steps_from(episode: Any) -> list[Step]:
+    """Steps of any episode form: a rollout `EpisodeRecord`, a `trace-jax credit` / oracle JSONL record (a dict
+    with `messages`), an `OracleResult`, or a bare message list."""
+    if hasattr(episode, "turn_texts"):
+        return steps_from_episode(episode)
+    if isinstance(episode, Mapping) and isinstance(episode.get("messages"), list):
+        return steps_from_messages(episode["messages"])
+    if isinstance(getattr(episode, "messages", None), list):
+        return steps_from_messages(episode.messages)
+    if isinstance(episode, list):
+        return steps_from_messages(episode)
+    raise TypeError(f"cannot read steps from a {type(episode).__name__}; pass an EpisodeRecord, a record dict with "
+                    "'messages', an OracleResult or a list of chat messages")
+
+
 class RuleBasedStepScorer:
     """ABC step counts from the clue chain's matches in tool observations (see the module docstring).
 
