@@ -16,7 +16,8 @@ from trace_jax.rollout.batch import EpisodeRecord
 
 def call(name, **arguments):
     return {"role": "assistant", "content": f"I will {name}.",
-            "tool_calls": [{"id": "c", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]}
+            "tool_calls": [{"id": "c", "type": "function",
+                            "function": {"name": name, "arguments": json.dumps(arguments)}}]}
 
 
 def tool(text):
@@ -25,12 +26,14 @@ def tool(text):
 
 def page(cursor, title, *lines):
     body = "\n".join(f"L{i}: {line}" for i, line in enumerate(lines))
-    return f"[{cursor}] {title} (https://wiki.local/{title.replace(' ', '_')})\n**viewing lines [0 - {len(lines) - 1}] of {len(lines)}**\n\n{body}"
+    header = f"[{cursor}] {title} (https://wiki.local/{title.replace(' ', '_')})"
+    return f"{header}\n**viewing lines [0 - {len(lines) - 1}] of {len(lines)}**\n\n{body}"
 
 
 def results(cursor, query, *titles):
     lines = "\n".join(f"L{i}: 【{i}†{t}†wiki.local】" for i, t in enumerate(titles))
-    return f"[{cursor}] Search results for `{query}`\n**viewing lines [0 - {len(titles) - 1}] of {len(titles)}**\n\n{lines}"
+    header = f"[{cursor}] Search results for `{query}`"
+    return f"{header}\n**viewing lines [0 - {len(titles) - 1}] of {len(titles)}**\n\n{lines}"
 
 
 def answer(text):
@@ -82,7 +85,8 @@ def test_detour_trajectory_counts_each_clue_once_on_its_own_page_and_a_rejected_
         tool(page(1, "Travel notes 3", "Halbo Selni studied at Sika Institute, people say.")),
         call("open", id=0, cursor=0), tool(page(2, "Halbo Selni", "Halbo Selni studied at Sika Institute.")),
         call("find", pattern="studied", cursor=2),  # the same fact again: not new
-        tool("[3] Find results for text: `studied` in `Halbo Selni` (https://wiki.local/Halbo_Selni/find?pattern=studied)\n"
+        tool("[3] Find results for text: `studied` in `Halbo Selni` "
+             "(https://wiki.local/Halbo_Selni/find?pattern=studied)\n"
              "**viewing lines [0 - 0] of 1**\n\nL0: # 【0†match at L0】\nHalbo Selni studied at Sika Institute."),
         answer("Halbo University"),
     ]
@@ -139,9 +143,12 @@ def test_known_docid_replaces_the_page_title_rule():
     clues = (Clue("person-1", "Halbo Selni", "born_in", "Kaol"),)
     text = page(0, "Some other title", "Halbo Selni was born in Kaol.")
     scorer = RuleBasedStepScorer()
-    assert scorer.score(question="", gold=["Kaol"], clues=clues, steps=[Step("x", text, docid="person-1")])[0].n_found == 1
-    assert scorer.score(question="", gold=["Kaol"], clues=clues, steps=[Step("x", text, docid="person-9")])[0].n_found == 0
-    assert scorer.score(question="", gold=["Kaol"], clues=clues, steps=[Step("x", text)])[0].n_found == 0
+    def found(step):
+        return scorer.score(question="", gold=["Kaol"], clues=clues, steps=[step])[0].n_found
+
+    assert found(Step("x", text, docid="person-1")) == 1
+    assert found(Step("x", text, docid="person-9")) == 0
+    assert found(Step("x", text)) == 0
 
 
 def test_a_record_cut_on_a_tool_message_has_no_answer_step():

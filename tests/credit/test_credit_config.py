@@ -16,7 +16,8 @@ from tests.credit.test_credit_tokens_and_registry import random_batch
 
 def test_defaults_are_the_specs():
     config = credit.CreditConfig()
-    assert (config.estimator, config.eps, config.horizon, config.gamma, config.terminal_fill) == ("trace", 0.1, 3, 0.8, 2.0)
+    assert (config.estimator, config.eps, config.horizon, config.gamma, config.terminal_fill) == (
+        "trace", 0.1, 3, 0.8, 2.0)
     assert (config.alpha_out, config.alpha_turn, config.abc_gamma, config.gigpo_gamma, config.gigpo_omega) == (
         1.0, 0.2, 0.25, 0.95, 1.0)
 
@@ -47,7 +48,8 @@ def test_config_is_hashable_and_a_static_jit_argument():
 
 @pytest.mark.parametrize("changes, message", [
     ({"estimator": "nope"}, "not registered"), ({"form": "log"}, "form"), ({"horizon": 1.5}, "horizon"),
-    ({"horizon": -1}, "horizon"), ({"eps": 0.0}, "eps"), ({"gamma": 1.5}, "gamma"), ({"alpha_turn": -0.1}, "alpha_turn"),
+    ({"horizon": -1}, "horizon"), ({"eps": 0.0}, "eps"), ({"gamma": 1.5}, "gamma"),
+    ({"alpha_turn": -0.1}, "alpha_turn"),
     ({"std": "pop"}, "std"), ({"abc_normalize": "x"}, "abc_normalize"), ({"gigpo_gamma": float("nan")}, "gigpo_gamma"),
     ({"min_score": 1.0}, "min_score"), ({"gigpo_step_std": "sample"}, "gigpo_step_std"),
 ])
@@ -89,5 +91,6 @@ def test_abc_grpo_zero_variance_group_gets_zero():
     steps = jnp.array([[4, 2, 3], [1, 4, 4]])
     np.testing.assert_array_equal(credit.abc_grpo_advantages(rewards, steps), 0.0)
     np.testing.assert_array_equal(credit.abc_grpo_advantages(rewards, steps, normalize="per_step"), 0.0)
-    grouped = credit.grouped_abc_grpo_advantages(rewards.reshape(6, 4), steps.reshape(6), jnp.repeat(jnp.arange(2), 3), 2)
+    grouped = credit.grouped_abc_grpo_advantages(rewards.reshape(6, 4), steps.reshape(6),
+                                                 jnp.repeat(jnp.arange(2), 3), 2)
     np.testing.assert_array_equal(grouped, 0.0)

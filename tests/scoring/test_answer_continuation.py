@@ -1,4 +1,4 @@
-"""The answer continuation: joint tokenisation scores the tokens the model would produce, in every think-block format."""
+"""The answer continuation: joint tokenisation scores the tokens the model would produce, in every think format."""
 
 import pytest
 
@@ -7,7 +7,8 @@ from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
 from trace_jax.scoring.continuation import build_answer_continuation
 
 # Qwen2/3's pre-tokenizer split: one non-letter may lead a run of letters, so ">Paris" is one pre-token.
-QWEN_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+              r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,8 @@ def bpe():
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    corpus = ["<answer>Paris</answer>"] * 50 + ["<answer>Rome</answer>", "The answer is Paris.", "<think>\n\n</think>\n\n"] * 5
+    corpus = ["<answer>Paris</answer>"] * 50 + [
+        "<answer>Rome</answer>", "The answer is Paris.", "<think>\n\n</think>\n\n"] * 5
     backend.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
@@ -89,7 +91,8 @@ def test_thinking_mode_is_read_from_the_chat_template(bpe):
             self.chat_template = template
     assert thinking_mode_of(WithTemplate(None)) == "none"
     assert thinking_mode_of(WithTemplate("{{ '<|im_start|>assistant\\n' }}")) == "none"
-    assert thinking_mode_of(WithTemplate("{%- if enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}")) == "hybrid"
+    hybrid = "{%- if enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    assert thinking_mode_of(WithTemplate(hybrid)) == "hybrid"
     assert thinking_mode_of(WithTemplate("{{- '<|im_start|>assistant\\n<think>\\n' }}")) == "always"
     with pytest.raises(ValueError, match="thinking="):
         ChatFormat(bpe, thinking="maybe")

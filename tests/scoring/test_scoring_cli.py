@@ -230,8 +230,8 @@ def test_every_estimator_from_the_cli_equals_compute_advantages(reference_dir, g
         assert result["estimator"] == estimator and result["flags"] == []
         for (start, end), advantage in zip(result["turn_spans"], result["turn_advantages"]):
             rebuilt[i, start:end] = advantage
-        np.testing.assert_allclose(result["answer_scores"], np.asarray(inputs.answer_scores)[i, :result["num_turns"] + 1],
-                                   atol=1e-5)
+        want_scores = np.asarray(inputs.answer_scores)[i, :result["num_turns"] + 1]
+        np.testing.assert_allclose(result["answer_scores"], want_scores, atol=1e-5)
     trained = np.asarray(inputs.loss_mask) != 0
     np.testing.assert_allclose(rebuilt[trained], want[trained], atol=2e-5)
     if estimator in ("trace", "grpo", "gigpo"):
@@ -274,7 +274,7 @@ def _sample_records():
 
 
 def test_group_of_one_and_missing_reward_are_flagged_counted_and_warned(reference_dir, tmp_path, capsys):
-    records = _sample_records()[:3]  # one group: rewards 1, 1, 0 in the sample? make it explicit
+    records = _sample_records()[:3]
     pair = [dict(records[0], id="a", group="g", reward=1.0), dict(records[1], id="b", group="g", reward=0.0)]
     no_reward = dict(records[2], id="c", group="g")
     no_reward.pop("reward")
@@ -288,7 +288,8 @@ def test_group_of_one_and_missing_reward_are_flagged_counted_and_warned(referenc
     assert results["c"]["flags"] == ["missing_reward"] and results["c"]["outcome_advantage"] == 0.0
     assert results["d"]["flags"] == ["group_of_one"] and results["d"]["outcome_advantage"] == 0.0
     # the record without a reward leaves the group's statistics alone: the pair is +-1
-    assert results["a"]["outcome_advantage"] == pytest.approx(1.0) and results["b"]["outcome_advantage"] == pytest.approx(-1.0)
+    assert results["a"]["outcome_advantage"] == pytest.approx(1.0)
+    assert results["b"]["outcome_advantage"] == pytest.approx(-1.0)
     assert results["a"]["group_size"] == 2 and results["a"]["group_reward_mean"] == 0.5
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert (summary["groups_of_one"], summary["missing_reward"]) == (1, 1)

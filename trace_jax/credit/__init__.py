@@ -44,7 +44,8 @@ from trace_jax.credit.validate import (
 
 __all__ = [
     "CreditConfig", "CreditInputs", "CreditResult", "Estimator", "abc_grpo_advantages", "anchor_key_ids",
-    "estimator_options", "gigpo_step_advantages", "history_state_keys", "resolve_config", "validate_anchor_keys", "abc_sft_weights", "abc_step_rewards",
+    "estimator_options", "gigpo_step_advantages", "history_state_keys", "resolve_config", "validate_anchor_keys",
+    "abc_sft_weights", "abc_step_rewards",
     "compute_advantages", "estimator_names", "get_estimator", "grouped_abc_grpo_advantages",
     "grouped_outcome_advantages", "gspo_sequence_ratio", "lookahead_credit", "outcome_advantages",
     "register_estimator", "sequence_advantages_to_tokens", "step_values_to_tokens", "td_deltas", "token_advantages",

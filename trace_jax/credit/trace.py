@@ -8,9 +8,9 @@ whatever the padding holds (NaN included). Knows nothing about models, tokens or
 Impossible answers: an answer score of `-inf` (or anything below `min_score`) is clamped to `min_score` before the
 value is computed, so credit stays finite. The floor is per form (`config.FORM_MIN_SCORES`): -1e4 nats per token for
 log_ratio (from an impossible answer to a likely one the TD is about `log(1e4 / d_{k+1})`, at most 11.5), -30 for
-raw_delta and linear_gap, whose TDs grow linearly with the score (|delta| <= 30 and delta in [-300, 1)). Scores above 0 (rounding noise in low
-precision) are clamped to 0. NaN inside a trajectory's real states is invalid input: `validate_trace_inputs`
-rejects it on the host, and inside jit it propagates to that trajectory only.
+raw_delta and linear_gap, whose TDs grow linearly with the score (|delta| <= 30 and delta in [-300, 1)). Scores
+above 0 (rounding noise in low precision) are clamped to 0. NaN inside a trajectory's real states is invalid input:
+`validate_trace_inputs` rejects it on the host, and inside jit it propagates to that trajectory only.
 """
 
 from __future__ import annotations

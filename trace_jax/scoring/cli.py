@@ -264,7 +264,8 @@ def _abc_step_counts(record: dict, messages: list, answer: str) -> list:
 
     if not isinstance(record.get("clues"), list):
         raise RecordError("field 'clues' (the gold clue chain, a list of {docid, entity, relation, value, kind}) is "
-                          "needed by --estimator abc_grpo; oracle records from `trace-jax make-tasks --oracle` carry it")
+                          "needed by --estimator abc_grpo; oracle records from `trace-jax make-tasks --oracle` "
+                          "carry it")
     aliases = record.get("aliases") or []
     gold = [answer] + [str(a) for a in aliases if isinstance(a, str)]
     try:

@@ -71,7 +71,8 @@ def render_receipt(result: Mapping[str, Any], turns: Sequence[Mapping[str, Any]]
         rows.append(
             f"<tr><td>{k}</td><td>{calls}</td><td>{esc(turn.get('observation', ''))}</td>"
             f"<td>{number(scores, k + 1, '.4f')}</td><td>{number(values, k + 1, '.4f')}</td>"
-            f"<td>{number(tds, k, '+.4f')}</td><td>{_bar(r or 0.0, scale)}</td><td>{number(credit, k, '+.4f')}</td></tr>"
+            f"<td>{number(tds, k, '+.4f')}</td><td>{_bar(r or 0.0, scale)}</td>"
+            f"<td>{number(credit, k, '+.4f')}</td></tr>"
         )
     reward = result.get("reward")
     meta = [
