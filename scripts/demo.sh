@@ -17,7 +17,6 @@ if [ ! -f "$out/smollm2/config.json" ]; then
 fi
 # short pages, 1-2 hop questions and at most 6 tool calls keep 8 trajectories at 1-3k tokens (18k in all; both
 # groups mix solved and failed runs)
-trace-jax make-tasks --out "$out/tasks" --num 2 --seed 1 --oracle --group-size 4 --detour-prob 0.3 \
-  --retrieval-noise 0.3 --max-steps 6 --view-lines 8 --max-hops 2
+trace-jax make-tasks --out "$out/tasks" --num 2 --seed 1 --oracle --group-size 4 --detour-prob 0.3 --retrieval-noise 0.3 --max-steps 6 --view-lines 8 --max-hops 2
 trace-jax credit "$out/tasks/trajectories.jsonl" --reference "$out/smollm2" --out "$out/credit" --batch-size 2
 echo "demo: per-turn credit in $out/credit/credit.jsonl, receipts in $out/credit/receipts/*.html, plot $out/credit/credit_by_turn.png"
