@@ -355,3 +355,22 @@ def test_abc_grpo_names_the_missing_clue_chain(reference_dir, tmp_path, capsys):
 def test_illegal_credit_option_is_a_usage_error(reference_dir, tmp_path, capsys):
     assert _run(reference_dir, SAMPLE, tmp_path, "--gamma", "1.5") == 2
     assert "CreditConfig.gamma" in capsys.readouterr().err
+
+
+def test_thinking_format_renders_reasoning_and_answers_after_an_empty_think_block(reference_dir, tmp_path):
+    record = _sample_records()[0]
+    messages = [dict(m) for m in record["messages"]]
+    messages[2]["reasoning_content"] = "Kaol first."  # the first assistant message
+    path = _write(tmp_path / "in.jsonl", [dict(record, messages=messages)])
+    for thinking in ("none", "hybrid"):
+        assert _run(reference_dir, path, tmp_path / thinking, "--thinking", thinking, "--no-receipts",
+                    "--no-plot") == 0
+    plain, = _read_jsonl(tmp_path / "none" / "credit.jsonl")
+    hybrid, = _read_jsonl(tmp_path / "hybrid" / "credit.jsonl")
+    tokenizer = load_tokenizer(reference_dir)
+    assert tokenizer.decode(plain["template_token_ids"]) == "<answer>"
+    assert tokenizer.decode(hybrid["template_token_ids"]) == "<think>\n\n</think>\n\n<answer>"
+    assert hybrid["num_tokens"] > plain["num_tokens"]  # the reasoning is rendered in its think block
+    assert hybrid["answer_token_ids"] == plain["answer_token_ids"]
+    summary = json.loads((tmp_path / "hybrid" / "summary.json").read_text())
+    assert summary["settings"]["chat_thinking"] == "hybrid"
