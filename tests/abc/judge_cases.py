@@ -82,3 +82,52 @@ def as_tuples(counts):
 
 def neutral(counts: StepCounts) -> bool:
     return (counts.n_found, counts.n_excluded, counts.n_rejected) == (0, 0, 0)
+
+
+def scripted_recovery_reply(request):
+    """A scripted clue-recovery agent: search the answer, open its page, search the linking entity, open it, then
+    report the two support clues plus one whose value is not on its page (verification must drop it)."""
+    import json
+    import re
+
+    tool_messages = [m for m in request["messages"] if m["role"] == "tool"]
+
+    def open_link(title):
+        link = re.search(r"【(\d+)†" + re.escape(title) + "†", tool_messages[-1]["content"])
+        return _call("open", {"id": int(link.group(1))})
+
+    plan = [lambda: _call("search", {"query": "Paris"}), lambda: open_link("Alpha river"),
+            lambda: _call("search", {"query": "Beta city"}), lambda: open_link("Beta city")]
+    if len(tool_messages) < len(plan):
+        return plan[len(tool_messages)]()
+    return json.dumps({"clues": [
+        {"url": "https://wiki.example/alpha", "relation": "flows_through", "value": "Paris"},
+        {"url": "https://wiki.example/beta", "relation": "lies_on", "value": "Alpha  river"},
+        {"url": "https://wiki.example/gamma", "relation": "mayor", "value": "Lina Voss"}]})
+
+
+def scripted_judge_and_agent(request):
+    """One scripted model that is the recovery agent when given the recovery prompt, else the rubric judge."""
+    from trace_jax.abc.judge import scripted_rubric_reply
+    from trace_jax.abc.recover import RECOVERY_PROMPT
+
+    if request["messages"] and request["messages"][0].get("content") == RECOVERY_PROMPT:
+        return scripted_recovery_reply(request)
+    return scripted_rubric_reply(request)
+
+
+def to_messages(steps, question=QUESTION):
+    """A `trace-jax credit` record's messages for the steps (tool calls as OpenAI tool_calls)."""
+    import json
+
+    messages = [{"role": "system", "content": "Use the tools."}, {"role": "user", "content": question}]
+    for k, step in enumerate(steps):
+        if step.tool_call is not None:
+            name, arguments = step.tool_call
+            messages.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"call_{k}", "type": "function",
+                 "function": {"name": name, "arguments": json.dumps(arguments)}}]})
+            messages.append({"role": "tool", "tool_call_id": f"call_{k}", "content": step.observation})
+        else:
+            messages.append({"role": "assistant", "content": step.assistant})
+    return messages
