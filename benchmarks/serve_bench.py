@@ -5,7 +5,8 @@ A bounded load on loopback: `--requests` chat requests (default 200), `--concurr
 messages, prompt over the context, unknown role, too many stop strings). Valid ones are greedy, `--max-tokens` each,
 over a handful of prompts, so identical prompts must give identical text whatever they were batched with.
 
-Two servers on a tiny random Qwen3 (word tokenizer) run in this process, on free ports of 127.0.0.1:
+Two `trace-jax serve` processes on a tiny random Qwen3 (word tokenizer) checkpoint, on free ports of 127.0.0.1
+(the load's client threads run in this process):
   * `batched`    : `EngineConfig(max_batch=16)`, requests decoded together, admitted between slices;
   * `sequential` : `EngineConfig(max_batch=1, batching=False)`, one request at a time.
 Rounds alternate between them (`--repeats`, best round of each kept). Printed per server: valid requests served,
@@ -24,8 +25,10 @@ import argparse
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,6 +36,7 @@ import numpy as np
 
 PROMPTS = ["Hello world", "Which city does the river flow through?", "Find the documents about the river",
            "search the city", "Hello Paris"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INVALID_KINDS = ("unknown_model", "bad_temperature", "invalid_json", "missing_messages", "over_context",
                  "unknown_role", "too_many_stops")
 
@@ -95,13 +99,17 @@ def run_load(url: str, model: str, *, requests: int = 200, concurrency: int = 16
 
     result = LoadResult()
     texts: dict[str, str] = {}
+    local = threading.local()  # one keep-alive connection per client thread, as a real client pool has
+    clients = []
 
     def one(index):
         valid, key, kwargs = _request(index, model, max_tokens, invalid_every)
+        if not hasattr(local, "http"):
+            local.http = httpx.Client(timeout=timeout_s)
+            clients.append(local.http)
         started = time.perf_counter()
         try:
-            with httpx.Client(timeout=timeout_s) as http:
-                response = http.post(url + "/v1/chat/completions", **kwargs)
+            response = local.http.post(url + "/v1/chat/completions", **kwargs)
             status, body = response.status_code, response.json()
         except Exception as error:  # a lost request: reported, not raised
             status, body = None, {"exception": repr(error)}
@@ -111,6 +119,8 @@ def run_load(url: str, model: str, *, requests: int = 200, concurrency: int = 16
     with ThreadPoolExecutor(concurrency) as pool:
         outcomes = list(pool.map(one, range(requests)))
     result.seconds = time.perf_counter() - started
+    for http in clients:
+        http.close()
     for index, valid, key, status, body, latency in outcomes:
         if valid:
             result.valid += 1
@@ -133,24 +143,58 @@ def run_load(url: str, model: str, *, requests: int = 200, concurrency: int = 16
     return result
 
 
-def build_backends(workdir: str, max_context: int = 512):
-    """The tiny model served twice: batched (16 rows) and one request at a time (1 row)."""
+def save_tiny_checkpoint(directory: str, max_context: int = 512) -> str:
+    """A tiny random Qwen3 with a word tokenizer over the prompts' words, saved as a Hugging Face directory."""
     import jax
 
     from trace_jax import models
     from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
-    from trace_jax.serve import EngineConfig, ModelBackend
 
     words = sorted({w.strip("?") for p in PROMPTS for w in p.split()} | {"river", "city", "answer"})
-    tokenizer = load_tokenizer(build_word_tokenizer(words, os.path.join(workdir, "tok")))
+    tokenizer = load_tokenizer(build_word_tokenizer(words, directory))
     config = models.get_preset("tiny-qwen3", vocab_size=-(-len(tokenizer) // 64) * 64,
                                max_position_embeddings=max_context)
-    params = models.init_params(config, jax.random.PRNGKey(0))
-    batched = ModelBackend(config, params, tokenizer, name="tiny",
-                           engine=EngineConfig(max_batch=16, max_context=max_context))
-    sequential = ModelBackend(config, params, tokenizer, name="tiny",
-                              engine=EngineConfig(max_batch=1, max_context=max_context, batching=False))
-    return {"batched": batched, "sequential": sequential}
+    models.save_pretrained(directory, config, models.init_params(config, jax.random.PRNGKey(0)))
+    return directory
+
+
+class ServeProcess:
+    """`trace-jax serve CHECKPOINT` in a child process on a free loopback port (the clients' threads must not
+    share the server's interpreter lock, as they do not in real use)."""
+
+    def __init__(self, checkpoint: str, *flags: str):
+        from trace_jax.serve import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        self.process = subprocess.Popen([sys.executable, "-m", "trace_jax.cli", "serve", checkpoint, "--port",
+                                         str(self.port), "--model-name", "tiny", *flags],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+
+    def wait_ready(self, timeout: float = 120.0) -> "ServeProcess":
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"trace-jax serve exited: {self.process.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"trace-jax serve did not answer on {self.url} within {timeout} s")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
 
 
 def main(argv=None) -> int:
@@ -164,16 +208,18 @@ def main(argv=None) -> int:
 
     import jax
 
-    from trace_jax.serve import ServeConfig, ServerThread, create_app
-
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {os.cpu_count()} CPU(s); {args.requests} requests, "
           f"{args.concurrency} concurrent, max_tokens={args.max_tokens}, every {args.invalid_every}th invalid",
           flush=True)
     best: dict[str, LoadResult] = {}
     problems = 0
     with tempfile.TemporaryDirectory() as workdir:
-        servers = {name: ServerThread(create_app(backend, ServeConfig())).start()
-                   for name, backend in build_backends(workdir).items()}
+        checkpoint = save_tiny_checkpoint(workdir)
+        servers = {"batched": ServeProcess(checkpoint, "--max-batch", "16", "--max-context", "512"),
+                   "sequential": ServeProcess(checkpoint, "--max-batch", "1", "--no-batching", "--max-context",
+                                              "512")}
+        for server in servers.values():
+            server.wait_ready()
         try:
             for name, server in servers.items():  # warm-up: compiles every bucket the load uses
                 run_load(server.url, "tiny", requests=2 * args.concurrency, concurrency=args.concurrency,

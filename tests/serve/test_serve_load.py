@@ -6,8 +6,6 @@ import importlib.util
 import os
 import sys
 
-import pytest
-
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "serve_bench.py")
 
 
@@ -19,7 +17,6 @@ def _bench():
     return bench
 
 
-@pytest.mark.slow
 def test_bounded_load_loses_nothing_and_rejects_bad_input_with_4xx(served):
     url, backend = served
     result = _bench().run_load(url, "tiny", requests=200, concurrency=16, max_tokens=8, invalid_every=5)

@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slice-tokens", type=int, default=16,
                         help="decode steps between admissions of waiting requests")
     parser.add_argument("--no-batching", action="store_true", help="serve one request at a time")
+    parser.add_argument("--batch-wait-ms", type=float, default=5.0,
+                        help="when idle, wait this long for more requests to batch with the first one")
     parser.add_argument("--scripted-judge", action="store_true",
                         help="serve the deterministic rubric judge of trace_jax.abc.judge instead of a checkpoint "
                              "(offline dry runs of `trace-jax abc-score` on tasks with known clue chains)")
@@ -57,13 +59,14 @@ def run(args: argparse.Namespace) -> int:
         try:
             engine = None
             if args.max_context is not None or args.max_batch != 16 or args.no_batching or args.max_queue != 256 \
-                    or args.slice_tokens != 16:
+                    or args.slice_tokens != 16 or args.batch_wait_ms != 5.0:
                 from trace_jax.models.config import ModelConfig
 
                 limit = ModelConfig.from_hf(args.checkpoint).max_position_embeddings
                 engine = EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue,
                                       max_context=args.max_context or min(limit, 4096),
-                                      slice_tokens=args.slice_tokens, batching=not args.no_batching)
+                                      slice_tokens=args.slice_tokens, batching=not args.no_batching,
+                                      batch_wait_s=args.batch_wait_ms / 1000)
             backend = ModelBackend.from_checkpoint(args.checkpoint, tokenizer_path=args.tokenizer,
                                                    name=args.model_name, dtype=args.dtype, engine=engine)
         except (ValueError, FileNotFoundError, OSError) as error:

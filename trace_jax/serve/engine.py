@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
 from typing import Callable, Sequence
 
 import jax
@@ -47,8 +48,12 @@ class EngineConfig:
       max_context: cache slots per row: prompt + generated tokens of one choice never exceed it.
       slice_tokens: decode steps between admissions of waiting requests.
       batching: False serves one request at a time (the baseline of benchmarks/serve_bench.py).
-      sync_every: decode steps between host reads of the stop flags inside a slice (see `sampler.generate`).
+      sync_every: decode steps between host reads of the stop flags inside a slice (see `sampler.generate`); the
+        default, one read per slice, keeps host round trips (which dominate small models) to one per slice.
       seed: key of the unseeded requests' sampling.
+      batch_wait_s: when the engine is idle and a request arrives, wait up to this long for more to arrive before
+        starting, so a burst of arrivals forms one batch instead of a one-row slice followed by the rest (a
+        dynamic batcher's queue delay; it never delays a request that can join a running batch).
     """
 
     max_batch: int = 16
@@ -56,14 +61,17 @@ class EngineConfig:
     max_context: int = 2048
     slice_tokens: int = 16
     batching: bool = True
-    sync_every: int = 8
+    sync_every: int = 16
     seed: int = 0
+    batch_wait_s: float = 0.005
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_context", "slice_tokens", "sync_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+        if not 0 <= self.batch_wait_s <= 10:
+            raise ValueError(f"EngineConfig.batch_wait_s must be in [0, 10] seconds, got {self.batch_wait_s!r}")
         if self.max_context < 2:
             raise ValueError(f"EngineConfig.max_context must be >= 2 (a prompt token and a generated one), got "
                              f"{self.max_context}")
@@ -216,6 +224,11 @@ class Engine:
                 if not running and not self._pending:
                     self._wake.wait(0.5)
                     continue
+                if not running and self.config.batching and self.config.batch_wait_s > 0:
+                    deadline = time.monotonic() + self.config.batch_wait_s
+                    while (not self._closing and sum(r.n for r in self._pending) < batch
+                           and time.monotonic() < deadline):
+                        self._wake.wait(max(0.0, deadline - time.monotonic()))
                 admitted = self._admit_locked(rows, sampling, seeded)
             if admitted:
                 first = admitted[0][1].request
