@@ -137,3 +137,25 @@ def test_serve_command_rejects_a_missing_checkpoint(tmp_path, capsys):
 
     assert main(["serve", str(tmp_path / "nope")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_completions_stream_concatenates_to_the_unstreamed_text(client):
+    whole = client.completions.create(model="tiny", prompt="Hello world", temperature=0, max_tokens=20)
+    chunks = list(client.completions.create(model="tiny", prompt="Hello world", temperature=0, max_tokens=20,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_streamed_n_choices_arrive_with_their_index(client):
+    stream = client.chat.completions.create(model="tiny", messages=PLAIN, temperature=0, max_tokens=12, n=3,
+                                            stream=True)
+    texts = {0: "", 1: "", 2: ""}
+    finished = set()
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1, 2}
+    assert len(set(texts.values())) == 1 and texts[0]  # greedy: three equal choices
