@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-batching", action="store_true", help="serve one request at a time")
     parser.add_argument("--batch-wait-ms", type=float, default=5.0,
                         help="when idle, wait this long for more requests to batch with the first one")
+    parser.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
+                        help="uvicorn's log level; 'info' logs every request")
     parser.add_argument("--scripted-judge", action="store_true",
                         help="serve the deterministic rubric judge of trace_jax.abc.judge instead of a checkpoint "
                              "(offline dry runs of `trace-jax abc-score` on tasks with known clue chains)")
@@ -78,5 +80,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"serve: listening on {config.host}, not loopback: other machines can reach it"
               + ("" if api_key else " and no --api-key is set"), file=sys.stderr)
     print(f"serve: {backend.name} on http://{config.host}:{config.port}/v1", file=sys.stderr)
-    uvicorn.run(create_app(backend, config), host=config.host, port=config.port, log_level="info")
+    uvicorn.run(create_app(backend, config), host=config.host, port=config.port, log_level=args.log_level)
     return 0
