@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from judge_cases import CLUES, DOCS, GOLD, QUESTION, scripted_judge_and_agent, to_messages, trajectories
+from judge_cases import CLUES, DOCS, GOLD, scripted_judge_and_agent, to_messages, trajectories
 from trace_jax.cli import main
 from trace_jax.credit import abc_sft_weights, abc_step_rewards, grouped_abc_grpo_advantages
 from trace_jax.serve import ScriptedBackend, ServeConfig, ServerThread, create_app, free_port
