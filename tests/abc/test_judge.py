@@ -146,3 +146,16 @@ def test_judge_prompt_never_shows_steps_after_the_judged_one():
     assert all(len(s["observation"]) < 100 for s in payload["steps"])  # cut, with a note of how much
     assert rubric_counts(case_payload(QUESTION, GOLD, list(CLUES), steps, 1, 6000)) == {
         "n_found": 1, "n_excluded": 0, "n_rejected": 0}
+
+
+def test_judge_config_reads_the_endpoint_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TRACE_JAX_JUDGE_URL", "http://127.0.0.1:9/v1")
+    monkeypatch.setenv("TRACE_JAX_JUDGE_MODEL", "judge-model")
+    monkeypatch.delenv("TRACE_JAX_JUDGE_API_KEY", raising=False)
+    config = JudgeConfig.from_env(max_attempts=2)
+    assert (config.endpoint.base_url, config.endpoint.model, config.endpoint.api_key) == (
+        "http://127.0.0.1:9/v1", "judge-model", None)
+    assert config.max_attempts == 2
+    monkeypatch.delenv("TRACE_JAX_JUDGE_URL")
+    with pytest.raises(ValueError, match="TRACE_JAX_JUDGE_URL"):
+        JudgeConfig.from_env()

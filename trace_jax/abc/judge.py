@@ -104,6 +104,14 @@ class JudgeConfig:
         if not 0 <= self.temperature <= 2:
             raise ValueError(f"JudgeConfig.temperature must be in [0, 2], got {self.temperature!r}")
 
+    @classmethod
+    def from_env(cls, *, base_url: str | None = None, model: str | None = None, api_key: str | None = None,
+                 timeout_s: float = 60.0, **fields) -> "JudgeConfig":
+        """The endpoint from the arguments or `$TRACE_JAX_JUDGE_URL`, `_MODEL`, `_API_KEY`; other fields as given."""
+        endpoint = EndpointConfig.from_env("TRACE_JAX_JUDGE", base_url=base_url, model=model, api_key=api_key,
+                                           timeout_s=timeout_s)
+        return cls(endpoint=endpoint, **fields)
+
 
 # ---------------------------------------------------------------------------------------------------- prompt
 def clue_records(clues: Sequence[Any]) -> list[Clue]:
