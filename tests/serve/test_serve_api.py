@@ -68,7 +68,8 @@ def test_streaming_concatenates_to_the_unstreamed_text(client):
     pieces = [c.choices[0].delta.content or "" for c in
               client.chat.completions.create(model="tiny", messages=PLAIN, temperature=0, max_tokens=40,
                                              stream=True)]
-    assert len([p for p in pieces if p]) > 1  # it really streamed in several pieces
+    if whole.usage.completion_tokens > 16:  # more than one engine slice: it must arrive in several pieces
+        assert len([p for p in pieces if p]) > 1
     assert "".join(pieces) == whole.choices[0].message.content
 
 
