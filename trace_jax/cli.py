@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "credit": ("trace_jax.scoring.cli", "TRACE credit for existing trajectories (JSONL in, JSONL + receipts out)"),
     "convert-gguf": ("trace_jax.models.gguf", "dequantise a GGUF checkpoint into a Hugging Face safetensors directory"),
     "make-tasks": ("trace_jax.envs.cli", "generate procedural multi-hop search tasks and their corpus"),
+    "serve": ("trace_jax.serve.cli", "serve a checkpoint behind an OpenAI-compatible API (loopback by default)"),
+    "abc-score": ("trace_jax.abc.cli", "ABC step rewards for existing trajectories with an LLM judge (JSONL in)"),
 }
 
 

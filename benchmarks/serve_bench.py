@@ -1,0 +1,303 @@
+"""Serving benchmark: `trace-jax serve`'s batching engine against one request at a time, side by side in one run.
+
+A bounded load on loopback: `--requests` chat requests (default 200), `--concurrency` at a time (default 16), every
+`--invalid-every`-th one malformed in a rotating way (unknown model, bad temperature, invalid JSON, missing
+messages, prompt over the context, unknown role, too many stop strings). Valid ones are greedy, `--max-tokens` each,
+over a handful of prompts, so identical prompts must give identical text whatever they were batched with.
+
+Two `trace-jax serve` processes on a tiny random Qwen3 (word tokenizer) checkpoint, on free ports of 127.0.0.1
+(the load's client threads run in this process):
+  * `batched`    : `EngineConfig(max_batch=16)`, requests decoded together, admitted between slices;
+  * `sequential` : `EngineConfig(max_batch=1, batching=False)`, one request at a time.
+Rounds alternate between them (`--repeats`, best round of each kept). Printed per server: valid requests served,
+failed or lost ones, invalid ones answered 4xx with a message, p50/p99 latency of the valid ones, completion
+tokens/s; then the throughput ratio batched / sequential.
+
+Usage:
+  python benchmarks/serve_bench.py [--requests 200] [--concurrency 16] [--max-tokens 32] [--repeats 3]
+
+`run_load` is also the bounded load test of tests/serve/test_serve_load.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+PROMPTS = ["Hello world", "Which city does the river flow through?", "Find the documents about the river",
+           "search the city", "Hello Paris"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INVALID_KINDS = ("unknown_model", "bad_temperature", "invalid_json", "missing_messages", "over_context",
+                 "unknown_role", "too_many_stops")
+
+
+@dataclasses.dataclass
+class LoadResult:
+    valid: int = 0
+    ok: int = 0
+    failed: list = dataclasses.field(default_factory=list)  # (index, status, body) of valid requests not served
+    invalid: int = 0
+    rejected_4xx: int = 0
+    bad_rejections: list = dataclasses.field(default_factory=list)  # invalid ones not answered 4xx + message
+    inconsistent: list = dataclasses.field(default_factory=list)  # same prompt, different greedy text
+    latencies: list = dataclasses.field(default_factory=list)
+    completion_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def lost(self) -> int:
+        return self.valid - self.ok - len(self.failed)
+
+    def percentile(self, q: float) -> float:
+        return float(np.percentile(self.latencies, q)) if self.latencies else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.seconds if self.seconds else 0.0
+
+
+def _request(index: int, model: str, max_tokens: int, invalid_every: int):
+    """(valid?, prompt key, method kwargs for httpx) of request `index`."""
+    prompt = PROMPTS[index % len(PROMPTS)]
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+            "max_tokens": max_tokens}
+    if invalid_every and index % invalid_every == invalid_every - 1:
+        kind = INVALID_KINDS[(index // invalid_every) % len(INVALID_KINDS)]
+        if kind == "unknown_model":
+            body["model"] = "no-such-model"
+        elif kind == "bad_temperature":
+            body["temperature"] = 7
+        elif kind == "invalid_json":
+            return False, kind, {"content": b'{"model": "' + model.encode() + b'", "messages": [{',
+                                 "headers": {"content-type": "application/json"}}
+        elif kind == "missing_messages":
+            del body["messages"]
+        elif kind == "over_context":
+            body["messages"][0]["content"] = "Hello " * 5000
+        elif kind == "unknown_role":
+            body["messages"][0]["role"] = "robot"
+        elif kind == "too_many_stops":
+            body["stop"] = ["a", "b", "c", "d", "e"]
+        return False, kind, {"json": body}
+    return True, prompt, {"json": body}
+
+
+def run_load(url: str, model: str, *, requests: int = 200, concurrency: int = 16, max_tokens: int = 32,
+             invalid_every: int = 5, timeout_s: float = 300.0) -> LoadResult:
+    """Send the bounded load to `url` (the server root) and check every answer; never raises for a bad answer."""
+    import httpx
+
+    result = LoadResult()
+    texts: dict[str, str] = {}
+    local = threading.local()  # one keep-alive connection per client thread, as a real client pool has
+    clients = []
+
+    def one(index):
+        valid, key, kwargs = _request(index, model, max_tokens, invalid_every)
+        if not hasattr(local, "http"):
+            local.http = httpx.Client(timeout=timeout_s)
+            clients.append(local.http)
+        started = time.perf_counter()
+        try:
+            response = local.http.post(url + "/v1/chat/completions", **kwargs)
+            status, body = response.status_code, response.json()
+        except Exception as error:  # a lost request: reported, not raised
+            status, body = None, {"exception": repr(error)}
+        return index, valid, key, status, body, time.perf_counter() - started
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        outcomes = list(pool.map(one, range(requests)))
+    result.seconds = time.perf_counter() - started
+    for http in clients:
+        http.close()
+    for index, valid, key, status, body, latency in outcomes:
+        if valid:
+            result.valid += 1
+            if status == 200 and body.get("choices"):
+                result.ok += 1
+                result.latencies.append(latency)
+                result.completion_tokens += body["usage"]["completion_tokens"]
+                text = body["choices"][0]["message"]["content"]
+                if texts.setdefault(key, text) != text:
+                    result.inconsistent.append((index, key))
+            else:
+                result.failed.append((index, status, body))
+        else:
+            result.invalid += 1
+            message = (body.get("error") or {}).get("message") if isinstance(body, dict) else None
+            if status is not None and 400 <= status < 500 and message:
+                result.rejected_4xx += 1
+            else:
+                result.bad_rejections.append((index, key, status, body))
+    return result
+
+
+def run_engine(engine, prompt_ids, *, requests: int, concurrency: int, max_tokens: int) -> tuple[float, int]:
+    """The engine alone, no HTTP: `requests` greedy requests, `concurrency` in flight. Returns (seconds, tokens)."""
+    from trace_jax.rollout.sampler import SamplingConfig
+    from trace_jax.serve.engine import Finished, GenerationRequest
+
+    slots = threading.Semaphore(concurrency)
+    finished = threading.Semaphore(0)
+    tokens = []
+
+    def emit(event):
+        if isinstance(event, Finished):
+            tokens.append(len(event.token_ids))
+            slots.release()
+            finished.release()
+
+    started = time.perf_counter()
+    for index in range(requests):
+        slots.acquire()
+        engine.submit(GenerationRequest(prompt_ids=prompt_ids[index % len(prompt_ids)], max_tokens=max_tokens,
+                                        sampling=SamplingConfig(greedy=True), emit=emit))
+    for _ in range(requests):
+        finished.acquire()
+    return time.perf_counter() - started, sum(tokens)
+
+
+def save_tiny_checkpoint(directory: str, max_context: int = 512) -> str:
+    """A tiny random Qwen3 with a word tokenizer over the prompts' words, saved as a Hugging Face directory."""
+    import jax
+
+    from trace_jax import models
+    from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
+
+    words = sorted({w.strip("?") for p in PROMPTS for w in p.split()} | {"river", "city", "answer"})
+    tokenizer = load_tokenizer(build_word_tokenizer(words, directory))
+    config = models.get_preset("tiny-qwen3", vocab_size=-(-len(tokenizer) // 64) * 64,
+                               max_position_embeddings=max_context)
+    models.save_pretrained(directory, config, models.init_params(config, jax.random.PRNGKey(0)))
+    return directory
+
+
+class ServeProcess:
+    """`trace-jax serve CHECKPOINT` in a child process on a free loopback port (the clients' threads must not
+    share the server's interpreter lock, as they do not in real use)."""
+
+    def __init__(self, checkpoint: str, *flags: str):
+        from trace_jax.serve import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        self.process = subprocess.Popen([sys.executable, "-m", "trace_jax.cli", "serve", checkpoint, "--port",
+                                         str(self.port), "--model-name", "tiny", "--log-level", "warning", *flags],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+
+    def wait_ready(self, timeout: float = 120.0) -> "ServeProcess":
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"trace-jax serve exited: {self.process.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"trace-jax serve did not answer on {self.url} within {timeout} s")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--invalid-every", type=int, default=5, help="every k-th request is malformed (0: none)")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+
+    import jax
+
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {os.cpu_count()} CPU(s); {args.requests} requests, "
+          f"{args.concurrency} concurrent, max_tokens={args.max_tokens}, every {args.invalid_every}th invalid",
+          flush=True)
+    best: dict[str, LoadResult] = {}
+    problems = 0
+    with tempfile.TemporaryDirectory() as workdir:
+        checkpoint = save_tiny_checkpoint(workdir)
+        servers = {"batched": ServeProcess(checkpoint, "--max-batch", "16", "--max-context", "512"),
+                   "sequential": ServeProcess(checkpoint, "--max-batch", "1", "--no-batching", "--max-context",
+                                              "512")}
+        for server in servers.values():
+            server.wait_ready()
+        try:
+            for name, server in servers.items():  # warm-up: compiles every bucket the load uses
+                run_load(server.url, "tiny", requests=2 * args.concurrency, concurrency=args.concurrency,
+                         max_tokens=args.max_tokens, invalid_every=0)
+            for repeat in range(args.repeats):
+                for name, server in servers.items():
+                    result = run_load(server.url, "tiny", requests=args.requests, concurrency=args.concurrency,
+                                      max_tokens=args.max_tokens, invalid_every=args.invalid_every)
+                    bad = len(result.failed) + result.lost + len(result.bad_rejections) + len(result.inconsistent)
+                    problems += bad
+                    print(f"  round {repeat} {name:10s}: {result.tokens_per_s:8.1f} tok/s, p50 "
+                          f"{1e3 * result.percentile(50):7.1f} ms, p99 {1e3 * result.percentile(99):7.1f} ms, "
+                          f"problems {bad}", flush=True)
+                    for failure in (result.failed + result.bad_rejections)[:3]:
+                        print(f"    {json.dumps(failure, default=str)[:300]}")
+                    if name not in best or result.tokens_per_s > best[name].tokens_per_s:
+                        best[name] = result
+        finally:
+            for server in servers.values():
+                server.stop()
+        # The engines alone (no HTTP, no client threads): what batching buys the decoding itself.
+        from trace_jax.serve import EngineConfig, ModelBackend
+
+        engines = {name: ModelBackend.from_checkpoint(checkpoint, name="tiny", engine=EngineConfig(
+            max_batch=16 if name == "batched" else 1, max_context=512, batching=name == "batched")) for name in servers}
+        prompts = [engines["batched"].chat.render([{"role": "user", "content": p}]).ids for p in PROMPTS]
+        engine_best: dict[str, float] = {}
+        for backend in engines.values():
+            backend.start()
+            run_engine(backend.engine, prompts, requests=2 * args.concurrency, concurrency=args.concurrency,
+                       max_tokens=args.max_tokens)
+        for repeat in range(args.repeats):
+            for name, backend in engines.items():
+                seconds, count = run_engine(backend.engine, prompts, requests=args.requests,
+                                            concurrency=args.concurrency, max_tokens=args.max_tokens)
+                engine_best[name] = max(engine_best.get(name, 0.0), count / seconds)
+                print(f"  round {repeat} engine {name:10s}: {count / seconds:8.1f} tok/s", flush=True)
+        for backend in engines.values():
+            backend.close()
+    print()
+    print("| server | valid ok / sent | failed + lost | invalid -> 4xx with message | p50 latency | p99 latency "
+          "| completion tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in best.items():
+        print(f"| {name} | {r.ok} / {r.valid} | {len(r.failed) + r.lost} | {r.rejected_4xx} / {r.invalid} | "
+              f"{1e3 * r.percentile(50):.0f} ms | {1e3 * r.percentile(99):.0f} ms | {r.tokens_per_s:.1f} |")
+    ratio = best["batched"].tokens_per_s / max(best["sequential"].tokens_per_s, 1e-9)
+    engine_ratio = engine_best["batched"] / max(engine_best["sequential"], 1e-9)
+    print(f"\nthroughput batched / sequential at {args.concurrency} concurrent, over HTTP: {ratio:.2f}x; engine "
+          f"alone: {engine_best['batched']:.0f} / {engine_best['sequential']:.0f} tok/s = {engine_ratio:.2f}x "
+          f"(best of {args.repeats} interleaved rounds)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

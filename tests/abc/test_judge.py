@@ -1,0 +1,161 @@
+"""The LLM-judge step scorer end to end against deterministic endpoints served by `trace_jax.serve` on 127.0.0.1: the
+scripted rubric judge, a judge that writes nonsense, a flaky one and an unreachable one."""
+
+import json
+
+import pytest
+
+from judge_cases import CLUES, GOLD, QUESTION, as_tuples, trajectories
+from trace_jax.abc.judge import (
+    JudgeConfig,
+    LLMJudgeStepScorer,
+    MalformedJudgement,
+    case_payload,
+    parse_counts,
+    rubric_counts,
+    scripted_rubric_reply,
+)
+from trace_jax.abc.scorer import StepScorer
+from trace_jax.serve import ScriptedBackend, ServeConfig, ServerThread, create_app, free_port
+from trace_jax.serve.client import EndpointConfig
+
+
+@pytest.fixture(scope="module")
+def judge_server():
+    backend = ScriptedBackend(scripted_rubric_reply, name="rubric-judge")
+    with ServerThread(create_app(backend, ServeConfig())) as server:
+        yield server.url + "/v1", backend
+
+
+@pytest.fixture(scope="module")
+def nonsense_server():
+    backend = ScriptedBackend(lambda request: "Step 2 found one clue, I think: n_found=1", name="sloppy")
+    with ServerThread(create_app(backend, ServeConfig())) as server:
+        yield server.url + "/v1", backend
+
+
+def _scorer(url, model, tmp_path=None, **overrides):
+    config = JudgeConfig(endpoint=EndpointConfig(base_url=url, model=model, timeout_s=10), backoff_s=0.0,
+                         cache_dir=None if tmp_path is None else str(tmp_path / "cache"),
+                         audit_path=None if tmp_path is None else str(tmp_path / "audit.jsonl"), **overrides)
+    return LLMJudgeStepScorer(config)
+
+
+def test_judge_implements_the_step_scorer_interface(judge_server):
+    scorer = _scorer(judge_server[0], "rubric-judge")
+    assert isinstance(scorer, StepScorer) and scorer.name == "judge"
+
+
+@pytest.mark.parametrize("name", ["correct", "rejected", "cut_off", "guess"])
+def test_judge_scores_every_step_as_the_rubric_says(judge_server, name):
+    _, steps, expected = next(t for t in trajectories() if t[0] == name)
+    scorer = _scorer(judge_server[0], "rubric-judge")
+    counts = scorer.score(question=QUESTION, gold=GOLD, clues=CLUES, steps=steps)
+    assert as_tuples(counts) == expected
+    assert not any(c.flagged for c in counts)
+
+
+def test_malformed_judge_output_is_retried_then_neutral_and_flagged(nonsense_server, tmp_path):
+    url, backend = nonsense_server
+    _, steps, _ = next(t for t in trajectories() if t[0] == "rejected")
+    scorer = _scorer(url, "sloppy", tmp_path, max_attempts=3)
+    before = backend.calls
+    counts = scorer.score(question=QUESTION, gold=GOLD, clues=CLUES, steps=steps)
+    assert backend.calls - before == 3 * len(steps)
+    assert all(c.flagged and "malformed judge output" in c.note for c in counts)
+    assert [(c.n_found, c.n_excluded, c.n_rejected) for c in counts] == [(0, 0, 0)] * len(steps)
+    assert [c.ans for c in counts] == [0, 0, -1]  # the answer is checked locally, not by the judge
+    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert len(audit) == 3 * len(steps) and {a["status"] for a in audit} == {"malformed"}
+    assert all(a["reply"].startswith("Step 2 found") and a["request"][0]["role"] == "system" for a in audit)
+    assert not list((tmp_path / "cache").iterdir())  # failures are never cached
+
+
+def test_a_retry_recovers_from_one_malformed_reply(tmp_path):
+    replies = iter(["not json", '{"n_found": 1, "n_excluded": 0, "n_rejected": 0}'])
+    backend = ScriptedBackend(lambda request: next(replies), name="flaky")
+    _, steps, _ = next(t for t in trajectories() if t[0] == "guess")
+    with ServerThread(create_app(backend, ServeConfig())) as server:
+        counts = _scorer(server.url + "/v1", "flaky", tmp_path).score(question=QUESTION, gold=GOLD, clues=CLUES,
+                                                                      steps=steps)
+    assert backend.calls == 2 and not counts[0].flagged and counts[0].n_found == 1
+
+
+def test_cache_prevents_repeat_calls(judge_server, tmp_path):
+    url, backend = judge_server
+    _, steps, expected = next(t for t in trajectories() if t[0] == "correct")
+    first = _scorer(url, "rubric-judge", tmp_path).score(question=QUESTION, gold=GOLD, clues=CLUES, steps=steps)
+    calls = backend.calls
+    again = _scorer(url, "rubric-judge", tmp_path).score(question=QUESTION, gold=GOLD, clues=CLUES, steps=steps)
+    assert backend.calls == calls
+    assert as_tuples(again) == as_tuples(first) == expected
+    statuses = [json.loads(line)["status"] for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert statuses == ["ok"] * len(steps) + ["cache_hit"] * len(steps)
+
+
+def test_cache_key_holds_the_judge_model_and_the_earlier_steps(judge_server, tmp_path):
+    url, backend = judge_server
+    _, steps, _ = next(t for t in trajectories() if t[0] == "rejected")
+    _scorer(url, "rubric-judge", tmp_path).score(question=QUESTION, gold=GOLD, clues=CLUES, steps=steps)
+    calls = backend.calls
+    # the same last step after a different history is a different case
+    _scorer(url, "rubric-judge", tmp_path).score(question=QUESTION, gold=GOLD, clues=CLUES, steps=steps[1:])
+    assert backend.calls == calls + 2
+
+
+def test_unreachable_judge_is_flagged_not_fatal(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    _, steps, _ = next(t for t in trajectories() if t[0] == "guess")
+    counts = _scorer(url, "nobody", tmp_path, max_attempts=2).score(question=QUESTION, gold=GOLD, clues=CLUES,
+                                                                    steps=steps)
+    assert counts[0].flagged and "endpoint error" in counts[0].note and counts[0].ans == -1
+
+
+def test_wrong_model_is_not_retried(judge_server, tmp_path):
+    url, backend = judge_server
+    _, steps, _ = next(t for t in trajectories() if t[0] == "guess")
+    calls = backend.calls
+    counts = _scorer(url, "no-such-model", tmp_path, max_attempts=3).score(question=QUESTION, gold=GOLD,
+                                                                           clues=CLUES, steps=steps)
+    assert counts[0].flagged and "404" in counts[0].note and backend.calls == calls
+    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert len(audit) == 1
+
+
+@pytest.mark.parametrize("reply", [
+    "", "n_found: 1", "[1, 0, 0]", '{"n_found": 1, "n_excluded": 0}',
+    '{"n_found": 1, "n_excluded": 0, "n_rejected": 0, "confidence": 0.9}', '{"n_found": -1, "n_excluded": 0, '
+    '"n_rejected": 0}', '{"n_found": 1.0, "n_excluded": 0, "n_rejected": 0}', '{"n_found": true, "n_excluded": 0, '
+    '"n_rejected": 0}', '{"n_found": 3, "n_excluded": 0, "n_rejected": 0}', '{"n_found": 0, "n_excluded": 2, '
+    '"n_rejected": 0}', 'Sure! {"n_found": 1, "n_excluded": 0, "n_rejected": 0}'])
+def test_parse_counts_rejects_anything_but_the_counts_object(reply):
+    with pytest.raises(MalformedJudgement):
+        parse_counts(reply, CLUES)
+
+
+def test_parse_counts_accepts_the_object_with_a_reason_or_in_a_fence():
+    assert parse_counts('{"n_found": 2, "n_excluded": 1, "n_rejected": 0}', CLUES) == (2, 1, 0)
+    assert parse_counts('```json\n{"n_found": 0, "n_excluded": 0, "n_rejected": 1, "reason": "x"}\n```',
+                        CLUES) == (0, 0, 1)
+
+
+def test_judge_prompt_never_shows_steps_after_the_judged_one():
+    _, steps, _ = next(t for t in trajectories() if t[0] == "correct")
+    payload = case_payload(QUESTION, GOLD, list(CLUES), steps, 2, observation_chars=50)
+    assert [s["step"] for s in payload["steps"]] == [1, 2, 3] and payload["judge_step"] == 3
+    assert all(len(s["observation"]) < 100 for s in payload["steps"])  # cut, with a note of how much
+    assert rubric_counts(case_payload(QUESTION, GOLD, list(CLUES), steps, 1, 6000)) == {
+        "n_found": 1, "n_excluded": 0, "n_rejected": 0}
+
+
+def test_judge_config_reads_the_endpoint_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TRACE_JAX_JUDGE_URL", "http://127.0.0.1:9/v1")
+    monkeypatch.setenv("TRACE_JAX_JUDGE_MODEL", "judge-model")
+    monkeypatch.delenv("TRACE_JAX_JUDGE_API_KEY", raising=False)
+    config = JudgeConfig.from_env(max_attempts=2)
+    assert (config.endpoint.base_url, config.endpoint.model, config.endpoint.api_key) == (
+        "http://127.0.0.1:9/v1", "judge-model", None)
+    assert config.max_attempts == 2
+    monkeypatch.delenv("TRACE_JAX_JUDGE_URL")
+    with pytest.raises(ValueError, match="TRACE_JAX_JUDGE_URL"):
+        JudgeConfig.from_env()

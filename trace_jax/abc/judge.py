@@ -1,0 +1,378 @@
+"""ABC's LLM-judge step scorer: any OpenAI-compatible endpoint scores each step of a trajectory against the clue chain
+with the rubric of credit-spec.md section 3.
+
+For every step `k` the judge receives the question, the gold answer, the numbered clues and the trajectory up to and
+including step `k` (observations cut to `observation_chars`), and must reply with exactly one JSON object
+`{"n_found": int, "n_excluded": int, "n_rejected": int}` (an optional "reason" string is allowed) counting only what
+step `k` itself adds: clues first revealed by its tool response, not ones an earlier step already showed. `ans` is
+not asked of the model: it is checked locally on the answer step with `trace_jax.envs.answers` (+1 exact match with
+the gold answer or an alias, -1 otherwise, 0 without an `<answer>`), as the rule-based scorer does.
+
+Robustness:
+  * strict parsing (`parse_counts`): one JSON object (a ```json fence is tolerated), exactly those keys, non-negative
+    ints no larger than the number of clues of the kind; anything else is malformed;
+  * malformed replies and retryable endpoint failures (timeouts, 429, 5xx) are retried with exponential backoff;
+    after `max_attempts` the step is scored neutral (counts 0, so reward 1.0 unless `ans` applies) and flagged with a
+    note; never fatal. A non-retryable failure (wrong key, unknown model) is flagged at once;
+  * a disk cache keyed by (rubric version, judge model, question, gold, clues, the step and the steps before it)
+    prevents repeat calls; only well-formed judgements are cached;
+  * every HTTP attempt and cache hit is appended to an audit JSONL (request, reply, status, latency).
+
+`scripted_rubric_reply` is a deterministic stand-in judge: it reads the case from the prompt and applies the rubric
+with the first-revealed rule to the clue chain. `trace-jax serve --scripted-judge` serves it, so `abc-score` can run
+offline on tasks whose clue chain is known, and tests use it as the endpoint.
+
+This module knows the rubric, the prompt and the answer checker; it knows nothing about models, tokenizers or
+the credit arithmetic (`trace_jax.credit.abc_step_rewards`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from trace_jax.abc.scorer import Step, StepCounts
+from trace_jax.envs.answers import answer_reward, extract_answer, normalize_answer
+from trace_jax.envs.tasks import Clue, clue_matches
+from trace_jax.serve.client import ChatClient, EndpointConfig, EndpointError
+
+RUBRIC_VERSION = "abc-rubric-v1"
+COUNT_KEYS = ("n_found", "n_excluded", "n_rejected")
+
+RUBRIC = """You are a strict judge of one step of a research agent's trajectory. The agent answers a question by \
+calling search tools; each step is its reasoning and tool call plus the tool response it received (the last step \
+may give the final answer instead). You are given the question, the verified gold answer and the clues: the facts \
+(each on a given document, about a given entity) that link the question to the answer. Clues of kind "support" lead \
+to the answer; clues of kind "exclude" rule a wrong candidate out.
+
+Count, for the step to judge ONLY:
+- n_found: support clues that this step's tool response reveals for the first time: the response shows the clue's \
+own document (its title is the clue's entity, or its docid is the clue's docid) and contains the clue's value. \
+Search-result lists and error messages reveal nothing. A clue an earlier step already revealed does not count again.
+- n_excluded: exclude clues revealed for the first time by this step's tool response, under the same rule.
+- n_rejected: on the final answer step only: 1 if the final answer is wrong although an earlier step revealed a \
+support clue whose value is the gold answer; otherwise 0.
+
+Reply with exactly one JSON object and nothing else:
+{"n_found": <int>, "n_excluded": <int>, "n_rejected": <int>}"""
+
+
+# ---------------------------------------------------------------------------------------------------- config
+@dataclasses.dataclass(frozen=True)
+class JudgeConfig:
+    """How the judge calls its endpoint.
+
+    Attributes:
+      endpoint: base URL, model, API key and per-request timeout (`EndpointConfig.from_env("TRACE_JAX_JUDGE")`
+        reads them from `$TRACE_JAX_JUDGE_URL`, `_MODEL`, `_API_KEY`).
+      max_attempts: calls per step before it is scored neutral and flagged (>= 1).
+      backoff_s, backoff_max_s: sleep `min(backoff_s * 2**attempt, backoff_max_s)` between attempts.
+      temperature, max_tokens: of the judge's generation.
+      observation_chars: each observation in the prompt is cut to this many characters.
+      concurrency: steps of one trajectory judged at the same time (their prompts do not depend on each other).
+      cache_dir: directory of the judgement cache (None: no cache).
+      audit_path: JSONL file every call is appended to (None: no audit).
+    """
+
+    endpoint: EndpointConfig
+    max_attempts: int = 3
+    backoff_s: float = 0.5
+    backoff_max_s: float = 8.0
+    temperature: float = 0.0
+    max_tokens: int = 128
+    observation_chars: int = 6000
+    concurrency: int = 4
+    cache_dir: str | None = None
+    audit_path: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.endpoint, EndpointConfig):
+            raise ValueError("JudgeConfig.endpoint must be an EndpointConfig (base_url, model, api_key, timeout_s)")
+        for name in ("max_attempts", "max_tokens", "observation_chars", "concurrency"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"JudgeConfig.{name} must be an int >= 1, got {value!r}")
+        if self.backoff_s < 0 or self.backoff_max_s < 0:
+            raise ValueError("JudgeConfig.backoff_s and backoff_max_s must be >= 0")
+        if not 0 <= self.temperature <= 2:
+            raise ValueError(f"JudgeConfig.temperature must be in [0, 2], got {self.temperature!r}")
+
+    @classmethod
+    def from_env(cls, *, base_url: str | None = None, model: str | None = None, api_key: str | None = None,
+                 timeout_s: float = 60.0, **fields) -> "JudgeConfig":
+        """The endpoint from the arguments or `$TRACE_JAX_JUDGE_URL`, `_MODEL`, `_API_KEY`; other fields as given."""
+        endpoint = EndpointConfig.from_env("TRACE_JAX_JUDGE", base_url=base_url, model=model, api_key=api_key,
+                                           timeout_s=timeout_s)
+        return cls(endpoint=endpoint, **fields)
+
+
+# ---------------------------------------------------------------------------------------------------- prompt
+def clue_records(clues: Sequence[Any]) -> list[Clue]:
+    """`Clue`s from `Clue`s or their dicts; raises ValueError naming the bad entry."""
+    out = []
+    for index, clue in enumerate(clues or ()):
+        if isinstance(clue, Clue):
+            out.append(clue)
+        elif isinstance(clue, Mapping) and isinstance(clue.get("docid"), str):
+            kind = str(clue.get("kind", "support"))
+            if kind not in ("support", "exclude"):
+                raise ValueError(f"clues[{index}].kind is {kind!r}; expected 'support' or 'exclude'")
+            out.append(Clue(docid=clue["docid"], entity=str(clue.get("entity", "")),
+                            relation=str(clue.get("relation", "")), value=str(clue.get("value", "")), kind=kind))
+        else:
+            raise ValueError(f"clues[{index}] is {clue!r:.80}; expected a dict with a string 'docid' (and entity, "
+                             "relation, value, kind)")
+    return out
+
+
+def _cut(text: str | None, limit: int) -> str | None:
+    if text is None or len(text) <= limit:
+        return text
+    return text[:limit] + f"\n[... {len(text) - limit} more characters cut]"
+
+
+def case_payload(question: str, gold: Sequence[str], clues: Sequence[Clue], steps: Sequence[Step], k: int,
+                 observation_chars: int) -> dict:
+    """The JSON case of step `k` (0-based): everything the judge may look at, and nothing after step `k`."""
+    return {
+        "question": question,
+        "gold_answers": list(gold),
+        "clues": [{"id": i + 1, **c.to_dict()} for i, c in enumerate(clues)],
+        "steps": [{"step": j + 1, "assistant": s.assistant,
+                   "tool_call": None if s.tool_call is None else {"name": s.tool_call[0], "arguments": s.tool_call[1]},
+                   "observation": _cut(s.observation, observation_chars), "docid": s.docid}
+                  for j, s in enumerate(steps[:k + 1])],
+        "judge_step": k + 1,
+        "final_step": k == len(steps) - 1,
+    }
+
+
+def judge_messages(payload: Mapping[str, Any]) -> list[dict]:
+    """The chat messages of one judgement: the rubric, then the case as JSON."""
+    user = (f"Judge step {payload['judge_step']} of this trajectory (steps before it are context). The case:\n"
+            f"```json\n{json.dumps(payload, ensure_ascii=False, indent=1)}\n```\n"
+            'Reply with only {"n_found": <int>, "n_excluded": <int>, "n_rejected": <int>}.')
+    return [{"role": "system", "content": RUBRIC}, {"role": "user", "content": user}]
+
+
+class MalformedJudgement(ValueError):
+    """The judge's reply is not exactly the counts object the rubric asks for."""
+
+
+_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
+
+
+def parse_counts(text: Any, clues: Sequence[Clue]) -> tuple[int, int, int]:
+    """`(n_found, n_excluded, n_rejected)` from a judge reply, strictly; raises `MalformedJudgement` saying why."""
+    if not isinstance(text, str) or not text.strip():
+        raise MalformedJudgement("the reply is empty")
+    body = text.strip()
+    fenced = _FENCE.match(body)
+    if fenced:
+        body = fenced.group(1)
+    try:
+        value = json.loads(body)
+    except ValueError as error:
+        raise MalformedJudgement(f"the reply is not one JSON object ({error})") from None
+    if not isinstance(value, dict):
+        raise MalformedJudgement(f"the reply is JSON {type(value).__name__}, not an object")
+    missing = [k for k in COUNT_KEYS if k not in value]
+    extra = sorted(set(value) - set(COUNT_KEYS) - {"reason"})
+    if missing or extra:
+        raise MalformedJudgement(f"the object must have exactly the keys {list(COUNT_KEYS)} (+ optional 'reason'); "
+                                 f"missing {missing}, unexpected {extra}")
+    support = sum(c.kind != "exclude" for c in clues)
+    limits = {"n_found": support, "n_excluded": len(clues) - support, "n_rejected": max(1, support)}
+    counts = []
+    for key in COUNT_KEYS:
+        count = value[key]
+        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= limits[key]:
+            raise MalformedJudgement(f"{key} must be an int in [0, {limits[key]}], got {count!r}")
+        counts.append(count)
+    return tuple(counts)
+
+
+def answer_outcome(gold: Sequence[str], steps: Sequence[Step], k: int) -> int:
+    """`ans` of step `k`: +1/-1 for a correct/wrong `<answer>` on the final step without an observation, else 0."""
+    step = steps[k]
+    if k != len(steps) - 1 or step.observation is not None or extract_answer(step.assistant) is None:
+        return 0
+    return 1 if answer_reward(step.assistant, list(gold)).exact else -1
+
+
+# ---------------------------------------------------------------------------------------------------- scorer
+class LLMJudgeStepScorer:
+    """The `StepScorer` "judge": one endpoint call per step (cached), counts parsed strictly, failures neutral."""
+
+    name = "judge"
+
+    def __init__(self, config: JudgeConfig, client: ChatClient | None = None):
+        self.config = config
+        self.client = client or ChatClient(config.endpoint)
+        self._audit_lock = threading.Lock()
+        self.calls = 0  # HTTP attempts made (cache hits excluded)
+        if config.cache_dir:
+            Path(config.cache_dir).mkdir(parents=True, exist_ok=True)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def score(self, *, question: str, gold: Sequence[str], clues: Sequence[Any],
+              steps: Sequence[Step]) -> list[StepCounts]:
+        """One `StepCounts` per step (see `trace_jax.abc.scorer.StepScorer`)."""
+        gold = [gold] if isinstance(gold, str) else list(gold)
+        if not gold:
+            raise ValueError("gold must hold the gold answer (and its aliases)")
+        chain = clue_records(clues)
+        if len(steps) <= 1 or self.config.concurrency == 1:
+            return [self._score_step(question, gold, chain, steps, k) for k in range(len(steps))]
+        with ThreadPoolExecutor(min(self.config.concurrency, len(steps))) as pool:
+            return list(pool.map(lambda k: self._score_step(question, gold, chain, steps, k), range(len(steps))))
+
+    def _score_step(self, question, gold, chain, steps, k) -> StepCounts:
+        ans = answer_outcome(gold, steps, k)
+        payload = case_payload(question, gold, chain, steps, k, self.config.observation_chars)
+        key = self._cache_key(payload)
+        cached = self._cache_read(key)
+        if cached is not None:
+            self._audit({"key": key, "step": k + 1, "status": "cache_hit", "counts": cached})
+            return StepCounts(*cached, ans=ans)
+        messages = judge_messages(payload)
+        problem = "no attempt made"
+        for attempt in range(self.config.max_attempts):
+            if attempt:
+                time.sleep(min(self.config.backoff_s * 2 ** (attempt - 1), self.config.backoff_max_s))
+            started = time.perf_counter()
+            self.calls += 1
+            record = {"key": key, "step": k + 1, "attempt": attempt + 1, "request": messages}
+            try:
+                reply = self.client.chat(messages, temperature=self.config.temperature,
+                                         max_tokens=self.config.max_tokens)
+                text = reply.get("content")
+                counts = parse_counts(text, chain)
+            except EndpointError as error:
+                problem = f"endpoint error: {error}"
+                self._audit({**record, "status": "endpoint_error", "error": str(error),
+                             "latency_s": round(time.perf_counter() - started, 4)})
+                if not error.retryable:
+                    break
+                continue
+            except MalformedJudgement as error:
+                problem = f"malformed judge output: {error}"
+                self._audit({**record, "status": "malformed", "reply": text, "error": str(error),
+                             "latency_s": round(time.perf_counter() - started, 4)})
+                continue
+            self._audit({**record, "status": "ok", "reply": text, "counts": list(counts),
+                         "latency_s": round(time.perf_counter() - started, 4)})
+            self._cache_write(key, counts, text)
+            return StepCounts(*counts, ans=ans)
+        note = f"{problem} (after {attempt + 1} attempt(s)); scored neutral"
+        return StepCounts(ans=ans, flagged=True, note=note)
+
+    # -- cache and audit -----------------------------------------------------------------------------------------
+    def _cache_key(self, payload: Mapping[str, Any]) -> str:
+        identity = {"rubric": RUBRIC_VERSION, "model": self.config.endpoint.model, "case": payload}
+        return hashlib.sha256(json.dumps(identity, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+    def _cache_read(self, key: str) -> tuple[int, int, int] | None:
+        if not self.config.cache_dir:
+            return None
+        path = Path(self.config.cache_dir) / f"{key}.json"
+        try:
+            counts = json.loads(path.read_text(encoding="utf-8"))["counts"]
+            return tuple(int(c) for c in counts)
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _cache_write(self, key: str, counts, reply: str) -> None:
+        if not self.config.cache_dir:
+            return
+        path = Path(self.config.cache_dir) / f"{key}.json"
+        temporary = path.with_suffix(f".{threading.get_ident()}.tmp")
+        temporary.write_text(json.dumps({"counts": list(counts), "reply": reply, "model": self.config.endpoint.model,
+                                         "rubric": RUBRIC_VERSION}), encoding="utf-8")
+        temporary.replace(path)  # atomic: a reader never sees half a file
+
+    def _audit(self, record: dict) -> None:
+        if not self.config.audit_path:
+            return
+        line = json.dumps({"time": round(time.time(), 3), "model": self.config.endpoint.model, **record},
+                          ensure_ascii=False)
+        with self._audit_lock, open(self.config.audit_path, "a", encoding="utf-8") as handle:
+            handle.write(line + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------- scripted judge
+_HEADER = re.compile(r"^\[\d+\] (?P<title>.*) \((?P<url>[^()\s]*)\)\s*$")
+_FIND = re.compile(r"^Find results for text: `.*` in `(?P<title>.*)`$")
+
+
+def _page_of(observation: str | None) -> tuple[str | None, str]:
+    """(title of the document a browser observation shows, or None for lists and errors; its text without header)."""
+    if not observation:
+        return None, ""
+    first, _, rest = observation.partition("\n")
+    match = _HEADER.match(first)
+    if match is None:
+        return None, observation
+    title = match.group("title")
+    if title.startswith("Search results for"):
+        return None, rest
+    find = _FIND.match(title)
+    return (find.group("title") if find else title), rest
+
+
+def _revealed(clues: Sequence[Clue], step: Mapping[str, Any]) -> set[int]:
+    title, body = _page_of(step.get("observation"))
+    if step.get("docid"):
+        return set(clue_matches(clues, body, docid=step["docid"]))
+    if title is None:
+        return set()
+    return {i for i in clue_matches(clues, body) if clues[i].entity and clues[i].entity == title}
+
+
+def rubric_counts(payload: Mapping[str, Any]) -> dict[str, int]:
+    """The rubric applied mechanically to a judge case (`case_payload`): what a perfect judge replies."""
+    clues = clue_records([{k: v for k, v in c.items() if k != "id"} for c in payload["clues"]])
+    steps = payload["steps"]
+    k = payload["judge_step"] - 1
+    before: set[int] = set()
+    for step in steps[:k]:
+        before |= _revealed(clues, step)
+    new = _revealed(clues, steps[k]) - before
+    rejected = 0
+    last = steps[k]
+    if payload.get("final_step") and last.get("observation") is None:
+        answer = extract_answer(last.get("assistant") or "")
+        gold = payload["gold_answers"]
+        gold_norm = {normalize_answer(g) for g in gold if normalize_answer(g)}
+        if answer is not None and not answer_reward(last["assistant"], gold).exact:
+            rejected = int(any(clues[i].kind != "exclude" and normalize_answer(clues[i].value) in gold_norm
+                               for i in before))
+    return {"n_found": sum(clues[i].kind != "exclude" for i in new),
+            "n_excluded": sum(clues[i].kind == "exclude" for i in new), "n_rejected": rejected}
+
+
+def case_from_messages(messages: Sequence[Mapping[str, Any]]) -> dict:
+    """The JSON case inside a judge prompt (the last user message's ```json block)."""
+    user = next(m for m in reversed(messages) if m.get("role") == "user")
+    match = re.search(r"```json\n(.*)\n```", user.get("content") or "", re.DOTALL)
+    if match is None:
+        raise ValueError("the prompt holds no ```json case block")
+    return json.loads(match.group(1))
+
+
+def scripted_rubric_reply(request: Mapping[str, Any]) -> str:
+    """A `ScriptedBackend` reply function: the rubric's counts for the case in the prompt, as the judge's JSON."""
+    try:
+        counts = rubric_counts(case_from_messages(request.get("messages") or []))
+    except (ValueError, KeyError, TypeError, StopIteration) as error:
+        return f"I cannot judge this: {error}"
+    return json.dumps(counts)

@@ -1,0 +1,84 @@
+"""`trace-jax serve CHECKPOINT`: serve a checkpoint behind the OpenAI API on loopback (see docs/serve.md).
+
+Host code only: argument checking, loading, and handing the app to uvicorn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", nargs="?", default=None,
+                        help="Hugging Face checkpoint directory (config.json + model.safetensors), anything "
+                             "load_pretrained reads")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint directory)")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model-name", default=None, help="the id clients pass as `model` (default: the "
+                                                            "checkpoint directory's name)")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' (default: $TRACE_JAX_SERVE_API_KEY, else none)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--max-batch", type=int, default=16, help="rows decoded together (concurrency limit)")
+    parser.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
+    parser.add_argument("--max-context", type=int, default=None,
+                        help="tokens per row, prompt + completion (default: min(model maximum, 4096))")
+    parser.add_argument("--slice-tokens", type=int, default=16,
+                        help="decode steps between admissions of waiting requests")
+    parser.add_argument("--no-batching", action="store_true", help="serve one request at a time")
+    parser.add_argument("--batch-wait-ms", type=float, default=5.0,
+                        help="when idle, wait this long for more requests to batch with the first one")
+    parser.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
+                        help="uvicorn's log level; 'info' logs every request")
+    parser.add_argument("--scripted-judge", action="store_true",
+                        help="serve the deterministic rubric judge of trace_jax.abc.judge instead of a checkpoint "
+                             "(offline dry runs of `trace-jax abc-score` on tasks with known clue chains)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from trace_jax.serve.app import ServeConfig, create_app
+    from trace_jax.serve.backend import ModelBackend, ScriptedBackend
+    from trace_jax.serve.engine import EngineConfig
+
+    api_key = args.api_key or os.environ.get("TRACE_JAX_SERVE_API_KEY") or None
+    try:
+        config = ServeConfig(host=args.host, port=args.port, api_key=api_key)
+    except ValueError as error:
+        print(f"serve: {error}", file=sys.stderr)
+        return 2
+    if args.scripted_judge:
+        from trace_jax.abc.judge import scripted_rubric_reply
+
+        backend = ScriptedBackend(scripted_rubric_reply, name=args.model_name or "scripted-judge")
+    else:
+        if args.checkpoint is None or not os.path.isdir(args.checkpoint):
+            print(f"serve: checkpoint {args.checkpoint!r} is not a directory; pass a Hugging Face checkpoint "
+                  "directory (config.json + model.safetensors), or --scripted-judge", file=sys.stderr)
+            return 2
+        try:
+            engine = None
+            if args.max_context is not None or args.max_batch != 16 or args.no_batching or args.max_queue != 256 \
+                    or args.slice_tokens != 16 or args.batch_wait_ms != 5.0:
+                from trace_jax.models.config import ModelConfig
+
+                limit = ModelConfig.from_hf(args.checkpoint).max_position_embeddings
+                engine = EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue,
+                                      max_context=args.max_context or min(limit, 4096),
+                                      slice_tokens=args.slice_tokens, batching=not args.no_batching,
+                                      batch_wait_s=args.batch_wait_ms / 1000)
+            backend = ModelBackend.from_checkpoint(args.checkpoint, tokenizer_path=args.tokenizer,
+                                                   name=args.model_name, dtype=args.dtype, engine=engine)
+        except (ValueError, FileNotFoundError, OSError) as error:
+            print(f"serve: {error}", file=sys.stderr)
+            return 2
+    import uvicorn
+
+    if config.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"serve: listening on {config.host}, not loopback: other machines can reach it"
+              + ("" if api_key else " and no --api-key is set"), file=sys.stderr)
+    print(f"serve: {backend.name} on http://{config.host}:{config.port}/v1", file=sys.stderr)
+    uvicorn.run(create_app(backend, config), host=config.host, port=config.port, log_level=args.log_level)
+    return 0
