@@ -31,6 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from trace_jax.abc.rules import message_text, steps_from_messages
 from trace_jax.abc.scorer import Step, StepCounts
 
 
@@ -70,43 +71,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- records
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
-    return ""
-
-
-def _tool_call(call: Any) -> tuple[str, dict] | None:
-    function = call.get("function", call) if isinstance(call, Mapping) else None
-    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-        return None
-    arguments = function.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError:
-            return None
-    return (function["name"], arguments) if isinstance(arguments, dict) else None
-
-
-def steps_from_messages(messages: Sequence[Mapping[str, Any]]) -> list[Step]:
-    """Steps of an OpenAI-format trajectory: every assistant message opens a step, the tool messages after it (joined
-    by blank lines) are its observation; a final assistant message without tool calls is the answer step."""
-    steps: list[dict] = []
-    for message in messages:
-        role = message.get("role")
-        if role == "assistant":
-            calls = message.get("tool_calls") or ()
-            steps.append({"assistant": _text(message.get("content")), "observation": None,
-                          "tool_call": _tool_call(calls[0]) if calls else None})
-        elif role == "tool" and steps:
-            previous, text = steps[-1]["observation"], _text(message.get("content"))
-            steps[-1]["observation"] = text if previous is None else previous + "\n\n" + text
-    return [Step(**step) for step in steps]
-
-
 def _call_text(step: Step) -> str:
     if step.tool_call is None:
         return ""
@@ -137,7 +101,7 @@ def prepare_record(line_number: int, text: str, args) -> dict:
         raise RecordError("the record has no assistant message; expected at least one step")
     question = record.get("question")
     if question is None:
-        question = next((_text(m.get("content")) for m in messages if m.get("role") == "user"), "")
+        question = next((message_text(m.get("content")) for m in messages if m.get("role") == "user"), "")
     if not isinstance(question, str) or not question.strip():
         raise RecordError("no question: give a 'question' field or a user message")
     clues = None

@@ -83,7 +83,8 @@ def _tool_call(call: Any) -> tuple[str, dict] | None:
     return (function["name"], arguments) if isinstance(arguments, dict) else None
 
 
-def _text(content: Any) -> str:
+def message_text(content: Any) -> str:
+    """The text of an OpenAI message `content` (a string, or a list of text parts)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -103,11 +104,11 @@ def steps_from_messages(messages: Sequence[Mapping[str, Any]]) -> list[Step]:
         role = message.get("role")
         if role == "assistant":
             calls = message.get("tool_calls") or ()
-            steps.append({"assistant": _text(message.get("content")), "observation": None,
+            steps.append({"assistant": message_text(message.get("content")), "observation": None,
                           "tool_call": _tool_call(calls[0]) if calls else None})
         elif role == "tool" and steps:
             previous = steps[-1]["observation"]
-            text = _text(message.get("content"))
+            text = message_text(message.get("content"))
             steps[-1]["observation"] = text if previous is None else previous + "\n\n" + text
     return [Step(**step) for step in steps]
 
