@@ -1,0 +1,32 @@
+"""Training core: losses, the sharded jitted policy update, optimizer, checkpoints and FLOPs/MFU estimates.
+
+Public API (see docs/training.md):
+  LossConfig, OptimizerConfig, MeshConfig, CheckpointConfig, TrainConfigError   (config.py)
+  LossBatch, policy_logprobs, importance_ratio, clipped_surrogate, kl_penalty, aggregate, sft_loss (loss.py)
+  make_optimizer, make_schedule                                                  (optimizer.py)
+  TrainState, init_train_state, state_shardings, copy_params                    (state.py)
+  make_train_step, TrainStep, shard_batch                                        (step.py)
+
+The RL loop, configs and `trace-jax train` build on this package; it knows nothing about rollouts or tools.
+"""
+
+from trace_jax.train.config import CheckpointConfig, LossConfig, MeshConfig, OptimizerConfig, TrainConfigError
+from trace_jax.train.loss import (
+    LossBatch,
+    aggregate,
+    clipped_surrogate,
+    importance_ratio,
+    kl_penalty,
+    policy_logprobs,
+    sft_loss,
+)
+from trace_jax.train.optimizer import make_optimizer, make_schedule
+from trace_jax.train.state import TrainState, copy_params, init_train_state, state_shardings
+from trace_jax.train.step import TrainStep, make_train_step, shard_batch
+
+__all__ = [
+    "CheckpointConfig", "LossBatch", "LossConfig", "MeshConfig", "OptimizerConfig", "TrainConfigError",
+    "TrainState", "TrainStep", "aggregate", "clipped_surrogate", "copy_params", "importance_ratio",
+    "init_train_state", "kl_penalty", "make_optimizer", "make_schedule", "make_train_step", "policy_logprobs",
+    "sft_loss", "shard_batch", "state_shardings",
+]
