@@ -66,7 +66,7 @@ class LossBatch:
     def shape(self) -> tuple[int, int]:
         return tuple(self.tokens.shape)
 
-    def validate(self, loss_config: LossConfig | None = None) -> None:
+    def validate(self, loss_config: LossConfig | None = None, *, reference_params_given: bool = False) -> None:
         """Host-side check of shapes and of what the loss config needs; raises ValueError naming the field."""
         shape = self.shape
         if len(shape) != 2:
@@ -76,10 +76,11 @@ class LossBatch:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
                 raise ValueError(f"LossBatch.{name} has shape {tuple(value.shape)}, expected {shape} like tokens")
-        if loss_config is not None and loss_config.needs_reference and self.reference_logprobs is None:
-            raise ValueError(f"LossBatch.reference_logprobs is None but LossConfig.kl_coef="
-                             f"{loss_config.kl_coef} > 0 needs them; score the batch with the reference or set "
-                             "kl_coef=0")
+        if (loss_config is not None and loss_config.needs_reference and self.reference_logprobs is None
+                and not reference_params_given):
+            raise ValueError(f"LossBatch.reference_logprobs is None but LossConfig.kl_coef={loss_config.kl_coef} "
+                             "> 0 needs reference log-probs: fill them, pass reference_params to the train step, "
+                             "or set kl_coef=0")
         if loss_config is not None and shape[0] % loss_config.micro_batches:
             raise ValueError(f"LossBatch has {shape[0]} rows, not divisible by LossConfig.micro_batches="
                              f"{loss_config.micro_batches}")

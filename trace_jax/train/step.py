@@ -80,7 +80,7 @@ class TrainStep:
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
     def __call__(self, state: TrainState, batch: LossBatch, reference_params=None):
-        batch.validate(self.loss_config)
+        batch.validate(self.loss_config, reference_params_given=reference_params is not None)
         if self.mesh is not None:
             batch = shard_batch(batch, self.mesh, self.rules)
         with self._context():
@@ -127,7 +127,7 @@ def make_train_step(model_config, loss_config: LossConfig, optimizer: optax.Grad
             metrics["pg_loss"] = jnp.sum(stacked["pg_loss"][0]) / jnp.maximum(count, 1e-30)
         metrics["loss"] = jnp.sum(stacked["loss"][0]) / jnp.maximum(count, 1e-30) + aux_coef * metrics["router_aux"]
         metrics["tokens"] = jnp.sum(stacked["tokens"][0])
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         rng, _ = jax.random.split(state.rng)
