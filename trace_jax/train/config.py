@@ -52,7 +52,9 @@ class LossConfig:
       mode: "rl" (clipped surrogate on advantages) or "sft" (weighted negative log-likelihood; the batch's
         `advantages` hold the per-token weights).
       router_aux: add the MoE load-balancing loss times the model's `router_aux_loss_coef` (no-op for dense models).
-      logprob_chunk: sequence chunk of the chunked log-softmax.
+      logprob_chunk: sequence chunk of the chunked log-softmax; None (default) sizes it so that one chunk's
+        float32 logits on one device stay within `logits_chunk_bytes` (at least 64 tokens, at most the length).
+      logits_chunk_bytes: the per-device budget of one logits chunk when `logprob_chunk` is None.
     """
 
     eps_low: float = 0.2
@@ -69,7 +71,8 @@ class LossConfig:
     micro_batches: int = 1
     mode: str = "rl"
     router_aux: bool = True
-    logprob_chunk: int = 256
+    logprob_chunk: int | None = None
+    logits_chunk_bytes: int = 256 * 1024**2
 
     def __post_init__(self):
         o = "LossConfig"
@@ -92,7 +95,9 @@ class LossConfig:
         _need(isinstance(self.micro_batches, int) and self.micro_batches >= 1, o, "micro_batches",
               f"must be a positive int, got {self.micro_batches!r}")
         _need(self.mode in LOSS_MODES, o, "mode", f"must be one of {LOSS_MODES}, got {self.mode!r}")
-        _need(self.logprob_chunk >= 1, o, "logprob_chunk", f"must be >= 1, got {self.logprob_chunk!r}")
+        _need(self.logprob_chunk is None or self.logprob_chunk >= 1, o, "logprob_chunk",
+              f"must be None (automatic) or >= 1, got {self.logprob_chunk!r}")
+        _need(self.logits_chunk_bytes > 0, o, "logits_chunk_bytes", f"must be > 0, got {self.logits_chunk_bytes!r}")
 
     @property
     def needs_reference(self) -> bool:
@@ -102,6 +107,14 @@ class LossConfig:
     @property
     def needs_entropy(self) -> bool:
         return self.entropy_coef > 0 or self.entropy_metric
+
+    def chunk_for(self, rows_per_device: int, length: int, vocab_size: int) -> int:
+        """The log-softmax chunk for `rows_per_device x length` tokens over a `vocab_size` vocabulary."""
+        if self.logprob_chunk is not None:
+            return self.logprob_chunk
+        fits = self.logits_chunk_bytes // max(1, rows_per_device * vocab_size * 4)
+        chunk = 1 << max(0, int(fits).bit_length() - 1)  # a power of two, so typical lengths split evenly
+        return max(1, min(length, max(64, chunk)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -277,15 +277,19 @@ def objective_from_logprobs(loss_config: LossConfig, logp, entropy, batch: LossB
     return objective_sum, sums
 
 
-def loss_terms(model_config, loss_config: LossConfig, params, batch: LossBatch):
+def loss_terms(model_config, loss_config: LossConfig, params, batch: LossBatch, *, batch_shards: int = 1):
     """`objective_from_logprobs` on the policy's own log-probs: returns `(objective_sum, router_aux, sums)`.
+
+    `batch_shards`: how many devices the rows are split over (sizes the automatic log-softmax chunk).
 
     The loss is `objective_sum / objective_count(...) + router_aux_coef(model_config) * router_aux`.
     """
     cfg = loss_config
+    rows, length = batch.tokens.shape
     logp, entropy, router_aux = policy_logprobs(
         model_config, params, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids,
-        chunk_size=cfg.logprob_chunk, with_entropy=cfg.needs_entropy,
+        chunk_size=cfg.chunk_for(max(1, rows // batch_shards), length, model_config.vocab_size),
+        with_entropy=cfg.needs_entropy,
         with_router_loss=cfg.router_aux and model_config.is_moe)
     objective_sum, sums = objective_from_logprobs(cfg, logp, entropy, batch)
     return objective_sum, router_aux, sums

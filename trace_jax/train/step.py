@@ -98,6 +98,12 @@ def make_train_step(model_config, loss_config: LossConfig, optimizer: optax.Grad
     micro = cfg.micro_batches
     aux_coef = router_aux_coef(model_config) if (cfg.router_aux and model_config.is_moe) else 0.0
 
+    batch_shards = 1
+    if mesh is not None:
+        axes = models.logical_to_mesh_spec(P("batch"), mesh, rules)[0] or ()
+        for axis in (axes,) if isinstance(axes, str) else axes:
+            batch_shards *= dict(mesh.shape)[axis]
+
     def update(state: TrainState, batch: LossBatch, reference_params):
         count = objective_count(cfg, batch.loss_mask)
         micro_batches = jax.tree_util.tree_map(lambda x: _split_micro(x, micro), batch)
@@ -107,12 +113,14 @@ def make_train_step(model_config, loss_config: LossConfig, optimizer: optax.Grad
                 if reference_params is None:
                     raise ValueError("LossConfig.kl_coef > 0 needs reference log-probs: put them in "
                                      "LossBatch.reference_logprobs or pass reference_params to the train step")
+                chunk = cfg.chunk_for(max(1, mb.tokens.shape[0] // batch_shards), mb.tokens.shape[1],
+                                      model_config.vocab_size)
                 ref_lp = policy_logprobs(model_config, reference_params, mb.tokens, positions=mb.positions,
-                                         segment_ids=mb.segment_ids, chunk_size=cfg.logprob_chunk)[0]
+                                         segment_ids=mb.segment_ids, chunk_size=chunk)[0]
                 mb = mb.replace(reference_logprobs=jax.lax.stop_gradient(ref_lp))
 
             def objective(params):
-                objective_sum, router_aux, sums = loss_terms(model_config, cfg, params, mb)
+                objective_sum, router_aux, sums = loss_terms(model_config, cfg, params, mb, batch_shards=batch_shards)
                 return objective_sum / jnp.maximum(count, 1e-30) + aux_coef * router_aux / micro, (sums, router_aux)
 
             (_, (sums, router_aux)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
