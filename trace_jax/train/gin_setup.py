@@ -19,7 +19,7 @@ concern. `write_config(run_dir)` writes the bindings (`config.gin`) and gin's op
 (`operative_config.gin`) into the run directory.
 
 Files: `configs/*.gin`; an `include 'configs/base.gin'` line is resolved against the working directory and the
-repository root (`CONFIG_SEARCH_PATHS`), so the CLI works from a checkout and from elsewhere.
+repository root, so the CLI works from a checkout and from elsewhere.
 
 This module knows the config dataclasses and gin; it knows nothing about running anything.
 """
@@ -32,6 +32,7 @@ import importlib
 import os
 import re
 import tokenize
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -48,7 +49,6 @@ from trace_jax.train.warmstart import WarmStartConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
-CONFIG_SEARCH_PATHS = (Path.cwd(), REPO_ROOT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,9 +224,6 @@ def register_configurables() -> dict[str, Any]:
     for name, module, target in _CORE:
         _register(name, module, target)
     _register_pending()
-    for root in CONFIG_SEARCH_PATHS:  # `include 'configs/base.gin'` works from anywhere
-        if str(root) not in gin.config._LOCATION_PREFIXES:
-            gin.add_config_file_search_path(str(root))
     return dict(_registered)
 
 
@@ -300,16 +297,40 @@ def _bindings_of(name: str) -> list[str]:
     return [line for line in lines if re.match(rf"\s*(?:[\w.]+/)?{re.escape(name)}\.\w+\s*=", line)]
 
 
+def _search_paths() -> tuple[Path, ...]:
+    return (Path.cwd(), REPO_ROOT)
+
+
+def _set_include_paths() -> None:
+    # `include 'configs/base.gin'` must work from any directory. gin tries its search prefixes in order, and its
+    # package-resource reader crashes on a directory that is a namespace package (configs/ on sys.path), so our
+    # roots go first, where the plain file reader finds the file. (gin has no public API to prepend.)
+    prefixes = gin.config._LOCATION_PREFIXES
+    # A root without configs/ would only make gin log "Path not found" for every include.
+    roots = list(dict.fromkeys(str(root) for root in _search_paths() if (root / "configs").is_dir()))
+    prefixes[:] = roots + [p for p in prefixes if p not in roots]
+
+
 def _resolve(path: str) -> str:
     candidate = Path(path)
     if candidate.is_absolute() or candidate.exists():
         return str(candidate)
-    for root in CONFIG_SEARCH_PATHS:
+    for root in _search_paths():
         if (root / path).exists():
             return str(root / path)
-    raise ConfigError(f"gin file {path!r} not found (looked in {', '.join(str(p) for p in CONFIG_SEARCH_PATHS)}); "
+    raise ConfigError(f"gin file {path!r} not found (looked in {', '.join(str(p) for p in _search_paths())}); "
                       f"the shipped configs are in {CONFIG_DIR}: "
                       f"{', '.join(sorted(p.name for p in CONFIG_DIR.glob('*.gin')))}")
+
+
+def _pending_skips() -> list[str]:
+    # PENDING MERGE: until the training core and the credit helper land on this branch, bindings of their configs
+    # are skipped (with a warning) so the shipped files parse; the lead removes this at merge, after which an
+    # unknown config is always an error.
+    if _missing:
+        warnings.warn(f"gin bindings of {', '.join(sorted(_missing))} are ignored: not available on this checkout "
+                      "(pending merge)", stacklevel=3)
+    return sorted(_missing)
 
 
 _PARSE_ERRORS = (ValueError, SyntaxError, OSError, tokenize.TokenError)
@@ -329,6 +350,8 @@ def parse(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (), *,
         config rejects (with that config's bindings).
     """
     register_configurables()
+    skip_unknown = list(skip_unknown) + _pending_skips()
+    _set_include_paths()
     gin.clear_config()
     for path in gin_files:
         path = _resolve(path)

@@ -105,6 +105,7 @@ def load_sweep(path: str) -> Sweep:
     except ValueError:
         configurable = gin.external_configurable(_sweep, name="sweep", module=_SWEEP_SCOPE)
     resolved = gin_setup._resolve(path)
+    gin_setup._set_include_paths()
     gin.clear_config()
     try:
         gin.parse_config_files_and_bindings([resolved], [], finalize_config=False)
