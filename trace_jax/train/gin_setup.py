@@ -192,12 +192,14 @@ CONCERNS = {"train": "TrainConfig", "data": "DataConfig", "env": "EnvConfig", "r
             "credit": "CreditConfig"}
 
 _registered: dict[str, Any] = {}  # name -> the gin-wrapped callable
+_targets: dict[str, Any] = {}  # name -> the class or function registered
 _missing: dict[str, str] = {}  # pending name -> why it is not registered
 
 
 def _register(name: str, module: str, target: Any) -> None:
     if name in _registered:
         return
+    _targets[name] = target
     try:
         _registered[name] = gin.external_configurable(target, name=name, module=module)
     except ValueError:  # registered by an earlier import of this module (e.g. a reload in tests)
@@ -280,10 +282,7 @@ def _explain(error: Exception, where: str) -> str:
     match = re.search(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", message)
     if match:
         config, field = match.group(1), match.group(2)
-        target = next((t for n, _, t in _CORE if n == config), None)
-        if target is None and config in _registered:
-            target = getattr(_registered[config], "__wrapped__", None)
-        fields = _fields(target) if target is not None else []
+        fields = _fields(_targets[config]) if config in _targets else []
         close = difflib.get_close_matches(field, fields, n=3, cutoff=0.5)
         hint = (f"did you mean {config}.{' or '.join(close)}?" if close
                 else f"{config}'s fields: {', '.join(fields)}" if fields else "")
