@@ -73,6 +73,7 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss the trainer adds (Hugging Face default)
     # Token ids carried through to config.json (not used by the math).
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -110,6 +111,7 @@ class ModelConfig:
         need(self.param_dtype in _DTYPES, "param_dtype", f"must be one of {_DTYPES}, got {self.param_dtype!r}")
         need(self.remat in REMAT_POLICIES, "remat", f"must be one of {REMAT_POLICIES}, got {self.remat!r}")
         need(self.attention_query_chunk >= 0, "attention_query_chunk", "must be >= 0 (0 = automatic)")
+        need(self.router_aux_loss_coef >= 0, "router_aux_loss_coef", f"must be >= 0, got {self.router_aux_loss_coef}")
         need(isinstance(self.mlp_only_layers, tuple), "mlp_only_layers",
              "must be a tuple (the config is hashed as a static jit argument)")
         if self.model_type == "qwen3_moe":
@@ -241,6 +243,7 @@ class ModelConfig:
                 norm_topk_prob=bool(field("norm_topk_prob", False)),
                 decoder_sparse_step=int(field("decoder_sparse_step", 1)),
                 mlp_only_layers=tuple(field("mlp_only_layers", ()) or ()),
+                router_aux_loss_coef=float(field("router_aux_loss_coef", 0.001)),
             )
         kwargs.update(overrides)
         return cls(**kwargs)
@@ -288,5 +291,5 @@ class ModelConfig:
                        num_experts_per_tok=self.num_experts_per_tok,
                        moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
                        decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
-                       output_router_logits=False, router_aux_loss_coef=0.001)
+                       output_router_logits=False, router_aux_loss_coef=self.router_aux_loss_coef)
         return out

@@ -403,8 +403,14 @@ def _dense_mlp(mlp: dict, x: jax.Array) -> jax.Array:
     return jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate) * up, mlp["down_proj"].astype(cdt))
 
 
-def _moe_mlp(config: ModelConfig, moe: dict, x: jax.Array) -> jax.Array:
-    """Top-k routed experts, dropless: sort (token, slot) pairs by expert and run `ragged_dot` per expert group."""
+def _moe_mlp(config: ModelConfig, moe: dict, x: jax.Array, token_weight: jax.Array | None = None):
+    """Top-k routed experts, dropless: sort (token, slot) pairs by expert and run `ragged_dot` per expert group.
+
+    x: [B, S, D] (normed); token_weight: optional float32 [B, S], 1 for tokens counted in the router statistics and
+    0 for padding. Returns `(out [B, S, D], router_stats)` with `router_stats = (counts [E], prob_sum [E])`, float32:
+    per expert, the weighted number of top-k assignments and the weighted sum of router probabilities (the pieces
+    of Hugging Face's `load_balancing_loss_func`, summed over layers by the caller).
+    """
     cdt = x.dtype
     B, S, D = x.shape
     k, E = config.num_experts_per_tok, config.num_experts
@@ -412,6 +418,9 @@ def _moe_mlp(config: ModelConfig, moe: dict, x: jax.Array) -> jax.Array:
     router_logits = xt @ moe["router"].astype(cdt)
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
     top_w, top_e = jax.lax.top_k(probs, k)  # [T, k]
+    weight = jnp.ones((B * S,), jnp.float32) if token_weight is None else token_weight.reshape(B * S)
+    counts = jnp.zeros((E,), jnp.float32).at[top_e.reshape(-1)].add(jnp.repeat(weight, k))
+    prob_sum = jnp.sum(probs * weight[:, None], axis=0)
     if config.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     top_w = top_w.astype(cdt)
@@ -424,12 +433,54 @@ def _moe_mlp(config: ModelConfig, moe: dict, x: jax.Array) -> jax.Array:
     up = jax.lax.ragged_dot(xs, moe["up_proj"].astype(cdt), group_sizes)
     out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, moe["down_proj"].astype(cdt), group_sizes)
     out = out * top_w.reshape(-1)[order][:, None]
-    return jnp.zeros_like(xt).at[token_of].add(out).reshape(B, S, D)
+    return jnp.zeros_like(xt).at[token_of].add(out).reshape(B, S, D), (counts, prob_sum)
 
 
-def mlp_block(config: ModelConfig, layer: dict, x: jax.Array) -> jax.Array:
-    """The feed-forward half of one layer (dense SwiGLU or routed experts); x is already normed."""
-    return _moe_mlp(config, layer["moe"], x) if config.is_moe else _dense_mlp(layer["mlp"], x)
+def mlp_block(config: ModelConfig, layer: dict, x: jax.Array, token_weight: jax.Array | None = None):
+    """The feed-forward half of one layer (dense SwiGLU or routed experts); x is already normed.
+
+    Returns `(out [B, S, D], router_stats)`; router_stats is `(counts [E], prob_sum [E])` for MoE (see `_moe_mlp`)
+    and None for dense layers.
+    """
+    if config.is_moe:
+        return _moe_mlp(config, layer["moe"], x, token_weight)
+    return _dense_mlp(layer["mlp"], x), None
+
+
+def decoder_layer(config: ModelConfig, layer: dict, h: jax.Array, positions: jax.Array, attend, *,
+                  token_weight: jax.Array | None = None):
+    """One pre-norm decoder layer, the single body behind `forward`, `cache.extend` and `attend_cached_block`.
+
+    Args:
+      layer: one layer's params (a slice of `params["layers"]`).
+      h: residual stream [B, S, D]; positions: int [B, S] (RoPE).
+      attend: `(q [B, S, H, Dh], k [B, S, K, Dh], v) -> (out [B, S, H, Dh], extra)`; the caller's attention over
+        whatever keys it owns (its own tokens, a cache it writes k/v into, ...). `extra` is passed through.
+      token_weight: optional float32 [B, S] weights of the router statistics (0 = padding).
+
+    Returns `(h [B, S, D], extra, router_stats)`; the residual stream is sharding-constrained here, once.
+    """
+    x = rms_norm(h, layer["input_norm"], config.rms_norm_eps)
+    q, k, v = _project_qkv(config, layer["attn"], x, positions)
+    o, extra = attend(q, k, v)
+    h = h + _attn_output(layer["attn"], o)
+    x = rms_norm(h, layer["post_attn_norm"], config.rms_norm_eps)
+    out, router_stats = mlp_block(config, layer, x, token_weight)
+    return constrain(h + out, _RESIDUAL_AXES), extra, router_stats
+
+
+def router_aux_loss(config: ModelConfig, router_stats, num_tokens: jax.Array) -> jax.Array:
+    """Load-balancing loss from per-layer router statistics, as transformers' Qwen3-MoE `load_balancing_loss_func`.
+
+    router_stats: `(counts [L, E], prob_sum [L, E])` from `mlp_block`; num_tokens: the (weighted) token count of
+    one layer. With N = L * num_tokens, f_e = sum_l counts[l, e] / N and P_e = sum_l prob_sum[l, e] / N, the loss
+    is `E * sum_e f_e * P_e` (before `router_aux_loss_coef`). Float32 scalar; 0.0 for dense models.
+    """
+    if not config.is_moe:
+        return jnp.zeros((), jnp.float32)
+    counts, prob_sum = router_stats
+    total = jnp.maximum(counts.shape[0] * num_tokens.astype(jnp.float32), 1.0)
+    return config.num_experts * jnp.sum((jnp.sum(counts, 0) / total) * (jnp.sum(prob_sum, 0) / total))
 
 
 def remat_wrap(config: ModelConfig, fn):
@@ -493,9 +544,27 @@ def build_attention_mask(tokens_shape, segment_ids=None, attention_mask=None) ->
     return attention_mask_rows(tokens_shape, segment_ids, attention_mask)(0, tokens_shape[1])
 
 
-def _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask, *, return_kv=False):
+def router_token_weight(tokens_shape, segment_ids=None, attention_mask=None):
+    """float32 [B, S]: 1 for tokens counted in the router statistics, 0 for padding; None when all count.
+
+    Padding is what the masks say it is: `attention_mask [B, S]` False (Hugging Face's convention), a
+    `[B, S, S]` mask whose diagonal is False (a token that may not see itself), or a negative segment id.
+    """
+    weight = None
+    if attention_mask is not None:
+        mask = jnp.asarray(attention_mask).astype(bool)
+        weight = mask if mask.ndim == 2 else jnp.diagonal(mask, axis1=1, axis2=2)
+    if segment_ids is not None:
+        real = segment_ids >= 0
+        weight = real if weight is None else weight & real
+    return None if weight is None else weight.astype(jnp.float32)
+
+
+def _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask, *, return_kv=False,
+                    return_router_stats=False):
     """Final-normed hidden [B, S, D]; with `return_kv`, also every layer's keys and values
-    `([layers, B, S, K, Dh], [layers, B, S, K, Dh])` (what a KV cache of these tokens holds)."""
+    `([layers, B, S, K, Dh], [layers, B, S, K, Dh])` (what a KV cache of these tokens holds); with
+    `return_router_stats`, also `(router_stats, num_tokens)` for `router_aux_loss`."""
     B, S = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
@@ -505,17 +574,24 @@ def _forward_hidden(config, params, tokens, positions, segment_ids, attention_ma
         mask = attention_mask_rows((B, S), segment_ids, attention_mask)
         if not query_chunk(config, S):
             mask = mask(0, S)  # built once, outside the layer scan; the chunked path builds rows per block instead
+    token_weight = router_token_weight((B, S), segment_ids, attention_mask) if config.is_moe else None
+
+    def attend(q, k, v):
+        return causal_attend(config, q, k, v, mask), ((k, v) if return_kv else None)
 
     def layer(h, lp):
-        x = rms_norm(h, lp["input_norm"], config.rms_norm_eps)
-        q, k, v = _project_qkv(config, lp["attn"], x, positions)
-        h = h + _attn_output(lp["attn"], causal_attend(config, q, k, v, mask))
-        x = rms_norm(h, lp["post_attn_norm"], config.rms_norm_eps)
-        return constrain(h + mlp_block(config, lp, x), _RESIDUAL_AXES), ((k, v) if return_kv else None)
+        h, kv, stats = decoder_layer(config, lp, h, positions, attend, token_weight=token_weight)
+        return h, (kv, stats)
 
     h = constrain(embed_tokens(config, params, tokens), _RESIDUAL_AXES)
-    h, kv = jax.lax.scan(remat_wrap(config, layer), h, params["layers"])
-    return (final_norm(config, params, h), kv) if return_kv else final_norm(config, params, h)
+    h, (kv, stats) = jax.lax.scan(remat_wrap(config, layer), h, params["layers"])
+    out = (final_norm(config, params, h),)
+    if return_kv:
+        out += (kv,)
+    if return_router_stats:
+        num_tokens = jnp.asarray(B * S, jnp.float32) if token_weight is None else jnp.sum(token_weight)
+        out += ((stats, num_tokens),)
+    return out if len(out) > 1 else out[0]
 
 
 def _check_tokens(tokens, name="tokens"):
@@ -523,12 +599,21 @@ def _check_tokens(tokens, name="tokens"):
         raise ValueError(f"{name} must be [batch, seq] integers, got shape {tokens.shape}")
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("return_router_loss",))
 def forward_hidden(config: ModelConfig, params: dict, tokens: jax.Array, *, positions=None, segment_ids=None,
-                   attention_mask=None) -> jax.Array:
-    """Final-normed hidden states [B, S, D] (compute dtype) for tokens [B, S]; masking as in the module doc."""
+                   attention_mask=None, return_router_loss: bool = False):
+    """Final-normed hidden states [B, S, D] (compute dtype) for tokens [B, S]; masking as in the module doc.
+
+    With `return_router_loss=True` returns `(hidden, router_aux_loss)`: the float32 load-balancing loss of
+    transformers' Qwen3-MoE (`aux_loss`, before `config.router_aux_loss_coef`; see `router_aux_loss`), counting
+    only real tokens (`router_token_weight`); 0.0 for dense models. Differentiable.
+    """
     _check_tokens(tokens)
-    return _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask)
+    if not return_router_loss:
+        return _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask)
+    hidden, (stats, num_tokens) = _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask,
+                                                  return_router_stats=True)
+    return hidden, router_aux_loss(config, stats, num_tokens)
 
 
 @functools.partial(jax.jit, static_argnums=0)
