@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from trace_jax.models import attention as attention_api
 from trace_jax.models import decoder as dec
 from trace_jax.models.config import ModelConfig
 
@@ -93,9 +94,7 @@ def extend(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
     positions = cache.lengths[:, None] + offsets[None, :]  # [B, n]
     write_slot = jnp.where(offsets[None, :] < num_new[:, None], positions, T)  # T = out of range -> dropped
 
-    def mask(start, size):  # rows of the [B, n, T] mask, built per query block (see decoder.attend)
-        block_positions = jax.lax.dynamic_slice_in_dim(positions, start, size, axis=1)
-        return jnp.arange(T)[None, None, :] <= block_positions[:, :, None]
+    mask = attention_api.KeyRanges(key_end=positions + 1)  # each new token sees its row's cache up to itself
 
     rows = jnp.arange(B)[:, None]
 
