@@ -152,3 +152,15 @@ def test_sharded_sampler_equals_single_device(model):
     for row in range(len(PROMPTS)):
         np.testing.assert_array_equal(sharded.tokens[row], single.tokens[row])
         np.testing.assert_allclose(sharded.logprobs[row], single.logprobs[row], atol=1e-5)
+
+
+def test_out_of_range_token_ids_raise_naming_the_row():
+    """A token id >= vocab_size would give NaN embeddings on the device: the host entry points refuse it."""
+    config = models.get_preset("tiny-qwen3")
+    params = models.init_params(config, jax.random.PRNGKey(0))
+    state = S.init_state(config, 2, 32)
+    with pytest.raises(ValueError, match=r"append chunk 1 holds token id 512 .*vocab_size=512"):
+        S.append(config, params, state, [[1, 2], [3, config.vocab_size]])
+    with pytest.raises(ValueError, match=r"prompt 0 holds token id -1"):
+        S.generate_without_cache(config, params, [[-1, 2]], rng=jax.random.PRNGKey(0), max_new_tokens=2, stop_ids=(),
+                                 sampling=S.SamplingConfig(greedy=True))

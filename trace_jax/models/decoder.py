@@ -422,7 +422,8 @@ def remat_wrap(config: ModelConfig, fn):
 
 
 def embed_tokens(config: ModelConfig, params: dict, tokens: jax.Array) -> jax.Array:
-    """tokens [B, S] int -> [B, S, D] in the compute dtype."""
+    """tokens [B, S] int -> [B, S, D] in the compute dtype. Ids outside [0, vocab_size) give NaN rows (no check
+    is possible under jit; host code checks with `check_token_ids`)."""
     return jnp.take(params["embed"], tokens, axis=0).astype(jnp.dtype(config.dtype))
 
 
@@ -523,6 +524,22 @@ def _forward_hidden(config, params, tokens, positions, segment_ids, attention_ma
         num_tokens = jnp.asarray(B * S, jnp.float32) if token_weight is None else jnp.sum(token_weight)
         out += ((stats, num_tokens),)
     return out if len(out) > 1 else out[0]
+
+
+def check_token_ids(config: ModelConfig, tokens, name: str = "tokens") -> None:
+    """Host check: raise ValueError unless every id in `tokens` (any int array or nested list) is in
+    [0, vocab_size). The jitted functions cannot check values: an out-of-range id there gives NaN embeddings
+    (`jnp.take` fills missing rows with NaN), so host code calls this before handing tokens to the device."""
+    ids = np.asarray(tokens)
+    if ids.size == 0:
+        return
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{name} must be integer token ids, got dtype {ids.dtype}")
+    bad = (ids < 0) | (ids >= config.vocab_size)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name} holds token id {int(ids[where])} at index {where}, outside [0, vocab_size="
+                         f"{config.vocab_size}); check the tokenizer matches the model config")
 
 
 def _check_tokens(tokens, name="tokens"):

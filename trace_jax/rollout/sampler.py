@@ -245,6 +245,8 @@ def append(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Se
     longest = max((len(c) for c in chunks), default=0)
     if longest == 0:
         return state
+    for row, chunk in enumerate(chunks):
+        dec.check_token_ids(config, np.asarray(chunk, np.int64), f"append chunk {row}")
     width = min(bucket_length(longest), bucket_length(state.max_len))
     tokens = np.zeros((len(chunks), width), np.int32)
     for row, chunk in enumerate(chunks):
@@ -427,6 +429,7 @@ def generate_without_cache(config: ModelConfig, params, prompts: Sequence[Sequen
     width = max_len or bucket_length(int(lengths.max()) + max_new_tokens)
     buffer = np.zeros((batch, width), np.int32)
     for row, prompt in enumerate(prompts):
+        dec.check_token_ids(config, np.asarray(prompt, np.int64), f"prompt {row}")
         buffer[row, :len(prompt)] = prompt
     active = np.ones(batch, bool)
     stops = set(int(s) for s in stop_ids)
