@@ -71,7 +71,8 @@ def test_tiled_attention_and_its_gradients_equal_float64_reference(seed, B, Q, T
 ])
 def test_packed_segments_match_reference(segments):
     rng = np.random.default_rng(0)
-    q, k, v, d_out = normal(rng, 2, 33, 4, 8), normal(rng, 2, 33, 2, 8), normal(rng, 2, 33, 2, 8), normal(rng, 2, 33, 4, 8)
+    q, k = normal(rng, 2, 33, 4, 8), normal(rng, 2, 33, 2, 8)
+    v, d_out = normal(rng, 2, 33, 2, 8), normal(rng, 2, 33, 4, 8)
     ranges = attention.causal_ranges(2, 33, segment_ids=jnp.asarray(segments))
     mask = np.tril(np.ones((33, 33), bool))[None] & (np.asarray(segments)[:, :, None] == np.asarray(segments)[:, None])
     got = value_and_grads(q, k, v, ranges, d_out, q_block=8, k_block=8)
@@ -83,7 +84,8 @@ def test_key_validity_mask_matches_reference():
     rng = np.random.default_rng(1)
     valid = np.ones((2, 20), bool)
     valid[0, :5] = False
-    q, k, v, d_out = normal(rng, 2, 20, 2, 8), normal(rng, 2, 20, 2, 8), normal(rng, 2, 20, 2, 8), normal(rng, 2, 20, 2, 8)
+    q, k = normal(rng, 2, 20, 2, 8), normal(rng, 2, 20, 2, 8)
+    v, d_out = normal(rng, 2, 20, 2, 8), normal(rng, 2, 20, 2, 8)
     ranges = attention.causal_ranges(2, 20, key_valid=jnp.asarray(valid))
     mask = np.tril(np.ones((20, 20), bool))[None] & valid[:, None, :]
     real = slice(5, None)  # row 0's padded queries see no key: their output is meaningless
@@ -95,7 +97,8 @@ def test_key_validity_mask_matches_reference():
 
 def test_bfloat16_inputs_keep_float32_statistics():
     rng = np.random.default_rng(2)
-    q, k, v, d_out = normal(rng, 1, 40, 4, 16), normal(rng, 1, 40, 2, 16), normal(rng, 1, 40, 2, 16), normal(rng, 1, 40, 4, 16)
+    q, k = normal(rng, 1, 40, 4, 16), normal(rng, 1, 40, 2, 16)
+    v, d_out = normal(rng, 1, 40, 2, 16), normal(rng, 1, 40, 4, 16)
     ranges = attention.causal_ranges(1, 40)
     got = value_and_grads(*(x.astype(jnp.bfloat16) for x in (q, k, v)), ranges, d_out, q_block=16, k_block=16)
     assert all(x.dtype == jnp.bfloat16 for x in got)

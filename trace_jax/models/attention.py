@@ -331,7 +331,8 @@ def attention(q, k, v, mask, *, impl: str = "auto", q_block: int = 0, k_block: i
     """Grouped-query attention, the one entry point. q [B, Q, H, Dh]; k, v [B, T, K, Dh] -> [B, Q, H, Dh].
 
     mask: a `KeyRanges` (every mask the models build) or a boolean [B, Q, T] array / row function (a user mask:
-    always the dense path). On "xla", fewer than `FEW_QUERIES` queries (decode) also take the dense path. `self_attention=True` says q and k are the same tokens with purely causal ranges
+    always the dense path). On "xla", fewer than `FEW_QUERIES` queries (decode) also take the dense path.
+    `self_attention=True` says q and k are the same tokens with purely causal ranges
     (plus `segment_ids` when packed): only then can "cudnn" and "pallas_tpu" run; otherwise they fall back to
     "xla". `query_chunk` bounds the dense path's score memory; `q_block`/`k_block` are the tiles.
     """
