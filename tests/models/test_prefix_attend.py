@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trace_jax import models
-from trace_jax.models import decoder
+from trace_jax.models import attention, decoder
 
 
 def reference_attention(q, k, v, mask):
@@ -81,14 +81,13 @@ def test_prefix_attend_gradient_equals_dense_attention():
     key_end = jnp.asarray(rng.integers(1, 71, (2, 40)))
     mask = jnp.arange(70)[None, None, :] < key_end[:, :, None]
     weights = jnp.asarray(rng.normal(size=(2, 40, 4, 8)), jnp.float32)
-    config = models.get_preset("tiny-qwen3")
 
     def loss(attention):
         return lambda q, k, v: jnp.sum(attention(q, k, v) * weights)
 
     tiled = jax.grad(loss(lambda q, k, v: decoder.prefix_attend(q, k, v, key_end, q_block=16, k_block=16)),
                      argnums=(0, 1, 2))(q, k, v)
-    dense = jax.grad(loss(lambda q, k, v: decoder._attend_block(config, q, k, v, mask)), argnums=(0, 1, 2))(q, k, v)
+    dense = jax.grad(loss(lambda q, k, v: attention.dense_attention(q, k, v, mask)), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(tiled, dense):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
@@ -113,12 +112,12 @@ def test_extra_band_needs_a_square_extra_block():
 
 @pytest.mark.parametrize("query_chunk", [0, 48])
 def test_long_causal_forward_takes_the_tiled_path_and_matches_the_masked_one(query_chunk):
-    """Past TILED_CAUSAL_ABOVE tokens (or with a query chunk) a purely causal forward uses prefix_attend; an
-    explicit all-True key mask forces the dense/static-block path: both must agree."""
+    """A long purely causal forward on the tiled kernel (query tiles of the chunk when set) equals the dense
+    reference implementation."""
     config = models.get_preset("tiny-qwen3", attention_query_chunk=query_chunk)
     params = models.init_params(config, jax.random.PRNGKey(0))
-    length = decoder.TILED_CAUSAL_ABOVE + 37
+    length = 1024 + 37
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, 512, (2, length)))
     tiled = models.forward_hidden(config, params, tokens)
-    masked = models.forward_hidden(config, params, tokens, attention_mask=jnp.ones((2, length), bool))
+    masked = models.forward_hidden(config.replace(attention_impl="dense"), params, tokens)
     np.testing.assert_allclose(np.asarray(tiled), np.asarray(masked), atol=2e-5)

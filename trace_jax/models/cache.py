@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from trace_jax.models import attention as attention_api
 from trace_jax.models import decoder as dec
 from trace_jax.models.config import ModelConfig
 
@@ -93,9 +94,7 @@ def extend(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
     positions = cache.lengths[:, None] + offsets[None, :]  # [B, n]
     write_slot = jnp.where(offsets[None, :] < num_new[:, None], positions, T)  # T = out of range -> dropped
 
-    def mask(start, size):  # rows of the [B, n, T] mask, built per query block (see decoder.attend)
-        block_positions = jax.lax.dynamic_slice_in_dim(positions, start, size, axis=1)
-        return jnp.arange(T)[None, None, :] <= block_positions[:, :, None]
+    mask = attention_api.KeyRanges(key_end=positions + 1)  # each new token sees its row's cache up to itself
 
     rows = jnp.arange(B)[:, None]
 
@@ -104,15 +103,16 @@ def extend(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
     def layer(carry, xs):
         h, k_all, v_all = carry
         lp, index = xs
-        x = dec.rms_norm(h, lp["input_norm"], config.rms_norm_eps)
-        q, k, v = dec._project_qkv(config, lp["attn"], x, positions)
-        k_all = k_all.at[index, rows, write_slot].set(k.astype(k_all.dtype), mode="drop")
-        v_all = v_all.at[index, rows, write_slot].set(v.astype(v_all.dtype), mode="drop")
-        k_layer = jax.lax.dynamic_index_in_dim(k_all, index, keepdims=False).astype(q.dtype)
-        v_layer = jax.lax.dynamic_index_in_dim(v_all, index, keepdims=False).astype(q.dtype)
-        h = h + dec._attn_output(lp["attn"], dec.attend(config, q, k_layer, v_layer, mask))
-        x = dec.rms_norm(h, lp["post_attn_norm"], config.rms_norm_eps)
-        return (h + dec.mlp_block(config, lp, x), k_all, v_all), None
+
+        def attend(q, k, v):  # write this layer's new keys/values, then attend over the row's whole cache
+            k_new = k_all.at[index, rows, write_slot].set(k.astype(k_all.dtype), mode="drop")
+            v_new = v_all.at[index, rows, write_slot].set(v.astype(v_all.dtype), mode="drop")
+            k_layer = jax.lax.dynamic_index_in_dim(k_new, index, keepdims=False).astype(q.dtype)
+            v_layer = jax.lax.dynamic_index_in_dim(v_new, index, keepdims=False).astype(q.dtype)
+            return dec.attend(config, q, k_layer, v_layer, mask), (k_new, v_new)
+
+        h, (k_all, v_all), _ = dec.decoder_layer(config, lp, h, positions, attend)
+        return (h, k_all, v_all), None
 
     (h, new_k, new_v), _ = jax.lax.scan(layer, (dec.embed_tokens(config, params, tokens), cache.k, cache.v),
                                         (params["layers"], jnp.arange(config.num_hidden_layers)))
@@ -155,14 +155,13 @@ def attend_cached_block(config: ModelConfig, params: dict, cache: KVCache, token
 
     def layer(h, xs):
         lp, k_cache, v_cache = xs
-        x = dec.rms_norm(h, lp["input_norm"], config.rms_norm_eps)
-        q, k, v = dec._project_qkv(config, lp["attn"], x, positions)
-        o = dec.prefix_attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), key_limit,
-                              extra=(k, v, block_mask), extra_band=block_band,
-                              q_block=config.attention_query_chunk or None)
-        h = h + dec._attn_output(lp["attn"], o)
-        x = dec.rms_norm(h, lp["post_attn_norm"], config.rms_norm_eps)
-        return h + dec.mlp_block(config, lp, x), None
+
+        def attend(q, k, v):
+            return dec.prefix_attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), key_limit,
+                                     extra=(k, v, block_mask), extra_band=block_band,
+                                     q_block=config.attention_query_chunk or None), None
+
+        return dec.decoder_layer(config, lp, h, positions, attend)[0], None
 
     h, _ = jax.lax.scan(dec.remat_wrap(config, layer), dec.embed_tokens(config, params, tokens),
                         (params["layers"], cache.k, cache.v))

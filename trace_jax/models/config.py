@@ -23,6 +23,7 @@ _ARCHITECTURE_TO_MODEL_TYPE = {
 _MODEL_TYPE_TO_ARCHITECTURE = {v: k for k, v in _ARCHITECTURE_TO_MODEL_TYPE.items()}
 _DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ATTENTION_IMPLS = ("auto", "xla", "dense", "cudnn", "pallas_tpu")  # see trace_jax.models.attention
 
 
 class ConfigError(ValueError):
@@ -41,10 +42,12 @@ class ModelConfig:
     `init_params`. Attention softmax, RMSNorm statistics, router softmax and log-softmax always run in float32.
     `remat` is the rematerialisation policy of one decoder layer: "none", "full" (save nothing), "dots" (save
     matmul outputs) or "dots_no_batch" (save matmuls without batch dims, MaxText's default).
-    `attention_query_chunk`: when > 0 and the query length is larger, attention scores are computed in query
-    blocks of this size under `lax.map`, so memory is O(chunk * keys) instead of O(S^2). 0 (default) is
-    automatic: self-attention over more than `decoder.AUTO_CHUNK_ABOVE` tokens uses blocks of
-    `decoder.AUTO_CHUNK`; shorter inputs use unrolled causal blocks (faster on CPU).
+    `attention_impl`: "auto" (the platform kernel on GPU/TPU where it covers the mask, else "xla"), "xla" (tiled
+    kernel with a flash-style backward), "dense" (the reference), "cudnn", "pallas_tpu"; see
+    `trace_jax.models.attention` and docs/models.md. `attention_q_block` / `attention_k_block`: tile sizes of the
+    tiled kernels (q: 0 = `attention_query_chunk` if set, else automatic by head width). `attention_query_chunk`:
+    when > 0, the query tile of the tiled kernels and the query block of the dense path (score memory
+    O(chunk * keys)); 0 = automatic.
     """
 
     model_type: str
@@ -73,6 +76,7 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss the trainer adds (Hugging Face default)
     # Token ids carried through to config.json (not used by the math).
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -82,6 +86,9 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: str = "none"
     attention_query_chunk: int = 0
+    attention_impl: str = "auto"
+    attention_q_block: int = 0
+    attention_k_block: int = 128
 
     def __post_init__(self):
         def need(cond, field, msg):
@@ -110,6 +117,11 @@ class ModelConfig:
         need(self.param_dtype in _DTYPES, "param_dtype", f"must be one of {_DTYPES}, got {self.param_dtype!r}")
         need(self.remat in REMAT_POLICIES, "remat", f"must be one of {REMAT_POLICIES}, got {self.remat!r}")
         need(self.attention_query_chunk >= 0, "attention_query_chunk", "must be >= 0 (0 = automatic)")
+        need(self.attention_impl in ATTENTION_IMPLS, "attention_impl",
+             f"must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        need(self.attention_q_block >= 0, "attention_q_block", "must be >= 0 (0 = automatic)")
+        need(self.attention_k_block > 0, "attention_k_block", f"must be > 0, got {self.attention_k_block}")
+        need(self.router_aux_loss_coef >= 0, "router_aux_loss_coef", f"must be >= 0, got {self.router_aux_loss_coef}")
         need(isinstance(self.mlp_only_layers, tuple), "mlp_only_layers",
              "must be a tuple (the config is hashed as a static jit argument)")
         if self.model_type == "qwen3_moe":
@@ -241,6 +253,7 @@ class ModelConfig:
                 norm_topk_prob=bool(field("norm_topk_prob", False)),
                 decoder_sparse_step=int(field("decoder_sparse_step", 1)),
                 mlp_only_layers=tuple(field("mlp_only_layers", ()) or ()),
+                router_aux_loss_coef=float(field("router_aux_loss_coef", 0.001)),
             )
         kwargs.update(overrides)
         return cls(**kwargs)
@@ -288,5 +301,5 @@ class ModelConfig:
                        num_experts_per_tok=self.num_experts_per_tok,
                        moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
                        decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
-                       output_router_logits=False, router_aux_loss_coef=0.001)
+                       output_router_logits=False, router_aux_loss_coef=self.router_aux_loss_coef)
         return out

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from trace_jax.models import attention as attention_api
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.sharding import constrain
 
@@ -195,98 +196,24 @@ def _project_qkv(config: ModelConfig, attn: dict, x: jax.Array, positions: jax.A
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
-def _attend_block(config: ModelConfig, q, k, v, mask):
-    """q [B, Q, H, Dh], k/v [B, T, K, Dh], mask bool [B, Q, T] -> [B, Q, H, Dh]. Softmax statistics in float32.
+def attend(config: ModelConfig, q, k, v, mask, *, self_attention: bool = False, segment_ids=None):
+    """`attention.attention` with the config's implementation and tiles (see docs/models.md for which path runs).
 
-    Normalisation is applied after the value product ([.., Q, Dh] instead of [.., Q, T] divisions) and the scale is
-    folded into q: both save a pass over the score tensor, which dominates on CPU.
+    Query tiles: `attention_q_block`, else `attention_query_chunk`, else automatic by head width; key tiles:
+    `attention_k_block`. A dense (user-mask) path is query-chunked by `attention_query_chunk`, or automatically in
+    blocks of `AUTO_CHUNK` rows past `AUTO_CHUNK_ABOVE` queries, so its scores never need [B, H, S, S].
     """
-    B, Q, H, Dh = q.shape
-    K = k.shape[2]
-    qg = (q * jnp.asarray(Dh ** -0.5, q.dtype)).reshape(B, Q, K, H // K, Dh)
-    scores = jnp.einsum("bqkgd,btkd->bkgqt", qg, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
-    probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-    denom = jnp.sum(probs, axis=-1)  # [B, K, G, Q]
-    out = jnp.einsum("bkgqt,btkd->bqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = out / jnp.transpose(denom, (0, 3, 1, 2))[..., None]
-    return out.astype(v.dtype).reshape(B, Q, H, Dh)
+    Q = q.shape[1]
+    chunk = config.attention_query_chunk or (AUTO_CHUNK if Q > AUTO_CHUNK_ABOVE else 0)
+    return attention_api.attention(q, k, v, mask, impl=config.attention_impl,
+                                   q_block=config.attention_q_block or config.attention_query_chunk,
+                                   k_block=config.attention_k_block, query_chunk=chunk,
+                                   self_attention=self_attention, segment_ids=segment_ids)
 
 
-# Without an explicit `attention_query_chunk`, self-attention over more than this many tokens switches to the
-# rolled, memory-bounded path with this chunk (the unrolled causal blocks keep every block's scores alive).
+# A user-supplied [B, S, S] mask takes the dense path; past this many queries it runs in query blocks.
 AUTO_CHUNK_ABOVE = 2048
 AUTO_CHUNK = 512
-
-
-def query_chunk(config: ModelConfig, num_queries: int) -> int:
-    """The query block size used for `num_queries` queries: the configured one, else automatic for long inputs."""
-    if config.attention_query_chunk:
-        return config.attention_query_chunk
-    return AUTO_CHUNK if num_queries > AUTO_CHUNK_ABOVE else 0
-
-
-def attend(config: ModelConfig, q, k, v, mask, *, chunk: int | None = None):
-    """Grouped-query attention with a boolean mask (True = may attend).
-
-    `mask` is either an array [B, Q, T] or a function `(q_start, q_len) -> [B, q_len, T]` (q_start may be traced),
-    which lets the chunked path build each block's mask on the fly instead of holding [B, Q, T].
-    With a chunk (`chunk`, else `config.attention_query_chunk`) smaller than Q, queries are processed block by
-    block under `lax.map` (a final partial block runs on its own), so the float32 score tensor is
-    [B, H, chunk, T] instead of [B, H, Q, T].
-    """
-    B, Q = q.shape[:2]
-    c = config.attention_query_chunk if chunk is None else chunk
-    mask_rows = mask if callable(mask) else (
-        lambda start, size: jax.lax.dynamic_slice_in_dim(mask, start, size, axis=1))
-    if not c or Q <= c:
-        return _attend_block(config, q, k, v, mask_rows(0, Q))
-    n, rest = divmod(Q, c)
-    qs = jnp.moveaxis(q[:, :n * c].reshape(B, n, c, *q.shape[2:]), 1, 0)
-    out = jax.lax.map(lambda iq: _attend_block(config, iq[1], k, v, mask_rows(iq[0] * c, c)), (jnp.arange(n), qs))
-    out = jnp.moveaxis(out, 0, 1).reshape(B, n * c, *q.shape[2:])
-    if rest:
-        out = jnp.concatenate([out, _attend_block(config, q[:, n * c:], k, v, mask_rows(n * c, rest))], axis=1)
-    return out
-
-
-_CAUSAL_MIN_BLOCK = 64
-_CAUSAL_MAX_BLOCKS = 16
-
-
-def causal_attend(config: ModelConfig, q, k, v, mask):
-    """`attend` for self-attention whose mask is already causal on the sequence index (q, k, v: [B, S, ...]).
-
-    `mask=None` means purely causal. Then inputs longer than `TILED_CAUSAL_ABOVE` tokens (or with an
-    `attention_query_chunk`) take `prefix_attend`: flash-style tiles, key tiles above the diagonal skipped, memory
-    linear in length. Shorter ones (and array masks up to `AUTO_CHUNK_ABOVE` tokens with no chunk) split queries
-    into up to 16 static blocks of >= 64 rows, each attending to its key prefix (about half the score work of the
-    full square; XLA may keep all blocks' scores alive at once). A mask function, or a long array mask, takes the
-    rolled `lax.map` path of `attend`: no skipping, but score memory bounded by [B, H, chunk, S].
-    """
-    B, S = q.shape[:2]
-    if mask is None:
-        if config.attention_query_chunk or S > TILED_CAUSAL_ABOVE:  # tiles of the configured chunk, else the default
-            key_end = jnp.broadcast_to(jnp.arange(1, S + 1, dtype=jnp.int32), (B, S))
-            return prefix_attend(q, k, v, key_end, q_block=config.attention_query_chunk or None)
-        mask = jnp.broadcast_to(jnp.arange(S)[:, None] >= jnp.arange(S)[None, :], (B, S, S))
-    chunk = query_chunk(config, S)
-    if chunk or callable(mask):
-        return attend(config, q, k, v, mask, chunk=chunk)
-    c = max(_CAUSAL_MIN_BLOCK, -(-S // _CAUSAL_MAX_BLOCKS))
-    if S <= c:
-        return _attend_block(config, q, k, v, mask)
-    outs = [_attend_block(config, q[:, a:a + c], k[:, :a + c], v[:, :a + c], mask[:, a:a + c, :a + c])
-            for a in range(0, S, c)]
-    return jnp.concatenate(outs, axis=1)
-
-
-TILED_CAUSAL_ABOVE = 1024
-# Default tiles of `prefix_attend`, measured on the 2-core CPU: narrow heads (head_dim <= 32) do best with 32-row
-# query blocks, wider ones (SmolLM2's 64, Qwen3's 128) with 128 rows; 128-key tiles throughout.
-PREFIX_Q_BLOCK = 32
-PREFIX_Q_BLOCK_WIDE_HEADS = 128
-PREFIX_K_BLOCK = 128
 
 
 def prefix_attend(q, k, v, key_end, *, extra=None, extra_band: int | None = None, q_block: int | None = None,
@@ -302,8 +229,7 @@ def prefix_attend(q, k, v, key_end, *, extra=None, extra_band: int | None = None
         block's keys among its own tokens).
       extra_band: optional; promises `mask2[b, i, j]` is False whenever `|i - j| >= extra_band` (needs T2 == Q),
         so each query block scores only the `q_block + 2 (extra_band - 1)` extra keys around it.
-      q_block, k_block: tile sizes (default `PREFIX_Q_BLOCK`, or `PREFIX_Q_BLOCK_WIDE_HEADS` for head_dim > 32,
-        and `PREFIX_K_BLOCK`). Query blocks run under
+      q_block, k_block: tile sizes (default `attention.default_q_block(head_dim)` and 128). Query blocks run under
         `lax.map`; within one, key tiles past the block's largest `key_end` (over the batch) are skipped, so the
         work is about `sum_i key_end[i]` scores instead of `Q * T`, and each tile's float32 scores
         `[B, H, q_block, k_block]` stay in cache. Online softmax (running max and sum) in float32.
@@ -315,8 +241,8 @@ def prefix_attend(q, k, v, key_end, *, extra=None, extra_band: int | None = None
     B, Q, H, Dh = q.shape
     T, K = k.shape[1], k.shape[2]
     G = H // K
-    q_block = min(q_block or (PREFIX_Q_BLOCK if Dh <= 32 else PREFIX_Q_BLOCK_WIDE_HEADS), Q)
-    k_block = min(k_block or PREFIX_K_BLOCK, T)
+    q_block = min(q_block or attention_api.default_q_block(Dh), Q)
+    k_block = min(k_block or 128, T)
     nq, nk = -(-Q // q_block), -(-T // k_block)
     pad_q, pad_k = nq * q_block - Q, nk * k_block - T
     qs = (q * jnp.asarray(Dh ** -0.5, q.dtype)).reshape(B, Q, K, G, Dh)
@@ -403,8 +329,14 @@ def _dense_mlp(mlp: dict, x: jax.Array) -> jax.Array:
     return jnp.einsum("bsf,fd->bsd", jax.nn.silu(gate) * up, mlp["down_proj"].astype(cdt))
 
 
-def _moe_mlp(config: ModelConfig, moe: dict, x: jax.Array) -> jax.Array:
-    """Top-k routed experts, dropless: sort (token, slot) pairs by expert and run `ragged_dot` per expert group."""
+def _moe_mlp(config: ModelConfig, moe: dict, x: jax.Array, token_weight: jax.Array | None = None):
+    """Top-k routed experts, dropless: sort (token, slot) pairs by expert and run `ragged_dot` per expert group.
+
+    x: [B, S, D] (normed); token_weight: optional float32 [B, S], 1 for tokens counted in the router statistics and
+    0 for padding. Returns `(out [B, S, D], router_stats)` with `router_stats = (counts [E], prob_sum [E])`, float32:
+    per expert, the weighted number of top-k assignments and the weighted sum of router probabilities (the pieces
+    of Hugging Face's `load_balancing_loss_func`, summed over layers by the caller).
+    """
     cdt = x.dtype
     B, S, D = x.shape
     k, E = config.num_experts_per_tok, config.num_experts
@@ -412,6 +344,9 @@ def _moe_mlp(config: ModelConfig, moe: dict, x: jax.Array) -> jax.Array:
     router_logits = xt @ moe["router"].astype(cdt)
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
     top_w, top_e = jax.lax.top_k(probs, k)  # [T, k]
+    weight = jnp.ones((B * S,), jnp.float32) if token_weight is None else token_weight.reshape(B * S)
+    counts = jnp.zeros((E,), jnp.float32).at[top_e.reshape(-1)].add(jnp.repeat(weight, k))
+    prob_sum = jnp.sum(probs * weight[:, None], axis=0)
     if config.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     top_w = top_w.astype(cdt)
@@ -424,12 +359,54 @@ def _moe_mlp(config: ModelConfig, moe: dict, x: jax.Array) -> jax.Array:
     up = jax.lax.ragged_dot(xs, moe["up_proj"].astype(cdt), group_sizes)
     out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, moe["down_proj"].astype(cdt), group_sizes)
     out = out * top_w.reshape(-1)[order][:, None]
-    return jnp.zeros_like(xt).at[token_of].add(out).reshape(B, S, D)
+    return jnp.zeros_like(xt).at[token_of].add(out).reshape(B, S, D), (counts, prob_sum)
 
 
-def mlp_block(config: ModelConfig, layer: dict, x: jax.Array) -> jax.Array:
-    """The feed-forward half of one layer (dense SwiGLU or routed experts); x is already normed."""
-    return _moe_mlp(config, layer["moe"], x) if config.is_moe else _dense_mlp(layer["mlp"], x)
+def mlp_block(config: ModelConfig, layer: dict, x: jax.Array, token_weight: jax.Array | None = None):
+    """The feed-forward half of one layer (dense SwiGLU or routed experts); x is already normed.
+
+    Returns `(out [B, S, D], router_stats)`; router_stats is `(counts [E], prob_sum [E])` for MoE (see `_moe_mlp`)
+    and None for dense layers.
+    """
+    if config.is_moe:
+        return _moe_mlp(config, layer["moe"], x, token_weight)
+    return _dense_mlp(layer["mlp"], x), None
+
+
+def decoder_layer(config: ModelConfig, layer: dict, h: jax.Array, positions: jax.Array, attend, *,
+                  token_weight: jax.Array | None = None):
+    """One pre-norm decoder layer, the single body behind `forward`, `cache.extend` and `attend_cached_block`.
+
+    Args:
+      layer: one layer's params (a slice of `params["layers"]`).
+      h: residual stream [B, S, D]; positions: int [B, S] (RoPE).
+      attend: `(q [B, S, H, Dh], k [B, S, K, Dh], v) -> (out [B, S, H, Dh], extra)`; the caller's attention over
+        whatever keys it owns (its own tokens, a cache it writes k/v into, ...). `extra` is passed through.
+      token_weight: optional float32 [B, S] weights of the router statistics (0 = padding).
+
+    Returns `(h [B, S, D], extra, router_stats)`; the residual stream is sharding-constrained here, once.
+    """
+    x = rms_norm(h, layer["input_norm"], config.rms_norm_eps)
+    q, k, v = _project_qkv(config, layer["attn"], x, positions)
+    o, extra = attend(q, k, v)
+    h = h + _attn_output(layer["attn"], o)
+    x = rms_norm(h, layer["post_attn_norm"], config.rms_norm_eps)
+    out, router_stats = mlp_block(config, layer, x, token_weight)
+    return constrain(h + out, _RESIDUAL_AXES), extra, router_stats
+
+
+def router_aux_loss(config: ModelConfig, router_stats, num_tokens: jax.Array) -> jax.Array:
+    """Load-balancing loss from per-layer router statistics, as transformers' Qwen3-MoE `load_balancing_loss_func`.
+
+    router_stats: `(counts [L, E], prob_sum [L, E])` from `mlp_block`; num_tokens: the (weighted) token count of
+    one layer. With N = L * num_tokens, f_e = sum_l counts[l, e] / N and P_e = sum_l prob_sum[l, e] / N, the loss
+    is `E * sum_e f_e * P_e` (before `router_aux_loss_coef`). Float32 scalar; 0.0 for dense models.
+    """
+    if not config.is_moe:
+        return jnp.zeros((), jnp.float32)
+    counts, prob_sum = router_stats
+    total = jnp.maximum(counts.shape[0] * num_tokens.astype(jnp.float32), 1.0)
+    return config.num_experts * jnp.sum((jnp.sum(counts, 0) / total) * (jnp.sum(prob_sum, 0) / total))
 
 
 def remat_wrap(config: ModelConfig, fn):
@@ -445,7 +422,8 @@ def remat_wrap(config: ModelConfig, fn):
 
 
 def embed_tokens(config: ModelConfig, params: dict, tokens: jax.Array) -> jax.Array:
-    """tokens [B, S] int -> [B, S, D] in the compute dtype."""
+    """tokens [B, S] int -> [B, S, D] in the compute dtype. Ids outside [0, vocab_size) give NaN rows (no check
+    is possible under jit; host code checks with `check_token_ids`)."""
     return jnp.take(params["embed"], tokens, axis=0).astype(jnp.dtype(config.dtype))
 
 
@@ -493,29 +471,75 @@ def build_attention_mask(tokens_shape, segment_ids=None, attention_mask=None) ->
     return attention_mask_rows(tokens_shape, segment_ids, attention_mask)(0, tokens_shape[1])
 
 
-def _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask, *, return_kv=False):
+def self_attention_mask(tokens_shape, segment_ids=None, attention_mask=None):
+    """The mask of self-attention over [B, S] tokens: a `KeyRanges` (causal, segments, a [B, S] key-validity mask),
+    or, for a user [B, S, S] mask, a row function for the dense path (see `attention_mask_rows`)."""
+    B, S = tokens_shape
+    if attention_mask is not None and jnp.ndim(attention_mask) == 3:
+        return attention_mask_rows(tokens_shape, segment_ids, attention_mask)
+    return attention_api.causal_ranges(B, S, segment_ids=segment_ids, key_valid=attention_mask)
+
+
+def router_token_weight(tokens_shape, segment_ids=None, attention_mask=None):
+    """float32 [B, S]: 1 for tokens counted in the router statistics, 0 for padding; None when all count.
+
+    Padding is what the masks say it is: `attention_mask [B, S]` False (Hugging Face's convention), a
+    `[B, S, S]` mask whose diagonal is False (a token that may not see itself), or a negative segment id.
+    """
+    weight = None
+    if attention_mask is not None:
+        mask = jnp.asarray(attention_mask).astype(bool)
+        weight = mask if mask.ndim == 2 else jnp.diagonal(mask, axis1=1, axis2=2)
+    if segment_ids is not None:
+        real = segment_ids >= 0
+        weight = real if weight is None else weight & real
+    return None if weight is None else weight.astype(jnp.float32)
+
+
+def _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask, *, return_kv=False,
+                    return_router_stats=False):
     """Final-normed hidden [B, S, D]; with `return_kv`, also every layer's keys and values
-    `([layers, B, S, K, Dh], [layers, B, S, K, Dh])` (what a KV cache of these tokens holds)."""
+    `([layers, B, S, K, Dh], [layers, B, S, K, Dh])` (what a KV cache of these tokens holds); with
+    `return_router_stats`, also `(router_stats, num_tokens)` for `router_aux_loss`."""
     B, S = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    if segment_ids is None and attention_mask is None:
-        mask = None  # purely causal: causal_attend picks static blocks or skipping tiles
-    else:
-        mask = attention_mask_rows((B, S), segment_ids, attention_mask)
-        if not query_chunk(config, S):
-            mask = mask(0, S)  # built once, outside the layer scan; the chunked path builds rows per block instead
+    mask = self_attention_mask((B, S), segment_ids, attention_mask)
+    token_weight = router_token_weight((B, S), segment_ids, attention_mask) if config.is_moe else None
+
+    def self_attend(q, k, v):
+        out = attend(config, q, k, v, mask, self_attention=attention_mask is None, segment_ids=segment_ids)
+        return out, ((k, v) if return_kv else None)
 
     def layer(h, lp):
-        x = rms_norm(h, lp["input_norm"], config.rms_norm_eps)
-        q, k, v = _project_qkv(config, lp["attn"], x, positions)
-        h = h + _attn_output(lp["attn"], causal_attend(config, q, k, v, mask))
-        x = rms_norm(h, lp["post_attn_norm"], config.rms_norm_eps)
-        return constrain(h + mlp_block(config, lp, x), _RESIDUAL_AXES), ((k, v) if return_kv else None)
+        h, kv, stats = decoder_layer(config, lp, h, positions, self_attend, token_weight=token_weight)
+        return h, (kv, stats)
 
     h = constrain(embed_tokens(config, params, tokens), _RESIDUAL_AXES)
-    h, kv = jax.lax.scan(remat_wrap(config, layer), h, params["layers"])
-    return (final_norm(config, params, h), kv) if return_kv else final_norm(config, params, h)
+    h, (kv, stats) = jax.lax.scan(remat_wrap(config, layer), h, params["layers"])
+    out = (final_norm(config, params, h),)
+    if return_kv:
+        out += (kv,)
+    if return_router_stats:
+        num_tokens = jnp.asarray(B * S, jnp.float32) if token_weight is None else jnp.sum(token_weight)
+        out += ((stats, num_tokens),)
+    return out if len(out) > 1 else out[0]
+
+
+def check_token_ids(config: ModelConfig, tokens, name: str = "tokens") -> None:
+    """Host check: raise ValueError unless every id in `tokens` (any int array or nested list) is in
+    [0, vocab_size). The jitted functions cannot check values: an out-of-range id there gives NaN embeddings
+    (`jnp.take` fills missing rows with NaN), so host code calls this before handing tokens to the device."""
+    ids = np.asarray(tokens)
+    if ids.size == 0:
+        return
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{name} must be integer token ids, got dtype {ids.dtype}")
+    bad = (ids < 0) | (ids >= config.vocab_size)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"{name} holds token id {int(ids[where])} at index {where}, outside [0, vocab_size="
+                         f"{config.vocab_size}); check the tokenizer matches the model config")
 
 
 def _check_tokens(tokens, name="tokens"):
@@ -523,12 +547,21 @@ def _check_tokens(tokens, name="tokens"):
         raise ValueError(f"{name} must be [batch, seq] integers, got shape {tokens.shape}")
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("return_router_loss",))
 def forward_hidden(config: ModelConfig, params: dict, tokens: jax.Array, *, positions=None, segment_ids=None,
-                   attention_mask=None) -> jax.Array:
-    """Final-normed hidden states [B, S, D] (compute dtype) for tokens [B, S]; masking as in the module doc."""
+                   attention_mask=None, return_router_loss: bool = False):
+    """Final-normed hidden states [B, S, D] (compute dtype) for tokens [B, S]; masking as in the module doc.
+
+    With `return_router_loss=True` returns `(hidden, router_aux_loss)`: the float32 load-balancing loss of
+    transformers' Qwen3-MoE (`aux_loss`, before `config.router_aux_loss_coef`; see `router_aux_loss`), counting
+    only real tokens (`router_token_weight`); 0.0 for dense models. Differentiable.
+    """
     _check_tokens(tokens)
-    return _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask)
+    if not return_router_loss:
+        return _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask)
+    hidden, (stats, num_tokens) = _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask,
+                                                  return_router_stats=True)
+    return hidden, router_aux_loss(config, stats, num_tokens)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -286,9 +286,8 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
       mesh, rules: optional mesh; trajectories are split over the mesh axes that the logical "batch" axis maps to
         (data parallel) and params placed by `rules` (default `models.DEFAULT_RULES`).
       logprob_chunk: positions per log-softmax chunk (at most float32 `[N, chunk, V]` logits at once).
-      query_chunk: query block of the cached layout's prefill attention (`ModelConfig.attention_query_chunk`;
-        any value takes the tiled `prefix_attend` path with that many query rows per tile); 0 = the model's
-        automatic choice (static causal blocks up to 1024 tokens, skipping tiles above, memory linear in length).
+      query_chunk: query rows per tile of the cached layout's attention (`ModelConfig.attention_query_chunk`:
+        the prefill's tiled kernel and `attend_cached_block`); 0 = the model's automatic choice (by head width).
       bucket: pad `N, L, S, m` up to buckets (`bucket_size`) so jit compiles once per bucket.
 
     Returns:

@@ -1,0 +1,49 @@
+"""The Pallas TPU (splash) attention path lowers and compiles for a real TPU topology, on this CPU host.
+
+Needs `libtpu` (the optional `tpu` extra: `pip install -e .[tpu]`); without it the test skips and says so. No TPU
+is used: `jax.experimental.topologies` describes a v5e chip and the program is compiled ahead of time for it.
+Run it in an environment of its own (libtpu makes JAX probe for a TPU at import in every process).
+"""
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("libtpu") is None:
+    pytest.skip("libtpu is not installed (pip install -e '.[tpu]' in a separate venv to AOT-compile the Pallas TPU "
+                "attention kernel)", allow_module_level=True)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+from jax.sharding import SingleDeviceSharding  # noqa: E402
+
+from trace_jax.models import attention  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tpu_device():
+    return topologies.get_topology_desc(platform="tpu", topology_name="v5e:1x1").devices[0]
+
+
+def compile_for(device, fn, *shapes):
+    """Ahead-of-time compile `fn` for `device` (a topology device, no hardware) on abstract inputs."""
+    args = [jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(device)) for s, d in shapes]
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).compile()
+
+
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_pallas_tpu_causal_attention_and_its_gradient_compile_for_a_v5e(tpu_device, heads, packed):
+    H, K = heads
+    B, S, Dh = 2, 1024, 128
+
+    def loss(q, k, v, segments):
+        out = attention.attention(q, k, v, attention.causal_ranges(B, S, segment_ids=segments if packed else None),
+                                  impl="pallas_tpu", self_attention=True, segment_ids=segments if packed else None)
+        return jnp.sum(out.astype(jnp.float32))
+
+    compiled = compile_for(tpu_device, jax.grad(loss, argnums=(0, 1, 2)),
+                           ((B, S, H, Dh), jnp.bfloat16), ((B, S, K, Dh), jnp.bfloat16),
+                           ((B, S, K, Dh), jnp.bfloat16), ((B, S), jnp.int32))
+    assert 'custom_call_target="tpu_custom_call"' in compiled.as_text()  # the Mosaic kernel, not an XLA fallback
