@@ -1,4 +1,4 @@
-"""The MoE load-balancing loss enters the training loss (needs `forward_hidden(..., return_router_loss=True)`)."""
+"""The MoE load-balancing loss enters the training loss and equals transformers' Qwen3-MoE `aux_loss`."""
 
 import jax
 import numpy as np
@@ -7,11 +7,9 @@ import torch
 import transformers
 
 from trace_jax import models, train
-from trace_jax.train.loss import _accepts_router_loss, loss_terms, router_aux_coef
+from trace_jax.train.loss import loss_terms, router_aux_coef
 from trace_jax.train.synthetic import synthetic_batch
 
-pytestmark = pytest.mark.skipif(not _accepts_router_loss(),
-                                reason="models.forward_hidden has no return_router_loss yet (models issue branch)")
 
 
 def test_router_aux_equals_transformers_aux_loss_and_enters_the_loss(tmp_path):

@@ -34,7 +34,6 @@ This module knows nothing about optimizers, meshes, checkpoints or where batches
 
 from __future__ import annotations
 
-import inspect
 from typing import NamedTuple
 
 import jax
@@ -87,15 +86,9 @@ class LossBatch:
 
 
 # ---------------------------------------------------------------------------------------------------- log-probs
-def _accepts_router_loss() -> bool:
-    return "return_router_loss" in inspect.signature(models.forward_hidden).parameters
-
-
 def _policy_hidden(model_config, params, tokens, positions, segment_ids, with_router_loss: bool):
     """Final-normed hidden [N, L, D] and the MoE router load-balancing loss (float32 scalar, 0 for dense)."""
-    # TEMPORARY until the models branch with `return_router_loss` is merged: without it the aux loss is 0.
-    # The lead removes this fallback at merge.
-    if with_router_loss and model_config.is_moe and _accepts_router_loss():
+    if with_router_loss and model_config.is_moe:
         return models.forward_hidden(model_config, params, tokens, positions=positions, segment_ids=segment_ids,
                                      return_router_loss=True)
     hidden = models.forward_hidden(model_config, params, tokens, positions=positions, segment_ids=segment_ids)
