@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 
 from trace_jax import models  # noqa: E402
 from trace_jax.envs.oracle import OracleConfig, make_browser, solve  # noqa: E402
+from trace_jax.train.warmstart import oracle_assistant_turns  # noqa: E402
 from trace_jax.envs.tasks import generate_tasks  # noqa: E402
 from trace_jax.envs.world import WorldConfig, build_world, vocabulary  # noqa: E402
 from trace_jax.models.chat import ChatFormat  # noqa: E402
@@ -131,14 +132,7 @@ def oracle_scripts(chat, browser, tasks, group):
     scripts, max_calls = [], 0
     for task in tasks:
         result = solve(browser.fork(), task, OracleConfig())
-        turns = []
-        for message in result.messages:
-            if message["role"] != "assistant":
-                continue
-            ids = chat.assistant_content_ids(message.get("content"), message.get("tool_calls") or ())
-            if not message.get("tool_calls"):
-                ids = ids + [chat.im_end_id]
-            turns.append(ids)
+        turns = oracle_assistant_turns(chat, result)
         max_calls = max(max_calls, len(turns) - 1)
         scripts += [turns] * group
     return scripts, max_calls

@@ -27,12 +27,13 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from trace_jax.abc.rules import message_text, steps_from_messages
 from trace_jax.abc.scorer import Step, StepCounts
+from trace_jax.jsonl import parse_chat_record
 
 
 class RecordError(ValueError):
@@ -81,18 +82,7 @@ def prepare_record(line_number: int, text: str, args) -> dict:
     """Parse one JSONL line into {record, id, question, gold, group, steps, clues | None}; raises RecordError."""
     from trace_jax.abc.judge import clue_records
 
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise RecordError(f"not valid JSON ({error.msg} at column {error.colno})") from None
-    if not isinstance(record, dict):
-        raise RecordError(f"expected a JSON object, got {type(record).__name__}")
-    messages = record.get("messages")
-    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-        raise RecordError("field 'messages' must be a non-empty list of chat message objects")
-    answer = record.get(args.answer_key)
-    if not isinstance(answer, str) or not answer.strip():
-        raise RecordError(f"field {args.answer_key!r} must be a non-empty string (the gold answer)")
+    record, messages, answer = parse_chat_record(text, args.answer_key, error=RecordError)
     aliases = record.get(args.aliases_key) or []
     if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
         raise RecordError(f"field {args.aliases_key!r} must be a list of strings when present")

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from trace_jax.credit.config import DEFAULTS, CreditConfig
+from trace_jax.jsonl import parse_chat_record
 from trace_jax.scoring.fork import LAYOUTS, METHODS
 
 THINKING_CHOICES = ("auto", "none", "hybrid", "off", "always")
@@ -202,18 +203,7 @@ def prepare_record(line_number: int, text: str, chat, tokenizer, args, config: C
     from trace_jax.credit.gigpo import history_state_keys
     from trace_jax.scoring.continuation import build_answer_continuation
 
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise RecordError(f"not valid JSON ({error.msg} at column {error.colno})") from None
-    if not isinstance(record, dict):
-        raise RecordError(f"expected a JSON object, got {type(record).__name__}")
-    messages = record.get("messages")
-    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-        raise RecordError("field 'messages' must be a non-empty list of chat message objects")
-    answer = record.get(args.answer_key)
-    if not isinstance(answer, str) or not answer.strip():
-        raise RecordError(f"field {args.answer_key!r} must be a non-empty string (the gold answer)")
+    record, messages, answer = parse_chat_record(text, args.answer_key, error=RecordError)
     reward = record.get(args.reward_key)
     if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
                                or not math.isfinite(reward)):
