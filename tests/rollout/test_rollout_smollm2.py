@@ -63,9 +63,9 @@ def test_smollm2_runs_procedural_episodes_end_to_end(smollm2_hf_dir):
               f"first turn {episode.turn_texts[0][:80]!r}")
     credit.validate_token_layout(batch.turn_index, batch.loss_mask, batch.num_turns)
     # The free row's sampler log-probs equal the trainer's recomputation on the produced tokens.
-    trainer = np.asarray(models.token_logprobs(config, params, batch.tokens[1:2]))[0]
-    generated = mask[1, 1:] == 1  # token t+1 is scored at position t
-    gap = float(np.abs(trainer[:-1][generated] - np.asarray(batch.sampler_logprobs)[1, 1:][generated]).max())
+    trainer = np.asarray(models.to_token_aligned(models.token_logprobs(config, params, batch.tokens[1:2])))[0]
+    generated = mask[1] == 1
+    gap = float(np.abs(trainer[generated] - np.asarray(batch.sampler_logprobs)[1][generated]).max())
     print(f"SmolLM2 max |sampler - token_logprobs| = {gap:.2e}")
     assert gap < 1e-3
     assert np.isfinite(np.asarray(batch.sampler_logprobs)).all()

@@ -10,6 +10,7 @@ Public API (see docs/models.md):
 Tokenizer, chat format and GGUF conversion live in sibling modules and are imported from there directly.
 """
 
+from trace_jax.models.alignment import to_next_token_aligned, to_token_aligned  # noqa: F401
 from trace_jax.models.cache import KVCache, attend_cached_block, extend, init_cache, prefill
 from trace_jax.models.checkpoint_io import CheckpointError, load_pretrained, save_pretrained
 from trace_jax.models.config import ConfigError, ModelConfig

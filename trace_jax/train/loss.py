@@ -1,0 +1,301 @@
+"""Policy-update losses as pure functions over padded, token-aligned arrays (rlax style; shapes in docstrings).
+
+`LossBatch` is what the train step consumes. All its `[N, L]` arrays are **token-aligned** (the project's one
+convention, `trace_jax.models.alignment`): index t describes token t, e.g. `behaviour_logprobs[n, t] =
+log pi_old(tokens[n, t] | tokens[n, :t])`, and index 0 is never trained.
+
+    tokens              int32   [N, L]  prompt, generated and observation ids (padded)
+    positions           int32   [N, L]  RoPE positions
+    loss_mask           float32 [N, L]  1 on policy-generated tokens (the tokens the loss trains), else 0
+    advantages          float32 [N, L]  per-token advantage (rl) or per-token weight (sft: ABC-SFT step weights,
+                                        1 for plain SFT)
+    behaviour_logprobs  float32 [N, L]  old-policy log-probs of token t (the sampler's `sampler_logprobs`); unused
+                                        in sft mode
+    reference_logprobs  float32 [N, L]  frozen reference's log-probs of token t, for the KL term; None when
+                                        `kl_coef == 0` (the train step then leaves the reference unused)
+    segment_ids         int32   [N, L]  optional packing ids (tokens attend within their segment)
+
+Formulas (per trained token, `r` the importance ratio, `A` the advantage):
+
+    r_t       = exp(log pi(y_t) - log pi_old(y_t))                              ratio_level="token"
+    r_t       = s_i = exp(mean_{t in i} (log pi(y_t) - log pi_old(y_t)))        ratio_level="sequence" (GSPO)
+    pg_t      = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
+    pg_t      = min(pg_t, -c A)  where A < 0                                    dual_clip=c
+    kl_t      = k1: log pi - log pi_ref;  k2: (log pi - log pi_ref)^2 / 2;
+                k3: exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1;        then clipped to [-clamp, clamp]
+    loss_t    = pg_t + kl_coef * kl_t - entropy_coef * H_t                     mode="rl"
+    loss_t    = -w_t log pi(y_t)                                                mode="sft" (w = `advantages`)
+
+`aggregate` turns per-token values into `(sum, count)` so that summing sums and counts over micro-batches or data
+shards and dividing once gives exactly the full-batch loss (and gradient: counts never depend on params).
+
+This module knows nothing about optimizers, meshes, checkpoints or where batches come from.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from trace_jax import models
+from trace_jax.credit.gspo import gspo_sequence_ratio
+from trace_jax.models.alignment import to_token_aligned
+from trace_jax.train.config import AGGREGATIONS, KL_ESTIMATORS, LossConfig
+
+# Qwen3-MoE's published default, used when the model config does not carry its own coefficient.
+_DEFAULT_ROUTER_AUX_COEF = 0.001
+
+
+@struct.dataclass
+class LossBatch:
+    """One policy-update batch; every array `[N, L]` and token-aligned (see the module doc)."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    loss_mask: jax.Array
+    advantages: jax.Array
+    behaviour_logprobs: jax.Array
+    reference_logprobs: jax.Array | None = None
+    segment_ids: jax.Array | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.tokens.shape)
+
+    def validate(self, loss_config: LossConfig | None = None, *, reference_params_given: bool = False) -> None:
+        """Host-side check of shapes and of what the loss config needs; raises ValueError naming the field."""
+        shape = self.shape
+        if len(shape) != 2:
+            raise ValueError(f"LossBatch.tokens must be [N, L], got shape {shape}")
+        for name in ("positions", "loss_mask", "advantages", "behaviour_logprobs", "reference_logprobs",
+                     "segment_ids"):
+            value = getattr(self, name)
+            if value is not None and tuple(value.shape) != shape:
+                raise ValueError(f"LossBatch.{name} has shape {tuple(value.shape)}, expected {shape} like tokens")
+        if (loss_config is not None and loss_config.needs_reference and self.reference_logprobs is None
+                and not reference_params_given):
+            raise ValueError(f"LossBatch.reference_logprobs is None but LossConfig.kl_coef={loss_config.kl_coef} "
+                             "> 0 needs reference log-probs: fill them, pass reference_params to the train step, "
+                             "or set kl_coef=0")
+        if loss_config is not None and shape[0] % loss_config.micro_batches:
+            raise ValueError(f"LossBatch has {shape[0]} rows, not divisible by LossConfig.micro_batches="
+                             f"{loss_config.micro_batches}")
+
+
+# ---------------------------------------------------------------------------------------------------- log-probs
+def _accepts_router_loss() -> bool:
+    return "return_router_loss" in inspect.signature(models.forward_hidden).parameters
+
+
+def _policy_hidden(model_config, params, tokens, positions, segment_ids, with_router_loss: bool):
+    """Final-normed hidden [N, L, D] and the MoE router load-balancing loss (float32 scalar, 0 for dense)."""
+    # TEMPORARY until the models branch with `return_router_loss` is merged: without it the aux loss is 0.
+    # The lead removes this fallback at merge.
+    if with_router_loss and model_config.is_moe and _accepts_router_loss():
+        return models.forward_hidden(model_config, params, tokens, positions=positions, segment_ids=segment_ids,
+                                     return_router_loss=True)
+    hidden = models.forward_hidden(model_config, params, tokens, positions=positions, segment_ids=segment_ids)
+    return hidden, jnp.zeros((), jnp.float32)
+
+
+def policy_logprobs(model_config, params, tokens, *, positions=None, segment_ids=None, chunk_size: int = 256,
+                    with_entropy: bool = False, with_router_loss: bool = False):
+    """Token-aligned log-probs of `tokens [N, L]` under `params`, computed in sequence chunks.
+
+    Returns `(logp, entropy, router_aux)`: `logp [N, L]` float32 with `logp[n, t] = log pi(tokens[n, t] |
+    tokens[n, :t])` and `logp[n, 0] = 0`; `entropy [N, L]` float32, the entropy of the distribution token t was
+    drawn from (same alignment), or None without `with_entropy`; `router_aux` the MoE load-balancing loss before
+    its coefficient (0 for dense models or without `with_router_loss`).
+    """
+    hidden, router_aux = _policy_hidden(model_config, params, tokens, positions, segment_ids, with_router_loss)
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    out = models.hidden_logprobs(model_config, params, hidden, targets, chunk_size=chunk_size,
+                                 with_entropy=with_entropy)
+    if with_entropy:
+        logp, entropy = out
+        return to_token_aligned(logp), to_token_aligned(entropy), router_aux
+    return to_token_aligned(out), None, router_aux
+
+
+# ---------------------------------------------------------------------------------------------------- terms
+class SurrogateStats(NamedTuple):
+    """Per-token diagnostics of `clipped_surrogate`, all `[N, L]` float32 and 0 off the mask."""
+
+    ratio: jax.Array  # the importance ratio used (token or broadcast sequence ratio)
+    clipped_low: jax.Array  # 1 where r < 1 - eps_low and A < 0: the lower clip binds (no gradient)
+    clipped_high: jax.Array  # 1 where r > 1 + eps_high and A > 0: the upper clip binds (no gradient)
+    dual_clipped: jax.Array  # 1 where A < 0 and the dual clip -c A binds
+
+
+def importance_ratio(logp, behaviour_logp, mask, ratio_level: str = "token"):
+    """`[N, L]` importance ratios: per token, or GSPO's per-sequence ratio broadcast over the row's tokens.
+
+    Off-mask entries are 1 (their log-ratio is zeroed before the exp, so padding never overflows).
+    """
+    if ratio_level == "token":
+        return jnp.exp(jnp.where(mask != 0, logp - behaviour_logp, 0.0))
+    if ratio_level == "sequence":
+        seq = gspo_sequence_ratio(logp, behaviour_logp, mask)
+        return jnp.broadcast_to(seq[:, None], logp.shape)
+    raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
+
+
+def clipped_surrogate(logp, behaviour_logp, advantages, mask, *, eps_low: float = 0.2, eps_high: float = 0.28,
+                      dual_clip: float | None = None, ratio_level: str = "token"):
+    """Per-token clipped policy-gradient loss (to minimise) and its clip diagnostics.
+
+    Args:
+      logp: `[N, L]` current-policy log-probs of the sampled tokens (token-aligned).
+      behaviour_logp: `[N, L]` behaviour-policy log-probs of the same tokens.
+      advantages: `[N, L]` per-token advantages.
+      mask: `[N, L]` 1 on trained tokens.
+
+    Returns:
+      `(loss [N, L], SurrogateStats)`; loss is 0 off the mask.
+    """
+    mask = mask.astype(jnp.float32)
+    ratio = importance_ratio(logp, behaviour_logp, mask, ratio_level)
+    unclipped = -advantages * ratio
+    clipped = -advantages * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss = jnp.maximum(unclipped, clipped)
+    negative = advantages < 0
+    dual = jnp.zeros_like(mask)
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        dual = (negative & (loss > cap)).astype(jnp.float32) * mask
+        loss = jnp.where(negative, jnp.minimum(loss, cap), loss)
+    stats = SurrogateStats(
+        ratio=ratio * mask,
+        clipped_low=((ratio < 1.0 - eps_low) & negative).astype(jnp.float32) * mask,
+        clipped_high=((ratio > 1.0 + eps_high) & (advantages > 0)).astype(jnp.float32) * mask,
+        dual_clipped=dual,
+    )
+    return loss * mask, stats
+
+
+def kl_penalty(logp, reference_logp, estimator: str = "k3", clamp: float | None = 10.0):
+    """Per-token estimate of KL(pi || pi_ref) from log-probs of tokens sampled from pi; `[N, L]` float32.
+
+    k1 = log pi - log pi_ref (unbiased, high variance, can be negative); k2 = (log pi - log pi_ref)^2 / 2;
+    k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1 (unbiased, >= 0). Clipped to [-clamp, clamp].
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    log_ratio = logp - reference_logp
+    if estimator == "k1":
+        kl = log_ratio
+    elif estimator == "k2":
+        kl = 0.5 * jnp.square(log_ratio)
+    else:
+        kl = jnp.exp(-log_ratio) + log_ratio - 1.0
+    return kl if clamp is None else jnp.clip(kl, -clamp, clamp)
+
+
+def aggregate(per_token, mask, mode: str = "token-mean", constant_normaliser: int | None = None):
+    """Per-token values `[N, L]` -> `(sum, count)`, float32 scalars; the loss is `sum / count`.
+
+    token-mean:           sum_{n,t} m x / sum_{n,t} m
+    seq-mean-token-mean:  sum_n (sum_t m x / sum_t m) / #rows with a trained token
+    seq-mean-token-sum:   sum_{n,t} m x / #rows with a trained token
+    constant (Dr.GRPO):   sum_{n,t} m x / (N * C), C = constant_normaliser or L
+
+    Sums and counts add over disjoint row sets, so micro-batches and data shards reproduce the full batch.
+    """
+    m = mask.astype(jnp.float32)
+    x = per_token.astype(jnp.float32) * m
+    row_tokens = jnp.sum(m, axis=1)
+    rows = jnp.sum((row_tokens > 0).astype(jnp.float32))
+    if mode == "token-mean":
+        return jnp.sum(x), jnp.sum(row_tokens)
+    if mode == "seq-mean-token-mean":
+        return jnp.sum(jnp.sum(x, axis=1) / jnp.maximum(row_tokens, 1.0)), rows
+    if mode == "seq-mean-token-sum":
+        return jnp.sum(x), rows
+    if mode == "constant":
+        normaliser = x.shape[1] if constant_normaliser is None else constant_normaliser
+        return jnp.sum(x), jnp.asarray(x.shape[0] * normaliser, jnp.float32)
+    raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {mode!r}")
+
+
+def sft_loss(logp, weights, mask):
+    """Weighted negative log-likelihood per token, `-w_t log pi(y_t)` on the mask; `[N, L]`."""
+    return -weights * logp * mask.astype(jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------------- the batch loss
+def router_aux_coef(model_config) -> float:
+    """The model's load-balancing coefficient (`router_aux_loss_coef`, Qwen3-MoE default 0.001 when absent)."""
+    return float(getattr(model_config, "router_aux_loss_coef", _DEFAULT_ROUTER_AUX_COEF))
+
+
+def objective_from_logprobs(loss_config: LossConfig, logp, entropy, batch: LossBatch):
+    """The batch objective's numerator and its metrics from token-aligned policy log-probs.
+
+    Args:
+      logp: `[N, L]` float32 current-policy log-probs (token-aligned, as `policy_logprobs` returns).
+      entropy: `[N, L]` float32 predicted-distribution entropies, or None (then no entropy bonus or metric).
+      batch: the `LossBatch` (its `tokens` are not read here).
+
+    Returns:
+      `(objective_sum, sums)`: the loss is `objective_sum / objective_count(...)`; `sums` maps metric names to
+      `(sum, count)` float32 pairs, except `ratio_max` / `ratio_min` (plain max / min over trained tokens).
+    """
+    cfg = loss_config
+    mask = batch.loss_mask.astype(jnp.float32)
+    tokens = jnp.sum(mask)
+    sums = {"tokens": (tokens, jnp.ones((), jnp.float32))}
+    if cfg.mode == "sft":
+        per_token = sft_loss(logp, batch.advantages, mask)
+        sums["nll"] = (jnp.sum(-logp * mask), tokens)
+    else:
+        per_token, stats = clipped_surrogate(logp, batch.behaviour_logprobs, batch.advantages, mask,
+                                             eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip,
+                                             ratio_level=cfg.ratio_level)
+        sums["pg_loss"] = aggregate(per_token, mask, cfg.aggregation, cfg.constant_normaliser)
+        sums["clip_frac_low"] = (jnp.sum(stats.clipped_low), tokens)
+        sums["clip_frac_high"] = (jnp.sum(stats.clipped_high), tokens)
+        sums["dual_clip_frac"] = (jnp.sum(stats.dual_clipped), tokens)
+        sums["ratio_mean"] = (jnp.sum(stats.ratio), tokens)
+        sums["ratio_max"] = jnp.max(jnp.where(mask > 0, stats.ratio, -jnp.inf))
+        sums["ratio_min"] = jnp.min(jnp.where(mask > 0, stats.ratio, jnp.inf))
+        # the sampler/trainer mismatch on the same tokens (style item 8: log the gap)
+        sums["logprob_gap"] = (jnp.sum(jnp.abs(logp - batch.behaviour_logprobs) * mask), tokens)
+        if cfg.kl_coef > 0:
+            kl = kl_penalty(logp, batch.reference_logprobs, cfg.kl_estimator, cfg.kl_clamp)
+            per_token = per_token + cfg.kl_coef * kl * mask
+            sums["kl"] = (jnp.sum(kl * mask), tokens)
+    if entropy is not None:
+        sums["entropy"] = (jnp.sum(entropy * mask), tokens)
+        if cfg.entropy_coef > 0:
+            per_token = per_token - cfg.entropy_coef * entropy * mask
+    objective_sum, count = aggregate(per_token, mask, cfg.aggregation, cfg.constant_normaliser)
+    sums["loss"] = (objective_sum, count)
+    return objective_sum, sums
+
+
+def loss_terms(model_config, loss_config: LossConfig, params, batch: LossBatch, *, batch_shards: int = 1):
+    """`objective_from_logprobs` on the policy's own log-probs: returns `(objective_sum, router_aux, sums)`.
+
+    `batch_shards`: how many devices the rows are split over (sizes the automatic log-softmax chunk).
+
+    The loss is `objective_sum / objective_count(...) + router_aux_coef(model_config) * router_aux`.
+    """
+    cfg = loss_config
+    rows, length = batch.tokens.shape
+    logp, entropy, router_aux = policy_logprobs(
+        model_config, params, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids,
+        chunk_size=cfg.chunk_for(max(1, rows // batch_shards), length, model_config.vocab_size),
+        with_entropy=cfg.needs_entropy,
+        with_router_loss=cfg.router_aux and model_config.is_moe)
+    objective_sum, sums = objective_from_logprobs(cfg, logp, entropy, batch)
+    return objective_sum, router_aux, sums
+
+
+def objective_count(loss_config: LossConfig, loss_mask):
+    """The denominator of the batch loss (depends only on the mask and the aggregation mode)."""
+    return aggregate(jnp.zeros_like(loss_mask, dtype=jnp.float32), loss_mask, loss_config.aggregation,
+                     loss_config.constant_normaliser)[1]
