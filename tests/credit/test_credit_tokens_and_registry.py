@@ -33,6 +33,7 @@ def random_batch(seed, with_abc=False):
         answer_scores=jnp.asarray(-rng.exponential(2.0, size=(N, T + 1)).astype(np.float32)),
         step_rewards=jnp.asarray(rng.uniform(0, 2, size=(N, T + 1)).astype(np.float32)) if with_abc else None,
         num_steps=jnp.asarray(num_turns + 1) if with_abc else None,
+        anchor_keys=jnp.asarray(rng.integers(0, 3, size=(N, T + 1)).astype(np.int32)) if with_abc else None,
     )
     return inputs
 
@@ -75,7 +76,7 @@ def test_trajectory_without_tool_calls_gets_outcome_on_every_token():
 
 
 def test_registry_has_every_method_and_they_jit():
-    assert {"grpo", "gspo", "trace", "trace_raw_delta", "trace_linear_gap", "abc_grpo"} <= set(
+    assert {"grpo", "gspo", "trace", "trace_raw_delta", "trace_linear_gap", "abc_grpo", "gigpo"} <= set(
         credit.estimator_names())
     inputs = random_batch(11, with_abc=True)
     for name in credit.estimator_names():

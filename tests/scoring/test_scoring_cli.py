@@ -147,3 +147,230 @@ def test_missing_input_or_reference_is_a_usage_error(reference_dir, tmp_path, ca
     assert _run(reference_dir, tmp_path / "missing.jsonl", tmp_path) == 2
     assert main(["credit", str(SAMPLE), "--reference", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------- estimators
+GROUPS = DATA / "credit_groups.jsonl"  # `make-tasks --num 3 --seed 1 --oracle --group-size 4 ...` (see docs/scoring.md)
+
+
+def _api_inputs(reference_dir, records):
+    """The records through ChatFormat, the continuation builder, score_answer_prefixes and the rule scorer, in
+    file order, as `CreditInputs` (independently of the CLI's code paths)."""
+    from trace_jax import credit
+    from trace_jax.abc.rules import RuleBasedStepScorer, steps_from_messages
+    from trace_jax.scoring.continuation import build_answer_continuation
+
+    config, params = models.load_pretrained(reference_dir)
+    tokenizer = load_tokenizer(reference_dir)
+    chat = ChatFormat(tokenizer)
+    convs = [chat.messages_to_ids(r["messages"], r.get("tools")) for r in records]
+    answers = [build_answer_continuation(tokenizer, chat, r["answer"]) for r in records]
+    n, length = len(records), max(len(c.ids) for c in convs)
+    slots, m = max(len(c.boundaries) for c in convs), max(len(a.ids) for a in answers)
+    tokens, boundaries = np.zeros((n, length), np.int32), np.ones((n, slots), np.int32)
+    answer_tokens, answer_mask = np.zeros((n, m), np.int32), np.zeros((n, m), np.int32)
+    loss_mask, turn_index = np.zeros((n, length), np.float32), np.full((n, length), -1, np.int32)
+    for i, (c, a) in enumerate(zip(convs, answers)):
+        tokens[i, :len(c.ids)] = c.ids
+        boundaries[i, :len(c.boundaries)] = c.boundaries
+        answer_tokens[i, :len(a.ids)] = a.ids
+        answer_mask[i, :len(a.ids)] = a.mask
+        loss_mask[i, :len(c.ids)] = c.loss_mask
+        turn_index[i, :len(c.ids)] = c.turn_index
+    num_states = np.array([len(c.boundaries) for c in convs], np.int32)
+    scores = score_answer_prefixes(config, params, tokens, boundaries, num_states, answer_tokens, answer_mask)
+    groups = {g: i for i, g in enumerate(dict.fromkeys(r["group"] for r in records))}
+    keys = []
+    for r in records:
+        observations = [m["content"] for m in r["messages"] if m["role"] == "tool"]  # one tool message per call
+        keys.append(credit.history_state_keys(observations))
+    counts = [RuleBasedStepScorer().score(question=r["question"], gold=[r["answer"], *r["aliases"]],
+                                          clues=r["clues"], steps=steps_from_messages(r["messages"]))
+              for r in records]
+    from trace_jax.abc import counts_to_arrays
+    arrays = counts_to_arrays(counts)
+    return credit.CreditInputs(
+        rewards=jnp.asarray([r["reward"] for r in records], jnp.float32),
+        group_id=jnp.asarray([groups[r["group"]] for r in records], jnp.int32),
+        loss_mask=jnp.asarray(loss_mask), turn_index=jnp.asarray(turn_index),
+        num_turns=jnp.asarray(num_states - 1), answer_scores=scores.answer_scores,
+        step_rewards=credit.abc_step_rewards(arrays["n_found"], arrays["n_excluded"], arrays["n_rejected"],
+                                             arrays["ans"]),
+        num_steps=jnp.asarray(arrays["num_steps"]), anchor_keys=jnp.asarray(credit.anchor_key_ids(keys, slots)))
+
+
+@pytest.fixture(scope="module")
+def group_api(reference_dir):
+    records = _read_jsonl(GROUPS)
+    return records, _api_inputs(reference_dir, records)
+
+
+def test_shipped_group_sample_has_groups_with_differing_rewards():
+    records = _read_jsonl(GROUPS)
+    by_group = {}
+    for r in records:
+        by_group.setdefault(r["group"], set()).add(r["reward"])
+    assert len(by_group) == 3 and sum(len(v) > 1 for v in by_group.values()) >= 2
+    assert all(r.get("clues") for r in records)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("estimator", ["grpo", "gspo", "trace", "trace_raw_delta", "trace_linear_gap", "abc_grpo",
+                                       "gigpo"])
+def test_every_estimator_from_the_cli_equals_compute_advantages(reference_dir, group_api, tmp_path, estimator):
+    from trace_jax import credit
+
+    assert estimator in credit.estimator_names()
+    records, inputs = group_api
+    assert _run(reference_dir, GROUPS, tmp_path, "--estimator", estimator, "--no-receipts", "--no-plot") == 0
+    results = _read_jsonl(tmp_path / "credit.jsonl")
+    want = np.asarray(credit.compute_advantages(estimator, inputs).token_advantages)
+    rebuilt = np.zeros_like(want)
+    for i, result in enumerate(results):
+        assert result["estimator"] == estimator and result["flags"] == []
+        for (start, end), advantage in zip(result["turn_spans"], result["turn_advantages"]):
+            rebuilt[i, start:end] = advantage
+        want_scores = np.asarray(inputs.answer_scores)[i, :result["num_turns"] + 1]
+        np.testing.assert_allclose(result["answer_scores"], want_scores, atol=1e-5)
+    trained = np.asarray(inputs.loss_mask) != 0
+    np.testing.assert_allclose(rebuilt[trained], want[trained], atol=2e-5)
+    if estimator in ("trace", "grpo", "gigpo"):
+        solved_groups = {r["group"] for r in records if r["reward"] == 1.0}
+        assert any(abs(r["outcome_advantage"]) > 0.5 for r in results if r["group"] in solved_groups)
+
+
+def test_every_registered_estimator_is_a_cli_choice(capsys):
+    from trace_jax import credit
+
+    with pytest.raises(SystemExit):
+        main(["credit", "--help"])
+    text = capsys.readouterr().out
+    for name in credit.estimator_names():
+        assert name in text
+
+
+def test_output_reports_group_statistics_gaps_and_the_scored_answer_ids(reference_dir, tmp_path):
+    assert _run(reference_dir, GROUPS, tmp_path, "--no-receipts", "--no-plot", "--eps", "0.2") == 0
+    results = _read_jsonl(tmp_path / "credit.jsonl")
+    tokenizer = load_tokenizer(reference_dir)
+    for result in results:
+        members = [r["reward"] for r in results if r["group"] == result["group"]]
+        assert result["group_size"] == len(members) == 4
+        assert result["group_reward_mean"] == pytest.approx(np.mean(members), abs=1e-6)
+        assert result["group_reward_std"] == pytest.approx(np.std(members), abs=1e-6)
+        np.testing.assert_allclose(result["gaps"], 0.2 - np.asarray(result["answer_scores"]), atol=1e-5)
+        assert tokenizer.decode(result["answer_token_ids"]) == result["answer"]
+        assert tokenizer.decode(result["template_token_ids"]) == "<answer>"
+
+
+# ---------------------------------------------------------------------------------------------------- warnings
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _sample_records():
+    return _read_jsonl(SAMPLE)
+
+
+def test_group_of_one_and_missing_reward_are_flagged_counted_and_warned(reference_dir, tmp_path, capsys):
+    records = _sample_records()[:3]
+    pair = [dict(records[0], id="a", group="g", reward=1.0), dict(records[1], id="b", group="g", reward=0.0)]
+    no_reward = dict(records[2], id="c", group="g")
+    no_reward.pop("reward")
+    alone = dict(records[2], id="d", reward=1.0)
+    alone.pop("group")
+    path = _write(tmp_path / "in.jsonl", pair + [no_reward, alone])
+    assert _run(reference_dir, path, tmp_path / "out", "--no-receipts", "--no-plot") == 0
+    err = capsys.readouterr().err
+    assert "warning" in err and "1 in a group of one" in err and "1 without a reward" in err
+    results = {r["id"]: r for r in _read_jsonl(tmp_path / "out" / "credit.jsonl")}
+    assert results["c"]["flags"] == ["missing_reward"] and results["c"]["outcome_advantage"] == 0.0
+    assert results["d"]["flags"] == ["group_of_one"] and results["d"]["outcome_advantage"] == 0.0
+    # the record without a reward leaves the group's statistics alone: the pair is +-1
+    assert results["a"]["outcome_advantage"] == pytest.approx(1.0)
+    assert results["b"]["outcome_advantage"] == pytest.approx(-1.0)
+    assert results["a"]["group_size"] == 2 and results["a"]["group_reward_mean"] == 0.5
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["groups_of_one"], summary["missing_reward"]) == (1, 1)
+
+
+def test_a_skipped_line_marks_its_group_incomplete(reference_dir, tmp_path, capsys):
+    records = _sample_records()[:2]
+    bad = dict(records[1], answer="")
+    path = _write(tmp_path / "in.jsonl", [records[0], bad])
+    assert _run(reference_dir, path, tmp_path / "out", "--no-receipts", "--no-plot") == 0
+    assert "1 in a group with a skipped line" in capsys.readouterr().err
+    (result,) = _read_jsonl(tmp_path / "out" / "credit.jsonl")
+    assert "group_incomplete" in result["flags"]
+
+
+def test_record_cut_on_a_tool_message_keeps_its_last_state(reference_dir, tmp_path):
+    record = _sample_records()[0]
+    cut = dict(record, id="cut", messages=record["messages"][:-1])  # drop the final answer: ends on a tool message
+    assert cut["messages"][-1]["role"] == "tool"
+    path = _write(tmp_path / "in.jsonl", [record, cut])
+    assert _run(reference_dir, path, tmp_path / "out", "--no-receipts", "--no-plot") == 0
+    full, truncated = _read_jsonl(tmp_path / "out" / "credit.jsonl")
+    assert truncated["ended_on_tool"] and truncated["num_turns"] == full["num_turns"]
+    assert len(truncated["answer_scores"]) == truncated["num_turns"] + 1
+    assert truncated["boundaries"][-1] == truncated["num_tokens"]  # S_T: after the last observation
+    # the same states score the same (same context up to each boundary)
+    np.testing.assert_allclose(truncated["answer_scores"], full["answer_scores"], atol=1e-5)
+    assert truncated["final_advantage"] is None and len(truncated["turn_advantage"]) == truncated["num_turns"]
+
+
+def test_nonfinite_scores_are_never_written(reference_dir, tmp_path, monkeypatch, capsys):
+    from trace_jax.scoring import cli
+
+    real = cli.score_records
+
+    def with_nan(*args, **kwargs):
+        scores = real(*args, **kwargs)
+        scores[1] = scores[1].copy()
+        scores[1][1] = np.nan
+        return scores
+
+    monkeypatch.setattr(cli, "score_records", with_nan)
+    path = _write(tmp_path / "in.jsonl", _sample_records()[:3])
+    assert _run(reference_dir, path, tmp_path / "out", "--no-plot") == 0
+    assert "1 with non-finite scores" in capsys.readouterr().err
+
+    def reject(constant):
+        raise AssertionError(f"non-standard JSON constant {constant}")
+
+    text = (tmp_path / "out" / "credit.jsonl").read_text()
+    results = [json.loads(line, parse_constant=reject) for line in text.splitlines()]
+    assert results[1]["flags"] == ["nonfinite_scores"] and results[1]["answer_scores"] is None
+    assert results[1]["turn_credit"] is None and set(results[1]["turn_advantages"]) == {None}
+    assert results[0]["answer_scores"] is not None and results[2]["turn_credit"] is not None
+    assert json.loads((tmp_path / "out" / "summary.json").read_text(), parse_constant=reject)["nonfinite_scores"] == 1
+
+
+def test_abc_grpo_names_the_missing_clue_chain(reference_dir, tmp_path, capsys):
+    assert _run(reference_dir, SAMPLE, tmp_path, "--estimator", "abc_grpo", "--no-receipts", "--no-plot") == 1
+    assert "field 'clues'" in capsys.readouterr().err
+
+
+def test_illegal_credit_option_is_a_usage_error(reference_dir, tmp_path, capsys):
+    assert _run(reference_dir, SAMPLE, tmp_path, "--gamma", "1.5") == 2
+    assert "CreditConfig.gamma" in capsys.readouterr().err
+
+
+def test_thinking_format_renders_reasoning_and_answers_after_an_empty_think_block(reference_dir, tmp_path):
+    record = _sample_records()[0]
+    messages = [dict(m) for m in record["messages"]]
+    messages[2]["reasoning_content"] = "Kaol first."  # the first assistant message
+    path = _write(tmp_path / "in.jsonl", [dict(record, messages=messages)])
+    for thinking in ("none", "hybrid"):
+        assert _run(reference_dir, path, tmp_path / thinking, "--thinking", thinking, "--no-receipts",
+                    "--no-plot") == 0
+    plain, = _read_jsonl(tmp_path / "none" / "credit.jsonl")
+    hybrid, = _read_jsonl(tmp_path / "hybrid" / "credit.jsonl")
+    tokenizer = load_tokenizer(reference_dir)
+    assert tokenizer.decode(plain["template_token_ids"]) == "<answer>"
+    assert tokenizer.decode(hybrid["template_token_ids"]) == "<think>\n\n</think>\n\n<answer>"
+    assert hybrid["num_tokens"] > plain["num_tokens"]  # the reasoning is rendered in its think block
+    assert hybrid["answer_token_ids"] == plain["answer_token_ids"]
+    summary = json.loads((tmp_path / "hybrid" / "summary.json").read_text())
+    assert summary["settings"]["chat_thinking"] == "hybrid"

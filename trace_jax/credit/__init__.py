@@ -5,13 +5,17 @@
     token_advantages          per-token advantages from turn credit and outcome advantages
     abc_step_rewards / abc_sft_weights / abc_grpo_advantages             ABC
     gspo_sequence_ratio       GSPO's sequence-level ratio
-    compute_advantages        any registered estimator by name ("grpo", "gspo", "trace", ..., "abc_grpo")
+    gigpo_step_advantages     GiGPO's anchor-state step advantages (history_state_keys, anchor_key_ids on the host)
+    CreditConfig              the estimator name and every option, with their defaults (one place)
+    compute_advantages        any registered estimator by config or name ("grpo", "gspo", "trace", ..., "gigpo")
     validate_*                host-side value checks with clear errors
 
 Everything here works on arrays; nothing knows about models, tokenizers or tools.
 """
 
 from trace_jax.credit.abc import abc_grpo_advantages, abc_sft_weights, abc_step_rewards, grouped_abc_grpo_advantages
+from trace_jax.credit.config import CreditConfig
+from trace_jax.credit.gigpo import anchor_key_ids, gigpo_step_advantages, history_state_keys
 from trace_jax.credit.gspo import gspo_sequence_ratio
 from trace_jax.credit.outcome import grouped_outcome_advantages, outcome_advantages
 from trace_jax.credit.registry import (
@@ -20,8 +24,10 @@ from trace_jax.credit.registry import (
     Estimator,
     compute_advantages,
     estimator_names,
+    estimator_options,
     get_estimator,
     register_estimator,
+    resolve_config,
     unregister_estimator,
     validate_credit_inputs,
 )
@@ -29,6 +35,7 @@ from trace_jax.credit.tokens import sequence_advantages_to_tokens, step_values_t
 from trace_jax.credit.trace import lookahead_credit, td_deltas, trace_turn_credit, trace_values
 from trace_jax.credit.validate import (
     validate_abc_inputs,
+    validate_anchor_keys,
     validate_num_turns,
     validate_rewards,
     validate_token_layout,
@@ -36,7 +43,9 @@ from trace_jax.credit.validate import (
 )
 
 __all__ = [
-    "CreditInputs", "CreditResult", "Estimator", "abc_grpo_advantages", "abc_sft_weights", "abc_step_rewards",
+    "CreditConfig", "CreditInputs", "CreditResult", "Estimator", "abc_grpo_advantages", "anchor_key_ids",
+    "estimator_options", "gigpo_step_advantages", "history_state_keys", "resolve_config", "validate_anchor_keys",
+    "abc_sft_weights", "abc_step_rewards",
     "compute_advantages", "estimator_names", "get_estimator", "grouped_abc_grpo_advantages",
     "grouped_outcome_advantages", "gspo_sequence_ratio", "lookahead_credit", "outcome_advantages",
     "register_estimator", "sequence_advantages_to_tokens", "step_values_to_tokens", "td_deltas", "token_advantages",

@@ -15,7 +15,7 @@ from trace_jax.credit._checks import check_choice, check_float, check_int, check
 from trace_jax.credit.outcome import group_moments
 from trace_jax.credit.trace import discount_matrix
 
-NORMALIZE_MODES = ("joint", "per_step")
+from trace_jax.credit.config import ABC_NORMALIZE_MODES as NORMALIZE_MODES
 
 
 def abc_step_rewards(n_found, n_excluded, n_rejected, answer_outcome, *, base: float = 1.0, w_found: float = 0.8,
@@ -91,7 +91,8 @@ def grouped_abc_grpo_advantages(step_rewards, num_steps, group_id, num_groups: i
     """ABC-GRPO step advantages for a flat batch with a group id per trajectory.
 
         R_hat = (r - mean) / (std + eps)      joint: mean/std (population) over all real steps of the group;
-                                              per_step: over step index t across the group's trajectories
+                                              per_step: over step index t across the group's trajectories;
+                                              R_hat = 0 where std <= eps (zero-variance guard, as in GRPO)
         A_t = R_hat_t + gamma * A_{t+1}       accumulated backwards within each trajectory
 
     Args:
@@ -127,7 +128,10 @@ def _real_steps(step_rewards, num_steps):
 
 
 def _normalise_and_accumulate(rewards, valid, mean, var, gamma, eps):
-    normalised = jnp.where(valid, (rewards - mean) / (jnp.sqrt(var) + eps), 0.0)
+    # Zero-variance guard, as for GRPO's outcome term: a group (or step column) whose rewards are all equal has
+    # std 0, and (r - mean) / (0 + eps) would turn float rounding of the mean into advantages of order 0.1-1.
+    std = jnp.sqrt(var)
+    normalised = jnp.where(valid & (std > eps), (rewards - mean) / (std + eps), 0.0)
     flat = normalised.reshape(-1, normalised.shape[-1])
     return jnp.where(valid, _backward_accumulate(flat, gamma).reshape(normalised.shape), 0.0)
 

@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from trace_jax.credit._checks import check_choice, check_float, check_int, check_rank, compute_dtype
-
-STD_MODES = ("population", "sample", "none")
+from trace_jax.credit.config import STD_MODES
 
 
 def group_moments(values, weights, group_id, num_groups: int, *, ddof: int = 0, per_column: bool = False):

@@ -1,4 +1,4 @@
-"""Straightforward float64 numpy loops that restate credit-spec.md line by line.
+"""Straightforward float64 numpy loops that restate credit-spec.md (and GiGPO's paper) line by line.
 
 They are the reference that tests compare the jitted functions against on random inputs, and the baseline of
 `benchmarks/credit_bench.py`. Slow on purpose: one Python iteration per trajectory, turn and window element.
@@ -85,7 +85,7 @@ def abc_grpo_advantages_ref(step_rewards, num_steps, gamma=0.25, normalize="join
         flat = [x for row in steps for x in row]
         mean = sum(flat) / max(len(flat), 1)
         std = math.sqrt(sum((x - mean) ** 2 for x in flat) / max(len(flat), 1))
-        normed = [[(x - mean) / (std + eps) for x in row] for row in steps]
+        normed = [[(x - mean) / (std + eps) if std > eps else 0.0 for x in row] for row in steps]
     else:
         normed = [[0.0] * len(row) for row in steps]
         for t in range(max(num_steps, default=0)):
@@ -94,7 +94,7 @@ def abc_grpo_advantages_ref(step_rewards, num_steps, gamma=0.25, normalize="join
             std = math.sqrt(sum((x - mean) ** 2 for x in column) / len(column))
             for i in range(g):
                 if t < num_steps[i]:
-                    normed[i][t] = (steps[i][t] - mean) / (std + eps)
+                    normed[i][t] = (steps[i][t] - mean) / (std + eps) if std > eps else 0.0
     out = []
     for row in normed:
         acc, adv = 0.0, [0.0] * len(row)
@@ -118,3 +118,40 @@ def trace_batch_ref(answer_scores, num_turns, rewards, group_size, *, form="log_
         deltas = td_deltas_ref(answer_scores[i], t, form=form, eps=eps)
         credit[i, :t] = lookahead_credit_ref(deltas, t, outcome[i], horizon, gamma, terminal_fill)
     return credit
+
+
+def gigpo_ref(rewards, group_ids, state_keys, num_turns, gamma=0.95, omega=1.0, step_std="population", std="population",
+              eps=1e-6):
+    """GiGPO from the paper's definitions, whole batch: -> per-turn advantages, a list of `[T_i + 1]` arrays.
+
+    `state_keys[i][k]` is the key of the state step `k` of trajectory `i` starts from (`k = 0..T_i`). Step `k`'s
+    return is `sum_{t >= k} gamma^(t-k) r_t` with `r_t = 0` except `r_{T_i} = R_i`. An anchor group is every step of
+    the same prompt group whose state key is equal.
+    """
+    n = len(rewards)
+    episode = np.zeros(n)
+    for g in set(group_ids):
+        members = [i for i in range(n) if group_ids[i] == g]
+        episode[members] = outcome_advantages_ref([rewards[i] for i in members], std=std, eps=eps)
+    returns = {}
+    for i in range(n):
+        t_i = int(num_turns[i])
+        step_rewards = [0.0] * t_i + [float(rewards[i])]
+        for k in range(t_i + 1):
+            returns[(i, k)] = sum(gamma ** (t - k) * step_rewards[t] for t in range(k, t_i + 1))
+    out = []
+    for i in range(n):
+        row = []
+        for k in range(int(num_turns[i]) + 1):
+            anchor = [returns[(j, u)] for j in range(n) if group_ids[j] == group_ids[i]
+                      for u in range(int(num_turns[j]) + 1) if state_keys[j][u] == state_keys[i][k]]
+            mean = sum(anchor) / len(anchor)
+            centred = returns[(i, k)] - mean
+            if step_std == "none":
+                step = centred
+            else:
+                sigma = math.sqrt(sum((x - mean) ** 2 for x in anchor) / len(anchor))
+                step = centred / sigma if sigma > eps else 0.0
+            row.append(episode[i] + omega * step)
+        out.append(np.array(row))
+    return out

@@ -1,23 +1,25 @@
 """Advantage estimators by name: one common input structure in, per-token advantages out.
 
-The trainer and the CLI pick an estimator with a string from the config (`grpo`, `gspo`, `trace`,
-`trace_raw_delta`, `trace_linear_gap`, `abc_grpo`); research code can register its own. Registering a name twice
-raises: a silent override is how a sweep ends up running the wrong method.
+The trainer and the CLI pick an estimator with a `CreditConfig` (or just its name): `grpo`, `gspo`, `trace`,
+`trace_raw_delta`, `trace_linear_gap`, `abc_grpo`, `gigpo`; research code can register its own. Registering a name
+twice raises: a silent override is how a sweep ends up running the wrong method. Built-in estimators take their
+options from `CreditConfig` (the one place their defaults are written) through `Estimator.options`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax.numpy as jnp
 
 from trace_jax.credit import validate
 from trace_jax.credit.abc import grouped_abc_grpo_advantages
+from trace_jax.credit.config import CreditConfig
+from trace_jax.credit.gigpo import gigpo_step_advantages
 from trace_jax.credit.outcome import grouped_outcome_advantages
 from trace_jax.credit.tokens import sequence_advantages_to_tokens, step_values_to_tokens, token_advantages
-from trace_jax.credit.trace import DEFAULT_MIN_SCORE, trace_turn_credit
+from trace_jax.credit.trace import trace_turn_credit
 
 
 class CreditInputs(NamedTuple):
@@ -32,6 +34,8 @@ class CreditInputs(NamedTuple):
       answer_scores: `[N, T+1]` float gold-answer mean log-prob per state (TRACE).
       step_rewards: `[N, S]` float ABC step rewards.
       num_steps: `[N]` int ABC steps per trajectory.
+      anchor_keys: `[N, T+1]` int key of the environment state `S_k` each assistant turn `k = 0..T_g` starts from
+        (GiGPO's anchor states; equal states, equal keys; `gigpo.anchor_key_ids` builds them).
     """
 
     rewards: Any
@@ -42,6 +46,7 @@ class CreditInputs(NamedTuple):
     answer_scores: Any = None
     step_rewards: Any = None
     num_steps: Any = None
+    anchor_keys: Any = None
 
 
 class CreditResult(NamedTuple):
@@ -61,7 +66,10 @@ class Estimator:
     """A registered estimator: `fn(inputs, num_groups, **options) -> CreditResult`.
 
     `requires` names the optional `CreditInputs` fields it reads; `ratio` says which importance ratio the loss
-    should use with it (`"token"` or `"sequence"`, GSPO).
+    should use with it (`"token"` or `"sequence"`, GSPO). `options` maps each keyword of `fn` to the
+    `CreditConfig` field it is read from (built-in estimators); None means `fn` takes whatever keywords
+    `compute_advantages` is given and no `CreditConfig` field (estimators registered by research code).
+    `fixed` holds options the estimator pins (the TRACE ablations pin `form`), whatever the config says.
     """
 
     name: str
@@ -69,14 +77,19 @@ class Estimator:
     requires: tuple[str, ...] = ()
     ratio: str = "token"
     description: str = ""
+    options: Mapping[str, str] | None = None
+    fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 _REGISTRY: dict[str, Estimator] = {}
 
 
-def register_estimator(name: str, *, requires: tuple[str, ...] = (), ratio: str = "token", description: str = ""):
+def register_estimator(name: str, *, requires: tuple[str, ...] = (), ratio: str = "token", description: str = "",
+                       options: Mapping[str, str] | None = None, fixed: Mapping[str, Any] | None = None):
     """Decorator registering `fn(inputs: CreditInputs, num_groups: int, **options) -> CreditResult` under `name`.
 
+    `options` (keyword of `fn` -> `CreditConfig` field) makes the estimator read its options from a
+    `CreditConfig`; without it, `compute_advantages` passes its keywords through unchanged.
     Raises `ValueError` if the name is taken; use `unregister_estimator` first to replace one on purpose.
     """
     if ratio not in ("token", "sequence"):
@@ -84,12 +97,18 @@ def register_estimator(name: str, *, requires: tuple[str, ...] = (), ratio: str 
     unknown = set(requires) - set(CreditInputs._fields)
     if unknown:
         raise ValueError(f"requires names unknown CreditInputs fields {sorted(unknown)}")
+    if options is not None:
+        fields = {f.name for f in dataclasses.fields(CreditConfig)}
+        bad = sorted(set(options.values()) - fields)
+        if bad:
+            raise ValueError(f"options map to unknown CreditConfig fields {bad}")
 
     def decorator(fn):
         if name in _REGISTRY:
             raise ValueError(f"estimator {name!r} is already registered; pick another name or call "
                              f"unregister_estimator({name!r}) first")
-        _REGISTRY[name] = Estimator(name, fn, tuple(requires), ratio, description or (fn.__doc__ or "").strip())
+        _REGISTRY[name] = Estimator(name, fn, tuple(requires), ratio, description or (fn.__doc__ or "").strip(),
+                                    None if options is None else dict(options), dict(fixed or {}))
         return fn
 
     return decorator
@@ -127,28 +146,75 @@ def validate_credit_inputs(name: str, inputs: CreditInputs) -> None:
         validate.validate_trace_inputs(inputs.answer_scores, inputs.num_turns)
     if "step_rewards" in estimator.requires:
         validate.validate_abc_inputs(inputs.step_rewards, inputs.num_steps)
+    if "anchor_keys" in estimator.requires:
+        validate.validate_anchor_keys(inputs.anchor_keys, inputs.num_turns)
 
 
-def compute_advantages(name: str, inputs: CreditInputs, *, num_groups: int | None = None, check: bool = False,
-                       **options) -> CreditResult:
-    """Run estimator `name` on `inputs` (jittable with `name`, `num_groups` and options static).
+def resolve_config(config_or_name: CreditConfig | str, **options) -> CreditConfig:
+    """A `CreditConfig` from a config or an estimator name, with `options` (the estimator's keyword names, e.g.
+    `gamma=0.5` for abc_grpo means `abc_gamma`) applied. Raises `ValueError` for an option the estimator does not
+    read, naming the ones it does."""
+    if isinstance(config_or_name, CreditConfig):
+        config = config_or_name
+    elif isinstance(config_or_name, str):
+        get_estimator(config_or_name)
+        config = None
+    else:
+        raise TypeError(f"expected a CreditConfig or an estimator name, got {type(config_or_name).__name__}")
+    name = config.estimator if config is not None else config_or_name
+    estimator = get_estimator(name)
+    changes = {}
+    if estimator.options is not None:
+        for key, value in options.items():
+            if key not in estimator.options:
+                raise ValueError(f"estimator {name!r} has no option {key!r}; its options are "
+                                 f"{sorted(estimator.options)}")
+            if key in estimator.fixed and value != estimator.fixed[key]:
+                raise ValueError(f"estimator {name!r} fixes {key}={estimator.fixed[key]!r}; use 'trace' to choose "
+                                 f"the {key}")
+            changes[estimator.options[key]] = value
+    if config is None:
+        return CreditConfig(estimator=name, **changes)
+    return config.replace(**changes) if changes else config
+
+
+def estimator_options(config: CreditConfig) -> dict[str, Any]:
+    """The keyword options `config.estimator`'s function is called with (read from `config`)."""
+    estimator = get_estimator(config.estimator)
+    if estimator.options is None:
+        return {}
+    values = {key: getattr(config, field) for key, field in estimator.options.items()}
+    values.update(estimator.fixed)  # min_score None is resolved per form by the TRACE functions themselves
+    return values
+
+
+def compute_advantages(config_or_name: CreditConfig | str, inputs: CreditInputs, *, num_groups: int | None = None,
+                       check: bool = False, **options) -> CreditResult:
+    """Run an estimator on `inputs` (jittable with the config/name, `num_groups` and options static).
 
     Args:
-      name: a registered estimator name.
+      config_or_name: a `CreditConfig` (estimator and every option), or a registered estimator name (options
+        from `CreditConfig`'s defaults).
       inputs: `CreditInputs`.
       num_groups: static upper bound on group ids (default N, always enough when ids lie in `[0, N)`).
       check: run `validate_credit_inputs` first (host only: needs concrete arrays, not inside jit).
-      **options: the estimator's keyword options (e.g. `alpha_turn=0.1`, `horizon=5`).
+      **options: overrides in the estimator's own keyword names (e.g. `alpha_turn=0.1`, `horizon=5`; for
+        abc_grpo `gamma`/`normalize`, for gigpo `gamma`/`omega`/`step_std`). Estimators registered without
+        `options` receive these keywords unchanged.
 
     Returns:
       `CreditResult` with `token_advantages [N, L]` float32.
     """
+    name = config_or_name.estimator if isinstance(config_or_name, CreditConfig) else config_or_name
     estimator = get_estimator(name)
     if check:
         validate_credit_inputs(name, inputs)
     if num_groups is None:
         num_groups = inputs.rewards.shape[0]
-    return estimator.fn(inputs, num_groups, **options)
+    if estimator.options is None:
+        return estimator.fn(inputs, num_groups, **options)
+    config = resolve_config(config_or_name, **options)
+    return estimator.fn(inputs, num_groups, **estimator_options(config))
 
 
 def _outcome(inputs: CreditInputs, num_groups: int, std: str, std_eps: float):
@@ -156,22 +222,29 @@ def _outcome(inputs: CreditInputs, num_groups: int, std: str, std_eps: float):
                                       std=std, eps=std_eps)
 
 
-@register_estimator("grpo", description="GRPO: group z-scored outcome reward on every assistant token.")
-def _grpo(inputs, num_groups, *, std="population", std_eps=1e-6):
+_OUTCOME_OPTIONS = {"std": "std", "std_eps": "std_eps"}
+_TRACE_OPTIONS = {**_OUTCOME_OPTIONS, "form": "form", "eps": "eps", "horizon": "horizon", "gamma": "gamma",
+                  "terminal_fill": "terminal_fill", "alpha_out": "alpha_out", "alpha_turn": "alpha_turn",
+                  "min_score": "min_score"}
+
+
+@register_estimator("grpo", options=_OUTCOME_OPTIONS,
+                    description="GRPO: group z-scored outcome reward on every assistant token.")
+def _grpo(inputs, num_groups, *, std, std_eps):
     outcome = _outcome(inputs, num_groups, std, std_eps)
     return CreditResult(sequence_advantages_to_tokens(outcome, inputs.loss_mask), outcome)
 
 
-@register_estimator("gspo", ratio="sequence",
+@register_estimator("gspo", ratio="sequence", options=_OUTCOME_OPTIONS,
                     description="GSPO: GRPO advantages with a sequence-level importance ratio in the loss.")
-def _gspo(inputs, num_groups, *, std="population", std_eps=1e-6):
+def _gspo(inputs, num_groups, *, std, std_eps):
     return _grpo(inputs, num_groups, std=std, std_eps=std_eps)
 
 
-@register_estimator("trace", requires=("answer_scores",),
+@register_estimator("trace", requires=("answer_scores",), options=_TRACE_OPTIONS,
                     description="TRACE: GRPO + alpha_turn * look-ahead TD of the reference's answer scores.")
-def _trace(inputs, num_groups, *, form="log_ratio", eps=0.1, horizon=3, gamma=0.8, terminal_fill=2.0,
-           alpha_out=1.0, alpha_turn=0.2, std="population", std_eps=1e-6, min_score=DEFAULT_MIN_SCORE):
+def _trace(inputs, num_groups, *, form, eps, horizon, gamma, terminal_fill, alpha_out, alpha_turn, std, std_eps,
+           min_score):
     outcome = _outcome(inputs, num_groups, std, std_eps)
     credit = trace_turn_credit(jnp.asarray(inputs.answer_scores), jnp.asarray(inputs.num_turns), outcome, form=form,
                                eps=eps, horizon=horizon, gamma=gamma, terminal_fill=terminal_fill,
@@ -182,14 +255,8 @@ def _trace(inputs, num_groups, *, form="log_ratio", eps=0.1, horizon=3, gamma=0.
 
 
 def _register_trace_form(name: str, form: str, description: str) -> None:
-    def estimator(inputs, num_groups, **options):
-        if "form" in options and options["form"] != form:
-            raise ValueError(f"estimator {name!r} fixes form={form!r}; use 'trace' to choose the form")
-        options.pop("form", None)
-        return _trace(inputs, num_groups, form=form, **options)
-
-    register_estimator(name, requires=("answer_scores",), description=description)(
-        functools.wraps(_trace)(estimator))
+    register_estimator(name, requires=("answer_scores",), options=_TRACE_OPTIONS, fixed={"form": form},
+                       description=description)(_trace)
 
 
 _register_trace_form("trace_raw_delta", "raw_delta", "TRACE ablation: TD of the raw answer score.")
@@ -197,10 +264,27 @@ _register_trace_form("trace_linear_gap", "linear_gap", "TRACE ablation: TD divid
 
 
 @register_estimator("abc_grpo", requires=("step_rewards", "num_steps"),
+                    options={"gamma": "abc_gamma", "normalize": "abc_normalize", "std_eps": "std_eps"},
                     description="ABC-GRPO: group-normalised step rewards accumulated backwards.")
-def _abc_grpo(inputs, num_groups, *, gamma=0.25, normalize="joint", std_eps=1e-6):
+def _abc_grpo(inputs, num_groups, *, gamma, normalize, std_eps):
     steps = grouped_abc_grpo_advantages(jnp.asarray(inputs.step_rewards), jnp.asarray(inputs.num_steps),
                                         jnp.asarray(inputs.group_id), num_groups, gamma=gamma, normalize=normalize,
                                         eps=std_eps)
     tokens = step_values_to_tokens(steps, inputs.turn_index, inputs.loss_mask, inputs.num_steps)
     return CreditResult(tokens, None, steps)
+
+
+@register_estimator("gigpo", requires=("anchor_keys",),
+                    options={**_OUTCOME_OPTIONS, "gamma": "gigpo_gamma", "omega": "gigpo_omega",
+                             "step_std": "gigpo_step_std"},
+                    description="GiGPO: episode-level group advantage + omega * anchor-state step advantage.")
+def _gigpo(inputs, num_groups, *, std, std_eps, gamma, omega, step_std):
+    outcome = _outcome(inputs, num_groups, std, std_eps)
+    num_turns = jnp.asarray(inputs.num_turns)
+    steps = gigpo_step_advantages(jnp.asarray(inputs.anchor_keys), num_turns, jnp.asarray(inputs.rewards),
+                                  jnp.asarray(inputs.group_id), num_groups, gamma=gamma, step_std=step_std,
+                                  eps=std_eps)
+    per_turn = jnp.where(jnp.arange(steps.shape[1])[None, :] <= num_turns[:, None],
+                         outcome[:, None] + omega * steps, 0.0)
+    tokens = step_values_to_tokens(per_turn, inputs.turn_index, inputs.loss_mask, num_turns + 1)
+    return CreditResult(tokens, outcome, per_turn)

@@ -5,11 +5,12 @@ arrays are padded to a common `T`, and everything at or beyond a trajectory's le
 whatever the padding holds (NaN included). Knows nothing about models, tokens or tools; the scorer
 (`trace_jax.scoring`) produces `answer_scores`, and `trace_jax.credit.tokens` broadcasts the credit to tokens.
 
-Impossible answers: an answer score of `-inf` (or anything below `min_score`, default -1e4 nats per token) is
-clamped to `min_score` before the value is computed, so credit stays finite: moving from an impossible answer to a
-likely one earns a large but bounded TD (about `log(1e4 / d_{k+1})`). Scores above 0 (rounding noise in low
-precision) are clamped to 0. NaN inside a trajectory's real states is invalid input: `validate_trace_inputs`
-rejects it on the host, and inside jit it propagates to that trajectory only.
+Impossible answers: an answer score of `-inf` (or anything below `min_score`) is clamped to `min_score` before the
+value is computed, so credit stays finite. The floor is per form (`config.FORM_MIN_SCORES`): -1e4 nats per token for
+log_ratio (from an impossible answer to a likely one the TD is about `log(1e4 / d_{k+1})`, at most 11.5), -30 for
+raw_delta and linear_gap, whose TDs grow linearly with the score (|delta| <= 30 and delta in [-300, 1)). Scores
+above 0 (rounding noise in low precision) are clamped to 0. NaN inside a trajectory's real states is invalid input:
+`validate_trace_inputs` rejects it on the host, and inside jit it propagates to that trajectory only.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import jax.numpy as jnp
 
 from trace_jax.credit._checks import check_choice, check_float, check_int, check_rank, check_same_batch, compute_dtype
 
-FORMS = ("log_ratio", "linear_gap", "raw_delta")
-DEFAULT_MIN_SCORE = -1e4
+from trace_jax.credit.config import FORM_MIN_SCORES, FORMS, default_min_score
+
+DEFAULT_MIN_SCORE = FORM_MIN_SCORES["log_ratio"]
 
 
 def _check_scores(answer_scores, num_turns):
@@ -33,7 +35,10 @@ def _check_scores(answer_scores, num_turns):
 
 
 def _clean_scores(answer_scores, num_turns, min_score):
-    """Scores in the compute dtype, clamped to [min_score, 0], with padded states replaced by 0 (never read)."""
+    """Scores in the compute dtype, clamped to [min_score, 0], with padded states replaced by 0 (never read).
+
+    NaN is not clamped (`jnp.clip` keeps it): it is invalid input, rejected on the host by `validate_trace_inputs`.
+    """
     dtype = compute_dtype(answer_scores)
     scores = answer_scores.astype(dtype)
     state = jnp.arange(scores.shape[1])
@@ -42,7 +47,7 @@ def _clean_scores(answer_scores, num_turns, min_score):
     return jnp.clip(scores, min_score, 0.0), real
 
 
-def trace_values(answer_scores, num_turns, *, eps: float = 0.1, min_score: float = DEFAULT_MIN_SCORE):
+def trace_values(answer_scores, num_turns, *, eps: float = 0.1, min_score: float | None = None):
     """State values from the log-ratio of the remaining gap.
 
         d_k = -l_k + eps;   V_k = log(d_0 / d_k)      (V_0 = 0; halving the gap adds log 2)
@@ -51,20 +56,21 @@ def trace_values(answer_scores, num_turns, *, eps: float = 0.1, min_score: float
       answer_scores: `[N, T+1]` float, `l_k` = mean log-prob of the gold answer after state `S_k` (`<= 0`).
       num_turns: `[N]` int, tool calls per trajectory `T_g` in `[0, T]`; states `0..T_g` are real.
       eps: gap offset; keeps `d_k > 0` when the reference is certain.
-      min_score: scores below this (including `-inf`) are clamped to it.
+      min_score: scores below this (including `-inf`) are clamped to it; None = the log-ratio floor (-1e4).
 
     Returns:
       `V [N, T+1]` float32, 0 beyond each trajectory's last state.
     """
     _check_scores(answer_scores, num_turns)
-    scores, real = _clean_scores(answer_scores, num_turns, min_score)
+    scores, real = _clean_scores(answer_scores, num_turns,
+                                 default_min_score("log_ratio") if min_score is None else min_score)
     gap = -scores + eps
     values = jnp.log(gap[:, :1]) - jnp.log(gap)
     return jnp.where(real, values, 0.0)
 
 
 def td_deltas(answer_scores, num_turns, *, form: str = "log_ratio", eps: float = 0.1,
-              min_score: float = DEFAULT_MIN_SCORE):
+              min_score: float | None = None):
     """One-step temporal differences of the state value, one per tool call.
 
         log_ratio  (default): delta_k = log(d_k / d_{k+1}) = V_{k+1} - V_k     (telescopes: sum_k delta_k = V_T)
@@ -76,14 +82,16 @@ def td_deltas(answer_scores, num_turns, *, form: str = "log_ratio", eps: float =
       answer_scores: `[N, T+1]` float gold-answer scores per state (see `trace_values`).
       num_turns: `[N]` int in `[0, T]`.
       form: one of `"log_ratio"`, `"linear_gap"`, `"raw_delta"` (the paper's ablation).
-      eps, min_score: as in `trace_values`.
+      eps: as in `trace_values`.
+      min_score: score floor (`-inf` included); None = the form's floor (`config.FORM_MIN_SCORES`: -1e4 for
+        log_ratio, -30 for raw_delta and linear_gap), which bounds |delta| by 11.5, 30 and 300 respectively.
 
     Returns:
       `[N, T]` float32, 0 for `k >= T_g`.
     """
     _check_scores(answer_scores, num_turns)
     check_choice("form", form, FORMS)
-    scores, _ = _clean_scores(answer_scores, num_turns, min_score)
+    scores, _ = _clean_scores(answer_scores, num_turns, default_min_score(form) if min_score is None else min_score)
     gap = -scores + eps
     if form == "log_ratio":
         deltas = jnp.log(gap[:, :-1]) - jnp.log(gap[:, 1:])
@@ -160,7 +168,7 @@ def lookahead_credit(deltas, num_turns, outcome_adv, *, horizon: int = 3, gamma:
 
 def trace_turn_credit(answer_scores, num_turns, outcome_adv, *, form: str = "log_ratio", eps: float = 0.1,
                       horizon: int = 3, gamma: float = 0.8, terminal_fill: float = 2.0,
-                      min_score: float = DEFAULT_MIN_SCORE):
+                      min_score: float | None = None):
     """TRACE turn credit: `lookahead_credit(td_deltas(answer_scores, ...), ...)`.
 
     Args:

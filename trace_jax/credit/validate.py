@@ -121,3 +121,12 @@ def validate_abc_inputs(step_rewards, num_steps):
     bad = ~np.isfinite(rewards) & real
     if bad.any():
         raise ValueError(f"step_rewards: non-finite values in real steps of rows {_rows(bad.any(axis=1))}")
+
+
+def validate_anchor_keys(anchor_keys, num_turns):
+    """GiGPO anchor keys `[N, T+1]`: integers, one per state `S_0..S_{T_g}` of every trajectory."""
+    keys = _array("anchor_keys", anchor_keys, rank=2)
+    if not np.issubdtype(keys.dtype, np.integer):
+        raise ValueError(f"anchor_keys: expected integer state keys, got dtype {keys.dtype}; map hashable keys to "
+                         "ints with trace_jax.credit.gigpo.anchor_key_ids")
+    validate_num_turns(num_turns, keys.shape[1] - 1, n=keys.shape[0])

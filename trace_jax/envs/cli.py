@@ -3,7 +3,8 @@
 Writes to ``--out``:
   corpus.jsonl        one ``{docid, url, title, text}`` per line (the world's documents)
   tasks.jsonl         one task per line (``tasks.Task.to_dict``: question, answer, aliases, qtype, hops, clues, ...)
-  trajectories.jsonl  with ``--oracle``: one oracle episode per line (OpenAI chat messages + gold answer)
+  trajectories.jsonl  with ``--oracle``: one oracle episode per line (OpenAI chat messages + gold answer); with
+                      ``--group-size G``, G runs per task sharing a ``group``
   manifest.json       the knobs, the world fingerprint and, with ``--oracle``, the oracle solve rate
   vocabulary.txt      the closed word vocabulary (``oracle.trajectory_vocabulary``), one word per line
 
@@ -17,6 +18,7 @@ import json
 import time
 from pathlib import Path
 
+from trace_jax.envs.oracle import OracleConfig
 from trace_jax.envs.tasks import QUESTION_TYPES, TaskConfig, generate_tasks
 from trace_jax.envs.world import WorldConfig, build_world
 
@@ -52,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     oracle.add_argument("--view-lines", type=int, default=30, help="lines per browser view")
     oracle.add_argument("--retrieval-noise", type=float, default=0.0,
                         help="probability that a search result is replaced by a random page")
+    oracle.add_argument("--group-size", type=int, default=1,
+                        help="oracle runs per task, each with its own detour and retrieval-noise seed; records of one "
+                             "task share a 'group' (for group-relative credit)")
+    oracle.add_argument("--max-steps", type=int, default=OracleConfig.max_steps,
+                        help="tool calls after which the oracle gives up (answers 'unknown')")
 
 
 def _world_config(args: argparse.Namespace) -> WorldConfig:
@@ -87,28 +94,40 @@ def run(args: argparse.Namespace) -> int:
                 "num_documents": len(world.documents)}
     print(f"make-tasks: {len(world.documents)} documents, {len(tasks)} tasks in {time.perf_counter() - start:.1f} s")
 
-    from trace_jax.envs.oracle import OracleConfig, make_browser, solve, trajectory_vocabulary
+    from trace_jax.envs.oracle import group_browsers, solve_group, trajectory_vocabulary
 
     if args.oracle:
         start = time.perf_counter()
-        browser = make_browser(world, snippet_chars=args.snippet_chars, view_lines=args.view_lines,
-                               retrieval_noise=args.retrieval_noise, noise_seed=args.seed)
-        config = OracleConfig(detour_prob=args.detour_prob, seed=args.seed)
-        solved = tool_calls = 0
+        try:
+            config = OracleConfig(detour_prob=args.detour_prob, seed=args.seed, max_steps=args.max_steps)
+            browsers = group_browsers(world, args.group_size, retrieval_noise=args.retrieval_noise, seed=args.seed,
+                                      snippet_chars=args.snippet_chars, view_lines=args.view_lines)
+        except ValueError as error:
+            print(f"make-tasks: {error}")
+            return 2
+        solved = tool_calls = runs = mixed_groups = 0
         with (out / "trajectories.jsonl").open("w", encoding="utf-8") as handle:
             for task in tasks:
-                result = solve(browser, task, config)
-                solved += result.solved
-                tool_calls += result.num_tool_calls
-                handle.write(json.dumps(result.to_record(), ensure_ascii=False) + "\n")
+                results = solve_group(browsers, task, config)
+                mixed_groups += len({r.solved for r in results}) > 1
+                for g, result in enumerate(results):
+                    solved += result.solved
+                    tool_calls += result.num_tool_calls
+                    runs += 1
+                    record = (result.to_record(record_id=f"{task.task_id}-g{g}", group=task.task_id)
+                              if args.group_size > 1 else result.to_record())
+                    handle.write(json.dumps(record, ensure_ascii=False) + "\n")
         seconds = time.perf_counter() - start
-        rate = solved / max(1, len(tasks))
-        manifest["oracle"] = {"solved": solved, "num": len(tasks), "solve_rate": rate,
-                              "mean_tool_calls": tool_calls / max(1, len(tasks)), "seconds": round(seconds, 2),
+        rate = solved / max(1, runs)
+        manifest["oracle"] = {"solved": solved, "num": runs, "solve_rate": rate,
+                              "mean_tool_calls": tool_calls / max(1, runs), "seconds": round(seconds, 2),
                               "detour_prob": args.detour_prob, "snippet_chars": args.snippet_chars,
-                              "view_lines": args.view_lines, "retrieval_noise": args.retrieval_noise}
-        print(f"make-tasks: oracle solved {solved}/{len(tasks)} ({rate:.2%}), {tool_calls / max(1, len(tasks)):.1f} "
-              f"tool calls per task, {tool_calls / max(seconds, 1e-9):.0f} tool calls/s, {seconds:.1f} s")
+                              "view_lines": args.view_lines, "retrieval_noise": args.retrieval_noise,
+                              "group_size": args.group_size, "max_steps": args.max_steps,
+                              "groups_with_mixed_outcomes": mixed_groups}
+        print(f"make-tasks: oracle solved {solved}/{runs} ({rate:.2%}), {tool_calls / max(1, runs):.1f} "
+              f"tool calls per run, {tool_calls / max(seconds, 1e-9):.0f} tool calls/s, {seconds:.1f} s"
+              + (f"; {mixed_groups} of {len(tasks)} groups mix solved and failed runs" if args.group_size > 1 else ""))
     (out / "vocabulary.txt").write_text("\n".join(trajectory_vocabulary()) + "\n", encoding="utf-8")
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     print(f"make-tasks: wrote {out}")

@@ -19,6 +19,7 @@ This module knows about tasks, worlds and the browser; not about models, tokeniz
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -221,14 +222,18 @@ class OracleResult:
     def num_tool_calls(self) -> int:
         return len(self.clue_progress)
 
-    def to_record(self) -> dict[str, Any]:
+    def to_record(self, *, record_id: str | None = None, group: str | None = None) -> dict[str, Any]:
         """JSON-able record: the trajectory plus gold data (SFT / test format).
 
         `reward` is the environment's answer reward (`answers.answer_reward`) of the final message, the field
-        `trace-jax credit` reads by default.
+        `trace-jax credit` reads by default; `clues` is the gold clue chain (ABC's rule-based scorer reads it).
+        `record_id` and `group` (the prompt group of `solve_group` runs) are written as `id` and `group` when given.
         """
         final_text = next((m.get("content") or "" for m in reversed(self.messages) if m["role"] == "assistant"), "")
-        return {"task_id": self.task.task_id, "question": self.task.question, "messages": self.messages,
+        ids = {"id": record_id} if record_id is not None else {}
+        if group is not None:
+            ids["group"] = group
+        return {**ids, "task_id": self.task.task_id, "question": self.task.question, "messages": self.messages,
                 "tools": tool_schemas(), "answer": self.task.answer, "aliases": list(self.task.aliases),
                 "predicted_answer": self.answer, "solved": self.solved,
                 "reward": answer_reward(final_text, self.task.gold_answers).reward, "qtype": self.task.qtype,
@@ -407,6 +412,27 @@ def solve(browser: Browser, task: Task, config: OracleConfig = OracleConfig()) -
     solved = answer_reward(final, task.gold_answers).exact
     return OracleResult(task=task, messages=episode.messages, answer=answer, solved=solved,
                         confirmed=list(episode.confirmed), clue_progress=episode.progress)
+
+
+def group_browsers(world_or_corpus: World | Corpus, group_size: int, *, retrieval_noise: float = 0.0, seed: int = 0,
+                   **browser_options) -> list[Browser]:
+    """`group_size` browsers over one shared index, browser `g` with retrieval-noise seed `seed + 1000 * g`."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size!r}")
+    corpus = world_or_corpus if isinstance(world_or_corpus, Corpus) else Corpus.from_records(
+        world_or_corpus.documents, source="world document")
+    index = SearchIndex.build(corpus)
+    return [make_browser(corpus, retrieval_noise=retrieval_noise, noise_seed=seed + 1000 * g, index=index,
+                         **browser_options) for g in range(group_size)]
+
+
+def solve_group(browsers: Sequence[Browser], task: Task, config: OracleConfig = OracleConfig()) -> list[OracleResult]:
+    """Several oracle runs of one task, a prompt group for group-relative credit: run `g` uses `browsers[g]`
+    (its own retrieval-noise seed, see `group_browsers`) and detour seed `config.seed + 1000 * g` (run 0 is
+    `solve(browsers[0], task, config)`), so runs take different paths; with a tight `max_steps` some run out of
+    steps and answer "unknown", so rewards differ within the group."""
+    return [solve(browser, task, dataclasses.replace(config, seed=config.seed + 1000 * g))
+            for g, browser in enumerate(browsers)]
 
 
 def solve_all(browser: Browser, tasks: Iterable[Task], config: OracleConfig = OracleConfig()) -> list[OracleResult]:

@@ -32,6 +32,20 @@ the policy generated, so history is never rewritten. `ChatFormat(tokenizer, enab
 empty think block `<think>\n\n</think>\n\n` after every assistant header (Qwen3 adds it to the generation
 prompt only), so the prompt of every turn, not just the first, disables thinking and history stays append-only.
 
+Think blocks (`ChatFormat(thinking=...)`, one of `THINKING_MODES`, matching the checkpoint's own chat template):
+
+    "none"    no think blocks (SmolLM2, Qwen3-*-Instruct-2507); `reasoning_content` has no place and is ignored
+    "hybrid"  Qwen3's hybrid template with thinking on: the model opens `<think>` itself after the header; a
+              message's `reasoning_content` is rendered as `<think>\n{reasoning}\n</think>\n\n{content}`
+    "off"     Qwen3's hybrid template with thinking off (`enable_thinking=False`, see above)
+    "always"  Qwen3-*-Thinking-2507: every assistant header is followed by `<think>\n`, which the model closes;
+              `reasoning_content` is rendered as `{reasoning}\n</think>\n\n{content}`
+    None      "off" when `enable_thinking=False`, else read from `tokenizer.chat_template` (no template or no
+              `<think>`: "none"; a generation prompt that opens `<think>`: "always"; otherwise "hybrid")
+
+`answer_prefix_text` is what a model of that format writes between an assistant header and a direct answer (an
+empty think block where the format expects one); the answer continuation scored by TRACE starts with it.
+
 This module knows nothing about models, sampling, rewards or answer checking.
 """
 
@@ -62,6 +76,9 @@ TOOLS_FOOTER = (
     "<tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
 )
+
+THINKING_MODES = ("none", "hybrid", "off", "always")
+EMPTY_THINK_BLOCK = "<think>\n\n</think>\n\n"
 
 # Per-token role codes used by `messages_to_ids` (`TokenizedConversation.roles`).
 ROLE_CODES: dict[str, int] = {"system": 0, "user": 1, "assistant": 2, "tool": 3}
@@ -199,6 +216,18 @@ def _message_text(message: Mapping[str, Any], index: int) -> str:
     raise ValueError(f"message {index}: content must be a string, a list of text parts or None, got {content!r}")
 
 
+def thinking_mode_of(tokenizer) -> str:
+    """The `THINKING_MODES` entry a tokenizer's own chat template implies ("none" without a template)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # several named templates: the default one
+        template = template.get("default")
+    if not isinstance(template, str) or "<think>" not in template:
+        return "none"
+    if "assistant\\n<think>\\n" in template or "assistant\n<think>\n" in template:
+        return "always"
+    return "hybrid"
+
+
 class ChatFormat:
     """Renders Qwen3 ChatML conversations as token ids for a Hugging Face tokenizer.
 
@@ -219,11 +248,21 @@ class ChatFormat:
     Args:
       tokenizer: a Hugging Face tokenizer (`load_tokenizer`).
       enable_thinking: False appends Qwen3's empty think block to every assistant header (see module docstring).
+      thinking: the think-block layout, one of `THINKING_MODES` (see module docstring); None reads it from the
+        tokenizer's chat template (or "off" when `enable_thinking=False`).
     """
 
-    def __init__(self, tokenizer, *, enable_thinking: bool = True):
+    def __init__(self, tokenizer, *, enable_thinking: bool = True, thinking: str | None = None):
         self.tokenizer = tokenizer
-        self.enable_thinking = enable_thinking
+        if thinking is None:
+            thinking = "off" if not enable_thinking else thinking_mode_of(tokenizer)
+        if thinking not in THINKING_MODES:
+            raise ValueError(f"ChatFormat thinking={thinking!r} is not one of {list(THINKING_MODES)}; pick the one "
+                             "matching the checkpoint's chat template")
+        if not enable_thinking and thinking != "off":
+            raise ValueError(f"ChatFormat: enable_thinking=False means thinking='off', not {thinking!r}")
+        self.thinking = thinking
+        self.enable_thinking = thinking != "off"
         self.im_start_id = self._single_token_id(IM_START, required=True)
         self.im_end_id = self._single_token_id(IM_END, required=True)
         self.end_of_text_id = self._single_token_id(END_OF_TEXT, required=False)
@@ -291,12 +330,34 @@ class ChatFormat:
         return self._header("user") + self._plain(text) + self._turn_end()
 
     def generation_prompt_ids(self) -> list[int]:
-        """`<|im_start|>assistant\\n` (+ `<think>\\n\\n</think>\\n\\n` when thinking is disabled): the assistant
-        header the policy's generation follows."""
+        """`<|im_start|>assistant\\n` (+ `<think>\\n\\n</think>\\n\\n` when thinking is "off", + `<think>\\n` when
+        it is "always"): the assistant header the policy's generation follows."""
         header = self._header("assistant")
-        if not self.enable_thinking:
-            header += self._markup("<think>\n\n</think>\n\n")
+        if self.thinking == "off":
+            header += self._markup(EMPTY_THINK_BLOCK)
+        elif self.thinking == "always":
+            header += self._markup("<think>\n")
         return header
+
+    @property
+    def answer_prefix_text(self) -> str:
+        """What this format's model writes after an assistant header before answering without reasoning: the
+        empty think block for "hybrid", its closing part for "always" (the header opened it), "" otherwise."""
+        return {"hybrid": EMPTY_THINK_BLOCK, "always": "\n</think>\n\n"}.get(self.thinking, "")
+
+    def assistant_message_text(self, message: Mapping[str, Any], index: int = 0) -> str:
+        """An assistant message's content with its `reasoning_content` placed where this format puts reasoning
+        (hybrid: a think block before the content; always: before the closing `</think>` of the header's block);
+        formats without think blocks ignore `reasoning_content`."""
+        content = _message_text(message, index)
+        reasoning = message.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise ValueError(f"message {index}: reasoning_content must be a string, got {type(reasoning).__name__}")
+        if self.thinking == "hybrid" and reasoning:
+            return "<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + content.lstrip("\n")
+        if self.thinking == "always" and (reasoning or "</think>" not in content):
+            return (reasoning or "").strip("\n") + "\n</think>\n\n" + content.lstrip("\n")
+        return content
 
     def prompt_ids(
         self, system: str | None, user: str, tools: Sequence[Mapping[str, Any]] | None = None
@@ -388,7 +449,8 @@ class ChatFormat:
             elif role == "assistant":
                 header = self.generation_prompt_ids()
                 try:
-                    body = self.assistant_content_ids(_message_text(message, index), message.get("tool_calls") or ())
+                    body = self.assistant_content_ids(self.assistant_message_text(message, index),
+                                                      message.get("tool_calls") or ())
                 except ValueError as error:
                     raise ValueError(f"message {index}: {error}") from None
                 ids += header + body + self._turn_end()

@@ -174,7 +174,7 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
                          "logprobs": [0.0] * len(prompt), "sampling_logprobs": [0.0] * len(prompt),
                          "boundaries": [len(prompt)], "reward": 0.0, "status": "running"})
             episodes.append(EpisodeRecord(task_id=str(getattr(task, "task_id", t)), question=task.question,
-                                          gold=_gold(task)))
+                                          gold=_gold(task), clues=tuple(getattr(task, "clues", ()) or ())))
             browsers.append(browser.fork() if isinstance(browser, Browser) else browser(task))
 
     t0 = time.perf_counter()

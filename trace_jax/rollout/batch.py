@@ -92,6 +92,7 @@ class EpisodeRecord:
       tool_calls: per tool turn, `(name, arguments)` or the parse error message.
       observations: per tool turn, the observation text given back.
       num_tool_errors: error observations (unparseable calls and tool errors).
+      clues: the task's gold clue chain (`tasks.Clue` records; empty for tasks without one), for ABC's step scorer.
     """
 
     task_id: str
@@ -104,6 +105,23 @@ class EpisodeRecord:
     tool_calls: list[Any] = dataclasses.field(default_factory=list)
     observations: list[str] = dataclasses.field(default_factory=list)
     num_tool_errors: int = 0
+    clues: tuple = ()
+
+    @property
+    def state_keys(self) -> list[str]:
+        """GiGPO's anchor-state key of every turn: turn `k` starts from state `S_k`, identified by the observation
+        history `observations[:k]` (`credit.history_state_keys`); `S_0`, the prompt, is shared by a prompt's group."""
+        from trace_jax.credit.gigpo import history_state_keys
+
+        return history_state_keys(self.observations)
+
+
+def anchor_keys(episodes: list[EpisodeRecord], num_slots: int) -> np.ndarray:
+    """int32 `[N, num_slots]` anchor-state ids of every turn (`CreditInputs.anchor_keys` for `gigpo`); pass
+    `num_slots = max_turns + 1`, the batch's `boundaries` width. Keys past a row's last state are ignored."""
+    from trace_jax.credit.gigpo import anchor_key_ids
+
+    return anchor_key_ids([episode.state_keys[:num_slots] for episode in episodes], num_slots)
 
 
 def build_batch(rows: list[dict], *, max_len: int, max_turns: int, group_id, pad_id: int = 0) -> TrajectoryBatch:

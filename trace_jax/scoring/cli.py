@@ -1,18 +1,29 @@
-"""`trace-jax credit`: TRACE turn credit for trajectories that already exist (JSONL in, JSONL + receipts out).
+"""`trace-jax credit`: any registered credit estimator on trajectories that already exist (JSONL in, JSONL +
+receipts out).
 
 Input: a JSONL file, one trajectory per line (see docs/scoring.md for the schema):
 
     {"id": "q17-g3", "messages": [...OpenAI chat messages...], "answer": "gold answer",
-     "reward": 1.0, "group": "q17", "tools": [...optional tool schemas...]}
+     "reward": 1.0, "group": "q17", "tools": [...optional tool schemas...], "clues": [...optional, for abc_grpo...]}
 
-`messages` are system/user/assistant (with `tool_calls`)/tool messages; they are rendered with the Qwen3 ChatML
-format (`trace_jax.models.chat.ChatFormat`) using the reference checkpoint's tokenizer, which also gives the state
-boundaries. The reference model (any directory `models.load_pretrained` reads) scores `template + answer` after
-every state (`score_answer_prefixes`); the credit API turns the scores into values, TDs and look-ahead credit.
+`messages` are system/user/assistant (with `tool_calls`, optional `reasoning_content`)/tool messages; they are
+rendered with the Qwen3 ChatML format (`trace_jax.models.chat.ChatFormat`, think blocks as the tokenizer's chat
+template says unless `--thinking`) using the reference checkpoint's tokenizer, which also gives the state boundaries.
+A record that ends on a tool message (cut at max turns) keeps its last state: the generation prompt is appended and
+the state after the last observation is scored too. The reference model (any directory `models.load_pretrained`
+reads) scores the answer continuation (`continuation.build_answer_continuation`: the format's answer prefix, the
+open tag and the gold answer tokenised jointly) after every state; `credit.compute_advantages` runs the estimator
+chosen with `--estimator` on the whole file, with the options of `CreditConfig` from the flags.
 
-Output (in --out): `credit.jsonl` (one line per scored record), `receipts/<id>.html` and `credit_by_turn.png`.
-Malformed records are reported on stderr with their line number and skipped; a summary line says how many were
-scored. Exit status: 0 when at least one record was scored, 1 when none was, 2 for unusable arguments.
+Groups: records sharing `--group-key` form a prompt group. A record without a group is a group of one (outcome
+advantage 0, so TRACE's terminal fill is 0 too); a record without a reward gets reward 0 in a group of its own, so
+it changes no other record's statistics; a group with a skipped (malformed) line is marked incomplete. Each is
+flagged per record and counted, with a one-line warning, on stderr and in `summary.json`.
+
+Output (in --out): `credit.jsonl` (one line per scored record), `receipts/<id>.html`, `credit_by_turn.png` and
+`summary.json`. Non-finite numbers are never written: a record whose scores are not finite gets `null` for every
+score-derived field and the flag `nonfinite_scores`. Malformed records are reported on stderr with their line number
+and skipped. Exit status: 0 when at least one record was scored, 1 when none was, 2 for unusable arguments.
 
 This module is host code: file handling, tokenisation and formatting. Device work is in `fork.py` and the credit API.
 """
@@ -24,6 +35,7 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,13 +43,33 @@ from typing import Any
 
 import numpy as np
 
+from trace_jax.credit.config import DEFAULTS, CreditConfig
 from trace_jax.scoring.fork import LAYOUTS, METHODS
 
-FORMS = ("log_ratio", "linear_gap", "raw_delta")
-STD_MODES = ("population", "sample", "none")
+THINKING_CHOICES = ("auto", "none", "hybrid", "off", "always")
+# CreditConfig fields exposed as flags: (choices or None, help). Defaults come from CreditConfig, never from here.
+_CREDIT_FLAGS = {
+    "std": ("outcome advantage normalisation", ("population", "sample", "none")),
+    "std_eps": ("groups with reward std <= this get outcome advantage 0", None),
+    "form": ("TRACE TD form", ("log_ratio", "linear_gap", "raw_delta")),
+    "eps": ("TRACE gap offset in d_k = -l_k + eps", None),
+    "min_score": ("scores below this are clamped to it (default: per TD form)", None),
+    "horizon": ("TRACE look-ahead K", None),
+    "gamma": ("TRACE look-ahead discount", None),
+    "terminal_fill": ("TRACE lambda_term, weight of A_out at the end", None),
+    "alpha_out": ("weight of the outcome advantage", None),
+    "alpha_turn": ("weight of TRACE's turn credit", None),
+    "abc_gamma": ("ABC-GRPO backward accumulation factor", None),
+    "abc_normalize": ("ABC-GRPO step statistics", ("joint", "per_step")),
+    "gigpo_gamma": ("GiGPO step-return discount", None),
+    "gigpo_omega": ("GiGPO weight of the step-level advantage", None),
+    "gigpo_step_std": ("GiGPO step advantage normalisation", ("population", "none")),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from trace_jax.credit import estimator_names
+
     parser.add_argument("input", help="JSONL of trajectories (OpenAI chat messages + gold answer per record)")
     parser.add_argument("--reference", required=True,
                         help="reference checkpoint directory (Hugging Face layout, anything load_pretrained reads)")
@@ -49,28 +81,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     io.add_argument("--group-key", default="group",
                     help="field grouping trajectories of one prompt for outcome advantages (missing: a group of one)")
     io.add_argument("--answer-template", default="<answer>",
-                    help="text conditioned on before the gold answer (not scored); '' for none")
+                    help="open tag conditioned on right before the gold answer (not scored); '' for none")
+    io.add_argument("--score-close-tag", action="store_true",
+                    help="append </answer> to the continuation and score it with the answer")
+    io.add_argument("--thinking", choices=THINKING_CHOICES, default="auto",
+                    help="think-block layout of the chat format (auto: read from the tokenizer's chat template)")
     scoring = parser.add_argument_group("scoring")
     scoring.add_argument("--method", choices=METHODS, default="fork")
     scoring.add_argument("--layout", choices=LAYOUTS, default="auto")
     scoring.add_argument("--batch-size", type=int, default=8, help="trajectories per scoring pass")
     scoring.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                          help="reference params and compute dtype (log-softmax is always float32)")
-    credit = parser.add_argument_group("TRACE credit (credit-spec section 2)")
-    credit.add_argument("--form", choices=FORMS, default="log_ratio", help="TD form")
-    credit.add_argument("--eps", type=float, default=0.1, help="gap offset in d_k = -l_k + eps")
-    credit.add_argument("--min-score", type=float, default=-1e4, help="scores below this are clamped to it")
-    credit.add_argument("--horizon", type=int, default=3, help="look-ahead K")
-    credit.add_argument("--gamma", type=float, default=0.8, help="look-ahead discount")
-    credit.add_argument("--terminal-fill", type=float, default=2.0, help="lambda_term, weight of A_out at the end")
-    credit.add_argument("--alpha-out", type=float, default=1.0, help="weight of the outcome advantage")
-    credit.add_argument("--alpha-turn", type=float, default=0.2, help="weight of the turn credit")
-    credit.add_argument("--std", choices=STD_MODES, default="population", help="outcome advantage normalisation")
-    credit.add_argument("--std-eps", type=float, default=1e-6, help="groups with std <= this get advantage 0")
+    credit = parser.add_argument_group("credit (CreditConfig; every default is CreditConfig's)")
+    credit.add_argument("--estimator", choices=estimator_names(), default=DEFAULTS["estimator"],
+                        help="registered credit estimator")
+    for name, (text, choices) in _CREDIT_FLAGS.items():
+        default = DEFAULTS[name]
+        kind = int if name == "horizon" else (str if choices else float)
+        credit.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, choices=choices, default=None,
+                            help=f"{text} (default {default})")
     output = parser.add_argument_group("output")
     output.add_argument("--no-receipts", action="store_true", help="skip the HTML receipts")
     output.add_argument("--no-plot", action="store_true", help="skip the PNG summary plot")
     output.add_argument("--excerpt-chars", type=int, default=160, help="observation excerpt length in receipts")
+
+
+def credit_config_from_args(args: argparse.Namespace) -> CreditConfig:
+    """The `CreditConfig` the flags ask for (unset flags keep CreditConfig's defaults); ValueError if illegal."""
+    given = {name: getattr(args, name) for name in _CREDIT_FLAGS if getattr(args, name, None) is not None}
+    return CreditConfig(estimator=args.estimator, **given)
 
 
 # ---------------------------------------------------------------------------------------------------- records
@@ -84,13 +123,21 @@ class Prepared:
     record_id: str
     record: dict
     ids: np.ndarray
+    loss_mask: np.ndarray
+    turn_index: np.ndarray
     boundaries: np.ndarray
-    answer_ids: list[int]
-    answer_mask: list[int]
+    continuation: Any  # AnswerContinuation
     reward: float | None
     group: str | None
+    state_keys: list[str]
+    ended_on_tool: bool
     turns: list[dict] = field(default_factory=list)
     question: str = ""
+    step_counts: list | None = None
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.boundaries) - 1
 
 
 def _content_text(message: Mapping[str, Any]) -> str:
@@ -135,8 +182,26 @@ def turn_summaries(messages: list, num_turns: int, excerpt_chars: int) -> list[d
     return turns
 
 
-def prepare_record(line_number: int, text: str, chat, tokenizer, args) -> Prepared:
+def _observations(messages: list) -> list[str]:
+    """One observation per tool turn: consecutive tool messages joined, as `ChatFormat` renders them in one turn."""
+    out: list[str] = []
+    previous_role = None
+    for message in messages:
+        if message.get("role") == "tool":
+            text = _content_text(message)
+            if previous_role == "tool":
+                out[-1] += "\n\n" + text
+            else:
+                out.append(text)
+        previous_role = message.get("role")
+    return out
+
+
+def prepare_record(line_number: int, text: str, chat, tokenizer, args, config: CreditConfig) -> Prepared:
     """Parse and tokenise one JSONL line; raises RecordError naming the problem."""
+    from trace_jax.credit.gigpo import history_state_keys
+    from trace_jax.scoring.continuation import build_answer_continuation
+
     try:
         record = json.loads(text)
     except json.JSONDecodeError as error:
@@ -160,21 +225,54 @@ def prepare_record(line_number: int, text: str, chat, tokenizer, args) -> Prepar
         conversation = chat.messages_to_ids(messages, tools=tools)
     except (ValueError, TypeError, AttributeError) as error:
         raise RecordError(f"messages cannot be rendered: {error}") from None
-    template = tokenizer.encode(args.answer_template, add_special_tokens=False) if args.answer_template else []
-    gold = tokenizer.encode(answer, add_special_tokens=False)
-    if not gold:
-        raise RecordError(f"field {args.answer_key!r} encodes to no tokens")
+    try:
+        continuation = build_answer_continuation(tokenizer, chat, answer, open_tag=args.answer_template,
+                                                 score_close_tag=args.score_close_tag)
+    except ValueError as error:
+        raise RecordError(f"field {args.answer_key!r}: {error}") from None
     if conversation.boundaries[0] < 1:
         raise RecordError("the first assistant turn starts at token 0; a prompt must come before it")
+    ids, loss_mask = list(conversation.ids), list(conversation.loss_mask)
+    turn_index, boundaries = list(conversation.turn_index), list(conversation.boundaries)
+    ended_on_tool = messages[-1].get("role") == "tool"
+    if ended_on_tool:  # cut after an observation: its state is real, open the generation that never came
+        prompt = chat.generation_prompt_ids()
+        ids += prompt
+        loss_mask += [False] * len(prompt)
+        turn_index += [-1] * len(prompt)
+        boundaries.append(len(ids))
+    num_turns = len(boundaries) - 1
+    step_counts = None
+    if config.estimator == "abc_grpo":
+        step_counts = _abc_step_counts(record, messages, answer)
     group = record.get(args.group_key)
     record_id = record.get("id", record.get("task_id", f"line-{line_number}"))
-    num_turns = len(conversation.boundaries) - 1
     question = next((_content_text(m) for m in messages if m.get("role") == "user"), "")
-    return Prepared(line=line_number, record_id=str(record_id), record=record, ids=conversation.ids,
-                    boundaries=conversation.boundaries, answer_ids=list(template) + list(gold),
-                    answer_mask=[0] * len(template) + [1] * len(gold),
+    keys = history_state_keys(_observations(messages))[: num_turns + 1]
+    return Prepared(line=line_number, record_id=str(record_id), record=record, ids=np.asarray(ids, np.int32),
+                    loss_mask=np.asarray(loss_mask, bool), turn_index=np.asarray(turn_index, np.int32),
+                    boundaries=np.asarray(boundaries, np.int32), continuation=continuation,
                     reward=None if reward is None else float(reward), group=None if group is None else str(group),
-                    turns=turn_summaries(messages, num_turns, args.excerpt_chars), question=question)
+                    state_keys=keys, ended_on_tool=ended_on_tool,
+                    turns=turn_summaries(messages, num_turns, args.excerpt_chars), question=question,
+                    step_counts=step_counts)
+
+
+def _abc_step_counts(record: dict, messages: list, answer: str) -> list:
+    """ABC rubric counts per step from the record's clue chain (`RuleBasedStepScorer`)."""
+    from trace_jax.abc.rules import RuleBasedStepScorer, steps_from_messages
+
+    if not isinstance(record.get("clues"), list):
+        raise RecordError("field 'clues' (the gold clue chain, a list of {docid, entity, relation, value, kind}) is "
+                          "needed by --estimator abc_grpo; oracle records from `trace-jax make-tasks --oracle` "
+                          "carry it")
+    aliases = record.get("aliases") or []
+    gold = [answer] + [str(a) for a in aliases if isinstance(a, str)]
+    try:
+        return RuleBasedStepScorer().score(question="", gold=gold, clues=record["clues"],
+                                           steps=steps_from_messages(messages))
+    except ValueError as error:
+        raise RecordError(f"field 'clues': {error}") from None
 
 
 # ---------------------------------------------------------------------------------------------------- scoring
@@ -189,7 +287,7 @@ def score_records(config, params, prepared: list[Prepared], *, method: str, layo
         n = len(chunk)
         length = max(len(p.ids) for p in chunk)
         slots = max(len(p.boundaries) for p in chunk)
-        m = max(len(p.answer_ids) for p in chunk)
+        m = max(len(p.continuation.ids) for p in chunk)
         tokens = np.zeros((n, length), np.int32)
         boundaries = np.ones((n, slots), np.int32)
         answers = np.zeros((n, m), np.int32)
@@ -197,8 +295,8 @@ def score_records(config, params, prepared: list[Prepared], *, method: str, layo
         for row, p in enumerate(chunk):
             tokens[row, :len(p.ids)] = p.ids
             boundaries[row, :len(p.boundaries)] = p.boundaries
-            answers[row, :len(p.answer_ids)] = p.answer_ids
-            masks[row, :len(p.answer_mask)] = p.answer_mask
+            answers[row, :len(p.continuation.ids)] = p.continuation.ids
+            masks[row, :len(p.continuation.mask)] = p.continuation.mask
         num_states = np.array([len(p.boundaries) for p in chunk], np.int32)
         result = score_answer_prefixes(config, params, tokens, boundaries, num_states, answers, masks,
                                        method=method, layout=layout)
@@ -208,63 +306,152 @@ def score_records(config, params, prepared: list[Prepared], *, method: str, layo
     return scores
 
 
-def outcome_advantages_for(prepared: list[Prepared], *, std: str, std_eps: float) -> np.ndarray:
-    """GRPO outcome advantages over records with a reward, grouped by the group key (missing: a group of one).
+@dataclass
+class GroupInfo:
+    """How the records were grouped, per record: the group id the estimator sees and what the output reports."""
 
-    Records without a reward get 0.
-    """
+    group_id: np.ndarray            # [N] int, in [0, N)
+    rewards: np.ndarray             # [N] float32, 0 for records without a reward
+    size: list[int]                 # rewarded members of the record's group (1 for a record without reward)
+    mean: list[float | None]
+    std: list[float | None]
+    flags: list[list[str]]
+
+
+def group_records(prepared: list[Prepared], incomplete_groups: set[str]) -> GroupInfo:
+    """Group ids for the estimator: records sharing a group key and having a reward form a group; a record
+    without a group key, or without a reward, is a group of its own (flagged `group_of_one` / `missing_reward`)."""
+    keys: dict[Any, int] = {}
+    group_id = np.zeros(len(prepared), np.int32)
+    for i, p in enumerate(prepared):
+        key = ("group", p.group) if (p.group is not None and p.reward is not None) else ("single", i)
+        group_id[i] = keys.setdefault(key, len(keys))
+    rewards = np.asarray([0.0 if p.reward is None else p.reward for p in prepared], np.float32)
+    members = Counter(group_id.tolist())
+    size, mean, std, flags = [], [], [], []
+    for i, p in enumerate(prepared):
+        same = rewards[group_id == group_id[i]].astype(np.float64)
+        size.append(members[group_id[i]])
+        mean.append(None if p.reward is None else round(float(same.mean()), 6))
+        std.append(None if p.reward is None else round(float(same.std()), 6))
+        record_flags = []
+        if p.reward is None:
+            record_flags.append("missing_reward")
+        elif members[group_id[i]] == 1:
+            record_flags.append("group_of_one")
+        if p.group is not None and p.group in incomplete_groups:
+            record_flags.append("group_incomplete")
+        flags.append(record_flags)
+    return GroupInfo(group_id, rewards, size, mean, std, flags)
+
+
+def credit_inputs_for(prepared: list[Prepared], scores: list[np.ndarray], groups: GroupInfo):
+    """`CreditInputs` for the whole file, padded to the longest record (non-finite score rows zeroed; they are
+    reported as null afterwards)."""
     import jax.numpy as jnp
 
-    from trace_jax.credit import grouped_outcome_advantages
+    from trace_jax.credit import CreditInputs, abc_step_rewards, anchor_key_ids
+    from trace_jax.abc import counts_to_arrays
 
-    advantages = np.zeros(len(prepared), np.float32)
-    rewarded = [i for i, p in enumerate(prepared) if p.reward is not None]
-    if not rewarded:
-        return advantages
-    group_ids: dict[str, int] = {}
-    ids = []
-    for i in rewarded:
-        key = prepared[i].group if prepared[i].group is not None else f"\0single-{i}"
-        ids.append(group_ids.setdefault(key, len(group_ids)))
-    rewards = jnp.asarray([prepared[i].reward for i in rewarded], jnp.float32)
-    values = grouped_outcome_advantages(rewards, jnp.asarray(ids, jnp.int32), len(group_ids), std=std, eps=std_eps)
-    advantages[rewarded] = np.asarray(values)
-    return advantages
+    n = len(prepared)
+    length = max(len(p.ids) for p in prepared)
+    slots = max(p.num_turns + 1 for p in prepared)
+    loss_mask = np.zeros((n, length), np.float32)
+    turn_index = np.full((n, length), -1, np.int32)
+    answer_scores = np.zeros((n, slots), np.float32)
+    for i, p in enumerate(prepared):
+        loss_mask[i, :len(p.ids)] = p.loss_mask
+        turn_index[i, :len(p.ids)] = p.turn_index
+        if np.all(np.isfinite(scores[i])):
+            answer_scores[i, :len(scores[i])] = scores[i]
+    extra = {}
+    if prepared[0].step_counts is not None:
+        counts = counts_to_arrays([p.step_counts for p in prepared])
+        extra["step_rewards"] = abc_step_rewards(jnp.asarray(counts["n_found"]), jnp.asarray(counts["n_excluded"]),
+                                                 jnp.asarray(counts["n_rejected"]), jnp.asarray(counts["ans"]))
+        extra["num_steps"] = jnp.asarray(counts["num_steps"])
+    return CreditInputs(rewards=jnp.asarray(groups.rewards), group_id=jnp.asarray(groups.group_id),
+                        loss_mask=jnp.asarray(loss_mask), turn_index=jnp.asarray(turn_index),
+                        num_turns=jnp.asarray([p.num_turns for p in prepared], jnp.int32),
+                        answer_scores=jnp.asarray(answer_scores),
+                        anchor_keys=jnp.asarray(anchor_key_ids([p.state_keys for p in prepared], slots)), **extra)
 
 
-def trace_credit(scores: list[np.ndarray], outcome_adv: np.ndarray, args) -> dict[str, list[np.ndarray]]:
-    """Values, TDs, look-ahead credit and turn-token advantages per record, from the credit API."""
-    import jax.numpy as jnp
+def turn_spans(turn_index: np.ndarray, loss_mask: np.ndarray) -> list[list[int]]:
+    """`[start, end)` token offsets of each assistant turn's trained tokens, turn 0 first (the answer turn last)."""
+    spans = []
+    for k in range(int(turn_index.max(initial=-1)) + 1):
+        where = np.nonzero((turn_index == k) & loss_mask)[0]
+        spans.append([int(where[0]), int(where[-1]) + 1] if len(where) else [])
+    return spans
 
-    from trace_jax.credit import lookahead_credit, td_deltas, trace_values
 
-    n = len(scores)
-    slots = max(len(s) for s in scores)
-    padded = np.zeros((n, slots), np.float32)
-    for i, s in enumerate(scores):
-        padded[i, :len(s)] = s
-    num_turns = jnp.asarray([len(s) - 1 for s in scores], jnp.int32)
-    answer_scores = jnp.asarray(padded)
-    values = np.asarray(trace_values(answer_scores, num_turns, eps=args.eps, min_score=args.min_score))
-    if slots > 1:
-        deltas = td_deltas(answer_scores, num_turns, form=args.form, eps=args.eps, min_score=args.min_score)
-        credit = np.asarray(lookahead_credit(deltas, num_turns, jnp.asarray(outcome_adv), horizon=args.horizon,
-                                             gamma=args.gamma, terminal_fill=args.terminal_fill))
-        deltas = np.asarray(deltas)
-    else:  # every trajectory has T = 0: no turns to credit
-        deltas = credit = np.zeros((n, 0), np.float32)
-    out: dict[str, list[np.ndarray]] = {"values": [], "td": [], "turn_credit": [], "turn_advantage": []}
-    for i, s in enumerate(scores):
-        t = len(s) - 1
-        out["values"].append(values[i, :t + 1])
-        out["td"].append(deltas[i, :t])
-        out["turn_credit"].append(credit[i, :t])
-        out["turn_advantage"].append(args.alpha_out * outcome_adv[i] + args.alpha_turn * credit[i, :t])
+def _number(value) -> float | None:
+    value = float(value)
+    return round(value, 6) if math.isfinite(value) else None
+
+
+def _numbers(values) -> list[float | None]:
+    return [_number(v) for v in values]
+
+
+def record_results(prepared: list[Prepared], scores: list[np.ndarray], groups: GroupInfo, inputs, result,
+                   config: CreditConfig, args) -> list[dict]:
+    """One output dict per record; every float is finite or None."""
+    from trace_jax.credit import td_deltas, trace_values
+    from trace_jax.credit.config import default_min_score
+
+    form = config.form if config.estimator == "trace" else {"trace_raw_delta": "raw_delta",
+                                                             "trace_linear_gap": "linear_gap"}.get(
+        config.estimator, config.form)
+    min_score = config.min_score
+    floor = default_min_score(form) if min_score is None else min_score
+    values = np.asarray(trace_values(inputs.answer_scores, inputs.num_turns, eps=config.eps, min_score=min_score))
+    deltas = np.asarray(td_deltas(inputs.answer_scores, inputs.num_turns, form=form, eps=config.eps,
+                                  min_score=min_score)) if values.shape[1] > 1 else np.zeros((len(prepared), 0))
+    tokens = np.asarray(result.token_advantages)
+    per_turn = None if result.per_turn is None else np.asarray(result.per_turn)
+    outcome = None if result.outcome_advantages is None else np.asarray(result.outcome_advantages)
+    out = []
+    for i, p in enumerate(prepared):
+        t = p.num_turns
+        finite = bool(np.all(np.isfinite(scores[i])))
+        flags = list(groups.flags[i]) + ([] if finite else ["nonfinite_scores"])
+        spans = turn_spans(p.turn_index, p.loss_mask)
+        advantages = [_number(tokens[i, a]) if (a < b) else None for a, b in (s or (0, 0) for s in spans)]
+        if not finite:
+            advantages = [None] * len(spans)
+        credit = [] if per_turn is None else per_turn[i, :t]
+        has_answer_turn = len(spans) > t
+        scored = lambda xs: _numbers(xs) if finite else None  # noqa: E731 - a local formatting rule
+        result_record = {
+            "id": p.record_id, "line": p.line, "group": p.group, "reward": p.reward, "estimator": config.estimator,
+            "answer": p.record.get(args.answer_key), "num_turns": t, "num_tokens": int(len(p.ids)),
+            "ended_on_tool": p.ended_on_tool, "boundaries": [int(b) for b in p.boundaries],
+            "group_size": groups.size[i], "group_reward_mean": groups.mean[i], "group_reward_std": groups.std[i],
+            "flags": flags,
+            "template_token_ids": p.continuation.template_ids, "answer_token_ids": p.continuation.answer_ids,
+            "answer_scores": scored(scores[i]), "gaps": scored(config.eps - np.clip(scores[i], floor, 0.0)),
+            "values": scored(values[i, :t + 1]), "td": scored(deltas[i, :t]),
+            "turn_credit": scored(credit),
+            "outcome_advantage": None if outcome is None else _number(outcome[i]),
+            "turn_spans": spans, "turn_advantages": advantages,
+            "turn_advantage": advantages[:t], "final_advantage": advantages[t] if has_answer_turn else None,
+        }
+        if p.step_counts is not None:
+            result_record["step_counts"] = [[c.n_found, c.n_excluded, c.n_rejected, c.ans] for c in p.step_counts]
+            result_record["step_rewards"] = _numbers(np.asarray(inputs.step_rewards)[i, :len(p.step_counts)])
+        out.append(result_record)
     return out
 
 
-def _floats(values) -> list[float]:
-    return [round(float(v), 6) for v in values]
+def _skipped_group(text: str, group_key: str) -> str | None:
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    group = record.get(group_key) if isinstance(record, dict) else None
+    return None if group is None else str(group)
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -277,23 +464,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"credit: --reference {args.reference!r} is not a directory; pass a Hugging Face checkpoint "
               "directory (config.json + model.safetensors)", file=sys.stderr)
         return 2
-    if args.batch_size < 1 or args.horizon < 0 or args.excerpt_chars < 1:
-        print("credit: --batch-size and --excerpt-chars must be >= 1 and --horizon >= 0", file=sys.stderr)
+    if args.batch_size < 1 or args.excerpt_chars < 1:
+        print("credit: --batch-size and --excerpt-chars must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        config = credit_config_from_args(args)
+    except ValueError as error:
+        print(f"credit: {error}", file=sys.stderr)
         return 2
 
     from trace_jax import models
+    from trace_jax.credit import compute_advantages
     from trace_jax.models.chat import ChatFormat
     from trace_jax.models.tokenizer import load_tokenizer
     from trace_jax.scoring.receipts import plot_credit_by_turn, safe_filename, write_receipt
 
     start = time.perf_counter()
     tokenizer = load_tokenizer(args.tokenizer or args.reference)
-    chat = ChatFormat(tokenizer)
-    config, params = models.load_pretrained(args.reference, dtype=args.dtype,
-                                            config_overrides={"dtype": args.dtype})
+    chat = ChatFormat(tokenizer, thinking=None if args.thinking == "auto" else args.thinking)
+    model_config, params = models.load_pretrained(args.reference, dtype=args.dtype,
+                                                  config_overrides={"dtype": args.dtype})
 
     prepared: list[Prepared] = []
     errors: list[tuple[int, str]] = []
+    incomplete_groups: set[str] = set()
     total = 0
     with input_path.open(encoding="utf-8") as handle:
         for line_number, text in enumerate(handle, start=1):
@@ -301,52 +495,64 @@ def run(args: argparse.Namespace) -> int:
                 continue
             total += 1
             try:
-                prepared.append(prepare_record(line_number, text, chat, tokenizer, args))
+                prepared.append(prepare_record(line_number, text, chat, tokenizer, args, config))
             except RecordError as error:
                 errors.append((line_number, str(error)))
+                group = _skipped_group(text, args.group_key)
+                if group is not None:
+                    incomplete_groups.add(group)
                 print(f"credit: {input_path}:{line_number}: skipped: {error}", file=sys.stderr)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
+    groups = group_records(prepared, incomplete_groups) if prepared else None
     if prepared:
-        scores = score_records(config, params, prepared, method=args.method, layout=args.layout,
+        scores = score_records(model_config, params, prepared, method=args.method, layout=args.layout,
                                batch_size=args.batch_size)
-        outcome_adv = outcome_advantages_for(prepared, std=args.std, std_eps=args.std_eps)
-        credit = trace_credit(scores, outcome_adv, args)
+        inputs = credit_inputs_for(prepared, scores, groups)
+        try:
+            result = compute_advantages(config, inputs, check=True)
+        except ValueError as error:
+            print(f"credit: {input_path}: estimator {config.estimator!r} rejected the inputs: {error}",
+                  file=sys.stderr)
+            return 1
+        results = record_results(prepared, scores, groups, inputs, result, config, args)
         receipts_dir = out_dir / "receipts"
         if not args.no_receipts:
             receipts_dir.mkdir(exist_ok=True)
         with (out_dir / "credit.jsonl").open("w", encoding="utf-8") as handle:
-            for i, p in enumerate(prepared):
-                result = {
-                    "id": p.record_id, "line": p.line, "group": p.group, "reward": p.reward,
-                    "answer": p.record.get(args.answer_key), "num_turns": len(p.boundaries) - 1,
-                    "num_tokens": int(len(p.ids)), "boundaries": [int(b) for b in p.boundaries],
-                    "answer_scores": _floats(scores[i]), "values": _floats(credit["values"][i]),
-                    "td": _floats(credit["td"][i]), "turn_credit": _floats(credit["turn_credit"][i]),
-                    "outcome_advantage": round(float(outcome_adv[i]), 6),
-                    "turn_advantage": _floats(credit["turn_advantage"][i]),
-                    "final_advantage": round(float(args.alpha_out * outcome_adv[i]), 6),
-                }
+            for p, record in zip(prepared, results):
                 if not args.no_receipts:
                     name = safe_filename(f"{p.record_id}-L{p.line}", ".html")
-                    write_receipt(receipts_dir / name, result, p.turns, question=p.question)
-                    result["receipt"] = f"receipts/{name}"
-                handle.write(json.dumps(result, ensure_ascii=False) + "\n")
-                results.append(result)
+                    write_receipt(receipts_dir / name, record, p.turns, question=p.question)
+                    record["receipt"] = f"receipts/{name}"
+                handle.write(json.dumps(record, ensure_ascii=False, allow_nan=False) + "\n")
         if not args.no_plot:
             plot_credit_by_turn(results, out_dir / "credit_by_turn.png")
     else:
         (out_dir / "credit.jsonl").write_text("", encoding="utf-8")
-    settings = {k: getattr(args, k) for k in ("form", "eps", "min_score", "horizon", "gamma", "terminal_fill",
-                                              "alpha_out", "alpha_turn", "std", "std_eps", "answer_template",
-                                              "method", "layout", "dtype")}
-    summary = {"input": str(input_path), "reference": str(args.reference), "records": total,
-               "scored": len(results), "skipped": len(errors),
+    flag_counts = Counter(flag for record in results for flag in record["flags"])
+    settings = {"credit": config.to_dict(), **{k: getattr(args, k) for k in (
+        "answer_template", "score_close_tag", "thinking", "method", "layout", "dtype")}, "chat_thinking": chat.thinking}
+    summary = {"input": str(input_path), "reference": str(args.reference), "estimator": config.estimator,
+               "records": total, "scored": len(results), "skipped": len(errors),
+               "groups": len(set(groups.group_id.tolist())) if groups else 0,
+               "groups_of_one": flag_counts["group_of_one"], "missing_reward": flag_counts["missing_reward"],
+               "incomplete_group_records": flag_counts["group_incomplete"],
+               "nonfinite_scores": flag_counts["nonfinite_scores"],
                "errors": [{"line": line, "error": message} for line, message in errors],
                "seconds": round(time.perf_counter() - start, 3), "settings": settings}
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    print(f"credit: scored {len(results)} of {total} records ({len(errors)} malformed, skipped) "
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    warnings = [f"{summary['groups_of_one']} in a group of one", f"{summary['missing_reward']} without a reward",
+                f"{summary['incomplete_group_records']} in a group with a skipped line",
+                f"{summary['nonfinite_scores']} with non-finite scores"]
+    shown = [w for w, key in zip(warnings, ("groups_of_one", "missing_reward", "incomplete_group_records",
+                                            "nonfinite_scores")) if summary[key]]
+    if shown:
+        print(f"credit: warning: of {len(results)} records, " + ", ".join(shown)
+              + " (their outcome advantage is 0 or their credit is null; see 'flags' in credit.jsonl)",
+              file=sys.stderr)
+    print(f"credit: {config.estimator}: scored {len(results)} of {total} records ({len(errors)} malformed, skipped) "
           f"in {summary['seconds']:.1f} s -> {out_dir}")
     return 0 if results else 1
 

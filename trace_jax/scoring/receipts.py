@@ -50,34 +50,41 @@ def render_receipt(result: Mapping[str, Any], turns: Sequence[Mapping[str, Any]]
     """The HTML receipt of one scored trajectory.
 
     Args:
-      result: the output record (id, answer, reward, outcome_advantage, answer_scores, values, td, turn_credit,
-        turn_advantage).
+      result: the output record (id, answer, reward, estimator, flags, outcome_advantage, answer_scores, values,
+        td, turn_credit, turn_advantage); any number may be None (shown as "-").
       turns: per tool-calling turn k, {"calls": [str, ...], "observation": str} (already excerpted or not).
       question: the user's question (shown at the top).
     """
     esc = html.escape
-    credit = list(result.get("turn_credit", []))
-    scale = max([abs(c) for c in credit] or [0.0])
+    credit = list(result.get("turn_credit") or result.get("turn_advantage") or [])
+    scale = max([abs(c) for c in credit if c is not None] or [0.0])
+    scores, values, tds = (list(result.get(key) or []) for key in ("answer_scores", "values", "td"))
+
+    def number(values, k, spec):
+        value = values[k] if k < len(values) else None
+        return "-" if value is None else format(value, spec)
+
     rows = []
     for k, turn in enumerate(turns):
         calls = "<br>".join(f"<code>{esc(c)}</code>" for c in turn.get("calls", [])) or "<em>(none)</em>"
-        value = result["values"][k + 1] if k + 1 < len(result.get("values", [])) else float("nan")
-        td = result["td"][k] if k < len(result.get("td", [])) else float("nan")
-        r = credit[k] if k < len(credit) else 0.0
+        r = credit[k] if k < len(credit) else None
         rows.append(
             f"<tr><td>{k}</td><td>{calls}</td><td>{esc(turn.get('observation', ''))}</td>"
-            f"<td>{result['answer_scores'][k + 1]:.4f}</td><td>{value:.4f}</td><td>{td:+.4f}</td>"
-            f"<td>{_bar(r, scale)}</td><td>{r:+.4f}</td></tr>"
+            f"<td>{number(scores, k + 1, '.4f')}</td><td>{number(values, k + 1, '.4f')}</td>"
+            f"<td>{number(tds, k, '+.4f')}</td><td>{_bar(r or 0.0, scale)}</td>"
+            f"<td>{number(credit, k, '+.4f')}</td></tr>"
         )
     reward = result.get("reward")
     meta = [
         ("id", result.get("id")), ("line", result.get("line")), ("question", question),
         ("gold answer", result.get("answer")), ("reward", "-" if reward is None else f"{reward:g}"),
-        ("outcome advantage", f"{result.get('outcome_advantage', 0.0):+.4f}"),
-        ("tool calls (T)", result.get("num_turns")), ("score at S_0", f"{result['answer_scores'][0]:.4f}"),
+        ("estimator", result.get("estimator", "trace")),
+        ("outcome advantage", number([result.get("outcome_advantage")], 0, "+.4f")),
+        ("tool calls (T)", result.get("num_turns")), ("score at S_0", number(scores, 0, ".4f")),
+        ("flags", ", ".join(result.get("flags") or []) or "-"),
     ]
     meta_rows = "".join(f"<tr><td><b>{esc(str(k))}</b></td><td>{esc(str(v))}</td></tr>" for k, v in meta)
-    title = esc(f"TRACE receipt: {result.get('id')}")
+    title = esc(f"Credit receipt: {result.get('id')}")
     return (
         f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title><style>{_STYLE}</style>"
         f"</head><body><h2>{title}</h2><table class=\"meta\">{meta_rows}</table><h3>Turns</h3>"
@@ -102,7 +109,7 @@ def plot_credit_by_turn(results: Sequence[Mapping[str, Any]], path: Path) -> Non
     by_position: dict[int, list[float]] = {}
     rng = np.random.default_rng(0)
     for result in results:
-        credit = result.get("turn_credit", [])
+        credit = [c for c in (result.get("turn_credit") or result.get("turn_advantage") or []) if c is not None]
         if not credit:
             continue
         xs = np.arange(len(credit)) + rng.uniform(-0.15, 0.15, len(credit))
@@ -115,7 +122,8 @@ def plot_credit_by_turn(results: Sequence[Mapping[str, Any]], path: Path) -> Non
         ax.legend(loc="best")
     ax.axhline(0.0, color="#888", lw=0.8)
     ax.set_xlabel("turn position k (tool call k)")
-    ax.set_ylabel("TRACE turn credit r_k")
+    estimator = next((r.get("estimator") for r in results if r.get("estimator")), "trace")
+    ax.set_ylabel(f"{estimator} turn credit")
     ax.set_title(f"Credit by turn position ({len(results)} trajectories)")
     fig.tight_layout()
     fig.savefig(path)
