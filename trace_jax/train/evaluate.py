@@ -1,0 +1,241 @@
+"""Held-out evaluation of a policy: greedy exact-match accuracy, pass@k with sampling, and episode statistics.
+
+`evaluate` runs `trace_jax.rollout.run_episodes` over the tasks in chunks and counts:
+
+  * accuracy: share of tasks whose greedy episode ends with an answer that exactly matches the gold answer or an
+    alias (`envs.answers.exact_match`, normalised), with its binomial standard error `sqrt(p (1 - p) / n)`;
+  * mean reward: the environment's `answer_reward` as the rollouts compute it (differs from accuracy only with a
+    format weight);
+  * pass@k (optional): `n >= k` sampled episodes per task, `c` of them correct; the unbiased estimator
+    `1 - C(n - c, k) / C(n, k)` (Chen et al. 2021), averaged over tasks;
+  * tool calls and generated turns per episode, tool errors, and how episodes ended (`rollout.STATUSES`).
+
+`compare` turns two evaluations of the same tasks into "before -> after, difference +- SE": the SE is the paired
+one (standard error of the per-task differences) when both cover the same task ids, else the unpaired
+`sqrt(se_before^2 + se_after^2)`.
+
+This module knows the rollout API and answer checking; it knows nothing about training, optimizers or credit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from trace_jax.envs.answers import exact_match
+from trace_jax.rollout.agent import RolloutConfig, run_episodes
+from trace_jax.rollout.batch import STATUSES, EpisodeRecord
+from trace_jax.rollout.sampler import SamplingConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """When and how the held-out tasks are evaluated.
+
+    Attributes:
+      num_tasks: held-out tasks evaluated (the first `num_tasks` of the held-out split).
+      every_steps: evaluate every this many RL steps (0 = only before and after training).
+      batch_size: tasks per `run_episodes` call (bounds the KV cache: batch_size x samples rows).
+      pass_k: k of pass@k (0 = no sampled evaluation).
+      pass_samples: samples n per task for pass@k (n >= k; more samples lower the estimator's variance).
+      temperature: sampling temperature of the pass@k episodes.
+      seed: PRNG seed of the sampled episodes (the same at every evaluation, so runs compare like with like).
+    """
+
+    num_tasks: int = 128
+    every_steps: int = 0
+    batch_size: int = 128
+    pass_k: int = 0
+    pass_samples: int = 4
+    temperature: float = 1.0
+    seed: int = 1234
+
+    def __post_init__(self):
+        for name in ("num_tasks", "batch_size", "pass_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EvalConfig.{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("every_steps", "pass_k"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"EvalConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.pass_k > self.pass_samples:
+            raise ValueError(f"EvalConfig.pass_k={self.pass_k} needs pass_samples >= pass_k, got "
+                             f"{self.pass_samples}; raise EvalConfig.pass_samples")
+        if not self.temperature > 0:
+            raise ValueError(f"EvalConfig.temperature must be > 0, got {self.temperature!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    """Figures of one evaluation (see the module docstring).
+
+    Attributes:
+      num_tasks: tasks evaluated (n of the standard error).
+      accuracy, accuracy_se: greedy exact-match share and its binomial standard error.
+      mean_reward: mean `answer_reward` of the greedy episodes.
+      pass_k: {k: pass@k} for k = 1..EvalConfig.pass_k (empty without sampling).
+      tool_calls_per_episode, turns_per_episode, tool_errors_per_episode: means over the greedy episodes
+        (turns = generated assistant turns, the final answer included).
+      statuses: {status name: episodes} of the greedy episodes, every name of `rollout.STATUSES` present.
+      correct: per task, in order, whether its greedy episode was correct.
+      task_ids: the tasks, in order.
+      seconds: wall time of the evaluation.
+    """
+
+    num_tasks: int
+    accuracy: float
+    accuracy_se: float
+    mean_reward: float
+    pass_k: dict[int, float]
+    tool_calls_per_episode: float
+    turns_per_episode: float
+    tool_errors_per_episode: float
+    statuses: dict[str, int]
+    correct: tuple[bool, ...]
+    task_ids: tuple[str, ...]
+    seconds: float = 0.0
+
+    def metrics(self, prefix: str = "eval/") -> dict[str, float]:
+        """Flat scalar metrics for `metrics.jsonl` / TensorBoard."""
+        out = {f"{prefix}accuracy": self.accuracy, f"{prefix}accuracy_se": self.accuracy_se,
+               f"{prefix}mean_reward": self.mean_reward, f"{prefix}tool_calls": self.tool_calls_per_episode,
+               f"{prefix}turns": self.turns_per_episode, f"{prefix}tool_errors": self.tool_errors_per_episode,
+               f"{prefix}num_tasks": float(self.num_tasks), f"{prefix}seconds": self.seconds}
+        out.update({f"{prefix}pass@{k}": v for k, v in self.pass_k.items()})
+        out.update({f"{prefix}status/{name}": count / max(1, self.num_tasks) for name, count in self.statuses.items()})
+        return out
+
+
+def binomial_se(p: float, n: int) -> float:
+    """Standard error of a share p estimated from n independent trials: sqrt(p (1 - p) / n) (0 for n = 0)."""
+    return math.sqrt(max(p * (1.0 - p), 0.0) / n) if n > 0 else 0.0
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n - c, k) / C(n, k) (Chen et al. 2021).
+
+    The product form avoids huge binomials: C(n-c, k)/C(n, k) = prod_{i=n-c+1}^{n} (1 - k / i).
+    """
+    if not 1 <= k <= num_samples:
+        raise ValueError(f"pass@k needs 1 <= k <= n samples, got k={k}, n={num_samples}")
+    if not 0 <= num_correct <= num_samples:
+        raise ValueError(f"num_correct={num_correct} must be in [0, {num_samples}]")
+    if num_samples - num_correct < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(num_samples - num_correct + 1, num_samples + 1)))
+
+
+def episode_correct(episode: EpisodeRecord) -> bool:
+    """Exact match of the episode's final answer against the gold answer and aliases (False without an answer:
+    a `malformed_answer` whose text happens to match counts, as the reward does; see `answers.answer_reward`)."""
+    return episode.answer is not None and exact_match(episode.answer, episode.gold)
+
+
+def _run(model_config, params, chat, tasks, browser, rollout, rng, batch_size, **kwargs):
+    episodes: list[EpisodeRecord] = []
+    rewards: list[np.ndarray] = []
+    for start in range(0, len(tasks), batch_size):
+        chunk = tasks[start:start + batch_size]
+        result = run_episodes(model_config, params, chat, chunk, browser, rollout, jax.random.fold_in(rng, start),
+                              **kwargs)
+        episodes += result.episodes
+        rewards.append(np.asarray(result.batch.reward))
+    return episodes, np.concatenate(rewards)
+
+
+def evaluate(model_config, params, chat, tasks: Sequence[Any], browser, rollout: RolloutConfig,
+             config: EvalConfig = EvalConfig(), *, mesh=None, rules=None, logits_hook=None) -> EvalResult:
+    """Evaluate the policy on `tasks` (all of them; slice to `config.num_tasks` before calling).
+
+    Greedy episodes give accuracy and the episode statistics; with `config.pass_k > 0`, `config.pass_samples`
+    sampled episodes per task (temperature `config.temperature`) give pass@1..pass@k.
+
+    Args:
+      model_config, params, chat: the policy and its chat format.
+      tasks: held-out tasks (`question`, `answer`, optional `aliases`, `task_id`).
+      browser: the rollouts' `Browser` (or `task -> Browser` factory).
+      rollout: the training rollouts' limits (max_turns, max_context, ...); its group size and sampling are
+        replaced here (1 greedy sample; n sampled ones for pass@k).
+      config: the `EvalConfig`.
+      mesh, rules, logits_hook: passed to `run_episodes` (`logits_hook`: tests only).
+    """
+    import time
+
+    start = time.perf_counter()
+    tasks = list(tasks)
+    if not tasks:
+        raise ValueError("evaluate needs at least one task")
+    rng = jax.random.PRNGKey(config.seed)
+    greedy = dataclasses.replace(rollout, group_size=1, sampling=SamplingConfig(greedy=True))
+    episodes, rewards = _run(model_config, params, chat, tasks, browser, greedy, rng, config.batch_size,
+                             mesh=mesh, rules=rules, logits_hook=logits_hook)
+    correct = tuple(episode_correct(e) for e in episodes)
+    n = len(tasks)
+    accuracy = sum(correct) / n
+    statuses = {name: 0 for name in STATUSES}
+    for e in episodes:
+        statuses[e.status] += 1
+
+    pass_k: dict[int, float] = {}
+    if config.pass_k:
+        samples = config.pass_samples
+        sampled = dataclasses.replace(rollout, group_size=samples,
+                                      sampling=SamplingConfig(temperature=config.temperature))
+        sampled_episodes, _ = _run(model_config, params, chat, tasks, browser, sampled, jax.random.fold_in(rng, 1),
+                                   max(1, config.batch_size // samples), mesh=mesh, rules=rules,
+                                   logits_hook=logits_hook)
+        hits = np.asarray([episode_correct(e) for e in sampled_episodes]).reshape(n, samples).sum(axis=1)
+        pass_k = {k: float(np.mean([pass_at_k(samples, int(c), k) for c in hits]))
+                  for k in range(1, config.pass_k + 1)}
+
+    return EvalResult(
+        num_tasks=n, accuracy=accuracy, accuracy_se=binomial_se(accuracy, n), mean_reward=float(rewards.mean()),
+        pass_k=pass_k, tool_calls_per_episode=float(np.mean([len(e.tool_calls) for e in episodes])),
+        turns_per_episode=float(np.mean([len(e.turn_texts) for e in episodes])),
+        tool_errors_per_episode=float(np.mean([e.num_tool_errors for e in episodes])), statuses=statuses,
+        correct=correct, task_ids=tuple(e.task_id for e in episodes), seconds=time.perf_counter() - start)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Accuracy before and after, the difference and its standard error (paired when the tasks match)."""
+
+    before: float
+    after: float
+    difference: float
+    se: float
+    paired: bool
+    num_tasks: int
+
+    def __str__(self) -> str:
+        kind = "paired" if self.paired else "unpaired"
+        return (f"held-out accuracy {100 * self.before:.1f}% -> {100 * self.after:.1f}% on {self.num_tasks} tasks: "
+                f"difference {100 * self.difference:+.1f} +- {100 * self.se:.1f} points ({kind} binomial SE)")
+
+
+def compare(before: EvalResult, after: EvalResult) -> Comparison:
+    """The accuracy difference `after - before` with its standard error.
+
+    Same task ids in the same order: paired SE = std(d_i) / sqrt(n) of the per-task differences d_i in {-1, 0, 1}
+    (population std, matching `binomial_se`'s convention). Otherwise: sqrt(se_before^2 + se_after^2).
+    """
+    difference = after.accuracy - before.accuracy
+    if before.task_ids == after.task_ids:
+        d = np.asarray(after.correct, float) - np.asarray(before.correct, float)
+        se = float(d.std() / math.sqrt(len(d)))
+        return Comparison(before.accuracy, after.accuracy, difference, se, True, len(d))
+    se = math.sqrt(before.accuracy_se ** 2 + after.accuracy_se ** 2)
+    return Comparison(before.accuracy, after.accuracy, difference, se, False, min(before.num_tasks, after.num_tasks))
+
+
+def format_comparison(before: EvalResult, after: EvalResult, *, before_label: str = "after warm start",
+                      after_label: str = "after RL") -> str:
+    """One line for logs and the end of a run: 'accuracy <before_label> X% -> <after_label> Y%, diff +- SE'."""
+    c = compare(before, after)
+    kind = "paired" if c.paired else "unpaired"
+    return (f"held-out greedy accuracy ({c.num_tasks} tasks): {before_label} {100 * c.before:.1f}% -> "
+            f"{after_label} {100 * c.after:.1f}%, difference {100 * c.difference:+.1f} +- {100 * c.se:.1f} points "
+            f"({kind} binomial SE)")
