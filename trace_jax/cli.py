@@ -18,6 +18,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "credit": ("trace_jax.scoring.cli", "TRACE credit for existing trajectories (JSONL in, JSONL + receipts out)"),
     "convert-gguf": ("trace_jax.models.gguf", "dequantise a GGUF checkpoint into a Hugging Face safetensors directory"),
     "make-tasks": ("trace_jax.envs.cli", "generate procedural multi-hop search tasks and their corpus"),
+    "train": ("trace_jax.train.cli", "RL of a search agent on gin configs (no arguments: the embedded default)"),
+    "eval": ("trace_jax.train.cli", "held-out evaluation of a saved step of a training run"),
+    "sweep": ("trace_jax.train.cli", "expand a sweep gin file into runs; run them in sequence or print commands"),
 }
 
 
