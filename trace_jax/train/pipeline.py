@@ -158,15 +158,17 @@ class RLPipeline:
       rollout, credit, loss, update: the configs.
       optimizer: the optax optimizer of the train step.
       mesh, rules: optional mesh for the sampler, scorer and train step.
+      train_step: a compiled `make_train_step(model_config, loss, optimizer, ...)` to reuse (pipelines that share
+        model, loss and optimizer then compile the update once); None builds one.
     """
 
     def __init__(self, model_config, chat, browser, rollout: RolloutConfig, credit: CreditConfig, loss: LossConfig,
-                 update: UpdateConfig, optimizer, *, mesh=None, rules=None):
+                 update: UpdateConfig, optimizer, *, mesh=None, rules=None, train_step=None):
         self.model_config, self.chat, self.browser = model_config, chat, browser
         self.rollout, self.credit, self.loss, self.update_config = rollout, credit, loss, update
         self.mesh, self.rules = mesh, rules
         self.estimator = get_estimator(credit.estimator)
-        self.train_step = make_train_step(model_config, loss, optimizer, mesh=mesh, rules=rules)
+        self.train_step = train_step or make_train_step(model_config, loss, optimizer, mesh=mesh, rules=rules)
         self._continuations: dict[str, Any] = {}
         self._credit_fns: dict[int, Any] = {}
         self.step_rewards_needed = "step_rewards" in self.estimator.requires
@@ -285,7 +287,8 @@ class RLPipeline:
                 collected.append(metrics)
         collected = jax.device_get(collected)
         out = {name: float(np.mean([m[name] for m in collected])) for name in collected[0]}
-        out["sampler_trainer_gap"] = float(collected[0]["logprob_gap"])
+        if "logprob_gap" in collected[0]:  # rl mode only (sft has no behaviour policy)
+            out["sampler_trainer_gap"] = float(collected[0]["logprob_gap"])
         out["updates"] = float(len(collected))
         return state, out
 
