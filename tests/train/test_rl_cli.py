@@ -82,7 +82,8 @@ def test_sweep_runs_its_four_runs_in_sequence(monkeypatch, tmp_path):
 def test_train_then_eval_write_the_run_directory(tmp_path):
     gin_file = tmp_path / "small.gin"
     gin_file.write_text(SMALL + "TrainConfig.steps = 2\nTrainConfig.receipts = 1\nWarmStartConfig.steps = 2\n"
-                        "WarmStartConfig.num_trajectories = 4\nWarmStartConfig.batch_size = 2\n")
+                        "WarmStartConfig.num_trajectories = 4\nWarmStartConfig.batch_size = 2\n"
+                        "UpdateConfig.kl_metric = True\n")
     run_dir = tmp_path / "run"
     assert train_cli.run_train([str(gin_file)], [], str(run_dir), progress=False) == 0
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

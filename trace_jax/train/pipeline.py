@@ -79,6 +79,9 @@ class UpdateConfig:
       length_multiple: the padded length of the step's arrays is the longest row rounded up to this.
       scoring: "fork" (the one-pass prefix-fork scorer) or "naive" (one forward per state; for contrast only).
       scoring_batch: rows per scorer call (0 = all rows at once).
+      kl_metric: log `kl_ref`, the k3 estimate of KL(pi_old || pi_ref) on the sampled tokens, from the reference's
+        log-probs of the trajectories; costs the reference's LM head over every token (with `LossConfig.kl_coef >
+        0` the update computes those anyway and the train step logs `kl`).
     """
 
     epochs: int = 1
@@ -86,6 +89,7 @@ class UpdateConfig:
     length_multiple: int = 64
     scoring: str = "fork"
     scoring_batch: int = 0
+    kl_metric: bool = False
 
     def __post_init__(self):
         for name in ("epochs", "mini_batches", "length_multiple"):
@@ -186,8 +190,9 @@ class RLPipeline:
         return run_episodes(self.model_config, params, self.chat, tasks, self.browser, self.rollout, rng,
                             mesh=self.mesh, rules=self.rules)
 
-    def score(self, reference_params, rollout: Rollout, width: int):
-        """The reference's answer scores `[N, T+1]` and next-token log-probs `[N, width]` of the trajectories."""
+    def score(self, reference_params, rollout: Rollout, width: int, *, token_logprobs: bool = False):
+        """The reference's answer scores `[N, T+1]` and (with `token_logprobs`) its next-token log-probs
+        `[N, width]` of the trajectories (else None)."""
         batch = rollout.batch
         conts = [self.continuation(e.gold[0]) for e in rollout.episodes]
         m = max(len(c.ids) for c in conts)
@@ -207,10 +212,12 @@ class RLPipeline:
             part = slice(start, start + chunk)
             result = score_answer_prefixes(self.model_config, reference_params, tokens[part], boundaries[part],
                                            num_states[part], answers[part], masks[part], lengths=lengths[part],
-                                           method=self.update_config.scoring, mesh=self.mesh, rules=self.rules)
+                                           method=self.update_config.scoring, mesh=self.mesh, rules=self.rules,
+                                           token_logprobs=token_logprobs)
             scores.append(np.asarray(result.answer_scores))
-            token_lp.append(np.asarray(result.token_logprobs))
-        return np.concatenate(scores), np.concatenate(token_lp)
+            if token_logprobs:
+                token_lp.append(np.asarray(result.token_logprobs))
+        return np.concatenate(scores), (np.concatenate(token_lp) if token_logprobs else None)
 
     def abc_step_rewards(self, rollout: Rollout) -> tuple[np.ndarray, np.ndarray]:
         """ABC step rewards `[N, T+1]` and step counts `[N]` from the rule-based scorer on each episode."""
@@ -237,8 +244,9 @@ class RLPipeline:
         width = length_bucket(int(lengths.max()), self.update_config.length_multiple, self.rollout.max_context)
         answer_scores = ref_token_lp = step_rewards = num_steps = None
         start = time.perf_counter()
-        if self.scores_needed or (self.loss.needs_reference and reference_params is not None):
-            answer_scores, ref_token_lp = self.score(reference_params, rollout, width)
+        want_token_lp = self.loss.needs_reference or self.update_config.kl_metric
+        if self.scores_needed or want_token_lp:
+            answer_scores, ref_token_lp = self.score(reference_params, rollout, width, token_logprobs=want_token_lp)
         if self.step_rewards_needed:
             step_rewards, num_steps = self.abc_step_rewards(rollout)
         timing["scoring"] = time.perf_counter() - start
