@@ -82,26 +82,27 @@ def _torch_step_fn(torch_model, batch):
         torch.nn.utils.clip_grad_norm_(torch_model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     return step
 
 
 def bench_model(preset, lengths, rows, repeats):
+    """Yield one result dict per length (printed as it comes; everything of a cell is freed before the next)."""
+    import gc
+
     import torch
     import transformers
 
-    out = []
     with tempfile.TemporaryDirectory() as directory:
         config, params, weights = _load(preset, directory)
         for length in lengths:
             torch_model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).train()
             batch = synthetic_batch(config.vocab_size, rows, length, seed=length)
             optimizer = train.make_optimizer(_optimizer_config())
-            state = train.init_train_state(config, optimizer, params, jax.random.PRNGKey(0))
+            box = [train.init_train_state(config, optimizer, params, jax.random.PRNGKey(0))]
             ours_step = train.make_train_step(config, _loss_config(), optimizer)
             torch_step = _torch_step_fn(torch_model, batch)
-            box = [state]
 
             def ours():
                 box[0], metrics = ours_step(box[0], batch, None)
@@ -115,10 +116,12 @@ def bench_model(preset, lengths, rows, repeats):
                     fn()
                     times.append(time.perf_counter() - start)
             n = rows * length
-            out.append(dict(model=preset, weights=weights, rows=rows, length=length, ours=n / min(times_ours),
-                            torch=n / min(times_torch), loss_ours=first_ours, loss_torch=first_torch))
-            del torch_model
-    return out
+            result = dict(model=preset, weights=weights, rows=rows, length=length, ours=n / min(times_ours),
+                          torch=n / min(times_torch), loss_ours=first_ours, loss_torch=first_torch)
+            del torch_model, torch_step, box, ours_step, ours
+            gc.collect()
+            jax.clear_caches()
+            yield result
 
 
 def run_cpu(args):

@@ -118,7 +118,7 @@ def test_single_token_decode_sees_its_row_up_to_itself():
     q, k, v = normal(rng, 3, 1, 4, 8), normal(rng, 3, 300, 2, 8), normal(rng, 3, 300, 2, 8)
     lengths = np.asarray([0, 17, 299])
     ranges = attention.KeyRanges(key_end=jnp.asarray(lengths[:, None] + 1, jnp.int32))
-    out = attention.attention(q, k, v, ranges, impl="xla")
+    out = attention.flash_attention(q, k, v, ranges)
     ref = reference(q, k, v, np.asarray(ranges.dense(300)), np.zeros((3, 1, 4, 8)))[0]
     np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5)
 

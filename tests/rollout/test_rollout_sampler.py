@@ -164,3 +164,19 @@ def test_out_of_range_token_ids_raise_naming_the_row():
     with pytest.raises(ValueError, match=r"prompt 0 holds token id -1"):
         S.generate_without_cache(config, params, [[-1, 2]], rng=jax.random.PRNGKey(0), max_new_tokens=2, stop_ids=(),
                                  sampling=S.SamplingConfig(greedy=True))
+
+
+def test_group_prefill_equals_prefilling_every_row():
+    """G samples of a prompt share one prefill: same cache and pending logits as appending the prompt to each row."""
+    config = models.get_preset("tiny-qwen3")
+    params = models.init_params(config, jax.random.PRNGKey(0))
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    shared = S.prefill_groups(config, params, S.init_state(config, 6, 32), prompts, 3)
+    each = S.append(config, params, S.init_state(config, 6, 32), [p for p in prompts for _ in range(3)])
+    assert shared.lengths.tolist() == each.lengths.tolist() == [5, 5, 5, 3, 3, 3]
+    np.testing.assert_allclose(np.asarray(shared.logits), np.asarray(each.logits), atol=1e-5)
+    for row, prompt in enumerate(p for p in prompts for _ in range(3)):
+        np.testing.assert_allclose(np.asarray(shared.cache.k[:, row, :len(prompt)]),
+                                   np.asarray(each.cache.k[:, row, :len(prompt)]), atol=1e-5)
+    with pytest.raises(ValueError, match="rows must be prompts x group"):
+        S.prefill_groups(config, params, S.init_state(config, 5, 32), prompts, 3)

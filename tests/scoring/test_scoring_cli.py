@@ -345,6 +345,10 @@ def test_nonfinite_scores_are_never_written(reference_dir, tmp_path, monkeypatch
     assert results[1]["turn_credit"] is None and set(results[1]["turn_advantages"]) == {None}
     assert results[0]["answer_scores"] is not None and results[2]["turn_credit"] is not None
     assert json.loads((tmp_path / "out" / "summary.json").read_text(), parse_constant=reject)["nonfinite_scores"] == 1
+    # an estimator that does not read the scores keeps the row's advantages
+    assert _run(reference_dir, path, tmp_path / "grpo", "--no-plot", "--no-receipts", "--estimator", "grpo") == 0
+    grpo = _read_jsonl(tmp_path / "grpo" / "credit.jsonl")
+    assert grpo[1]["answer_scores"] is None and None not in grpo[1]["turn_advantages"]
 
 
 def test_abc_grpo_names_the_missing_clue_chain(reference_dir, tmp_path, capsys):

@@ -1,6 +1,5 @@
 """The jitted train step: micro-batches and sharding reproduce the single-device full-batch update."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp

@@ -311,6 +311,11 @@ def _pallas_tpu_causal(q, k, v, segment_ids, *, q_block: int, k_block: int):
     return jnp.transpose(out, (0, 2, 1, 3)).astype(v.dtype)
 
 
+# Below this many queries (single-token decode, short appends) one dense pass over the keys beats walking tiles:
+# measured on SmolLM2-135M decode (4 rows, 1024-slot cache, 2-core CPU) at 153 ms/step dense vs 300 ms tiled.
+FEW_QUERIES = 16
+
+
 def resolve_impl(impl: str, platform: str | None = None) -> str:
     """The implementation "auto" means on `platform` (default: the default backend)."""
     if impl not in IMPLEMENTATIONS:
@@ -326,12 +331,13 @@ def attention(q, k, v, mask, *, impl: str = "auto", q_block: int = 0, k_block: i
     """Grouped-query attention, the one entry point. q [B, Q, H, Dh]; k, v [B, T, K, Dh] -> [B, Q, H, Dh].
 
     mask: a `KeyRanges` (every mask the models build) or a boolean [B, Q, T] array / row function (a user mask:
-    always the dense path). `self_attention=True` says q and k are the same tokens with purely causal ranges
+    always the dense path). On "xla", fewer than `FEW_QUERIES` queries (decode) also take the dense path. `self_attention=True` says q and k are the same tokens with purely causal ranges
     (plus `segment_ids` when packed): only then can "cudnn" and "pallas_tpu" run; otherwise they fall back to
     "xla". `query_chunk` bounds the dense path's score memory; `q_block`/`k_block` are the tiles.
     """
     impl = resolve_impl(impl)
-    if not isinstance(mask, KeyRanges) or impl == "dense":
+    few_queries = q.shape[1] < FEW_QUERIES
+    if not isinstance(mask, KeyRanges) or impl == "dense" or (impl == "xla" and few_queries):
         dense = mask.dense(k.shape[1]) if isinstance(mask, KeyRanges) else mask
         return dense_attention(q, k, v, dense, query_chunk=query_chunk)
     if impl == "cudnn" and self_attention and segment_ids is None:

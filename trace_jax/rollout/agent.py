@@ -179,7 +179,8 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
 
     t0 = time.perf_counter()
     state = sampler_lib.init_state(config, n, max_len, mesh=mesh, rules=rules)
-    state = sampler_lib.append(config, params, state, [r["tokens"] for r in rows])
+    # The G samples of a prompt share one prefill (one pass per prompt, keys/values copied to its G rows).
+    state = sampler_lib.prefill_groups(config, params, state, [r["tokens"] for r in rows[::group]], group)
     jax.block_until_ready(state.logits)
     timing["prefill"] += time.perf_counter() - t0
 

@@ -255,6 +255,42 @@ def append(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Se
     return _append_jit(config, params, state, jnp.asarray(tokens), jnp.asarray(num_new))
 
 
+@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
+def _prefill_groups_jit(config: ModelConfig, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array,
+                        group: int):
+    P = tokens.shape[0]
+    small = cache_lib.init_cache(config, P, state.max_len, dtype=state.cache.k.dtype)
+    logits, small = cache_lib.extend.__wrapped__(config, params, small, tokens, num_new, return_logits="last")
+    cache = cache_lib.KVCache(k=jnp.repeat(small.k, group, axis=1), v=jnp.repeat(small.v, group, axis=1),
+                              lengths=jnp.repeat(small.lengths, group))
+    return SamplerState(cache=cache, logits=jnp.repeat(logits, group, axis=0))
+
+
+def prefill_groups(config: ModelConfig, params, state: SamplerState, prompts: Sequence[Sequence[int]],
+                   group: int) -> SamplerState:
+    """Prefill a fresh state whose rows are `group` samples of each prompt (rows `p*group .. p*group+group-1` hold
+    `prompts[p]`): each prompt runs through the model once and its keys/values are copied to its rows, instead of
+    `group` identical prefills. Same result as `append(state, [p for p in prompts for _ in range(group)])`.
+    The state must be empty (just from `init_state`) and is donated.
+    """
+    if len(prompts) * group != state.cache.batch_size:
+        raise ValueError(f"prefill_groups got {len(prompts)} prompts x group {group} for a state of "
+                         f"{state.cache.batch_size} rows; rows must be prompts x group")
+    if np.asarray(state.lengths).any():
+        raise ValueError("prefill_groups needs an empty state (from init_state); use append to extend rows")
+    for row, prompt in enumerate(prompts):
+        dec.check_token_ids(config, np.asarray(prompt, np.int64), f"prompt {row}")
+    longest = max((len(p) for p in prompts), default=0)
+    if longest == 0:
+        return state
+    width = min(bucket_length(longest), bucket_length(state.max_len))
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)] = prompt
+    num_new = np.asarray([len(p) for p in prompts], np.int32)
+    return _prefill_groups_jit(config, params, state, jnp.asarray(tokens), jnp.asarray(num_new), group)
+
+
 @dataclasses.dataclass
 class Generation:
     """What one `generate` call produced, per row (host numpy; rows that did not run have empty entries).

@@ -398,8 +398,10 @@ def _numbers(values) -> list[float | None]:
 def record_results(prepared: list[Prepared], scores: list[np.ndarray], groups: GroupInfo, inputs, result,
                    config: CreditConfig, args) -> list[dict]:
     """One output dict per record; every float is finite or None."""
-    from trace_jax.credit import td_deltas, trace_values
+    from trace_jax.credit import get_estimator, td_deltas, trace_values
     from trace_jax.credit.config import default_min_score
+
+    uses_scores = "answer_scores" in get_estimator(config.estimator).requires
 
     form = config.form if config.estimator == "trace" else {"trace_raw_delta": "raw_delta",
                                                              "trace_linear_gap": "linear_gap"}.get(
@@ -419,7 +421,7 @@ def record_results(prepared: list[Prepared], scores: list[np.ndarray], groups: G
         flags = list(groups.flags[i]) + ([] if finite else ["nonfinite_scores"])
         spans = turn_spans(p.turn_index, p.loss_mask)
         advantages = [_number(tokens[i, a]) if (a < b) else None for a, b in (s or (0, 0) for s in spans)]
-        if not finite:
+        if not finite and uses_scores:  # the estimator saw placeholder scores for this row
             advantages = [None] * len(spans)
         credit = [] if per_turn is None else per_turn[i, :t]
         has_answer_turn = len(spans) > t
@@ -433,7 +435,7 @@ def record_results(prepared: list[Prepared], scores: list[np.ndarray], groups: G
             "template_token_ids": p.continuation.template_ids, "answer_token_ids": p.continuation.answer_ids,
             "answer_scores": scored(scores[i]), "gaps": scored(config.eps - np.clip(scores[i], floor, 0.0)),
             "values": scored(values[i, :t + 1]), "td": scored(deltas[i, :t]),
-            "turn_credit": scored(credit),
+            "turn_credit": scored(credit) if uses_scores else _numbers(credit),
             "outcome_advantage": None if outcome is None else _number(outcome[i]),
             "turn_spans": spans, "turn_advantages": advantages,
             "turn_advantage": advantages[:t], "final_advantage": advantages[t] if has_answer_turn else None,

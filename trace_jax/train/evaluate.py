@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any, Sequence
 
 import jax
@@ -162,8 +163,6 @@ def evaluate(model_config, params, chat, tasks: Sequence[Any], browser, rollout:
       config: the `EvalConfig`.
       mesh, rules, logits_hook: passed to `run_episodes` (`logits_hook`: tests only).
     """
-    import time
-
     start = time.perf_counter()
     tasks = list(tasks)
     if not tasks:
