@@ -20,6 +20,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-tasks": ("trace_jax.envs.cli", "generate procedural multi-hop search tasks and their corpus"),
     "serve": ("trace_jax.serve.cli", "serve a checkpoint behind an OpenAI-compatible API (loopback by default)"),
     "abc-score": ("trace_jax.abc.cli", "ABC step rewards for existing trajectories with an LLM judge (JSONL in)"),
+    "train": ("trace_jax.train.cli", "RL of a search agent on gin configs (no arguments: the embedded default)"),
+    "eval": ("trace_jax.train.cli", "held-out evaluation of a saved step of a training run"),
+    "sweep": ("trace_jax.train.cli", "expand a sweep gin file into runs; run them in sequence or print commands"),
 }
 
 

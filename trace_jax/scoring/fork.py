@@ -60,7 +60,7 @@ class PrefixScores(NamedTuple):
         (`k >= num_states[n]`).
       token_logprobs: float32 `[N, L]` the reference's log-prob of the trajectory's next token,
         `token_logprobs[n, t] = log p(tokens[n, t+1] | tokens[n, :t+1])`; the last position (and positions at or
-        beyond `lengths[n] - 1` when `lengths` is given) is 0.
+        beyond `lengths[n] - 1` when `lengths` is given) is 0; None when asked not to compute it.
     """
 
     answer_scores: jax.Array
@@ -233,9 +233,9 @@ def _cached_hidden(config, params, tokens, boundaries, answer_tokens):
     return traj_hidden, copy_hidden.reshape(n, slots, width, -1)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "layout", "logprob_chunk", "query_chunk"))
+@functools.partial(jax.jit, static_argnames=("config", "layout", "logprob_chunk", "query_chunk", "with_token_logprobs"))
 def _fork_scores(params, tokens, boundaries, state_valid, answer_tokens, answer_mask, *, config: ModelConfig,
-                 layout: str, logprob_chunk: int, query_chunk: int):
+                 layout: str, logprob_chunk: int, query_chunk: int, with_token_logprobs: bool = True):
     length = tokens.shape[1]
     boundaries = jnp.clip(boundaries, 1, length)  # padded states: any legal offset, result discarded
     if layout == "packed":
@@ -247,6 +247,8 @@ def _fork_scores(params, tokens, boundaries, state_valid, answer_tokens, answer_
     scores = _answer_log_probs(config, params, traj_hidden, copy_hidden, boundaries, answer_tokens, answer_mask,
                                logprob_chunk)
     scores = jnp.where(state_valid, scores, 0.0)
+    if not with_token_logprobs:  # the LM head over every trajectory position is most of a small model's cost
+        return scores, None
     return scores, _trajectory_log_probs(config, params, traj_hidden, tokens, logprob_chunk)
 
 
@@ -264,7 +266,7 @@ def choose_layout(length: int, num_slots: int, answer_length: int, packed_max_le
 def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_states, answer_tokens, answer_mask,
                           *, method: str = "fork", layout: str = "auto", lengths=None, mesh=None, rules=None,
                           packed_max_len: int = DEFAULT_PACKED_MAX_LEN, logprob_chunk: int = 256,
-                          query_chunk: int = 0, bucket: bool = True) -> PrefixScores:
+                          query_chunk: int = 0, bucket: bool = True, token_logprobs: bool = True) -> PrefixScores:
     """Score the gold answer after every state boundary of every trajectory (TRACE's reference scores).
 
         answer_scores[n, k] = (1/|y*|) sum_j log pi_ref(y*_j | tokens[n, :b_k] + template, y*_<j)
@@ -289,6 +291,8 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
       query_chunk: query rows per tile of the cached layout's attention (`ModelConfig.attention_query_chunk`:
         the prefill's tiled kernel and `attend_cached_block`); 0 = the model's automatic choice (by head width).
       bucket: pad `N, L, S, m` up to buckets (`bucket_size`) so jit compiles once per bucket.
+      token_logprobs: also compute the trajectory's own log-probs (False: `token_logprobs` is None, and the
+        fork methods skip the LM head over the trajectory; the trainer needs them only for a KL term).
 
     Returns:
       `PrefixScores(answer_scores [N, S] float32, token_logprobs [N, L] float32)`, as numpy-convertible jax arrays
@@ -329,7 +333,9 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
         params = models.shard_params(params, config, mesh, rules)
         args = tuple(jax.device_put(a, _batch_sharding(mesh, rules, a.ndim)) for a in args)
     scores, token_lp = _fork_scores(params, *args, config=config, layout=layout, logprob_chunk=logprob_chunk,
-                                    query_chunk=query_chunk)
+                                    query_chunk=query_chunk, with_token_logprobs=token_logprobs)
+    if token_lp is None:
+        return PrefixScores(scores[:n, :slots], None)
     scores, token_lp = scores[:n, :slots], token_lp[:n, :length].at[:, -1].set(0.0)
     if lengths is not None:
         keep = jnp.arange(length)[None, :] < (jnp.asarray(lengths, jnp.int32)[:, None] - 1)

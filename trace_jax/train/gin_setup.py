@@ -184,12 +184,13 @@ PENDING: tuple[tuple[str, str, str], ...] = (
     ("MeshConfig", "trace_jax.train.config", "trace_jax.train"),
     ("CheckpointConfig", "trace_jax.train.config", "trace_jax.train"),
     ("CreditConfig", "trace_jax.credit.config", "trace_jax.credit"),
+    ("UpdateConfig", "trace_jax.train.pipeline", "trace_jax.train"),
 )
 # The concerns `parse` builds, as RunConfig field -> registered name.
 CONCERNS = {"train": "TrainConfig", "data": "DataConfig", "env": "EnvConfig", "rollout": "RolloutConfig",
             "eval": "EvalConfig", "warmstart": "WarmStartConfig", "loss": "LossConfig",
             "optimizer": "OptimizerConfig", "mesh": "MeshConfig", "checkpoint": "CheckpointConfig",
-            "credit": "CreditConfig"}
+            "credit": "CreditConfig", "update": "UpdateConfig"}
 
 _registered: dict[str, Any] = {}  # name -> the gin-wrapped callable
 _targets: dict[str, Any] = {}  # name -> the class or function registered
@@ -250,6 +251,7 @@ class RunConfig:
     mesh: Any = None
     checkpoint: Any = None
     credit: Any = None
+    update: Any = None
 
 
 class ConfigError(ValueError):

@@ -1,0 +1,123 @@
+"""RL step time of TRACE vs GRPO on the same batch (issue 13): TRACE / GRPO <= 1.10 on the tiny config is the target.
+
+One rollout batch of the embedded default (`configs/tiny.gin`: prompts_per_step x G rows, a freshly initialised
+tiny policy, no warm start) is collected once; then, from the same initial train state, each contender runs what
+follows the rollout in `RLPipeline`:
+
+  grpo         credit (no reference scoring) + the update
+  trace        one-pass prefix-fork reference scoring + credit + the update
+  trace-naive  the same with naive scoring (one forward per state), for contrast
+
+Calls are interleaved round-robin, best of `--repeats` after one warm-up call each (compilation excluded). The
+rollout is timed in the same rounds, since a full step = rollout + the rest; the table gives both the ratio of the
+post-rollout part and of the full step, and the phase breakdown (scoring, credit, update) of each contender.
+
+    .venv/bin/python benchmarks/step_bench.py                  # tiny.gin's batch (8 prompts x 8 samples)
+    .venv/bin/python benchmarks/step_bench.py --prompts 2 --group 4 --repeats 2    # a quick smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from trace_jax.credit.config import CreditConfig  # noqa: E402
+from trace_jax.train.gin_setup import parse  # noqa: E402
+from trace_jax.train.loop import build_environment  # noqa: E402
+from trace_jax.train.optimizer import make_optimizer  # noqa: E402
+from trace_jax.train.pipeline import RLPipeline  # noqa: E402
+from trace_jax.train.state import init_train_state  # noqa: E402
+from trace_jax.train.step import make_train_step  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gin_file", default="configs/tiny.gin")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the config's)")
+    parser.add_argument("--group", type=int, default=None, help="samples per prompt (default: the config's)")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    params = []
+    if args.prompts:
+        params.append(f"TrainConfig.prompts_per_step = {args.prompts}")
+    if args.group:
+        params.append(f"RolloutConfig.group_size = {args.group}")
+    config = parse([args.gin_file], params)
+    environment = build_environment(config, tempfile.mkdtemp(prefix="step_bench_"))
+    prompts = config.train.prompts_per_step
+    optimizer = make_optimizer(config.optimizer)
+    train_step = make_train_step(environment.model_config, config.loss, optimizer)
+    trace = dataclasses.replace(config.credit, estimator="trace")
+    contenders = {
+        "grpo": RLPipeline(environment.model_config, environment.chat, environment.browser, config.rollout,
+                           CreditConfig(estimator="grpo"), config.loss, config.update, optimizer,
+                           train_step=train_step),
+        "trace": RLPipeline(environment.model_config, environment.chat, environment.browser, config.rollout, trace,
+                            config.loss, config.update, optimizer, train_step=train_step),
+        "trace-naive": RLPipeline(environment.model_config, environment.chat, environment.browser, config.rollout,
+                                  trace, config.loss, dataclasses.replace(config.update, scoring="naive"), optimizer,
+                                  train_step=train_step),
+    }
+    tasks = environment.train_tasks[:prompts]
+    reference = environment.params
+    key = jax.random.PRNGKey(0)
+    rollout = contenders["grpo"].collect(reference, tasks, key)
+    lengths = np.asarray(rollout.batch.lengths)
+    print(f"batch: {prompts} prompts x {config.rollout.group_size} samples = {len(lengths)} rows, lengths "
+          f"{lengths.min()}..{lengths.max()} (mean {lengths.mean():.0f}), turns/episode "
+          f"{np.mean([len(e.turn_texts) for e in rollout.episodes]):.2f}; load average {os.getloadavg()[0]:.1f}")
+
+    def run_rollout():
+        start = time.perf_counter()
+        result = contenders["grpo"].collect(reference, tasks, key)
+        jax.block_until_ready(result.batch.tokens)
+        return {"rollout": time.perf_counter() - start}
+
+    def run(name):
+        pipeline = contenders[name]
+        state = init_train_state(environment.model_config, optimizer, reference, jax.random.PRNGKey(1))
+        jax.block_until_ready(state.params)
+        prepared = pipeline.prepare(rollout, reference, num_prompts=prompts)
+        start = time.perf_counter()
+        state, _ = pipeline.update(state, prepared, reference)
+        jax.block_until_ready(state.params)
+        return {**prepared.timing, "update": time.perf_counter() - start}
+
+    fns = {"rollout": run_rollout, **{name: (lambda n=name: run(n)) for name in contenders}}
+    for fn in fns.values():  # warm-up: compiles
+        fn()
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(args.repeats):
+        for label, fn in fns.items():
+            phases = fn()
+            if label not in best or sum(phases.values()) < sum(best[label].values()):
+                best[label] = phases
+    rollout_s = best["rollout"]["rollout"]
+    total = {name: sum(best[name].values()) for name in contenders}
+    print(f"\nbest of {args.repeats} interleaved rounds (seconds)")
+    print(f"{'':12s} {'scoring':>8s} {'credit':>8s} {'update':>8s} {'after rollout':>14s} {'full step':>10s} "
+          f"{'/ grpo (after rollout)':>23s} {'/ grpo (full step)':>19s}")
+    for name in contenders:
+        b = best[name]
+        print(f"{name:12s} {b['scoring']:8.3f} {b['credit']:8.3f} {b['update']:8.3f} {total[name]:14.3f} "
+              f"{total[name] + rollout_s:10.3f} {total[name] / total['grpo']:23.3f} "
+              f"{(total[name] + rollout_s) / (total['grpo'] + rollout_s):19.3f}")
+    print(f"{'rollout':12s} {rollout_s:8.3f} (the same for every contender)")
+    print(f"\nTRACE / GRPO full step: {(total['trace'] + rollout_s) / (total['grpo'] + rollout_s):.3f} "
+          f"(target <= 1.10); naive-scoring TRACE / GRPO: "
+          f"{(total['trace-naive'] + rollout_s) / (total['grpo'] + rollout_s):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""`trace-jax train | eval | sweep`: the training commands (registered in `trace_jax/cli.py`).
+
+    trace-jax train [--gin_file F ...] [--gin_param 'X.y = z' ...] [--run_dir D]
+        no --gin_file: the embedded default, configs/tiny.gin. A run directory that holds a run resumes it.
+    trace-jax eval --run_dir D [--step S]
+        held-out evaluation of a saved step (default: the latest) with the run's own config.
+    trace-jax sweep SWEEP.gin [--print] [--runs_root R]
+        expands a sweep file into runs; runs them in sequence here, or prints one launch command per run.
+
+Every gin binding is parsed and every config built before any compute, so an unknown or invalid binding fails at
+once with a message naming it (exit status 2). The three commands share this module; which one a parser belongs to
+is the last word of its `prog` ("trace-jax train").
+
+This module knows argparse and the loop's entry points; it knows nothing about training itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_GIN = "configs/tiny.gin"
+
+
+def _command(parser_or_args) -> str:
+    prog = getattr(parser_or_args, "prog", None)
+    if prog is not None:
+        return prog.split()[-1]
+    return parser_or_args.command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    command = _command(parser)
+    if command == "train":
+        parser.add_argument("--gin_file", action="append", default=[],
+                            help=f"gin config file (repeatable; default {DEFAULT_GIN}, the embedded default)")
+        parser.add_argument("--gin_param", action="append", default=[],
+                            help="extra binding, e.g. 'CreditConfig.alpha_turn = 0.1' (repeatable; later wins)")
+        parser.add_argument("--run_dir", default=None,
+                            help="run directory (default runs/<first gin file>-<time>); an existing run resumes")
+        parser.add_argument("--no_progress", action="store_true", help="no progress bar (log lines only)")
+    elif command == "eval":
+        parser.add_argument("--run_dir", required=True, help="a run directory written by `trace-jax train`")
+        parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    elif command == "sweep":
+        parser.add_argument("sweep_file", help="a sweep gin file (configs/sweeps/*.gin)")
+        parser.add_argument("--print", dest="print_only", action="store_true",
+                            help="print one launch command per run instead of running them")
+        parser.add_argument("--runs_root", default="runs/sweeps", help="runs go to <runs_root>/<sweep name>/<run>")
+        parser.add_argument("--no_progress", action="store_true", help="no progress bars")
+    else:
+        raise ValueError(f"trace_jax.train.cli has no command {command!r}")
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def run_train(gin_files, gin_params, run_dir, *, progress: bool = True) -> int:
+    from trace_jax.train.gin_setup import ConfigError, parse
+
+    gin_files = list(gin_files) or [DEFAULT_GIN]
+    try:
+        config = parse(gin_files, gin_params)
+    except ConfigError as error:
+        return _fail(str(error))
+    from trace_jax.train.pipeline import UpdateConfig, check_compatible
+
+    try:
+        check_compatible(config.credit, config.loss, config.update or UpdateConfig(),
+                         config.train.prompts_per_step * config.rollout.group_size)
+    except ValueError as error:
+        return _fail(str(error))
+    if run_dir is None:
+        run_dir = Path("runs") / f"{Path(gin_files[0]).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    from trace_jax.train.loop import train
+
+    train(config, run_dir, progress=progress)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    command = _command(args)
+    if command == "train":
+        return run_train(args.gin_file, args.gin_param, args.run_dir, progress=not args.no_progress)
+    if command == "eval":
+        from trace_jax.train.loop import evaluate_run
+
+        try:
+            evaluate_run(args.run_dir, args.step)
+        except FileNotFoundError as error:
+            return _fail(str(error))
+        return 0
+    from trace_jax.train.gin_setup import ConfigError
+    from trace_jax.train.sweep import expand, load_sweep, validate_runs
+
+    try:
+        runs = expand(load_sweep(args.sweep_file), runs_root=args.runs_root)
+        validate_runs(runs)
+    except ConfigError as error:
+        return _fail(str(error))
+    if args.print_only:
+        for r in runs:
+            print(r.command())
+        return 0
+    for index, r in enumerate(runs):
+        print(f"sweep run {index + 1}/{len(runs)}: {r.name}", flush=True)
+        status = run_train(r.gin_files, r.gin_params, r.run_dir, progress=not args.no_progress)
+        if status:
+            return status
+    return 0

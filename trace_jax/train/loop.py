@@ -1,0 +1,426 @@
+"""The training run: `train(run_config, run_dir)` and `evaluate_run(run_dir, step)`, what `trace-jax train | eval` do.
+
+A run, in order (each stage logged, and timed in `summary.json`):
+
+  1. build: the procedural world, disjoint train / held-out task splits (`DataConfig`), the browser
+     (`EnvConfig`), the tokenizer (the word tokenizer over the world's vocabulary, or the checkpoint's own) and
+     the policy (fresh init from `TrainConfig.model` and `seed`, a Hugging Face directory, or `'gguf:smollm2'`
+     converted into the run directory);
+  2. evaluation before anything (`before`), the SFT warm start on oracle trajectories (a clearly labelled stage of
+     ours; `WarmStartConfig.steps = 0` skips it, as the paper does), evaluation after it (`initial`);
+  3. the frozen reference: the initial policy (after the warm start), or, with `TrainConfig.reference_step = N`,
+     the policy of step N once step N is reached (the initial one before); saved under `reference/`;
+  4. `TrainConfig.steps` RL steps of `pipeline.RLPipeline`, with an evaluation every `EvalConfig.every_steps`;
+  5. the final evaluation, the comparison with the initial one (difference and paired binomial SE), HTML credit
+     receipts of a few held-out episodes, plots and `summary.json`.
+
+Resume: the train state (params, optimizer, PRNG key) and the host state (data position, the evaluations so
+far) are checkpointed together every `CheckpointConfig.every_steps` steps, and on SIGTERM/SIGINT. A run directory
+that already holds a checkpoint resumes from it: rollouts draw their key from `(seed, step)` and tasks from the
+checkpointed data position, so the resumed steps equal an uninterrupted run's. A run killed during the warm start
+restarts from scratch (the warm start is deterministic). `TrainState.step` counts RL steps (reset after each step's
+updates; the optimizer's own count drives its schedule).
+
+This module knows configs, the run directory and the pipeline; the arithmetic lives in the modules it calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax import models
+from trace_jax.credit import td_deltas, trace_values
+from trace_jax.envs.oracle import make_browser, trajectory_vocabulary
+from trace_jax.envs.tasks import generate_splits
+from trace_jax.envs.world import build_world
+from trace_jax.models.chat import ChatFormat
+from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
+from trace_jax.scoring.receipts import excerpt, safe_filename, write_receipt
+from trace_jax.train.checkpoint import Checkpointer, PreemptionGuard, abstract_train_state
+from trace_jax.train.config import CheckpointConfig, LossConfig, OptimizerConfig
+from trace_jax.train.evaluate import EvalResult, compare, evaluate, format_comparison
+from trace_jax.train.flops import PEAK_FLOPS, measure_peak_flops
+from trace_jax.train.gin_setup import RunConfig
+from trace_jax.train.loss import LossBatch
+from trace_jax.train.metrics import PhaseTimer, RunWriter
+from trace_jax.train.optimizer import make_optimizer
+from trace_jax.train.pipeline import RLPipeline, UpdateConfig, check_compatible
+from trace_jax.train.state import init_train_state
+from trace_jax.train.step import make_train_step
+from trace_jax.train.warmstart import oracle_trajectories, sft_arrays
+
+REFERENCE_DIR = "reference"
+RECEIPTS_DIR = "receipts"
+_ROLLOUT_SALT = 7919  # rollout keys are fold_in(PRNGKey(seed), salt + step), apart from init keys
+
+
+@dataclasses.dataclass
+class Environment:
+    """What a run builds before training: tasks, browser, tokenizer, chat format and the initial policy."""
+
+    train_tasks: list
+    eval_tasks: list
+    browser: Any
+    chat: ChatFormat
+    model_config: Any
+    params: Any
+
+
+def _policy_dir(run_config: RunConfig, run_dir: Path) -> Path | None:
+    source = run_config.train.checkpoint
+    if not source:
+        return None
+    if source == "gguf:smollm2":
+        target = run_dir / "policy_hf"
+        if not (target / "config.json").exists():
+            from trace_jax.models.gguf import convert_gguf, find_smollm2_gguf
+
+            convert_gguf(find_smollm2_gguf(), target)
+        return target
+    path = Path(source)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"TrainConfig.checkpoint = {source!r}: no config.json there; point it at a Hugging "
+                                "Face checkpoint directory or use 'gguf:smollm2'")
+    return path
+
+
+def build_environment(run_config: RunConfig, run_dir: str | Path, *, load_params: bool = True) -> Environment:
+    """World, splits, browser, tokenizer, chat format and policy of a run (deterministic in the config)."""
+    run_dir = Path(run_dir)
+    data, env, train_config = run_config.data, run_config.env, run_config.train
+    world = build_world(data.world)
+    splits = generate_splits(world, {"train": data.num_train_tasks, "eval": data.num_eval_tasks}, seed=data.seed,
+                             config=data.tasks)
+    browser = make_browser(world, view_lines=env.view_lines, snippet_chars=env.snippet_chars,
+                           wrap_width=env.wrap_width, retrieval_noise=env.retrieval_noise)
+    policy_dir = _policy_dir(run_config, run_dir)
+    if train_config.tokenizer == "word":
+        tokenizer = load_tokenizer(build_word_tokenizer(trajectory_vocabulary(), run_dir / "tokenizer"))
+    else:
+        tokenizer = load_tokenizer(policy_dir)
+    chat = ChatFormat(tokenizer)
+    params = None
+    if policy_dir is None:
+        model_config = train_config.model.replace(vocab_size=len(tokenizer))
+        if load_params:
+            params = models.init_params(model_config, jax.random.PRNGKey(train_config.seed), dtype="float32")
+    elif load_params:
+        model_config, params = models.load_pretrained(policy_dir)
+    else:
+        model_config = models.ModelConfig.from_hf(str(policy_dir), param_dtype="float32")
+    return Environment(splits["train"], splits["eval"], browser, chat, model_config, params)
+
+
+def warm_start(run_config: RunConfig, environment: Environment, params, log: Callable[[str], None] = print):
+    """SFT on oracle trajectories rendered exactly as the rollouts render them; returns `(params, losses)`."""
+    ws = run_config.warmstart
+    results = oracle_trajectories(environment.train_tasks, environment.browser, ws)
+    arrays = sft_arrays(environment.chat, run_config.rollout, environment.browser, results,
+                        length_multiple=ws.length_multiple, max_length=ws.max_length)
+    optimizer = make_optimizer(OptimizerConfig(learning_rate=ws.learning_rate, schedule="cosine",
+                                               warmup_steps=ws.warmup_steps,
+                                               total_steps=max(ws.steps, ws.warmup_steps + 1), end_lr_ratio=0.1,
+                                               weight_decay=0.0))
+    step_fn = make_train_step(environment.model_config, LossConfig(mode="sft", entropy_metric=False), optimizer)
+    state = init_train_state(environment.model_config, optimizer, params, jax.random.PRNGKey(run_config.train.seed))
+    log(f"warm start: {len(arrays)} oracle trajectories of {arrays.tokens.shape[1]} tokens, {ws.steps} SFT steps "
+        f"of {ws.batch_size}")
+    losses, position, epoch, order = [], 0, 0, arrays.epoch_order(run_config.train.seed, 0)
+    for step in range(ws.steps):
+        index = []
+        while len(index) < ws.batch_size:
+            if position == len(order):
+                epoch, position = epoch + 1, 0
+                order = arrays.epoch_order(run_config.train.seed, epoch)
+            take = min(ws.batch_size - len(index), len(order) - position)
+            index += order[position:position + take].tolist()
+            position += take
+        rows = arrays.batch(np.asarray(index))
+        batch = LossBatch(tokens=jnp.asarray(rows["tokens"]), positions=jnp.asarray(rows["positions"]),
+                          loss_mask=jnp.asarray(rows["loss_mask"]), advantages=jnp.asarray(rows["weights"]),
+                          behaviour_logprobs=jnp.zeros(rows["tokens"].shape, jnp.float32))
+        state, metrics = step_fn(state, batch, None)
+        losses.append(float(metrics["loss"]))
+        if step == 0 or (step + 1) % max(1, ws.steps // 5) == 0:
+            log(f"warm start step {step + 1}/{ws.steps}: loss {losses[-1]:.3f}")
+    return state.params, losses
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+def _eval_to_json(result: EvalResult) -> dict:
+    out = dataclasses.asdict(result)
+    out["pass_k"] = {str(k): v for k, v in result.pass_k.items()}
+    return out
+
+
+def _eval_from_json(data: dict) -> EvalResult:
+    data = dict(data)
+    data["pass_k"] = {int(k): v for k, v in data["pass_k"].items()}
+    data["correct"], data["task_ids"] = tuple(data["correct"]), tuple(data["task_ids"])
+    return EvalResult(**data)
+
+
+def _evaluate(run_config: RunConfig, environment: Environment, params, label: str, log) -> EvalResult:
+    tasks = environment.eval_tasks[:run_config.eval.num_tasks]
+    result = evaluate(environment.model_config, params, environment.chat, tasks, environment.browser,
+                      run_config.rollout, run_config.eval)
+    log(f"eval ({label}): greedy accuracy {100 * result.accuracy:.1f}% +- {100 * result.accuracy_se:.1f} on "
+        f"{result.num_tasks} held-out tasks, reward {result.mean_reward:.3f}, tool calls "
+        f"{result.tool_calls_per_episode:.2f}/episode ({result.seconds:.0f}s)")
+    return result
+
+
+def _peak_flops() -> float | None:
+    kind = jax.devices()[0].device_kind.lower()
+    if jax.devices()[0].platform == "cpu":
+        return measure_peak_flops(size=512, repeats=3)
+    for name, peak in PEAK_FLOPS.items():
+        if name.replace("tpu-", "") in kind.replace(" ", ""):
+            return peak * len(jax.devices())
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ receipts
+def write_credit_receipts(pipeline: RLPipeline, params, reference_params, tasks, rng, out_dir: Path) -> list[Path]:
+    """HTML credit receipts of G sampled episodes on each of `tasks` (credit of the run's estimator, the reference's
+    answer scores, values and TD shown whatever the estimator)."""
+    if not tasks:
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rollout = pipeline.collect(params, tasks, rng)
+    prepared = pipeline.prepare(rollout, reference_params, num_prompts=len(tasks))
+    scores = prepared.answer_scores
+    if scores is None:
+        scores, _ = pipeline.score(reference_params, rollout, prepared.loss_batch.shape[1])
+    num_turns = np.asarray(rollout.batch.num_turns)
+    cfg = pipeline.credit
+    values = np.asarray(trace_values(jnp.asarray(scores), jnp.asarray(num_turns), eps=cfg.eps,
+                                     min_score=cfg.min_score))
+    deltas = np.asarray(td_deltas(jnp.asarray(scores), jnp.asarray(num_turns), eps=cfg.eps, min_score=cfg.min_score))
+    per_turn = None if prepared.credit.per_turn is None else np.asarray(prepared.credit.per_turn)
+    outcome = (None if prepared.credit.outcome_advantages is None
+               else np.asarray(prepared.credit.outcome_advantages))
+    advantages = np.asarray(prepared.credit.token_advantages)
+    turn_index = np.asarray(rollout.batch.turn_index)[:, :advantages.shape[1]]
+    written = []
+    for row, episode in enumerate(rollout.episodes):
+        t = int(num_turns[row])
+        turn_adv = []
+        for k in range(t):
+            where = turn_index[row] == k
+            turn_adv.append(float(advantages[row][where][0]) if where.any() else None)
+        result = {"id": f"{episode.task_id}-sample{row % pipeline.rollout.group_size}", "answer": episode.gold[0],
+                  "reward": float(np.asarray(rollout.batch.reward)[row]), "estimator": cfg.estimator,
+                  "flags": [episode.status], "outcome_advantage": None if outcome is None else float(outcome[row]),
+                  "answer_scores": [float(x) for x in scores[row, :t + 1]],
+                  "values": [float(x) for x in values[row, :t + 1]], "td": [float(x) for x in deltas[row, :t]],
+                  "turn_credit": None if per_turn is None else [float(x) for x in per_turn[row, :t]],
+                  "turn_advantage": turn_adv}
+        turns = [{"calls": [excerpt(str(episode.tool_calls[k]), 200)],
+                  "observation": excerpt(episode.observations[k], 300)} for k in range(t)]
+        path = out_dir / safe_filename(result["id"], ".html")
+        write_receipt(path, result, turns, question=episode.question)
+        written.append(path)
+    return written
+
+
+# ------------------------------------------------------------------------------------------------ the run
+def _tasks_at(train_tasks: list, position: int, count: int, shuffle_seed: int) -> list:
+    """`count` training tasks from data position `position` (a fresh permutation per pass over the tasks)."""
+    out = []
+    n = len(train_tasks)
+    while len(out) < count:
+        epoch, offset = divmod(position, n)
+        order = np.random.default_rng([shuffle_seed, epoch]).permutation(n)
+        take = min(count - len(out), n - offset)
+        out += [train_tasks[i] for i in order[offset:offset + take]]
+        position += take
+    return out
+
+
+def _reference_checkpointer(run_dir: Path) -> Checkpointer:
+    return Checkpointer(CheckpointConfig(directory=str(run_dir / REFERENCE_DIR), every_steps=1, keep_last=None,
+                                         async_save=False))
+
+
+def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
+          log: Callable[[str], None] = print) -> dict:
+    """Run (or resume) a training run into `run_dir`; returns the summary (also written to `summary.json`).
+
+    The gin config in effect must be the one `run_config` was parsed from (`gin_setup.parse`); it is written to
+    the run directory. Raises ValueError before any compute when the configs cannot work together.
+    """
+    from trace_jax.train.gin_setup import write_config
+
+    started = time.perf_counter()
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    train_config = run_config.train
+    update_config = run_config.update or UpdateConfig()
+    rows = train_config.prompts_per_step * run_config.rollout.group_size
+    check_compatible(run_config.credit, run_config.loss, update_config, rows)
+    write_config(run_dir)
+    stages: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    environment = build_environment(run_config, run_dir)
+    stages["build"] = time.perf_counter() - t0
+    optimizer = make_optimizer(run_config.optimizer)
+    pipeline = RLPipeline(environment.model_config, environment.chat, environment.browser, run_config.rollout,
+                          run_config.credit, run_config.loss, update_config, optimizer)
+    checkpoint_config = dataclasses.replace(run_config.checkpoint,
+                                            directory=str(run_dir / run_config.checkpoint.directory))
+    log(f"run {run_dir}: {train_config.steps} RL steps of {train_config.prompts_per_step} prompts x "
+        f"{run_config.rollout.group_size} samples, credit {run_config.credit.estimator}, "
+        f"{len(environment.train_tasks)} train / {len(environment.eval_tasks)} held-out tasks")
+
+    with PreemptionGuard() as guard, Checkpointer(checkpoint_config, guard=guard) as checkpointer, \
+            _reference_checkpointer(run_dir) as reference_store:
+        latest = checkpointer.latest_step()
+        if latest is None:
+            writer = RunWriter(run_dir, total_steps=train_config.steps, progress=progress)
+            params = environment.params
+            evals: dict[str, dict] = {}
+            if run_config.warmstart.steps > 0:
+                t0 = time.perf_counter()
+                evals["before"] = _eval_to_json(_evaluate(run_config, environment, params, "before warm start", log))
+                stages["eval_before"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                params, losses = warm_start(run_config, environment, params, log)
+                stages["warm_start"] = time.perf_counter() - t0
+                writer.log(0, {"warmstart/final_loss": losses[-1] if losses else float("nan")})
+            t0 = time.perf_counter()
+            initial = _evaluate(run_config, environment, params,
+                                "after warm start" if run_config.warmstart.steps > 0 else "initial policy", log)
+            stages["eval_initial"] = time.perf_counter() - t0
+            evals["initial"] = _eval_to_json(initial)
+            writer.log(0, initial.metrics())
+            state = init_train_state(environment.model_config, optimizer, params,
+                                     jax.random.PRNGKey(train_config.seed))
+            host = {"data_position": 0, "evals": evals, "stages": stages}
+            reference_store.save(state, {"step": 0}, force=True)
+            checkpointer.save(state, host, force=True)
+            checkpointer.wait_until_finished()
+        else:
+            state, host = checkpointer.restore(abstract_train_state(environment.model_config, optimizer), latest)
+            writer = RunWriter(run_dir, total_steps=train_config.steps, resume_step=latest, progress=progress)
+            log(f"resuming from the checkpoint of step {latest}")
+            stages.update(host.get("stages", {}))
+        step = int(state.step)
+        reference_at = 0
+        if train_config.reference_step >= 0 and step >= train_config.reference_step:
+            reference_at = train_config.reference_step
+        reference_params = reference_store.restore_params(reference_at)
+        peak = _peak_flops()
+        timer = PhaseTimer()
+        rl_start = time.perf_counter()
+        while step < train_config.steps:
+            timer.reset()
+            tasks = _tasks_at(environment.train_tasks, int(host["data_position"]), train_config.prompts_per_step,
+                              run_config.data.shuffle_seed)
+            key = jax.random.fold_in(jax.random.PRNGKey(train_config.seed), _ROLLOUT_SALT + step)
+            with timer.phase("rollout"):
+                rollout = pipeline.collect(state.params, tasks, key)
+            prepared = pipeline.prepare(rollout, reference_params, num_prompts=len(tasks))
+            timer.seconds.update(prepared.timing)
+            with timer.phase("update"):
+                state, update_metrics = pipeline.update(state, prepared, reference_params, seed=train_config.seed
+                                                        * 1_000_003 + step)
+                jax.block_until_ready(state.params)
+            step += 1
+            state = state.replace(step=jnp.asarray(step, jnp.int32))
+            host["data_position"] = int(host["data_position"]) + len(tasks)
+            metrics = {**prepared.metrics, **update_metrics, **timer.metrics()}
+            metrics.update(pipeline.throughput(prepared, timer.seconds["update"], timer.seconds["rollout"],
+                                               peak_flops=peak))
+            every = run_config.eval.every_steps
+            if every and step % every == 0 and step < train_config.steps:
+                result = _evaluate(run_config, environment, state.params, f"step {step}", log)
+                metrics.update(result.metrics())
+                host["evals"][f"step{step}"] = _eval_to_json(result)
+            writer.log(step, metrics)
+            if step == train_config.reference_step:
+                reference_store.save(state, {"step": step}, force=True)
+                reference_params = reference_store.restore_params(step)
+            checkpointer.maybe_save(state, host)
+            if checkpointer.stop_requested:
+                log(f"stopped by {guard.signal_name} after step {step}; rerun the same command to resume")
+                writer.close()
+                return {"stopped_at": step}
+            if train_config.plot_every and step % train_config.plot_every == 0:
+                writer.write_plots()
+        rl_seconds = time.perf_counter() - rl_start
+        checkpointer.save(state, host, force=True)
+        checkpointer.wait_until_finished()
+
+        t0 = time.perf_counter()
+        final = _evaluate(run_config, environment, state.params, "after RL", log)
+        stages["eval_final"] = time.perf_counter() - t0
+        writer.log(step, final.metrics())
+        initial = _eval_from_json(host["evals"]["initial"])
+        label = "after warm start" if run_config.warmstart.steps > 0 else "initial"
+        line = format_comparison(initial, final, before_label=label, after_label="after RL")
+        log(line)
+        comparison = compare(initial, final)
+        receipt_tasks = environment.eval_tasks[:train_config.receipts]
+        receipts = write_credit_receipts(pipeline, state.params, reference_params, receipt_tasks,
+                                         jax.random.PRNGKey(train_config.seed + 1), run_dir / RECEIPTS_DIR)
+        writer.write_plots()
+        stages["rl_steps"] = rl_seconds
+        history = [r for r in writer.history if "reward" in r]
+        summary = {
+            "run_dir": str(run_dir), "steps": step, "estimator": run_config.credit.estimator,
+            "model": dataclasses.asdict(environment.model_config) if hasattr(environment.model_config,
+                                                                             "__dataclass_fields__") else None,
+            "evaluations": {name: {k: v for k, v in data.items() if k not in ("correct", "task_ids")}
+                            for name, data in {**host["evals"], "final": _eval_to_json(final)}.items()},
+            "comparison": {**dataclasses.asdict(comparison), "line": line},
+            "mean_reward_first_step": history[0]["reward"] if history else None,
+            "mean_reward_last_step": history[-1]["reward"] if history else None,
+            "seconds": {**stages, "total_this_process": time.perf_counter() - started},
+            "receipts": [str(p.relative_to(run_dir)) for p in receipts],
+        }
+        writer.write_summary(summary)
+        writer.close()
+    return summary
+
+
+def evaluate_run(run_dir: str | Path, step: int | None = None, *, log: Callable[[str], None] = print) -> EvalResult:
+    """Evaluate the checkpoint of `step` (default: the latest) of a run on its held-out tasks, with the run's own
+    config (`config.gin`); writes `eval_step<S>.json` into the run directory."""
+    from trace_jax.train.gin_setup import parse
+
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.gin"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{config_path} does not exist: --run_dir must be a directory written by "
+                                "`trace-jax train`")
+    run_config = parse([str(config_path)])
+    environment = build_environment(run_config, run_dir, load_params=False)
+    directory = run_dir / run_config.checkpoint.directory
+    store = Checkpointer(CheckpointConfig(directory=str(directory), async_save=False))
+    try:
+        steps = store.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint in {directory}")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise FileNotFoundError(f"no checkpoint of step {step} in {directory}; have {steps}")
+        params = store.restore_params(step)
+    finally:
+        store.close()
+    result = _evaluate(run_config, environment, params, f"step {step}", log)
+    path = run_dir / f"eval_step{step}.json"
+    data = _eval_to_json(result)
+    path.write_text(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                                for k, v in data.items()}, indent=2) + "\n", encoding="utf-8")
+    return result

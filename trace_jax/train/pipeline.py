@@ -1,0 +1,369 @@
+"""The host side of one RL step: rollouts -> rewards -> reference scoring -> credit -> `LossBatch` -> updates.
+
+    tasks (P prompts)
+      -> `run_episodes` (G samples each: N = P x G rows, fixed per step)             phase "rollout"
+      -> the reference's answer scores after every state (`score_answer_prefixes`,
+         one pass; only when the estimator `requires` answer_scores), on the answer
+         continuation of `scoring.continuation.build_answer_continuation`              phase "scoring"
+         (the builder `trace-jax credit` uses), ABC step counts from the
+         rule-based scorer (abc_grpo, abc_sft), GiGPO anchor keys (gigpo)
+      -> `compute_advantages(CreditConfig, ...)`: per-token advantages              phase "credit"
+      -> `LossBatch` (token-aligned: behaviour log-probs are the sampler's
+         `sampler_logprobs`; reference log-probs, for the KL term, the scorer's
+         next-token-aligned ones through `models.alignment.to_token_aligned`)
+      -> `UpdateConfig.epochs` x `UpdateConfig.mini_batches` train steps            phase "update"
+
+Shapes: rows are always `P x G` and the padded length is the longest row rounded up to
+`UpdateConfig.length_multiple` (at most `RolloutConfig.max_context`), so the train step and the scorer compile once
+per length bucket.
+
+ABC-SFT is the estimator `abc_sft` (registered here): its "advantages" are the per-token SFT weights
+`abc_sft_weights(step rewards)` of the rule-based scorer's steps, and it runs with `LossConfig.mode = 'sft'`.
+
+The sampler-vs-trainer log-prob gap is the train step's `logprob_gap` on the first mini-batch of the first epoch
+(trainer params equal the sampler's there), logged as `sampler_trainer_gap`.
+
+This module knows rollouts, scoring, credit and the train step; it knows nothing about gin, run directories,
+checkpoints or evaluation (`trace_jax.train.loop` owns those).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax.abc import counts_to_arrays
+from trace_jax.abc.rules import RuleBasedStepScorer, steps_from_episode
+from trace_jax.credit import abc_sft_weights, abc_step_rewards, compute_advantages, trace_values
+from trace_jax.credit.config import CreditConfig
+from trace_jax.credit.registry import CreditResult, estimator_names, get_estimator, register_estimator
+from trace_jax.credit.tokens import step_values_to_tokens
+from trace_jax.models.alignment import to_token_aligned
+from trace_jax.rollout.agent import Rollout, RolloutConfig, run_episodes
+from trace_jax.rollout.batch import STATUSES, anchor_keys
+from trace_jax.scoring.continuation import build_answer_continuation
+from trace_jax.scoring.fork import score_answer_prefixes
+from trace_jax.train.config import LossConfig
+from trace_jax.train.evaluate import episode_correct
+from trace_jax.train.flops import flops_per_token
+from trace_jax.train.loss import LossBatch
+from trace_jax.train.step import make_train_step
+
+SCORING_METHODS = ("fork", "naive")
+
+if "abc_sft" not in estimator_names():  # the credit package may register it itself one day
+    @register_estimator("abc_sft", requires=("step_rewards", "num_steps"), options={},
+                        description="ABC-SFT: per-token SFT weights 2 sigmoid(2 (r - 1)) of the ABC step rewards "
+                                    "(LossConfig.mode = 'sft').")
+    def _abc_sft(inputs, num_groups):
+        del num_groups
+        weights = abc_sft_weights(jnp.asarray(inputs.step_rewards, jnp.float32))
+        tokens = step_values_to_tokens(weights, inputs.turn_index, inputs.loss_mask, inputs.num_steps)
+        return CreditResult(tokens, None, weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+    """How one RL step turns its batch into updates.
+
+    Attributes:
+      epochs: passes over the step's batch (PPO epochs); the behaviour log-probs stay the sampler's.
+      mini_batches: updates per epoch; the `P x G` rows are split into this many equal mini-batches (a fresh
+        permutation per epoch, seeded by the step).
+      length_multiple: the padded length of the step's arrays is the longest row rounded up to this.
+      scoring: "fork" (the one-pass prefix-fork scorer) or "naive" (one forward per state; for contrast only).
+      scoring_batch: rows per scorer call (0 = all rows at once).
+      kl_metric: log `kl_ref`, the k3 estimate of KL(pi_old || pi_ref) on the sampled tokens, from the reference's
+        log-probs of the trajectories; costs the reference's LM head over every token (with `LossConfig.kl_coef >
+        0` the update computes those anyway and the train step logs `kl`).
+    """
+
+    epochs: int = 1
+    mini_batches: int = 1
+    length_multiple: int = 64
+    scoring: str = "fork"
+    scoring_batch: int = 0
+    kl_metric: bool = False
+
+    def __post_init__(self):
+        for name in ("epochs", "mini_batches", "length_multiple"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"UpdateConfig.{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.scoring not in SCORING_METHODS:
+            raise ValueError(f"UpdateConfig.scoring must be one of {SCORING_METHODS}, got {self.scoring!r}")
+        if not isinstance(self.scoring_batch, int) or self.scoring_batch < 0:
+            raise ValueError(f"UpdateConfig.scoring_batch must be an int >= 0 (0 = all rows), got "
+                             f"{self.scoring_batch!r}")
+
+
+def check_compatible(credit: CreditConfig, loss: LossConfig, update: UpdateConfig, rows: int) -> None:
+    """Raise ValueError naming the bindings when the estimator, the loss and the update cannot work together."""
+    estimator = get_estimator(credit.estimator)
+    if credit.estimator == "abc_sft" and loss.mode != "sft":
+        raise ValueError("CreditConfig.estimator = 'abc_sft' is weighted SFT: bind LossConfig.mode = 'sft' "
+                         "(configs/credit/abc_sft.gin does)")
+    if loss.mode == "sft" and credit.estimator != "abc_sft":
+        raise ValueError(f"LossConfig.mode = 'sft' trains on the estimator's output as SFT weights; only "
+                         f"'abc_sft' produces weights, got CreditConfig.estimator = {credit.estimator!r}; bind "
+                         "LossConfig.mode = 'rl'")
+    if loss.mode == "rl" and estimator.ratio != loss.ratio_level:
+        raise ValueError(f"estimator {credit.estimator!r} is meant for LossConfig.ratio_level = "
+                         f"{estimator.ratio!r}, got {loss.ratio_level!r}; bind LossConfig.ratio_level = "
+                         f"'{estimator.ratio}'")
+    if rows % update.mini_batches:
+        raise ValueError(f"UpdateConfig.mini_batches = {update.mini_batches} must divide the rows per step "
+                         f"(prompts_per_step x group_size = {rows})")
+    if (rows // update.mini_batches) % loss.micro_batches:
+        raise ValueError(f"LossConfig.micro_batches = {loss.micro_batches} must divide the rows per mini-batch "
+                         f"({rows // update.mini_batches})")
+
+
+@dataclasses.dataclass
+class Prepared:
+    """One step's batch, ready for updates, with what it took to build it.
+
+    Attributes:
+      rollout: the `Rollout` (device batch at full `max_context` width, episodes).
+      loss_batch: the `LossBatch` `[N, Lb]` (Lb the length bucket).
+      credit: the `CreditResult` (token advantages `[N, Lb]`, outcome, per-turn values).
+      answer_scores: `[N, T+1]` reference scores, or None when the estimator does not need them.
+      step_rewards: `[N, T+1]` ABC step rewards, or None.
+      metrics: rollout, credit and scoring statistics of the step (host floats).
+      timing: seconds of rollout, scoring and credit.
+    """
+
+    rollout: Rollout
+    loss_batch: LossBatch
+    credit: CreditResult
+    answer_scores: np.ndarray | None
+    step_rewards: np.ndarray | None
+    metrics: dict[str, float]
+    timing: dict[str, float]
+
+
+def length_bucket(longest: int, multiple: int, max_len: int) -> int:
+    """The padded length for a batch whose longest row has `longest` tokens."""
+    return int(min(max_len, -(-max(longest, 1) // multiple) * multiple))
+
+
+class RLPipeline:
+    """The RL step of one policy on one environment (see the module docstring).
+
+    Args:
+      model_config: the policy's (and reference's) `ModelConfig`.
+      chat: the policy's `ChatFormat`.
+      browser: the rollouts' `Browser` (or `task -> Browser`).
+      rollout, credit, loss, update: the configs.
+      optimizer: the optax optimizer of the train step.
+      mesh, rules: optional mesh for the sampler, scorer and train step.
+      train_step: a compiled `make_train_step(model_config, loss, optimizer, ...)` to reuse (pipelines that share
+        model, loss and optimizer then compile the update once); None builds one.
+    """
+
+    def __init__(self, model_config, chat, browser, rollout: RolloutConfig, credit: CreditConfig, loss: LossConfig,
+                 update: UpdateConfig, optimizer, *, mesh=None, rules=None, train_step=None):
+        self.model_config, self.chat, self.browser = model_config, chat, browser
+        self.rollout, self.credit, self.loss, self.update_config = rollout, credit, loss, update
+        self.mesh, self.rules = mesh, rules
+        self.estimator = get_estimator(credit.estimator)
+        self.train_step = train_step or make_train_step(model_config, loss, optimizer, mesh=mesh, rules=rules)
+        self._continuations: dict[str, Any] = {}
+        self._credit_fns: dict[int, Any] = {}
+        self.step_rewards_needed = "step_rewards" in self.estimator.requires
+        self.scores_needed = "answer_scores" in self.estimator.requires
+
+    # ---------------------------------------------------------------------------------------------- pieces
+    def continuation(self, gold: str):
+        """The answer continuation of `gold` (cached; `build_answer_continuation`, the one builder)."""
+        if gold not in self._continuations:
+            self._continuations[gold] = build_answer_continuation(self.chat.tokenizer, self.chat, gold)
+        return self._continuations[gold]
+
+    def collect(self, params, tasks: Sequence[Any], rng) -> Rollout:
+        """`len(tasks) x group_size` episodes of the current policy."""
+        return run_episodes(self.model_config, params, self.chat, tasks, self.browser, self.rollout, rng,
+                            mesh=self.mesh, rules=self.rules)
+
+    def score(self, reference_params, rollout: Rollout, width: int, *, token_logprobs: bool = False):
+        """The reference's answer scores `[N, T+1]` and (with `token_logprobs`) its next-token log-probs
+        `[N, width]` of the trajectories (else None)."""
+        batch = rollout.batch
+        conts = [self.continuation(e.gold[0]) for e in rollout.episodes]
+        m = max(len(c.ids) for c in conts)
+        answers = np.zeros((len(conts), m), np.int32)
+        masks = np.zeros((len(conts), m), np.int32)
+        for row, c in enumerate(conts):
+            answers[row, :len(c.ids)] = c.ids
+            masks[row, :len(c.mask)] = c.mask
+        tokens = np.asarray(batch.tokens)[:, :width]
+        boundaries = np.asarray(batch.boundaries)
+        num_states = np.asarray(batch.num_states)
+        lengths = np.asarray(batch.lengths)
+        n = tokens.shape[0]
+        chunk = self.update_config.scoring_batch or n
+        scores, token_lp = [], []
+        for start in range(0, n, chunk):
+            part = slice(start, start + chunk)
+            result = score_answer_prefixes(self.model_config, reference_params, tokens[part], boundaries[part],
+                                           num_states[part], answers[part], masks[part], lengths=lengths[part],
+                                           method=self.update_config.scoring, mesh=self.mesh, rules=self.rules,
+                                           token_logprobs=token_logprobs)
+            scores.append(np.asarray(result.answer_scores))
+            if token_logprobs:
+                token_lp.append(np.asarray(result.token_logprobs))
+        return np.concatenate(scores), (np.concatenate(token_lp) if token_logprobs else None)
+
+    def abc_step_rewards(self, rollout: Rollout) -> tuple[np.ndarray, np.ndarray]:
+        """ABC step rewards `[N, T+1]` and step counts `[N]` from the rule-based scorer on each episode."""
+        scorer = RuleBasedStepScorer()
+        counts = [scorer.score(question=e.question, gold=e.gold, clues=e.clues, steps=steps_from_episode(e))
+                  for e in rollout.episodes]
+        arrays = counts_to_arrays(counts, num_steps_max=self.rollout.max_turns + 1)
+        rewards = abc_step_rewards(jnp.asarray(arrays["n_found"]), jnp.asarray(arrays["n_excluded"]),
+                                   jnp.asarray(arrays["n_rejected"]), jnp.asarray(arrays["ans"]))
+        return np.asarray(rewards, np.float32), arrays["num_steps"]
+
+    def _credit_fn(self, num_groups: int):
+        if num_groups not in self._credit_fns:
+            self._credit_fns[num_groups] = jax.jit(functools.partial(compute_advantages, self.credit,
+                                                                     num_groups=num_groups))
+        return self._credit_fns[num_groups]
+
+    # ---------------------------------------------------------------------------------------------- the step
+    def prepare(self, rollout: Rollout, reference_params, *, num_prompts: int) -> Prepared:
+        """Everything after the rollout and before the update (scoring, credit, the `LossBatch`)."""
+        timing = {"scoring": 0.0, "credit": 0.0}
+        batch = rollout.batch
+        lengths = np.asarray(batch.lengths)
+        width = length_bucket(int(lengths.max()), self.update_config.length_multiple, self.rollout.max_context)
+        answer_scores = ref_token_lp = step_rewards = num_steps = None
+        start = time.perf_counter()
+        want_token_lp = self.loss.needs_reference or self.update_config.kl_metric
+        if self.scores_needed or want_token_lp:
+            answer_scores, ref_token_lp = self.score(reference_params, rollout, width, token_logprobs=want_token_lp)
+        if self.step_rewards_needed:
+            step_rewards, num_steps = self.abc_step_rewards(rollout)
+        timing["scoring"] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        extra = {}
+        if answer_scores is not None and self.scores_needed:
+            extra["answer_scores"] = jnp.asarray(answer_scores)
+        if step_rewards is not None:
+            extra["step_rewards"], extra["num_steps"] = jnp.asarray(step_rewards), jnp.asarray(num_steps)
+        if "anchor_keys" in self.estimator.requires:
+            extra["anchor_keys"] = jnp.asarray(anchor_keys(rollout.episodes, self.rollout.max_turns + 1))
+        loss_mask = batch.loss_mask[:, :width]
+        turn_index = batch.turn_index[:, :width]
+        inputs = batch.credit_inputs(**extra)._replace(loss_mask=loss_mask, turn_index=turn_index)
+        credit = self._credit_fn(num_prompts)(inputs)
+        advantages = np.asarray(credit.token_advantages, np.float32)
+        timing["credit"] = time.perf_counter() - start
+
+        reference_lp = None
+        if self.loss.needs_reference and ref_token_lp is not None:
+            reference_lp = to_token_aligned(jnp.asarray(ref_token_lp))
+        loss_batch = LossBatch(tokens=batch.tokens[:, :width], positions=batch.positions[:, :width],
+                               loss_mask=loss_mask, advantages=jnp.asarray(advantages),
+                               behaviour_logprobs=batch.sampler_logprobs[:, :width],
+                               reference_logprobs=reference_lp)
+        metrics = self.step_metrics(rollout, credit, answer_scores, ref_token_lp, width, num_prompts)
+        return Prepared(rollout, loss_batch, credit, answer_scores, step_rewards, metrics, timing)
+
+    def update(self, state, prepared: Prepared, reference_params=None, *, seed: int = 0):
+        """`epochs x mini_batches` train steps on the prepared batch; returns `(state, metrics)` (means over the
+        updates, plus `sampler_trainer_gap` from the first one and `updates`)."""
+        loss_batch = prepared.loss_batch
+        n = loss_batch.shape[0]
+        per = n // self.update_config.mini_batches
+        ref = reference_params if (self.loss.needs_reference and loss_batch.reference_logprobs is None) else None
+        collected: list[dict] = []
+        for epoch in range(self.update_config.epochs):
+            order = (np.arange(n) if self.update_config.mini_batches == 1
+                     else np.random.default_rng([seed, epoch]).permutation(n))
+            for k in range(self.update_config.mini_batches):
+                index = jnp.asarray(order[k * per:(k + 1) * per])
+                mini = loss_batch if self.update_config.mini_batches == 1 else jax.tree_util.tree_map(
+                    lambda x: x[index], loss_batch)
+                state, metrics = self.train_step(state, mini, ref)
+                collected.append(metrics)
+        collected = jax.device_get(collected)
+        out = {name: float(np.mean([m[name] for m in collected])) for name in collected[0]}
+        if "logprob_gap" in collected[0]:  # rl mode only (sft has no behaviour policy)
+            out["sampler_trainer_gap"] = float(collected[0]["logprob_gap"])
+        out["updates"] = float(len(collected))
+        return state, out
+
+    # ---------------------------------------------------------------------------------------------- metrics
+    def step_metrics(self, rollout: Rollout, credit: CreditResult, answer_scores, ref_token_lp, width: int,
+                     num_prompts: int) -> dict[str, float]:
+        """Rollout and credit statistics of one step (see docs/running.md, "The loop")."""
+        batch, episodes = rollout.batch, rollout.episodes
+        rewards = np.asarray(batch.reward, np.float64)
+        num_turns = np.asarray(batch.num_turns)
+        n = len(episodes)
+        group = n // num_prompts
+        out: dict[str, float] = {
+            "reward": float(rewards.mean()),
+            "accuracy": float(np.mean([episode_correct(e) for e in episodes])),
+            "turns": float(np.mean([len(e.turn_texts) for e in episodes])),
+            "tool_calls": float(np.mean([len(e.tool_calls) for e in episodes])),
+            "tool_errors": float(np.mean([e.num_tool_errors for e in episodes])),
+            "length": float(np.asarray(batch.lengths).mean()),
+            "length_bucket": float(width),
+            "generated_tokens": float(rollout.generated_tokens),
+        }
+        for name in STATUSES[1:]:
+            out[f"status/{name}"] = float(np.mean([e.status == name for e in episodes]))
+        grouped = rewards.reshape(num_prompts, group)
+        zero = grouped.std(axis=1) <= self.credit.std_eps
+        out["zero_signal_groups"] = float(zero.mean())
+        per_turn = None if credit.per_turn is None else np.asarray(credit.per_turn, np.float64)
+        tool_turn = np.arange(self.rollout.max_turns)[None, :] < num_turns[:, None]
+        if per_turn is not None and self.scores_needed:
+            per_turn = per_turn[:, :tool_turn.shape[1]]
+            nonzero = (np.abs(per_turn) * tool_turn > 0).reshape(num_prompts, group, -1).any(axis=(1, 2))
+            out["zero_signal_groups_with_turn_credit"] = float((zero & nonzero).sum() / max(1, zero.sum()))
+            out["credit/mean_abs_turn_credit"] = float(np.abs(per_turn)[tool_turn].mean()) if tool_turn.any() else 0.0
+            k = np.arange(tool_turn.shape[1])[None, :]
+            horizon = self.credit.horizon
+            reaches = (k == num_turns[:, None] - 1) if horizon == 0 else (k + horizon - 1 >= num_turns[:, None] - 1)
+            out["credit/terminal_fill_share"] = float(reaches[tool_turn].mean()) if tool_turn.any() else 0.0
+        if answer_scores is not None:
+            values = np.asarray(trace_values(jnp.asarray(answer_scores), jnp.asarray(num_turns), eps=self.credit.eps,
+                                             min_score=self.credit.min_score))
+            out["credit/last_state_value"] = float(values[np.arange(n), num_turns].mean())
+            out["credit/first_state_score"] = float(np.asarray(answer_scores)[:, 0].mean())
+        if ref_token_lp is not None:
+            # KL(pi_old || pi_ref) on the sampled tokens, k3 estimator (the update's KL when kl_coef = 0)
+            ref_lp = np.asarray(to_token_aligned(jnp.asarray(ref_token_lp)), np.float64)
+            old_lp = np.asarray(batch.sampler_logprobs, np.float64)[:, :width]
+            mask = np.asarray(batch.loss_mask, bool)[:, :width]
+            log_ratio = ref_lp - old_lp
+            k3 = np.exp(log_ratio) - log_ratio - 1.0
+            out["kl_ref"] = float(k3[mask].mean()) if mask.any() else 0.0
+        adv = np.asarray(credit.token_advantages, np.float64)
+        mask = np.asarray(batch.loss_mask, bool)[:, :width]
+        out["credit/mean_abs_token_advantage"] = float(np.abs(adv[mask]).mean()) if mask.any() else 0.0
+        if credit.outcome_advantages is not None:
+            out["credit/mean_abs_outcome_advantage"] = float(np.abs(np.asarray(credit.outcome_advantages)).mean())
+        return out
+
+    def throughput(self, prepared: Prepared, update_seconds: float, rollout_seconds: float, *,
+                   peak_flops: float | None) -> dict[str, float]:
+        """tokens/s of rollouts and updates, TFLOP/s of the updates and MFU against `peak_flops`."""
+        rows, width = prepared.loss_batch.shape
+        trained = rows * width * self.update_config.epochs
+        out = {"rollout_tokens_per_s": prepared.rollout.generated_tokens / max(rollout_seconds, 1e-9),
+               "update_tokens_per_s": trained / max(update_seconds, 1e-9)}
+        flops = flops_per_token(self.model_config, width) * trained
+        out["update_tflops"] = flops / max(update_seconds, 1e-9) / 1e12
+        if peak_flops:
+            out["mfu"] = flops / max(update_seconds, 1e-9) / peak_flops
+        return out
