@@ -8,9 +8,9 @@
     trace_jax.envs     WorldConfig, TaskConfig
     trace_jax.train    TrainConfig, DataConfig, EnvConfig (this module), EvalConfig (evaluate.py),
                        WarmStartConfig (warmstart.py)
-    pending            LossConfig, OptimizerConfig, MeshConfig, CheckpointConfig (trace_jax/train/config.py) and
-                       CreditConfig (trace_jax/credit/config.py), registered by `_register_pending` when their
-                       modules exist
+                       LossConfig, OptimizerConfig, MeshConfig, CheckpointConfig (train/config.py),
+                       UpdateConfig (train/pipeline.py)
+    trace_jax.credit   CreditConfig (credit/config.py)
 
 `parse(gin_files, gin_params)` parses the files then the `--gin_param` bindings and *builds every config*, so an
 unknown name, a misspelt field or a value a dataclass rejects fails here, before any compute, with a message
@@ -32,7 +32,6 @@ import importlib
 import os
 import re
 import tokenize
-import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -177,8 +176,9 @@ _CORE: tuple[tuple[str, str, Any], ...] = (
     ("WarmStartConfig", "trace_jax.train", WarmStartConfig),
     ("TrainConfig", "trace_jax.train", TrainConfig),
 )
-# Configs of other parts of the project: (name, module that defines it, gin module).
-PENDING: tuple[tuple[str, str, str], ...] = (
+# Configs of the training core, the pipeline and the credit API: (name, module that defines it, gin module).
+# Imported when registered rather than at import time, so importing this module stays light.
+LAZY: tuple[tuple[str, str, str], ...] = (
     ("LossConfig", "trace_jax.train.config", "trace_jax.train"),
     ("OptimizerConfig", "trace_jax.train.config", "trace_jax.train"),
     ("MeshConfig", "trace_jax.train.config", "trace_jax.train"),
@@ -194,7 +194,6 @@ CONCERNS = {"train": "TrainConfig", "data": "DataConfig", "env": "EnvConfig", "r
 
 _registered: dict[str, Any] = {}  # name -> the gin-wrapped callable
 _targets: dict[str, Any] = {}  # name -> the class or function registered
-_missing: dict[str, str] = {}  # pending name -> why it is not registered
 
 
 def _register(name: str, module: str, target: Any) -> None:
@@ -207,38 +206,23 @@ def _register(name: str, module: str, target: Any) -> None:
         _registered[name] = gin.get_configurable(f"{module}.{name}")
 
 
-def _register_pending() -> None:
-    # PENDING MERGE: the training core (issue 11) and the credit helper add these modules; until they land on this
-    # branch a missing module is skipped and recorded in `_missing`. Remove the skip at merge.
-    for name, source, module in PENDING:
-        if name in _registered:
-            continue
-        try:
-            target = getattr(importlib.import_module(source), name)
-        except (ImportError, AttributeError) as error:
-            _missing[name] = f"{source}.{name} is not available ({error})"
-            continue
-        _missing.pop(name, None)
-        _register(name, module, target)
+def _register_lazy() -> None:
+    for name, source, module in LAZY:
+        if name not in _registered:
+            _register(name, module, getattr(importlib.import_module(source), name))
 
 
 def register_configurables() -> dict[str, Any]:
     """Register every config with gin (idempotent); returns name -> gin-wrapped constructor."""
     for name, module, target in _CORE:
         _register(name, module, target)
-    _register_pending()
+    _register_lazy()
     return dict(_registered)
-
-
-def missing_configurables() -> dict[str, str]:
-    """Pending configs that could not be registered (name -> reason); empty once every part has landed."""
-    register_configurables()
-    return dict(_missing)
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """One instance of every concern's config, as bound by gin (None: a pending config not registered yet)."""
+    """One instance of every concern's config, as bound by gin."""
 
     train: TrainConfig
     data: DataConfig
@@ -246,12 +230,12 @@ class RunConfig:
     rollout: RolloutConfig
     eval: EvalConfig
     warmstart: WarmStartConfig
-    loss: Any = None
-    optimizer: Any = None
-    mesh: Any = None
-    checkpoint: Any = None
-    credit: Any = None
-    update: Any = None
+    loss: Any  # trace_jax.train.config.LossConfig (typed loosely: that module is imported lazily)
+    optimizer: Any  # OptimizerConfig
+    mesh: Any  # MeshConfig
+    checkpoint: Any  # CheckpointConfig
+    credit: Any  # trace_jax.credit.config.CreditConfig
+    update: Any  # trace_jax.train.pipeline.UpdateConfig
 
 
 class ConfigError(ValueError):
@@ -267,7 +251,7 @@ def _fields(target: Any) -> list[str]:
 
 
 def _known_names() -> list[str]:
-    return list(_registered) + [name for name in _missing]
+    return list(_registered)
 
 
 def _explain(error: Exception, where: str) -> str:
@@ -275,9 +259,6 @@ def _explain(error: Exception, where: str) -> str:
     match = re.search(r"No configurable matching '([^']+)'", message)
     if match:
         name = match.group(1).split(".")[-1]
-        if name in _missing:
-            return (f"{where}: {name} is not available yet: {_missing[name]}. Remove its bindings or update the "
-                    "checkout")
         close = difflib.get_close_matches(name, _known_names(), n=3, cutoff=0.5)
         hint = f"did you mean {' or '.join(close)}?" if close else f"known configs: {', '.join(sorted(_registered))}"
         return f"{where}: unknown config {match.group(1)!r} in a binding; {hint}"
@@ -324,55 +305,39 @@ def _resolve(path: str) -> str:
                       f"{', '.join(sorted(p.name for p in CONFIG_DIR.glob('*.gin')))}")
 
 
-def _pending_skips() -> list[str]:
-    # PENDING MERGE: until the training core and the credit helper land on this branch, bindings of their configs
-    # are skipped (with a warning) so the shipped files parse; the lead removes this at merge, after which an
-    # unknown config is always an error.
-    if _missing:
-        warnings.warn(f"gin bindings of {', '.join(sorted(_missing))} are ignored: not available on this checkout "
-                      "(pending merge)", stacklevel=3)
-    return sorted(_missing)
-
-
 _PARSE_ERRORS = (ValueError, SyntaxError, OSError, tokenize.TokenError)
 
 
-def parse(gin_files: Sequence[str] = (), gin_params: Sequence[str] = (), *,
-          skip_unknown: Sequence[str] = ()) -> RunConfig:
+def parse(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -> RunConfig:
     """Parse gin files and bindings (later ones win) and build every config, so any error surfaces now.
 
     Args:
       gin_files: paths (absolute, relative to the working directory, or to the repository root).
       gin_params: extra bindings, e.g. `"LossConfig.eps_high = 0.28"` (the CLI's `--gin_param`).
-      skip_unknown: configurable names whose bindings are ignored (for pending configs in tests only).
 
     Raises:
       ConfigError: an unknown config or field (with the closest valid names), an unparsable value, or a value the
         config rejects (with that config's bindings).
     """
     register_configurables()
-    skip_unknown = list(skip_unknown) + _pending_skips()
     _set_include_paths()
     gin.clear_config()
     for path in gin_files:
         path = _resolve(path)
         try:
             with gin.config_scope(None):
-                gin.parse_config_files_and_bindings([path], [], skip_unknown=list(skip_unknown) or False,
+                gin.parse_config_files_and_bindings([path], [], skip_unknown=False,
                                                     finalize_config=False)
         except _PARSE_ERRORS as error:
             raise ConfigError(_explain(error, f"gin file {path}")) from None
     for binding in gin_params:
         try:
-            gin.parse_config_files_and_bindings([], [binding], skip_unknown=list(skip_unknown) or False,
+            gin.parse_config_files_and_bindings([], [binding], skip_unknown=False,
                                                 finalize_config=False)
         except _PARSE_ERRORS as error:
             raise ConfigError(_explain(error, f"--gin_param {binding!r}")) from None
     built: dict[str, Any] = {}
     for field, name in CONCERNS.items():
-        if name not in _registered:
-            built[field] = None
-            continue
         try:
             built[field] = _registered[name]()
         except (ValueError, TypeError) as error:

@@ -138,10 +138,10 @@ def expand(sweep: Sweep, runs_root: str = "runs/sweeps") -> list[Run]:
     return runs
 
 
-def validate_runs(runs: Sequence[Run], *, skip_unknown: Sequence[str] = ()) -> None:
+def validate_runs(runs: Sequence[Run]) -> None:
     """Parse every run's config (no compute) so a bad axis fails before the first run starts."""
     for run in runs:
         try:
-            gin_setup.parse(run.gin_files, run.gin_params, skip_unknown=skip_unknown)
+            gin_setup.parse(run.gin_files, run.gin_params)
         except gin_setup.ConfigError as error:
             raise gin_setup.ConfigError(f"sweep run {run.name!r}: {error}") from None
