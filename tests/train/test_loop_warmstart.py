@@ -103,6 +103,25 @@ def test_turn_weights_scale_each_turn_for_weighted_sft(env):
     assert not arrays.weights[0][~mask].any()
 
 
+def test_answer_weight_scales_only_the_final_answer_turn(env):
+    _, tasks, chat, browser = env
+    results = oracle_trajectories(tasks[:2], browser, WarmStartConfig(num_trajectories=2))
+    plain = sft_arrays(chat, ROLLOUT, browser, results)
+    weighted = sft_arrays(chat, ROLLOUT, browser, results, turn_weights=lambda row, turn: 0.5 + turn, answer_weight=4.0)
+    for row in range(len(plain)):
+        mask = plain.loss_mask[row] > 0
+        turns = plain.turn_index[row]
+        last = turns == turns.max()
+        assert last.any() and (mask & ~last).any()
+        np.testing.assert_array_equal(weighted.weights[row][mask & last], 4.0 * (0.5 + turns[mask & last]))
+        np.testing.assert_array_equal(weighted.weights[row][mask & ~last], 0.5 + turns[mask & ~last])
+        assert not weighted.weights[row][~mask].any()
+        # the answer turn ends with the stop token and holds the answer text
+        answer_ids = plain.tokens[row][mask & last].tolist()
+        assert answer_ids[-1] == chat.im_end_id
+        assert results[row].answer in chat.tokenizer.decode(answer_ids, skip_special_tokens=False)
+
+
 def test_episodes_the_rollout_could_not_produce_are_dropped_with_the_reason(env):
     _, tasks, chat, browser = env
     results = oracle_trajectories(tasks, browser, WarmStartConfig(num_trajectories=len(tasks)))
@@ -113,6 +132,8 @@ def test_episodes_the_rollout_could_not_produce_are_dropped_with_the_reason(env)
 
 
 def test_warm_start_config_names_the_bad_field():
+    with pytest.raises(ValueError, match="WarmStartConfig.answer_weight"):
+        WarmStartConfig(answer_weight=0.0)
     with pytest.raises(ValueError, match="WarmStartConfig.batch_size"):
         WarmStartConfig(batch_size=0)
     with pytest.raises(ValueError, match="WarmStartConfig.detour_prob"):

@@ -55,6 +55,10 @@ class WarmStartConfig:
       length_multiple: the padded length L is the longest row rounded up to this (so jit sees few shapes).
       max_length: drop rendered trajectories longer than this many tokens (0 = up to `rollout.max_context`); a
         few long detour-heavy episodes would otherwise set the padded width of every SFT batch.
+      answer_weight: SFT weight of the final (answer) turn's tokens, relative to 1 on the tool turns. The loss is
+        a mean over all ~100 generated tokens of an episode, of which only the first mention of the answer value
+        needs the observation; the protocol tokens are learned early and then dominate the batch. Pass it to
+        `sft_arrays(..., answer_weight=...)`.
     """
 
     steps: int = 0
@@ -67,6 +71,7 @@ class WarmStartConfig:
     oracle_topn: int = 3
     length_multiple: int = 64
     max_length: int = 0
+    answer_weight: float = 1.0
 
     def __post_init__(self):
         for name in ("num_trajectories", "batch_size", "oracle_topn", "length_multiple"):
@@ -75,6 +80,8 @@ class WarmStartConfig:
         for name in ("steps", "warmup_steps", "max_length"):
             if getattr(self, name) < 0:
                 raise ValueError(f"WarmStartConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.answer_weight > 0:
+            raise ValueError(f"WarmStartConfig.answer_weight must be > 0, got {self.answer_weight!r}")
         if not self.learning_rate > 0:
             raise ValueError(f"WarmStartConfig.learning_rate must be > 0, got {self.learning_rate!r}")
         if not 0.0 <= self.detour_prob <= 1.0:
@@ -198,7 +205,7 @@ def oracle_trajectories(tasks: Sequence[Any], browser: Browser, config: WarmStar
 
 def sft_arrays(chat: ChatFormat, rollout: RolloutConfig, browser: Browser, results: Sequence[OracleResult], *,
                length_multiple: int = 64, max_length: int = 0,
-               turn_weights: Callable[[int, int], float] | None = None) -> SFTArrays:
+               turn_weights: Callable[[int, int], float] | None = None, answer_weight: float = 1.0) -> SFTArrays:
     """Render oracle episodes as token-aligned SFT arrays (see the module docstring for the replay).
 
     Episodes that would not fit the rollout (too many tool calls for `max_turns`, too long for `max_context`) are
@@ -211,6 +218,7 @@ def sft_arrays(chat: ChatFormat, rollout: RolloutConfig, browser: Browser, resul
       length_multiple: the padded width is the longest row rounded up to a multiple of this (<= max_context).
       max_length: the longest rendered episode kept (0 = no limit beyond `rollout.max_context`).
       turn_weights: optional `(row, turn) -> weight` for per-turn SFT weights (ABC-SFT); default 1.
+      answer_weight: a further factor on each row's last (answer) turn (`WarmStartConfig.answer_weight`).
     """
     rows, kept, first_error = [], [], None
     for result in results:
@@ -240,6 +248,9 @@ def sft_arrays(chat: ChatFormat, rollout: RolloutConfig, browser: Browser, resul
         for n in range(len(rows)):
             for k in np.unique(turn_index[n][turn_index[n] >= 0]):
                 weights[n, turn_index[n] == k] = float(turn_weights(n, int(k)))
+    if answer_weight != 1.0:
+        last_turn = turn_index.max(axis=1, keepdims=True)
+        weights = np.where((turn_index == last_turn) & (loss_mask > 0), weights * answer_weight, weights)
     return SFTArrays(tokens=np.asarray(batch.tokens), positions=np.asarray(batch.positions), loss_mask=loss_mask,
                      weights=weights, turn_index=turn_index, lengths=np.asarray(batch.lengths),
                      task_ids=tuple(r.task.task_id for r in kept))
