@@ -125,7 +125,8 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
     ws = run_config.warmstart
     results = oracle_trajectories(environment.train_tasks, environment.browser, ws)
     arrays = sft_arrays(environment.chat, run_config.rollout, environment.browser, results,
-                        length_multiple=ws.length_multiple, max_length=ws.max_length)
+                        length_multiple=ws.length_multiple, max_length=ws.max_length,
+                        answer_weight=ws.answer_weight)
     optimizer = make_optimizer(OptimizerConfig(learning_rate=ws.learning_rate, schedule="cosine",
                                                warmup_steps=ws.warmup_steps,
                                                total_steps=max(ws.steps, ws.warmup_steps + 1), end_lr_ratio=0.1,
