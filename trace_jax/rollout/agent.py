@@ -88,6 +88,12 @@ class RolloutConfig:
         if self.max_observation_chars < 0:
             raise ValueError("RolloutConfig.max_observation_chars must be >= 0 (0 = no limit)")
 
+    def cut_observation(self, observation: str) -> str:
+        """The observation as the policy is shown it: cut to `max_observation_chars` (then " ..." marks the cut)."""
+        if self.max_observation_chars and len(observation) > self.max_observation_chars:
+            return observation[:self.max_observation_chars] + " ..."
+        return observation
+
 
 @dataclasses.dataclass
 class Rollout:
@@ -242,8 +248,7 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
             env_time += time.perf_counter() - e0
             if observation.startswith(ERROR_PREFIX):
                 episode.num_tool_errors += 1
-            if rollout.max_observation_chars and len(observation) > rollout.max_observation_chars:
-                observation = observation[:rollout.max_observation_chars] + " ..."
+            observation = rollout.cut_observation(observation)
             episode.observations.append(observation)
             response = chat.tool_response_ids(observation, previous_ids=ids.tolist())
             if len(row["tokens"]) + len(response) >= max_len:  # no room for the observation and one more token

@@ -142,13 +142,6 @@ def oracle_assistant_turns(chat: ChatFormat, result: OracleResult) -> list[list[
     return turns
 
 
-def _policy_observation(observation: str, rollout: RolloutConfig) -> str:
-    # The agent loop's cut (rollout/agent.py), so the policy is trained on the observations it will be shown.
-    if rollout.max_observation_chars and len(observation) > rollout.max_observation_chars:
-        return observation[:rollout.max_observation_chars] + " ..."
-    return observation
-
-
 def replay_row(chat: ChatFormat, rollout: RolloutConfig, question: str, turns: Sequence[Sequence[int]],
                browser: Browser) -> dict[str, Any]:
     """One episode's row (the `build_batch` row format) from scripted assistant turns, replayed like the agent loop.
@@ -176,7 +169,7 @@ def replay_row(chat: ChatFormat, rollout: RolloutConfig, question: str, turns: S
         call = parse_tool_call(chat.tokenizer.decode(turn, skip_special_tokens=False))
         observation = (browser.execute(call.name, call.arguments) if isinstance(call, ToolCall)
                        else error_observation(call.message))
-        response = chat.tool_response_ids(_policy_observation(observation, rollout), previous_ids=turn)
+        response = chat.tool_response_ids(rollout.cut_observation(observation), previous_ids=turn)
         row["tokens"] += response
         row["loss_mask"] += [0.0] * len(response)
         row["turn_index"] += [-1] * len(response)
