@@ -109,8 +109,9 @@ batch_script() {
   if [[ $MODE == auto ]]; then
     show "${srun[@]}" "${train[@]}"
   else
+    # sed, not head: head's early exit would SIGPIPE scontrol and fail the script under pipefail.
     # shellcheck disable=SC2016  # expanded when the batch script runs
-    echo 'TRACE_JAX_COORDINATOR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1):'"$PORT"'"'
+    echo 'TRACE_JAX_COORDINATOR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p):'"$PORT"'"'
     echo "export TRACE_JAX_COORDINATOR TRACE_JAX_NUM_PROCESSES=$NODES"
     # shellcheck disable=SC2016  # expanded in each task
     show "${srun[@]}" bash -c 'TRACE_JAX_PROCESS_ID=$SLURM_PROCID exec "$@"' trace-jax "${train[@]}"
