@@ -174,8 +174,9 @@ def check_config(gin_files, gin_params, devices: int, where: str, *, workers_cop
     batch_shards = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     if micro_rows % batch_shards:
         print(f"warning: a micro-batch holds {micro_rows} rows, not divisible by the {batch_shards} batch shards "
-              f"(data x fsdp x expert) of {where}: the batch is replicated, not split, across them; fewer "
-              "LossConfig.micro_batches or a larger batch splits it", file=sys.stderr)
+              f"(data x fsdp x expert) of {where}: the devices cannot each take an equal share of every "
+              "micro-batch (idle or duplicated work); fewer LossConfig.micro_batches or more rows per step fixes it",
+              file=sys.stderr)
     return sizes
 
 

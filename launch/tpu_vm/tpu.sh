@@ -270,7 +270,11 @@ babysit() {
           need_setup=0
         fi
         if run_training; then
-          note "run finished: $RUN_DIR"
+          if ((DRY_RUN)); then
+            note "dry run: these are the commands of one babysit cycle without preemption"
+          else
+            note "run finished: $RUN_DIR"
+          fi
           if ((DELETE_WHEN_DONE)); then delete_slice; fi
           return 0
         fi
@@ -316,5 +320,7 @@ case $COMMAND in
   babysit) babysit ;;
   stop) stop_training ;;
   delete) delete_slice ;;
-  status) DRY_STATE=${DRY_STATE:-READY} slice_state ;;
+  status)
+    if ((DRY_RUN)); then slice_state >/dev/null; else slice_state; fi
+    ;;
 esac
