@@ -243,12 +243,7 @@ def _sweep(args) -> list[str]:
     for run in runs:
         check_config(run.gin_files, run.gin_params, tpu_slice.devices,
                      f"{args.topology} ({tpu_slice.chips} chips) in sweep run {run.name!r}", workers_copy=True)
-        parts = []
-        for path in run.gin_files:
-            parts += ["--gin_file", path]
-        for binding in run.gin_params:
-            parts += ["--gin_param", binding]
-        parts += ["--run_dir", run.run_dir]
+        parts = shlex.split(run.command())[4:]  # the arguments after `python -m trace_jax.cli train`
         arguments.append(shlex.join(parts))
     return [_assign("SWEEP_NAME", sweep.name), _assign("RUN_NAMES", [r.name for r in runs]),
             _assign("RUN_ARGS", arguments)]

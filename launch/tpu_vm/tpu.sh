@@ -27,6 +27,8 @@
 #   --delete-when-done    babysit: delete the slice when the run finishes
 #   --mount BUCKET:DIR    setup: mount gs://BUCKET at DIR on every worker (gcsfuse), for a durable RUN_DIR
 #   --python VERSION      setup: the workers' Python (default 3.11; uv installs it)
+#   --plan                run/babysit: first run `trace-jax plan` here (AOT compile for the topology, HBM fit;
+#                         needs the `tpu` extra locally) and stop unless it succeeds; --topology must be a shape
 #   --gin_file F, --gin_param B, --run_dir D   as for `trace-jax train`; RUN_DIR must be an absolute path on storage
 #                         every worker mounts (a preemption wipes the VMs' disks)
 #   --dry-run             print the commands (gcloud, git) instead of running them; the checks still run
@@ -54,7 +56,7 @@ esac
 
 NAME="" ZONE="" PROJECT="" TOPOLOGY="" RUNTIME_VERSION_FLAG="" QUEUED=0 SPOT=0
 CREATE_ATTEMPTS=20 RETRY_WAIT=120 POLL_SECONDS=60 MAX_FAILURES=3 MAX_RECREATES=20 DELETE_WHEN_DONE=0
-MOUNT="" WORKER_PYTHON=3.11 RUN_DIR=""
+MOUNT="" WORKER_PYTHON=3.11 RUN_DIR="" PLAN=0
 GIN_FILES=() GIN_PARAMS=()
 while (($#)); do
   case $1 in
@@ -73,6 +75,7 @@ while (($#)); do
     --delete-when-done) DELETE_WHEN_DONE=1; shift ;;
     --mount) has_value "$1" "$#"; MOUNT=$2; shift 2 ;;
     --python) has_value "$1" "$#"; WORKER_PYTHON=$2; shift 2 ;;
+    --plan) PLAN=1; shift ;;
     --gin_file) has_value "$1" "$#"; GIN_FILES+=("$2"); shift 2 ;;
     --gin_param) has_value "$1" "$#"; GIN_PARAMS+=("$2"); shift 2 ;;
     --run_dir) has_value "$1" "$#"; RUN_DIR=$2; shift 2 ;;
@@ -120,6 +123,13 @@ case $COMMAND in
     fi
     preflight "${check_args[@]}"
     RUNTIME_VERSION=${RUNTIME_VERSION_FLAG:-$RUNTIME_VERSION}
+    if ((PLAN)) && [[ $COMMAND != create ]]; then
+      [[ $TOPOLOGY == *:* ]] || die "--plan needs --topology as a shape (e.g. v5e:4x4), not '$TOPOLOGY'"
+      plan=("$PYTHON" -m trace_jax.cli plan --topology "$TOPOLOGY")
+      for f in "${GIN_FILES[@]}"; do plan+=(--gin_file "$f"); done
+      for p in "${GIN_PARAMS[@]}"; do plan+=(--gin_param "$p"); done
+      run "${plan[@]}" || die "trace-jax plan did not pass for $TOPOLOGY (see above); nothing was created"
+    fi
     note "slice $TOPOLOGY = $ACCELERATOR_TYPE ($CHIPS chips, runtime $RUNTIME_VERSION); mesh ${MESH:-(not checked here)}"
     ;;
 esac
@@ -165,16 +175,22 @@ create_slice() {
     run "${cmd[@]}"
   else
     err=$(mktemp)
-    while ! run "${cmd[@]}" 2> >(tee "$err" >&2); do
+    # gcloud's stderr goes to a file first (then to the terminal): the capacity test must read all of it
+    until run "${cmd[@]}" 2>"$err"; do
+      cat "$err" >&2
       if ! grep -Eq "$CAPACITY_ERRORS" "$err"; then
         rm -f "$err"
         die "creating $NAME failed (not a capacity error, so not retried); see gcloud's message above"
       fi
-      ((attempt < CREATE_ATTEMPTS)) || { rm -f "$err"; die "no capacity for $ACCELERATOR_TYPE in $ZONE after $attempt attempts; try --queued, another zone or later"; }
+      if ((attempt >= CREATE_ATTEMPTS)); then
+        rm -f "$err"
+        die "no capacity for $ACCELERATOR_TYPE in $ZONE after $attempt attempts; try --queued, another zone or later"
+      fi
       attempt=$((attempt + 1))
       note "no capacity for $ACCELERATOR_TYPE in $ZONE; attempt $attempt/$CREATE_ATTEMPTS in ${RETRY_WAIT}s"
       sleep "$RETRY_WAIT"
     done
+    cat "$err" >&2
     rm -f "$err"
   fi
   wait_until_up
@@ -278,13 +294,13 @@ babysit() {
           if ((DELETE_WHEN_DONE)); then delete_slice; fi
           return 0
         fi
+        sleep "$POLL_SECONDS" # a preempted slice can still read READY for a moment
         state=$(slice_state)
         if [[ $(state_class "$state") == up ]]; then
           failures=$((failures + 1))
           ((failures <= MAX_FAILURES)) ||
             die "the run failed $failures times on a healthy slice ($NAME is $state); see $RUN_DIR/logs/"
           note "the run failed on a healthy slice (failure $failures/$MAX_FAILURES); rerunning, which resumes"
-          sleep "$POLL_SECONDS"
         else
           note "$NAME is $state (preempted?): recreating it; the rerun resumes from the latest checkpoint"
         fi

@@ -6,6 +6,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -218,3 +219,15 @@ def test_sweep_refuses_per_run_flags(launch):
     result = launch("tpu_vm/sweep.sh", "configs/sweeps/horizon.gin", "--name-prefix", "hz", "--zone", "z",
                     "--topology", "v5e:2x2", "--runs-root", "/mnt/s", "--run_dir", "/x")
     assert result.returncode == 2 and "--run_dir is set per run by the sweep file" in result.stderr
+
+
+def test_plan_runs_trace_jax_plan_for_the_topology_before_anything_else(launch, tmp_path):
+    result = launch("tpu_vm/tpu.sh", "run", "--name", "t", *LOCATION, "--topology", "v5e:2x2", "--gin_file",
+                    "configs/tiny.gin", "--gin_param", "TrainConfig.steps = 3", "--run_dir", "/mnt/r", "--plan",
+                    "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == (f"{sys.executable} -m trace_jax.cli plan --topology v5e:2x2 --gin_file "
+                                             "configs/tiny.gin --gin_param 'TrainConfig.steps = 3'")
+    refused = launch("tpu_vm/tpu.sh", "run", "--name", "t", *LOCATION, "--topology", "v5litepod-4",
+                     "--run_dir", "/mnt/r", "--plan", "--dry-run")
+    assert refused.returncode == 2 and "--plan needs --topology as a shape" in refused.stderr
