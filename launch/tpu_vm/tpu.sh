@@ -22,7 +22,8 @@
 #   --spot                spot capacity (cheaper, preemptible)
 #   --create-attempts N   capacity retries of create (default 20)    --retry-wait S  seconds between them (default 120)
 #   --poll-seconds S      babysit's state poll interval (default 60)
-#   --max-failures N      babysit: restarts after a failure on a healthy slice before giving up (default 3)
+#   --max-failures N      babysit: reruns after a failure on a healthy slice (leftover trainers killed first)
+#                         before giving up (default 3)
 #   --max-recreates N     babysit: recreations after preemption before giving up (default 20)
 #   --delete-when-done    babysit: delete the slice when the run finishes
 #   --mount BUCKET:DIR    setup: mount gs://BUCKET at DIR on every worker (gcsfuse), for a durable RUN_DIR
@@ -275,6 +276,11 @@ stop_training() {
   ssh_all 'if [ -f ~/trace-jax-train.pid ]; then kill -TERM "$(cat ~/trace-jax-train.pid)" 2>/dev/null || true; fi'
 }
 
+kill_leftovers() { # after a failed run: a trainer still alive on another worker would hold the TPU chips
+  # shellcheck disable=SC2016  # expanded by the worker's shell
+  ssh_all 'if [ -f ~/trace-jax-train.pid ]; then kill -KILL "$(cat ~/trace-jax-train.pid)" 2>/dev/null || true; fi'
+}
+
 babysit() {
   local state failures=0 recreations=0 need_setup=1
   while true; do
@@ -301,6 +307,7 @@ babysit() {
           ((failures <= MAX_FAILURES)) ||
             die "the run failed $failures times on a healthy slice ($NAME is $state); see $RUN_DIR/logs/"
           note "the run failed on a healthy slice (failure $failures/$MAX_FAILURES); rerunning, which resumes"
+          kill_leftovers || true
         else
           note "$NAME is $state (preempted?): recreating it; the rerun resumes from the latest checkpoint"
         fi

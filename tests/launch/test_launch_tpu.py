@@ -190,6 +190,8 @@ def test_babysit_gives_up_after_repeated_failures_on_a_healthy_slice(launch, fak
     assert "the run failed 2 times on a healthy slice" in result.stderr
     runs = [c for c in fake_gcloud.calls() if "--command" in c and "pipefail" in " ".join(c)]
     assert len(runs) == 2 and not any("delete" in c for c in fake_gcloud.calls())
+    kills = [c for c in fake_gcloud.calls() if "--command" in c and "kill -KILL" in " ".join(c)]
+    assert len(kills) == 1  # leftovers of the failed run are killed before the rerun
 
 
 def test_sweep_dry_run_babysits_each_run_on_its_own_slice(launch, tmp_path):
