@@ -60,13 +60,15 @@ need_int "$NODES" --nodes 1
 need_int "$GPUS_PER_NODE" --gpus-per-node 1
 need_int "$PORT" --port 1
 need_int "$SIGNAL_SECONDS" --signal-seconds
-[[ $MODE == auto || $MODE == env ]] || die "--mode must be 'auto' (JAX reads SLURM) or 'env' (TRACE_JAX_* variables), got '$MODE'"
+[[ $MODE == auto || $MODE == env ]] ||
+  die "--mode must be 'auto' (JAX reads SLURM) or 'env' (TRACE_JAX_* variables), got '$MODE'"
 [[ $JOB_NAME =~ ^[A-Za-z0-9_.-]+$ ]] || die "--job-name '$JOB_NAME': letters, digits, _ . - only"
 for arg in "${SBATCH_ARGS[@]}"; do
   [[ $arg == --* ]] || die "--sbatch-arg '$arg': give a long sbatch option, e.g. --sbatch-arg=--qos=high"
 done
 if [[ $TRAIN_PYTHON != /* ]]; then
-  resolved=$(command -v "$TRAIN_PYTHON") || die "--python '$TRAIN_PYTHON' not found; give the absolute path of the environment's python"
+  resolved=$(command -v "$TRAIN_PYTHON") ||
+    die "--python '$TRAIN_PYTHON' not found; give the absolute path of the environment's python"
   TRAIN_PYTHON=$resolved
 fi
 

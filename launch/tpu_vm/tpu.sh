@@ -103,7 +103,8 @@ if [[ $COMMAND == setup || $COMMAND == run || $COMMAND == babysit ]]; then
   git -C "$REPO_ROOT" rev-parse --git-dir >/dev/null 2>&1 ||
     die "$REPO_ROOT is not a git checkout; the launchers ship the checkout's tree to the workers"
   for f in "${GIN_FILES[@]}"; do
-    [[ $f != /* ]] || die "--gin_file '$f' is absolute; give a path inside the checkout (e.g. configs/qwen3_4b.gin): the workers run from their copy of it"
+    [[ $f != /* ]] || die "--gin_file '$f' is absolute; give a path inside the checkout (e.g." \
+      "configs/qwen3_4b.gin): the workers run from their copy of it"
     git -C "$REPO_ROOT" ls-files --error-unmatch -- "$f" >/dev/null 2>&1 ||
       die "--gin_file '$f' is not in the checkout's git index; git add it (the workers get the tracked files)"
   done
@@ -151,16 +152,19 @@ slice_state() { # READY/ACTIVE, CREATING, PREEMPTED, ..., or MISSING
   printf '%s\n' "${state:-MISSING}"
 }
 
-state_class() { # up | pending | gone | deleting
+state_class() { # up | gone | deleting | pending
   case $1 in
     READY | ACTIVE) echo up ;;
-    CREATING | STARTING | RESTARTING | REPAIRING | ACCEPTED | WAITING_FOR_RESOURCES | PROVISIONING | CREATING_NODES) echo pending ;;
+    PREEMPTED | TERMINATED | STOPPED | SUSPENDED | SUSPENDING | FAILED | MISSING) echo gone ;;
     DELETING) echo deleting ;;
-    *) echo gone ;; # PREEMPTED, TERMINATED, STOPPED, SUSPENDED, SUSPENDING, FAILED, MISSING
+    # CREATING, STARTING, REPAIRING, WAITING_FOR_RESOURCES, PROVISIONING, ... and any state not known here: wait
+    # rather than delete a slice that may be coming up
+    *) echo pending ;;
   esac
 }
 
-CAPACITY_ERRORS='RESOURCE_EXHAUSTED|[Nn]o more capacity|[Ii]nsufficient capacity|ZONE_RESOURCE_POOL_EXHAUSTED|[Ss]tockout|resources are not available'
+CAPACITY_ERRORS='RESOURCE_EXHAUSTED|[Nn]o more capacity|[Ii]nsufficient capacity|ZONE_RESOURCE_POOL_EXHAUSTED'
+CAPACITY_ERRORS+='|[Ss]tockout|resources are not available'
 
 create_slice() {
   local cmd attempt=1 err

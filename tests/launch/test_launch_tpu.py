@@ -205,9 +205,9 @@ def test_sweep_dry_run_babysits_each_run_on_its_own_slice(launch, tmp_path):
     headers = [line for line in lines if line.startswith("#")]
     tpu = REPO / "launch" / "tpu_vm" / "tpu.sh"
     assert headers == [
-        f"# run {i + 1}/2 horizon={k}: {tpu} babysit --name hz-{i} {AT.replace('--zone us-east5-b ', '--zone us-east5-b ')}"
-        .replace(AT, "--zone us-east5-b --topology v5e:2x2 --delete-when-done --project my-proj --spot")
-        + f" --gin_file configs/tiny.gin --gin_param 'CreditConfig.horizon = {k}' --run_dir /mnt/gcs/sweeps/h/horizon={k}"
+        f"# run {i + 1}/2 horizon={k}: {tpu} babysit --name hz-{i} --zone us-east5-b --topology v5e:2x2 "
+        f"--delete-when-done --project my-proj --spot --gin_file configs/tiny.gin --gin_param "
+        f"'CreditConfig.horizon = {k}' --run_dir /mnt/gcs/sweeps/h/horizon={k}"
         for i, k in enumerate((1, 3))]
     creates = [line for line in lines if " tpu-vm create " in line]
     assert creates == [f"{GC} tpu-vm create hz-{i} {AT} --accelerator-type v5litepod-4 --version v2-alpha-tpuv5-lite "
