@@ -140,16 +140,24 @@ LOCATION=(--zone "$ZONE")
 WORKERS=(--worker=all)
 
 # -- the slice
-slice_state() { # READY/ACTIVE, CREATING, PREEMPTED, ..., or MISSING
-  local state
+slice_state() { # READY/ACTIVE, CREATING, PREEMPTED, ..., MISSING (gcloud: not found) or UNREACHABLE (other errors)
+  local state err query
   if ((QUEUED)); then
-    state=$(DRY_ANSWER=${DRY_STATE:-MISSING} capture gcloud compute tpus queued-resources describe "$NAME" \
-      "${LOCATION[@]}" --format='value(state.state)' 2>/dev/null) || state=MISSING
+    query=(gcloud compute tpus queued-resources describe "$NAME" "${LOCATION[@]}" --format='value(state.state)')
   else
-    state=$(DRY_ANSWER=${DRY_STATE:-MISSING} capture gcloud compute tpus tpu-vm describe "$NAME" \
-      "${LOCATION[@]}" --format='value(state)' 2>/dev/null) || state=MISSING
+    query=(gcloud compute tpus tpu-vm describe "$NAME" "${LOCATION[@]}" --format='value(state)')
   fi
-  printf '%s\n' "${state:-MISSING}"
+  err=$(mktemp)
+  if state=$(DRY_ANSWER=${DRY_STATE:-MISSING} capture "${query[@]}" 2>"$err"); then
+    state=${state:-MISSING}
+  elif grep -qiE 'NOT_FOUND|not found' "$err"; then
+    state=MISSING
+  else # a network or auth hiccup must not make the babysitter recreate a healthy slice: wait and ask again
+    state=UNREACHABLE
+    sed 's/^/  gcloud: /' "$err" >&2
+  fi
+  rm -f "$err"
+  printf '%s\n' "$state"
 }
 
 state_class() { # up | gone | deleting | pending

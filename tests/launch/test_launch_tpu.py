@@ -233,3 +233,17 @@ def test_plan_runs_trace_jax_plan_for_the_topology_before_anything_else(launch, 
     refused = launch("tpu_vm/tpu.sh", "run", "--name", "t", *LOCATION, "--topology", "v5litepod-4",
                      "--run_dir", "/mnt/r", "--plan", "--dry-run")
     assert refused.returncode == 2 and "--plan needs --topology as a shape" in refused.stderr
+
+
+def test_babysit_waits_out_a_failing_describe_and_creates_only_a_slice_that_is_not_found(launch, fake_gcloud,
+                                                                                          tmp_path):
+    fake_gcloud.answer([("tpu-vm describe", [{"rc": 1, "stderr": "ERROR: Reauthentication failed.\n"},
+                                             {"rc": 1, "stderr": "ERROR: NOT_FOUND: Resource 'nodes/t' was not "
+                                                                 "found\n"},
+                                             {"stdout": "READY\n"}])])
+    result = launch("tpu_vm/tpu.sh", "babysit", "--name", "t", *LOCATION, "--topology", "v5e:2x2",
+                    "--run_dir", str(tmp_path / "run"), "--poll-seconds", "0")
+    assert result.returncode == 0, result.stderr
+    verbs = [c[3] for c in fake_gcloud.calls()]
+    assert verbs[:4] == ["describe", "describe", "create", "describe"]
+    assert "t is UNREACHABLE; waiting" in result.stderr and "gcloud: ERROR: Reauthentication failed." in result.stderr
