@@ -28,6 +28,8 @@
 #   --delete-when-done    babysit: delete the slice when the run finishes
 #   --mount BUCKET:DIR    setup: mount gs://BUCKET at DIR on every worker (gcsfuse), for a durable RUN_DIR
 #   --python VERSION      setup: the workers' Python (default 3.11; uv installs it)
+#   --log-dir DIR         run/babysit: also keep each worker's output here, DIR/<worker id>.log (gcloud's
+#                         --output-directory); the terminal then shows only gcloud's own messages
 #   --plan                run/babysit: first run `trace-jax plan` here (AOT compile for the topology, HBM fit;
 #                         needs the `tpu` extra locally) and stop unless it succeeds; --topology must be a shape
 #   --gin_file F, --gin_param B, --run_dir D   as for `trace-jax train`; RUN_DIR must be an absolute path on storage
@@ -57,7 +59,7 @@ esac
 
 NAME="" ZONE="" PROJECT="" TOPOLOGY="" RUNTIME_VERSION_FLAG="" QUEUED=0 SPOT=0
 CREATE_ATTEMPTS=20 RETRY_WAIT=120 POLL_SECONDS=60 MAX_FAILURES=3 MAX_RECREATES=20 DELETE_WHEN_DONE=0
-MOUNT="" WORKER_PYTHON=3.11 RUN_DIR="" PLAN=0
+MOUNT="" WORKER_PYTHON=3.11 RUN_DIR="" PLAN=0 LOG_DIR=""
 GIN_FILES=() GIN_PARAMS=()
 while (($#)); do
   case $1 in
@@ -77,6 +79,7 @@ while (($#)); do
     --mount) has_value "$1" "$#"; MOUNT=$2; shift 2 ;;
     --python) has_value "$1" "$#"; WORKER_PYTHON=$2; shift 2 ;;
     --plan) PLAN=1; shift ;;
+    --log-dir) has_value "$1" "$#"; LOG_DIR=$2; shift 2 ;;
     --gin_file) has_value "$1" "$#"; GIN_FILES+=("$2"); shift 2 ;;
     --gin_param) has_value "$1" "$#"; GIN_PARAMS+=("$2"); shift 2 ;;
     --run_dir) has_value "$1" "$#"; RUN_DIR=$2; shift 2 ;;
@@ -280,7 +283,13 @@ train_remote_command() {
 
 run_training() {
   ship_code
-  ssh_all "$(train_remote_command)"
+  if [[ -n $LOG_DIR ]]; then
+    if ((!DRY_RUN)); then mkdir -p "$LOG_DIR"; fi
+    run gcloud compute tpus tpu-vm ssh "$NAME" "${LOCATION[@]}" "${WORKERS[@]}" --command "$(train_remote_command)" \
+      --output-directory "$LOG_DIR"
+  else
+    ssh_all "$(train_remote_command)"
+  fi
 }
 
 stop_training() {

@@ -226,8 +226,9 @@ def test_sweep_refuses_per_run_flags(launch):
 def test_plan_runs_trace_jax_plan_for_the_topology_before_anything_else(launch, tmp_path):
     result = launch("tpu_vm/tpu.sh", "run", "--name", "t", *LOCATION, "--topology", "v5e:2x2", "--gin_file",
                     "configs/tiny.gin", "--gin_param", "TrainConfig.steps = 3", "--run_dir", "/mnt/r", "--plan",
-                    "--dry-run")
+                    "--log-dir", "logs/t", "--dry-run")
     assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1].endswith("--output-directory logs/t")  # one local log per worker
     assert result.stdout.splitlines()[0] == (f"{sys.executable} -m trace_jax.cli plan --topology v5e:2x2 --gin_file "
                                              "configs/tiny.gin --gin_param 'TrainConfig.steps = 3'")
     refused = launch("tpu_vm/tpu.sh", "run", "--name", "t", *LOCATION, "--topology", "v5litepod-4",
