@@ -288,7 +288,9 @@ def main(argv=None) -> int:
     commands.add_parser("lock", help="pins of the runtime dependencies installed here")
     args = parser.parse_args(argv)
     if args.command in ("tpu", "gpu") and not args.gin_file:
-        args.gin_file = ["configs/tiny.gin"]  # what `trace-jax train` runs without --gin_file
+        from trace_jax.train.cli import DEFAULT_GIN
+
+        args.gin_file = [DEFAULT_GIN]  # what `trace-jax train` runs without --gin_file
     handler = {"tpu": _tpu, "slice": _slice, "gpu": _gpu, "sweep": _sweep, "lock": _lock}[args.command]
     try:
         lines = handler(args)
