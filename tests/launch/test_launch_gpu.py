@@ -117,3 +117,13 @@ def test_an_env_mode_batch_script_gives_each_task_its_process_id_and_the_same_tr
         lines = (run_dir / "logs" / f"slurm-%j-{task}.log").read_text(encoding="utf-8").splitlines()
         assert lines == [f"node-a:29500 2 {task}", "-m", "trace_jax.cli", "train", "--gin_param",
                          "TrainConfig.steps = 3", "--run_dir", str(run_dir), "--no_progress"]
+
+
+def test_single_host_counts_the_gpus_nvidia_smi_lists_when_not_told(launch, fake_gcloud):
+    smi = fake_gcloud.bin / "nvidia-smi"
+    smi.write_text("#!/usr/bin/env bash\necho 'GPU 0: NVIDIA H100 (UUID: a)'\necho 'GPU 1: NVIDIA H100 (UUID: b)'\n",
+                   encoding="utf-8")
+    smi.chmod(0o755)
+    result = launch("gpu/single_host.sh", "--python", "python3", "--run_dir", "runs/t", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["env CUDA_VISIBLE_DEVICES=0,1 python3 -m trace_jax.cli train --run_dir runs/t"]
