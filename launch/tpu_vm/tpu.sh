@@ -326,7 +326,7 @@ babysit() {
         if [[ $(state_class "$state") == up ]]; then
           failures=$((failures + 1))
           ((failures <= MAX_FAILURES)) ||
-            die "the run failed $failures times on a healthy slice ($NAME is $state); see $RUN_DIR/logs/"
+            die "the run failed on a healthy slice $failures time(s) (--max-failures $MAX_FAILURES; $NAME is $state); see $RUN_DIR/logs/"
           note "the run failed on a healthy slice (failure $failures/$MAX_FAILURES); rerunning, which resumes"
           kill_leftovers || true
         else

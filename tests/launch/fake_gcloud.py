@@ -29,9 +29,12 @@ def main() -> int:
     for rule in scenario["rules"]:
         if re.search(rule["match"], " ".join(args)):
             responses = rule["responses"]
-            response = responses.pop(0) if len(responses) > 1 else responses[0]
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump(scenario, f)
+            if len(responses) > 1:  # consumed: rewrite the scenario (a rule with one response is never rewritten,
+                response = responses.pop(0)  # so concurrent callers can share it)
+                with open(path, "w", encoding="utf-8") as f:
+                    json.dump(scenario, f)
+            else:
+                response = responses[0]
             break
     sys.stdout.write(response.get("stdout", ""))
     sys.stderr.write(response.get("stderr", ""))

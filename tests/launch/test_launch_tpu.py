@@ -189,7 +189,7 @@ def test_babysit_gives_up_after_repeated_failures_on_a_healthy_slice(launch, fak
     result = launch("tpu_vm/tpu.sh", "babysit", "--name", "t", *LOCATION, "--topology", "v5e:2x2",
                     "--run_dir", str(tmp_path / "run"), "--poll-seconds", "0", "--max-failures", "1")
     assert result.returncode == 2
-    assert "the run failed 2 times on a healthy slice" in result.stderr
+    assert "the run failed on a healthy slice 2 time(s)" in result.stderr
     runs = [c for c in fake_gcloud.calls() if "--command" in c and "pipefail" in " ".join(c)]
     assert len(runs) == 2 and not any("delete" in c for c in fake_gcloud.calls())
     kills = [c for c in fake_gcloud.calls() if "--command" in c and "kill -KILL" in " ".join(c)]
@@ -250,3 +250,19 @@ def test_babysit_waits_out_a_failing_describe_and_creates_only_a_slice_that_is_n
     verbs = [c[3] for c in fake_gcloud.calls()]
     assert verbs[:4] == ["describe", "describe", "create", "describe"]
     assert "t is UNREACHABLE; waiting" in result.stderr and "gcloud: ERROR: Reauthentication failed." in result.stderr
+
+
+def test_sweep_runs_each_run_as_its_own_job_and_reports_the_failed_ones(launch, fake_gcloud, tmp_path):
+    sweep = tmp_path / "sweep.gin"
+    sweep.write_text("sweep.name = 'h'\nsweep.base = ['configs/tiny.gin']\n"
+                     "sweep.axes = {'CreditConfig.horizon': [1, 3]}\n", encoding="utf-8")
+    fake_gcloud.answer([("tpu-vm describe", [{"stdout": "READY\n"}]),
+                        (r"ssh hz-1 .*pipefail", [{"rc": 1}])])  # run 2 fails on a healthy slice
+    result = launch("tpu_vm/sweep.sh", str(sweep), "--name-prefix", "hz", *LOCATION, "--topology", "v5e:2x2",
+                    "--runs-root", str(tmp_path / "sweeps"), "--log-dir", str(tmp_path / "logs"),
+                    "--poll-seconds", "0", "--max-failures", "0")
+    assert result.returncode == 2 and "1 of 2 sweep runs failed" in result.stderr
+    calls = [" ".join(c) for c in fake_gcloud.calls()]
+    assert sum(" delete hz-0 " in c for c in calls) == 1 and not any(" delete hz-1 " in c for c in calls)
+    assert "run finished" in (tmp_path / "logs" / "h" / "horizon=1.log").read_text(encoding="utf-8")
+    assert "the run failed on a healthy slice 1 time(s)" in (tmp_path / "logs" / "h" / "horizon=3.log").read_text(encoding="utf-8")
