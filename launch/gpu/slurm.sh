@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# trace-jax on a SLURM GPU cluster: writes a batch script that starts the trainer on every node with `srun` and
+# jax.distributed, and submits it with `sbatch`.
+#
+#   launch/gpu/slurm.sh --nodes N --gpus-per-node G --run_dir DIR [--gin_file F ...] [--gin_param 'X.y = z' ...]
+#       [--mode auto|env] [--port P] [--partition P] [--account A] [--time T] [--job-name J] [--requeue]
+#       [--signal-seconds S] [--sbatch-arg ARG ...] [--python PYTHON] [--dry-run]
+#
+# --mode auto (default): one process per GPU (N x G tasks); JAX reads the SLURM environment (coordinator = the first
+#   node, process id = SLURM_PROCID, local GPU = SLURM_LOCALID) with DistributedConfig.mode = "auto".
+# --mode env: one process per node driving its G GPUs, told where the coordinator is by TRACE_JAX_COORDINATOR
+#   (the first node of the allocation, port --port, default 29500), TRACE_JAX_NUM_PROCESSES (N) and
+#   TRACE_JAX_PROCESS_ID (SLURM_PROCID), which select the explicit mode.
+# Each task writes its own log, DIR/logs/slurm-<job>-<task>.log. The batch script is written to
+# DIR/launch/slurm-<time>.sbatch. SLURM sends SIGTERM --signal-seconds (default 300) before the time limit, so the
+# trainer writes a checkpoint and exits; resubmitting the same command (or --requeue after a preemption) resumes
+# from it. DIR must be on a file system every node mounts. Before anything is submitted, launch/check.py checks the
+# gin config and that the MeshConfig axes multiply to N x G. --python: the interpreter of the environment trace-jax
+# is installed in, on every node (default: $PYTHON, else python3, as an absolute path). --dry-run prints the batch
+# script and the sbatch command instead.
+set -euo pipefail
+# shellcheck source=SCRIPTDIR/../lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
+
+usage() {
+  sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'
+  exit "${1:-0}"
+}
+
+NODES="" GPUS_PER_NODE="" RUN_DIR="" MODE=auto PORT=29500 PARTITION="" ACCOUNT="" TIME_LIMIT="" JOB_NAME=trace-jax
+REQUEUE=0 SIGNAL_SECONDS=300 TRAIN_PYTHON=$PYTHON
+GIN_FILES=() GIN_PARAMS=() SBATCH_ARGS=()
+while (($#)); do
+  case $1 in
+    --nodes) has_value "$1" "$#"; NODES=$2; shift 2 ;;
+    --gpus-per-node) has_value "$1" "$#"; GPUS_PER_NODE=$2; shift 2 ;;
+    --mode) has_value "$1" "$#"; MODE=$2; shift 2 ;;
+    --port) has_value "$1" "$#"; PORT=$2; shift 2 ;;
+    --partition) has_value "$1" "$#"; PARTITION=$2; shift 2 ;;
+    --account) has_value "$1" "$#"; ACCOUNT=$2; shift 2 ;;
+    --time) has_value "$1" "$#"; TIME_LIMIT=$2; shift 2 ;;
+    --job-name) has_value "$1" "$#"; JOB_NAME=$2; shift 2 ;;
+    --requeue) REQUEUE=1; shift ;;
+    --signal-seconds) has_value "$1" "$#"; SIGNAL_SECONDS=$2; shift 2 ;;
+    --sbatch-arg) has_value "$1" "$#"; SBATCH_ARGS+=("$2"); shift 2 ;;
+    --python) has_value "$1" "$#"; TRAIN_PYTHON=$2; shift 2 ;;
+    --gin_file) has_value "$1" "$#"; GIN_FILES+=("$2"); shift 2 ;;
+    --gin_param) has_value "$1" "$#"; GIN_PARAMS+=("$2"); shift 2 ;;
+    --run_dir) has_value "$1" "$#"; RUN_DIR=$2; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    -h | --help) usage 0 ;;
+    *) die "unknown argument '$1' (see --help)" ;;
+  esac
+done
+
+need "$NODES" --nodes
+need "$GPUS_PER_NODE" --gpus-per-node
+need "$RUN_DIR" --run_dir
+need_int "$NODES" --nodes 1
+need_int "$GPUS_PER_NODE" --gpus-per-node 1
+need_int "$PORT" --port 1
+need_int "$SIGNAL_SECONDS" --signal-seconds
+[[ $MODE == auto || $MODE == env ]] ||
+  die "--mode must be 'auto' (JAX reads SLURM) or 'env' (TRACE_JAX_* variables), got '$MODE'"
+[[ $JOB_NAME =~ ^[A-Za-z0-9_.-]+$ ]] || die "--job-name '$JOB_NAME': letters, digits, _ . - only"
+for arg in "${SBATCH_ARGS[@]}"; do
+  [[ $arg == --* ]] || die "--sbatch-arg '$arg': give a long sbatch option, e.g. --sbatch-arg=--qos=high"
+done
+if [[ $TRAIN_PYTHON != /* ]]; then
+  resolved=$(command -v "$TRAIN_PYTHON") ||
+    die "--python '$TRAIN_PYTHON' not found; give the absolute path of the environment's python"
+  TRAIN_PYTHON=$resolved
+fi
+
+DEVICES=$((NODES * GPUS_PER_NODE))
+check_args=(gpu --num_devices "$DEVICES" --run_dir "$RUN_DIR")
+for f in "${GIN_FILES[@]}"; do check_args+=(--gin_file "$f"); done
+for p in "${GIN_PARAMS[@]}"; do check_args+=(--gin_param "$p"); done
+preflight "${check_args[@]}"
+note "$NODES nodes x $GPUS_PER_NODE GPUs = $DEVICES devices; mesh $MESH"
+
+[[ $RUN_DIR == /* ]] || RUN_DIR="$PWD/$RUN_DIR"
+train=("$TRAIN_PYTHON" -m trace_jax.cli train)
+for f in "${GIN_FILES[@]}"; do train+=(--gin_file "$f"); done
+for p in "${GIN_PARAMS[@]}"; do train+=(--gin_param "$p"); done
+if [[ $MODE == auto ]]; then
+  train+=(--gin_param 'DistributedConfig.mode = "auto"')
+  tasks_per_node=$GPUS_PER_NODE
+else
+  tasks_per_node=1
+fi
+train+=(--run_dir "$RUN_DIR" --no_progress)
+
+batch_script() {
+  echo '#!/bin/bash'
+  echo "#SBATCH --job-name=$JOB_NAME"
+  echo "#SBATCH --nodes=$NODES"
+  echo "#SBATCH --ntasks-per-node=$tasks_per_node"
+  echo "#SBATCH --gpus-per-node=$GPUS_PER_NODE"
+  echo "#SBATCH --chdir=$PWD"
+  echo "#SBATCH --output=$RUN_DIR/logs/slurm-%j.out"
+  echo "#SBATCH --signal=TERM@$SIGNAL_SECONDS"
+  [[ -z $PARTITION ]] || echo "#SBATCH --partition=$PARTITION"
+  [[ -z $ACCOUNT ]] || echo "#SBATCH --account=$ACCOUNT"
+  [[ -z $TIME_LIMIT ]] || echo "#SBATCH --time=$TIME_LIMIT"
+  if ((REQUEUE)); then echo "#SBATCH --requeue"; fi
+  for arg in "${SBATCH_ARGS[@]}"; do echo "#SBATCH $arg"; done
+  echo 'set -euo pipefail'
+  echo "mkdir -p $(quote "$RUN_DIR/logs")"
+  local srun=(srun --kill-on-bad-exit=1 "--output=$RUN_DIR/logs/slurm-%j-%t.log")
+  if [[ $MODE == auto ]]; then
+    show "${srun[@]}" "${train[@]}"
+  else
+    # sed, not head: head's early exit would SIGPIPE scontrol and fail the script under pipefail.
+    # shellcheck disable=SC2016  # expanded when the batch script runs
+    echo 'TRACE_JAX_COORDINATOR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p):'"$PORT"'"'
+    echo "export TRACE_JAX_COORDINATOR TRACE_JAX_NUM_PROCESSES=$NODES"
+    # shellcheck disable=SC2016  # expanded in each task
+    show "${srun[@]}" bash -c 'TRACE_JAX_PROCESS_ID=$SLURM_PROCID exec "$@"' trace-jax "${train[@]}"
+  fi
+}
+
+script="$RUN_DIR/launch/slurm-$(date -u +%Y%m%d-%H%M%S).sbatch"
+if ((DRY_RUN)); then
+  echo "# the batch script ($script):"
+  batch_script
+  echo "# submitted with:"
+  show sbatch "$script"
+else
+  mkdir -p "$(dirname "$script")" "$RUN_DIR/logs"
+  batch_script >"$script"
+  note "batch script: $script"
+  run sbatch "$script"
+fi

@@ -1,0 +1,88 @@
+# shellcheck shell=bash
+# Shared by the launchers (sourced, not run): printing and running commands, --dry-run, errors.
+#
+# Every command that acts on the world goes through `run` (or `capture`): with DRY_RUN=1 it is printed, one
+# copy-pasteable line per command on stdout, and not executed; otherwise it is echoed to stderr with a "+ " and
+# executed. Errors are one line "error: ..." on stderr and exit status 2, before anything was spent.
+# This file knows bash; it knows nothing about TPUs, SLURM or trace-jax.
+
+LAUNCH_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck disable=SC2034  # used by the scripts that source this file
+REPO_ROOT=$(dirname "$LAUNCH_DIR")
+PYTHON=${PYTHON:-python3}
+exec 3>&1 # the script's stdout, for what a dry run prints from inside $(...)
+DRY_RUN=${DRY_RUN:-0}
+
+die() {
+  echo "error: $*" >&2
+  exit 2
+}
+
+note() {
+  echo "[launch $(date -u +%H:%M:%S)] $*" >&2
+}
+
+# One argument as the shell would need it typed: bare when safe, in double quotes when it holds single quotes and
+# nothing double quotes would expand, else in single quotes.
+quote() {
+  local arg=$1
+  if [[ $arg =~ ^[A-Za-z0-9_./:=@,+%~-]+$ ]]; then
+    printf '%s' "$arg"
+  elif [[ $arg == *\'* && $arg != *[\"\$\`\\!]* ]]; then
+    printf '"%s"' "$arg"
+  else
+    printf "'%s'" "${arg//\'/\'\\\'\'}"
+  fi
+}
+
+# A command as one line of shell.
+show() {
+  local line="" arg
+  for arg in "$@"; do
+    line+="${line:+ }$(quote "$arg")"
+  done
+  printf '%s\n' "$line"
+}
+
+run() {
+  if ((DRY_RUN)); then
+    show "$@"
+  else
+    echo "+ $(show "$@")" >&2
+    "$@"
+  fi
+}
+
+# Run a query and print its stdout; in a dry run print the command and then $DRY_ANSWER as the answer.
+capture() {
+  if ((DRY_RUN)); then
+    show "$@" >&3
+    printf '%s\n' "${DRY_ANSWER:-}"
+  else
+    "$@"
+  fi
+}
+
+# need VALUE FLAG: die unless the flag was given.
+need() {
+  [[ -n $1 ]] || die "$2 is required (see --help)"
+}
+
+# need_int VALUE FLAG [MIN]
+need_int() {
+  if ! [[ $1 =~ ^[0-9]+$ ]] || (($1 < ${3:-0})); then
+    die "$2 must be an integer >= ${3:-0}, got '$1'"
+  fi
+}
+
+# has_value FLAG "$#": die unless FLAG is followed by a value.
+has_value() {
+  (($2 >= 2)) || die "$1 needs a value"
+}
+
+# Run launch/check.py (the config, mesh and run-directory checks) and load its assignments into this shell.
+preflight() {
+  local out
+  out=$(JAX_PLATFORMS=cpu "$PYTHON" "$LAUNCH_DIR/check.py" "$@") || exit 2
+  eval "$out"
+}
