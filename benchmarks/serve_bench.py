@@ -6,15 +6,21 @@ messages, prompt over the context, unknown role, too many stop strings). Valid o
 over a handful of prompts, so identical prompts must give identical text whatever they were batched with.
 
 Two `trace-jax serve` processes on a tiny random Qwen3 (word tokenizer) checkpoint, on free ports of 127.0.0.1
-(the load's client threads run in this process):
+(the load's client threads run in this process, separate from both servers):
   * `batched`    : `EngineConfig(max_batch=16)`, requests decoded together, admitted between slices;
   * `sequential` : `EngineConfig(max_batch=1, batching=False)`, one request at a time.
 Rounds alternate between them (`--repeats`, best round of each kept). Printed per server: valid requests served,
 failed or lost ones, invalid ones answered 4xx with a message, p50/p99 latency of the valid ones, completion
-tokens/s; then the throughput ratio batched / sequential.
+tokens/s, and the CPU time per request of the client process and of the server process (the machine's two cores
+are shared by both); then the throughput ratio batched / sequential, and the load average before and after.
+
+The client is the standard library's `http.client` (`--client stdlib`, the default); `--client httpx` runs the same
+load through httpx, whose own CPU cost (~1.5 ms per request against ~0.2 ms, measured) is large enough on a 2-core
+machine to cap the batched server: kept to show that effect, not to measure the server.
 
 Usage:
   python benchmarks/serve_bench.py [--requests 200] [--concurrency 16] [--max-tokens 32] [--repeats 3]
+                                   [--client stdlib|httpx]
 
 `run_load` is also the bounded load test of tests/serve/test_serve_load.py.
 """
@@ -53,6 +59,8 @@ class LoadResult:
     latencies: list = dataclasses.field(default_factory=list)
     completion_tokens: int = 0
     seconds: float = 0.0
+    client_cpu_s: float = 0.0  # CPU time of the load-generating process during the load
+    server_cpu_s: float = float("nan")  # CPU time of the server process (set by main for a ServeProcess)
 
     @property
     def lost(self) -> int:
@@ -66,8 +74,8 @@ class LoadResult:
         return self.completion_tokens / self.seconds if self.seconds else 0.0
 
 
-def _request(index: int, model: str, max_tokens: int, invalid_every: int):
-    """(valid?, prompt key, method kwargs for httpx) of request `index`."""
+def _request(index: int, model: str, max_tokens: int, invalid_every: int) -> tuple[bool, str, bytes]:
+    """(valid?, prompt key or invalid kind, request body bytes) of request `index`."""
     prompt = PROMPTS[index % len(PROMPTS)]
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
             "max_tokens": max_tokens}
@@ -78,8 +86,7 @@ def _request(index: int, model: str, max_tokens: int, invalid_every: int):
         elif kind == "bad_temperature":
             body["temperature"] = 7
         elif kind == "invalid_json":
-            return False, kind, {"content": b'{"model": "' + model.encode() + b'", "messages": [{',
-                                 "headers": {"content-type": "application/json"}}
+            return False, kind, b'{"model": "' + model.encode() + b'", "messages": [{'
         elif kind == "missing_messages":
             del body["messages"]
         elif kind == "over_context":
@@ -88,39 +95,68 @@ def _request(index: int, model: str, max_tokens: int, invalid_every: int):
             body["messages"][0]["role"] = "robot"
         elif kind == "too_many_stops":
             body["stop"] = ["a", "b", "c", "d", "e"]
-        return False, kind, {"json": body}
-    return True, prompt, {"json": body}
+        return False, kind, json.dumps(body).encode()
+    return True, prompt, json.dumps(body).encode()
 
 
 def run_load(url: str, model: str, *, requests: int = 200, concurrency: int = 16, max_tokens: int = 32,
-             invalid_every: int = 5, timeout_s: float = 300.0) -> LoadResult:
-    """Send the bounded load to `url` (the server root) and check every answer; never raises for a bad answer."""
-    import httpx
+             invalid_every: int = 5, timeout_s: float = 300.0, client: str = "stdlib") -> LoadResult:
+    """Send the bounded load to `url` (the server root) and check every answer; never raises for a bad answer.
 
+    `client`: "stdlib" (`http.client`) or "httpx", one keep-alive connection per client thread (as a real client
+    pool has). "stdlib" is the default because it costs ~0.2 ms of CPU per request against httpx's ~1.5 ms
+    (measured), and on a 2-core machine the client's CPU is taken from the server under test: with httpx the load
+    generator, not the server, capped the batched server's throughput.
+    """
+    import http.client
+    import resource
+    from urllib.parse import urlparse
+
+    if client not in ("stdlib", "httpx"):
+        raise ValueError(f"client must be 'stdlib' or 'httpx', got {client!r}")
+
+    address = urlparse(url)
     result = LoadResult()
     texts: dict[str, str] = {}
-    local = threading.local()  # one keep-alive connection per client thread, as a real client pool has
-    clients = []
+    local = threading.local()
+    connections = []
+    headers = {"content-type": "application/json"}
 
     def one(index):
-        valid, key, kwargs = _request(index, model, max_tokens, invalid_every)
-        if not hasattr(local, "http"):
-            local.http = httpx.Client(timeout=timeout_s)
-            clients.append(local.http)
+        valid, key, payload = _request(index, model, max_tokens, invalid_every)
         started = time.perf_counter()
         try:
-            response = local.http.post(url + "/v1/chat/completions", **kwargs)
-            status, body = response.status_code, response.json()
-        except Exception as error:  # a lost request: reported, not raised
+            if getattr(local, "connection", None) is None:
+                if client == "httpx":
+                    import httpx
+
+                    local.connection = httpx.Client(base_url=url, timeout=timeout_s)
+                else:
+                    local.connection = http.client.HTTPConnection(address.hostname, address.port, timeout=timeout_s)
+                connections.append(local.connection)
+            if client == "httpx":
+                response = local.connection.post("/v1/chat/completions", content=payload, headers=headers)
+                status, body = response.status_code, response.json()
+            else:
+                local.connection.request("POST", "/v1/chat/completions", body=payload, headers=headers)
+                response = local.connection.getresponse()
+                status, body = response.status, json.loads(response.read())
+        except Exception as error:  # a lost request: reported, not raised; the next one reconnects
+            if getattr(local, "connection", None) is not None:
+                local.connection.close()
+            local.connection = None
             status, body = None, {"exception": repr(error)}
         return index, valid, key, status, body, time.perf_counter() - started
 
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     started = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         outcomes = list(pool.map(one, range(requests)))
     result.seconds = time.perf_counter() - started
-    for http in clients:
-        http.close()
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    result.client_cpu_s = after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime
+    for connection in connections:
+        connection.close()
     for index, valid, key, status, body, latency in outcomes:
         if valid:
             result.valid += 1
@@ -213,6 +249,15 @@ class ServeProcess:
         self.stop()
         raise TimeoutError(f"trace-jax serve did not answer on {self.url} within {timeout} s")
 
+    def cpu_seconds(self) -> float:
+        """CPU time the server process used so far (Linux /proc; NaN elsewhere)."""
+        try:
+            with open(f"/proc/{self.process.pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return float("nan")
+
     def stop(self) -> None:
         self.process.terminate()
         try:
@@ -229,13 +274,15 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--invalid-every", type=int, default=5, help="every k-th request is malformed (0: none)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--client", choices=("stdlib", "httpx"), default="stdlib",
+                        help="HTTP client of the load (see the module docstring)")
     args = parser.parse_args(argv)
 
     import jax
 
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {os.cpu_count()} CPU(s); {args.requests} requests, "
-          f"{args.concurrency} concurrent, max_tokens={args.max_tokens}, every {args.invalid_every}th invalid",
-          flush=True)
+          f"{args.concurrency} concurrent, max_tokens={args.max_tokens}, every {args.invalid_every}th invalid, "
+          f"client {args.client}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     best: dict[str, LoadResult] = {}
     problems = 0
     with tempfile.TemporaryDirectory() as workdir:
@@ -248,16 +295,20 @@ def main(argv=None) -> int:
         try:
             for name, server in servers.items():  # warm-up: compiles every bucket the load uses
                 run_load(server.url, "tiny", requests=2 * args.concurrency, concurrency=args.concurrency,
-                         max_tokens=args.max_tokens, invalid_every=0)
+                         max_tokens=args.max_tokens, invalid_every=0, client=args.client)
             for repeat in range(args.repeats):
                 for name, server in servers.items():
+                    before = server.cpu_seconds()
                     result = run_load(server.url, "tiny", requests=args.requests, concurrency=args.concurrency,
-                                      max_tokens=args.max_tokens, invalid_every=args.invalid_every)
+                                      max_tokens=args.max_tokens, invalid_every=args.invalid_every,
+                                      client=args.client)
+                    result.server_cpu_s = server.cpu_seconds() - before
                     bad = len(result.failed) + result.lost + len(result.bad_rejections) + len(result.inconsistent)
                     problems += bad
                     print(f"  round {repeat} {name:10s}: {result.tokens_per_s:8.1f} tok/s, p50 "
                           f"{1e3 * result.percentile(50):7.1f} ms, p99 {1e3 * result.percentile(99):7.1f} ms, "
-                          f"problems {bad}", flush=True)
+                          f"CPU per request: client {1e3 * result.client_cpu_s / args.requests:.2f} ms, server "
+                          f"{1e3 * result.server_cpu_s / args.requests:.2f} ms; problems {bad}", flush=True)
                     for failure in (result.failed + result.bad_rejections)[:3]:
                         print(f"    {json.dumps(failure, default=str)[:300]}")
                     if name not in best or result.tokens_per_s > best[name].tokens_per_s:
@@ -286,16 +337,19 @@ def main(argv=None) -> int:
             backend.close()
     print()
     print("| server | valid ok / sent | failed + lost | invalid -> 4xx with message | p50 latency | p99 latency "
-          "| completion tok/s |")
-    print("|---|---|---|---|---|---|---|")
+          "| completion tok/s | CPU/request client, server |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in best.items():
         print(f"| {name} | {r.ok} / {r.valid} | {len(r.failed) + r.lost} | {r.rejected_4xx} / {r.invalid} | "
-              f"{1e3 * r.percentile(50):.0f} ms | {1e3 * r.percentile(99):.0f} ms | {r.tokens_per_s:.1f} |")
+              f"{1e3 * r.percentile(50):.0f} ms | {1e3 * r.percentile(99):.0f} ms | {r.tokens_per_s:.1f} | "
+              f"{1e3 * r.client_cpu_s / (r.valid + r.invalid):.2f} ms, "
+              f"{1e3 * r.server_cpu_s / (r.valid + r.invalid):.2f} ms |")
     ratio = best["batched"].tokens_per_s / max(best["sequential"].tokens_per_s, 1e-9)
     engine_ratio = engine_best["batched"] / max(engine_best["sequential"], 1e-9)
     print(f"\nthroughput batched / sequential at {args.concurrency} concurrent, over HTTP: {ratio:.2f}x; engine "
           f"alone: {engine_best['batched']:.0f} / {engine_best['sequential']:.0f} tok/s = {engine_ratio:.2f}x "
-          f"(best of {args.repeats} interleaved rounds)")
+          f"(best of {args.repeats} interleaved rounds); load average now "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 1 if problems else 0
 
 

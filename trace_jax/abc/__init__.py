@@ -9,6 +9,7 @@ The arithmetic on those counts (`abc_step_rewards`, `abc_sft_weights`, `abc_grpo
     rules     RuleBasedStepScorer ("rules"): generated tasks, whose clue chain is known exactly
     judge     LLMJudgeStepScorer ("judge"): any OpenAI-compatible endpoint applying the rubric
     recover   the clue-recovery agent for external tasks
+    replies   the one parser of a JSON object in a model reply (judge and recovery)
     cli       `trace-jax abc-score`
 """
 

@@ -9,8 +9,9 @@ not asked of the model: it is checked locally on the answer step with `trace_jax
 the gold answer or an alias, -1 otherwise, 0 without an `<answer>`), as the rule-based scorer does.
 
 Robustness:
-  * strict parsing (`parse_counts`): one JSON object (a ```json fence is tolerated), exactly those keys, non-negative
-    ints no larger than the number of clues of the kind; anything else is malformed;
+  * strict parsing (`parse_counts`): one JSON object, bare or in one ```json fence (the rule of
+    `trace_jax.abc.replies`, shared with clue recovery), exactly those keys, non-negative ints no larger than the
+    number of clues of the kind; anything else is malformed;
   * malformed replies and retryable endpoint failures (timeouts, 429, 5xx) are retried with exponential backoff;
     after `max_attempts` the step is scored neutral (counts 0, so reward 1.0 unless `ans` applies) and flagged with a
     note; never fatal. A non-retryable failure (wrong key, unknown model) is flagged at once;
@@ -38,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from trace_jax.abc.replies import MalformedReply, parse_json_object
 from trace_jax.abc.scorer import Step, StepCounts
 from trace_jax.envs.answers import answer_reward, extract_answer, normalize_answer
 from trace_jax.envs.tasks import Clue, clue_matches
@@ -162,27 +164,18 @@ def judge_messages(payload: Mapping[str, Any]) -> list[dict]:
     return [{"role": "system", "content": RUBRIC}, {"role": "user", "content": user}]
 
 
-class MalformedJudgement(ValueError):
+class MalformedJudgement(MalformedReply):
     """The judge's reply is not exactly the counts object the rubric asks for."""
 
 
-_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
-
-
 def parse_counts(text: Any, clues: Sequence[Clue]) -> tuple[int, int, int]:
-    """`(n_found, n_excluded, n_rejected)` from a judge reply, strictly; raises `MalformedJudgement` saying why."""
-    if not isinstance(text, str) or not text.strip():
-        raise MalformedJudgement("the reply is empty")
-    body = text.strip()
-    fenced = _FENCE.match(body)
-    if fenced:
-        body = fenced.group(1)
+    """`(n_found, n_excluded, n_rejected)` from a judge reply, strictly; raises `MalformedJudgement` saying why.
+
+    The object is read by `trace_jax.abc.replies.parse_json_object` (bare, or in one ```json fence)."""
     try:
-        value = json.loads(body)
-    except ValueError as error:
-        raise MalformedJudgement(f"the reply is not one JSON object ({error})") from None
-    if not isinstance(value, dict):
-        raise MalformedJudgement(f"the reply is JSON {type(value).__name__}, not an object")
+        value = parse_json_object(text, "the judge's reply")
+    except MalformedReply as error:
+        raise MalformedJudgement(str(error)) from None
     missing = [k for k in COUNT_KEYS if k not in value]
     extra = sorted(set(value) - set(COUNT_KEYS) - {"reason"})
     if missing or extra:
@@ -363,10 +356,7 @@ def rubric_counts(payload: Mapping[str, Any]) -> dict[str, int]:
 def case_from_messages(messages: Sequence[Mapping[str, Any]]) -> dict:
     """The JSON case inside a judge prompt (the last user message's ```json block)."""
     user = next(m for m in reversed(messages) if m.get("role") == "user")
-    match = re.search(r"```json\n(.*)\n```", user.get("content") or "", re.DOTALL)
-    if match is None:
-        raise ValueError("the prompt holds no ```json case block")
-    return json.loads(match.group(1))
+    return parse_json_object(user.get("content"), "the judge prompt")
 
 
 def scripted_rubric_reply(request: Mapping[str, Any]) -> str:

@@ -14,11 +14,10 @@ This module knows the browser and the corpus; it knows nothing about models, tok
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 import time
 from typing import Any, Mapping, Sequence
 
+from trace_jax.abc.replies import MalformedReply, parse_json_object
 from trace_jax.envs.corpus import Corpus
 from trace_jax.envs.tasks import Clue
 from trace_jax.serve.client import ChatClient, EndpointError
@@ -75,23 +74,13 @@ class RecoveryResult:
                 "dropped": list(self.dropped)}
 
 
-_FENCE = re.compile(r"```(?:json)?\s*(\{.*\})\s*```", re.DOTALL)
-
-
 def parse_clue_reply(text: str | None) -> list[Any]:
-    """The `clues` list of the agent's final message; raises ValueError saying what is wrong."""
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError("the final message is empty; expected {\"clues\": [...]}")
-    body = text.strip()
-    fenced = _FENCE.search(body)
-    if fenced:
-        body = fenced.group(1)
-    try:
-        value = json.loads(body)
-    except ValueError as error:
-        raise ValueError(f"the final message is not a JSON object ({error})") from None
-    if not isinstance(value, dict) or not isinstance(value.get("clues"), list):
-        raise ValueError("the final message must be a JSON object with a list under \"clues\"")
+    """The `clues` list of the agent's final message; raises `MalformedReply` (a ValueError) saying what is wrong.
+
+    The object is read by `trace_jax.abc.replies.parse_json_object` (bare, or in one ```json fence)."""
+    value = parse_json_object(text, "the final message")
+    if not isinstance(value.get("clues"), list):
+        raise MalformedReply("the final message must be a JSON object with a list under \"clues\"")
     return value["clues"]
 
 

@@ -256,10 +256,12 @@ class Engine:
             if not seeded:
                 key = jax.random.fold_in(jax.random.PRNGKey(self.config.seed), self.stats["slices"])
             try:
+                # A slice has at most slice_tokens steps: reading the stop flags later than that would dispatch
+                # steps in which every row is already out of budget.
                 state, generation = sampler_lib.generate(
                     self.model_config, self.params, state, rng=jax.random.fold_in(key, tick), active=active,
                     max_new_tokens=budgets, stop_ids=self.stop_ids, sampling=sampling,
-                    sync_every=self.config.sync_every)
+                    sync_every=min(self.config.sync_every, self.config.slice_tokens))
             except Exception as error:
                 self._fail({id(r.request): r.request for r in rows if r}.values(), error)
                 rows = [None] * batch
