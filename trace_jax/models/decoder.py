@@ -1,7 +1,8 @@
 """The decoder: pure functions from a params pytree and token ids to hidden states, logits and log-probs.
 
 One implementation covers Qwen3 dense (per-head q/k RMSNorm), Qwen3-MoE (top-k routed experts, dropless
-dispatch by sorting tokens by expert and `jax.lax.ragged_dot`) and the Llama family (SmolLM2, Llama 3, optional
+dispatch by sorting tokens by expert and `jax.lax.ragged_dot`, or by all-to-all over an `expert` mesh axis:
+`expert_parallel`) and the Llama family (SmolLM2, Llama 3, optional
 llama3 rope scaling). Layers are stacked along a leading `layers` axis and run under `lax.scan`, so compile time
 does not grow with depth.
 
