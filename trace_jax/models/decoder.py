@@ -350,14 +350,18 @@ def _moe_mlp(config: ModelConfig, moe: dict, x: jax.Array, token_weight: jax.Arr
     xt = x.reshape(B * S, D)
     router_logits = xt @ moe["router"].astype(cdt)
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    top_w, top_e = jax.lax.top_k(probs, k)  # [T, k]
+    expert_parallel_dispatch = expert_parallel.resolve_dispatch(config) == "all_to_all"
+    if expert_parallel_dispatch:  # GSPMD would gather every token's probs for the top-k
+        top_w, top_e = expert_parallel.token_sharded_top_k(probs, k)
+    else:
+        top_w, top_e = jax.lax.top_k(probs, k)  # [T, k]
     weight = jnp.ones((B * S,), jnp.float32) if token_weight is None else token_weight.reshape(B * S)
     counts = jnp.zeros((E,), jnp.float32).at[top_e.reshape(-1)].add(jnp.repeat(weight, k))
     prob_sum = jnp.sum(probs * weight[:, None], axis=0)
     if config.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     top_w = top_w.astype(cdt)
-    if expert_parallel.resolve_dispatch(config) == "all_to_all":
+    if expert_parallel_dispatch:
         out, dropped = expert_parallel.expert_parallel_mlp(config, moe, xt, top_e, top_w, weight)
         return out.reshape(B, S, D), (counts, prob_sum, dropped)
     flat_e = top_e.reshape(-1)

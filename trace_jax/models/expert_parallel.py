@@ -91,6 +91,36 @@ def _axes_of(spec_entry) -> tuple[str, ...]:
     return (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry)
 
 
+def _token_axes(mesh, rules) -> tuple[str, ...]:
+    """Mesh axes the token dimension is split over: the `batch` rule's axes, plus `expert` if they lack it."""
+    axes = list(_axes_of(logical_to_mesh_spec(P("batch"), mesh, rules)[0]))
+    if EXPERT_AXIS not in axes:
+        axes.append(EXPERT_AXIS)
+    return tuple(axes)
+
+
+def _pad_rows(x: jax.Array, multiple: int, value=0) -> jax.Array:
+    pad = -x.shape[0] % multiple
+    return jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1), constant_values=value) if pad else x
+
+
+def token_sharded_top_k(probs: jax.Array, k: int, *, rules: Rules | None = None):
+    """`jax.lax.top_k(probs, k)` for probs [T, E], each token shard on its own device.
+
+    GSPMD does not partition XLA's TopK over the token dimension: it all-gathers the [T, E] router probabilities
+    onto every device first. Under `shard_map` each shard ranks only its own tokens. Same values and order as
+    `jax.lax.top_k`; needs an active mesh with an `expert` axis (as `expert_parallel_mlp`).
+    """
+    mesh = _active_mesh()
+    axes = _token_axes(mesh, rules)
+    sizes = dict(mesh.shape)
+    T = probs.shape[0]
+    spec = P(axes, None)
+    top_w, top_e = jax.shard_map(lambda p: tuple(jax.lax.top_k(p, k)), mesh=mesh, in_specs=(spec,),
+                                 out_specs=(spec, spec))(_pad_rows(probs, math.prod(sizes[a] for a in axes)))
+    return top_w[:T], top_e[:T]
+
+
 def expert_parallel_mlp(config: ModelConfig, moe: dict, xt: jax.Array, top_e: jax.Array, top_w: jax.Array,
                         token_weight: jax.Array, *, rules: Rules | None = None):
     """Routed experts of one layer with all-to-all dispatch over the active mesh's `expert` axis.
@@ -115,9 +145,7 @@ def expert_parallel_mlp(config: ModelConfig, moe: dict, xt: jax.Array, top_e: ja
     T, D = xt.shape
     sizes = dict(mesh.shape)
 
-    token_axes = list(_axes_of(logical_to_mesh_spec(P("batch"), mesh, rules)[0]))
-    if EXPERT_AXIS not in token_axes:
-        token_axes.append(EXPERT_AXIS)
+    token_axes = _token_axes(mesh, rules)
     token_shards = math.prod(sizes[a] for a in token_axes)
     weight_spec = logical_to_mesh_spec(P("experts", "embed", "mlp"), mesh, rules,
                                        shape=moe["gate_proj"].shape)
@@ -131,13 +159,9 @@ def expert_parallel_mlp(config: ModelConfig, moe: dict, xt: jax.Array, top_e: ja
     down_spec = P(EXPERT_AXIS, mlp_entry, None)
 
     # Pad the token count to a multiple of the shard count; padded assignments name expert E (never sent).
-    pad = -T % token_shards
-    if pad:
-        xt = jnp.pad(xt, ((0, pad), (0, 0)))
-        top_e = jnp.pad(top_e, ((0, pad), (0, 0)), constant_values=E)
-        top_w = jnp.pad(top_w, ((0, pad), (0, 0)))
-        token_weight = jnp.pad(token_weight, (0, pad))
-    t = (T + pad) // token_shards
+    xt, top_w, token_weight = (_pad_rows(a, token_shards) for a in (xt, top_w, token_weight))
+    top_e = _pad_rows(top_e, token_shards, value=E)
+    t = xt.shape[0] // token_shards
     C = dispatch_capacity(config, t, n)
     cdt = xt.dtype
 
@@ -171,14 +195,12 @@ def expert_parallel_mlp(config: ModelConfig, moe: dict, xt: jax.Array, top_e: ja
         w_sorted = weights.reshape(-1)[order]
         out = jnp.zeros((t, D), cdt).at[token_of].add(y_assign * w_sorted[:, None])
         dropped = jnp.sum(jnp.where((e_sorted < E) & ~sent, tok_w[token_of], 0.0))
-        return out, jax.lax.psum(dropped, tuple(token_axes))
+        return out, jax.lax.psum(dropped, token_axes)
 
-    tok = P(tuple(token_axes))
+    rows = P(token_axes, None)
     out, dropped = jax.shard_map(
-        local, mesh=mesh,
-        in_specs=(P(tuple(token_axes), None), P(tuple(token_axes), None), P(tuple(token_axes), None), tok,
-                  up_spec, up_spec, down_spec),
-        out_specs=(P(tuple(token_axes), None), P()),
+        local, mesh=mesh, in_specs=(rows, rows, rows, P(token_axes), up_spec, up_spec, down_spec),
+        out_specs=(rows, P()),
     )(xt, top_e.astype(jnp.int32), top_w, token_weight.astype(jnp.float32), moe["gate_proj"], moe["up_proj"],
       moe["down_proj"])
     return out[:T], dropped
