@@ -27,9 +27,9 @@ def _setup_devices(n: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-CONTENDERS = (("sort", dict(moe_dispatch="sort")),
-              ("all_to_all dropless", dict(moe_dispatch="all_to_all")),
-              ("all_to_all cf=1.25", dict(moe_dispatch="all_to_all", moe_capacity_factor=1.25)))
+CONTENDERS = (("sort", {"moe_dispatch": "sort"}),
+              ("all_to_all dropless", {"moe_dispatch": "all_to_all"}),
+              ("all_to_all cf=1.25", {"moe_dispatch": "all_to_all", "moe_capacity_factor": 1.25}))
 
 
 def _layer_step(config):
@@ -60,7 +60,7 @@ def _shardings(config, mesh, batch, length):
     moe = logical_to_sharding(axes, mesh, shapes=shapes)
     x = logical_to_sharding(P("batch", "length", "embed"), mesh, shapes=(batch, length, D))
     probe = NamedSharding(mesh, x.spec)
-    abstract = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)  # noqa: E731
+    abstract = lambda shape, dtype, sharding: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     dtype = jax.numpy.dtype(config.dtype)
     args = ({k: abstract(shapes[k], dtype, moe[k]) for k in shapes}, abstract((batch, length, D), dtype, x),
             abstract((batch, length, D), jax.numpy.float32, probe))
@@ -92,7 +92,7 @@ def compiled_table(devices: int, tokens_per_device: int) -> list[str]:
     mesh = models.make_mesh({"expert": devices})
     base = models.get_preset("qwen3-30b-a3b", dtype="bfloat16", param_dtype="bfloat16")
     batch, length = devices, tokens_per_device
-    mib = lambda b: f"{b / 2**20:10.1f}"  # noqa: E731
+    mib = lambda b: f"{b / 2**20:10.1f}"
     rows = ["| dispatch            | temp MiB/dev | all-gather MiB | all-to-all MiB | all-reduce MiB |",
             "|---------------------|--------------|----------------|----------------|----------------|"]
     for name, overrides in CONTENDERS:
@@ -116,16 +116,14 @@ def timed_table(devices: int, repeats: int) -> list[str]:
     base = models.get_preset("tiny-qwen3-moe", num_experts=4 * devices, num_experts_per_tok=4, hidden_size=256,
                              moe_intermediate_size=128)
     batch, length = devices, 256
-    steps, inputs = {}, None
+    rng = np.random.RandomState(0)
+    inputs = jax.tree_util.tree_map(  # the same arrays for every contender
+        lambda a: jax.device_put((rng.normal(size=a.shape) * 0.05).astype(a.dtype), a.sharding),
+        _shardings(base, mesh, batch, length))
+    steps = {}
     with jax.set_mesh(mesh):
         for name, overrides in CONTENDERS:
-            config = base.replace(**overrides)
-            args = _shardings(config, mesh, batch, length)
-            if inputs is None:
-                rng = np.random.RandomState(0)
-                inputs = jax.tree_util.tree_map(
-                    lambda a: jax.device_put((rng.normal(size=a.shape) * 0.05).astype(a.dtype), a.sharding), args)
-            step = _layer_step(config)
+            step = _layer_step(base.replace(**overrides))
             jax.block_until_ready(step(*inputs))  # compile
             steps[name] = step
         best = {name: float("inf") for name in steps}

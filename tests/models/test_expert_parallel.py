@@ -22,11 +22,12 @@ def _value_and_grad(config, params, tokens, attention_mask, probe):
     return jax.value_and_grad(loss, has_aux=True)(params)
 
 
-# name: (mesh, preset overrides, tokens shape)
+# name: (mesh, preset overrides, tokens shape). One layer where the two-layer preset adds nothing but compile time
+# (the scanned layer body is the same); the first and last share one single-device reference compile.
 MESHES = {
-    "fsdp2_expert4": ({"fsdp": 2, "expert": 4}, {}, (4, 6)),
+    "fsdp2_expert4": ({"fsdp": 2, "expert": 4}, {"num_hidden_layers": 1}, (4, 6)),
     "expert8": ({"expert": 8}, {"num_experts": 8}, (2, 7)),  # 14 tokens: padded to 16 for 8 token shards
-    # mlp partial sums reduced over tensor; one layer keeps the compile short (the layer body is the same)
+    # mlp partial sums reduced over tensor
     "fsdp2_expert2_tensor2": ({"fsdp": 2, "expert": 2, "tensor": 2}, {"num_hidden_layers": 1}, (4, 6)),
 }
 
@@ -171,3 +172,15 @@ def test_capacity_overflow_is_dropped_and_counted_as_the_reference_says():
     assert ref_dropped > 0
     np.testing.assert_allclose(np.asarray(out), ref_out, atol=1e-4, rtol=1e-4)
     assert float(dropped) == pytest.approx(ref_dropped)
+
+
+def test_forward_hidden_reports_the_assignments_the_capacity_dropped():
+    config = models.get_preset("tiny-qwen3-moe", num_hidden_layers=1, moe_capacity_factor=0.25)
+    params = models.init_params(config, jax.random.PRNGKey(5))
+    tokens = jnp.asarray(np.random.RandomState(5).randint(0, config.vocab_size, (4, 8)))
+    with jax.set_mesh(models.make_mesh({"expert": 4, "data": 2})):
+        _, dropped = models.forward_hidden(config, params, tokens, return_moe_dropped=True)
+    # 8 source shards of 4 tokens x 2 slots; capacity ceil(0.25 * 4 * 2 / 4) = 1 row per expert shard, so each
+    # source keeps at most 4 of its 8 assignments.
+    assert expert_parallel.dispatch_capacity(config, 4, 4) == 1
+    assert 8 * 4 <= float(dropped) <= 8 * 7
