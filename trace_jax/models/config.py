@@ -24,6 +24,7 @@ _MODEL_TYPE_TO_ARCHITECTURE = {v: k for k, v in _ARCHITECTURE_TO_MODEL_TYPE.item
 _DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 ATTENTION_IMPLS = ("auto", "xla", "dense", "cudnn", "pallas_tpu")  # see trace_jax.models.attention
+MOE_DISPATCHES = ("auto", "sort", "all_to_all")  # see trace_jax.models.expert_parallel
 
 
 class ConfigError(ValueError):
@@ -48,6 +49,11 @@ class ModelConfig:
     tiled kernels (q: 0 = `attention_query_chunk` if set, else automatic by head width). `attention_query_chunk`:
     when > 0, the query tile of the tiled kernels and the query block of the dense path (score memory
     O(chunk * keys)); 0 = automatic.
+    `moe_dispatch`: "sort" (global sort of assignments by expert, partitioned by GSPMD), "all_to_all" (tokens
+    travel to their experts' shards over the `expert` mesh axis) or "auto" (all_to_all when the mesh set with
+    `jax.set_mesh` has an `expert` axis > 1 dividing `num_experts`); `moe_capacity_factor`: rows the all_to_all
+    dispatch reserves per destination shard, as a multiple of a balanced share (0 = dropless). See
+    `trace_jax.models.expert_parallel`.
     """
 
     model_type: str
@@ -77,6 +83,8 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss the trainer adds (Hugging Face default)
+    moe_dispatch: str = "auto"
+    moe_capacity_factor: float = 0.0  # 0 = dropless; only the all_to_all dispatch can drop
     # Token ids carried through to config.json (not used by the math).
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -122,6 +130,13 @@ class ModelConfig:
         need(self.attention_q_block >= 0, "attention_q_block", "must be >= 0 (0 = automatic)")
         need(self.attention_k_block > 0, "attention_k_block", f"must be > 0, got {self.attention_k_block}")
         need(self.router_aux_loss_coef >= 0, "router_aux_loss_coef", f"must be >= 0, got {self.router_aux_loss_coef}")
+        need(self.moe_dispatch in MOE_DISPATCHES, "moe_dispatch",
+             f"must be one of {MOE_DISPATCHES}, got {self.moe_dispatch!r}")
+        need(self.moe_capacity_factor >= 0, "moe_capacity_factor",
+             f"must be >= 0 (0 = dropless), got {self.moe_capacity_factor}")
+        need(not (self.moe_dispatch == "sort" and self.moe_capacity_factor > 0), "moe_capacity_factor",
+             f"is {self.moe_capacity_factor} but moe_dispatch='sort' is always dropless; set it to 0 or use "
+             "moe_dispatch='all_to_all' / 'auto'")
         need(isinstance(self.mlp_only_layers, tuple), "mlp_only_layers",
              "must be a tuple (the config is hashed as a static jit argument)")
         if self.model_type == "qwen3_moe":

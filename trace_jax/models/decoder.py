@@ -1,7 +1,8 @@
 """The decoder: pure functions from a params pytree and token ids to hidden states, logits and log-probs.
 
 One implementation covers Qwen3 dense (per-head q/k RMSNorm), Qwen3-MoE (top-k routed experts, dropless
-dispatch by sorting tokens by expert and `jax.lax.ragged_dot`) and the Llama family (SmolLM2, Llama 3, optional
+dispatch by sorting tokens by expert and `jax.lax.ragged_dot`, or by all-to-all over an `expert` mesh axis:
+`expert_parallel`) and the Llama family (SmolLM2, Llama 3, optional
 llama3 rope scaling). Layers are stacked along a leading `layers` axis and run under `lax.scan`, so compile time
 does not grow with depth.
 
@@ -46,6 +47,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from trace_jax.models import attention as attention_api
+from trace_jax.models import expert_parallel
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.sharding import constrain
 
@@ -330,12 +332,17 @@ def _dense_mlp(mlp: dict, x: jax.Array) -> jax.Array:
 
 
 def _moe_mlp(config: ModelConfig, moe: dict, x: jax.Array, token_weight: jax.Array | None = None):
-    """Top-k routed experts, dropless: sort (token, slot) pairs by expert and run `ragged_dot` per expert group.
+    """Top-k routed experts: route every token, then dispatch by `config.moe_dispatch` (resolved under the mesh).
+
+    "sort" (dropless): sort the (token, slot) pairs by expert and run `ragged_dot` per expert group, partitioned by
+    GSPMD. "all_to_all": `expert_parallel.expert_parallel_mlp`, tokens exchanged over the `expert` mesh axis.
+    Routing and its statistics are computed here, once, whichever dispatch runs.
 
     x: [B, S, D] (normed); token_weight: optional float32 [B, S], 1 for tokens counted in the router statistics and
-    0 for padding. Returns `(out [B, S, D], router_stats)` with `router_stats = (counts [E], prob_sum [E])`, float32:
-    per expert, the weighted number of top-k assignments and the weighted sum of router probabilities (the pieces
-    of Hugging Face's `load_balancing_loss_func`, summed over layers by the caller).
+    0 for padding. Returns `(out [B, S, D], router_stats)` with `router_stats = (counts [E], prob_sum [E],
+    dropped [])`, float32: per expert, the weighted number of top-k assignments and the weighted sum of router
+    probabilities (the pieces of Hugging Face's `load_balancing_loss_func`, summed over layers by the caller), and
+    the weighted number of assignments a capacity-bounded dispatch dropped (0 when dropless).
     """
     cdt = x.dtype
     B, S, D = x.shape
@@ -343,13 +350,20 @@ def _moe_mlp(config: ModelConfig, moe: dict, x: jax.Array, token_weight: jax.Arr
     xt = x.reshape(B * S, D)
     router_logits = xt @ moe["router"].astype(cdt)
     probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
-    top_w, top_e = jax.lax.top_k(probs, k)  # [T, k]
+    expert_parallel_dispatch = expert_parallel.resolve_dispatch(config) == "all_to_all"
+    if expert_parallel_dispatch:  # GSPMD would gather every token's probs for the top-k
+        top_w, top_e = expert_parallel.token_sharded_top_k(probs, k)
+    else:
+        top_w, top_e = jax.lax.top_k(probs, k)  # [T, k]
     weight = jnp.ones((B * S,), jnp.float32) if token_weight is None else token_weight.reshape(B * S)
     counts = jnp.zeros((E,), jnp.float32).at[top_e.reshape(-1)].add(jnp.repeat(weight, k))
     prob_sum = jnp.sum(probs * weight[:, None], axis=0)
     if config.norm_topk_prob:
         top_w = top_w / jnp.sum(top_w, axis=-1, keepdims=True)
     top_w = top_w.astype(cdt)
+    if expert_parallel_dispatch:
+        out, dropped = expert_parallel.expert_parallel_mlp(config, moe, xt, top_e, top_w, weight)
+        return out.reshape(B, S, D), (counts, prob_sum, dropped)
     flat_e = top_e.reshape(-1)
     order = jnp.argsort(flat_e, stable=True)
     token_of = order // k
@@ -359,14 +373,15 @@ def _moe_mlp(config: ModelConfig, moe: dict, x: jax.Array, token_weight: jax.Arr
     up = jax.lax.ragged_dot(xs, moe["up_proj"].astype(cdt), group_sizes)
     out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, moe["down_proj"].astype(cdt), group_sizes)
     out = out * top_w.reshape(-1)[order][:, None]
-    return jnp.zeros_like(xt).at[token_of].add(out).reshape(B, S, D), (counts, prob_sum)
+    out = jnp.zeros_like(xt).at[token_of].add(out).reshape(B, S, D)
+    return out, (counts, prob_sum, jnp.zeros((), jnp.float32))
 
 
 def mlp_block(config: ModelConfig, layer: dict, x: jax.Array, token_weight: jax.Array | None = None):
     """The feed-forward half of one layer (dense SwiGLU or routed experts); x is already normed.
 
-    Returns `(out [B, S, D], router_stats)`; router_stats is `(counts [E], prob_sum [E])` for MoE (see `_moe_mlp`)
-    and None for dense layers.
+    Returns `(out [B, S, D], router_stats)`; router_stats is `(counts [E], prob_sum [E], dropped [])` for MoE (see
+    `_moe_mlp`) and None for dense layers.
     """
     if config.is_moe:
         return _moe_mlp(config, layer["moe"], x, token_weight)
@@ -398,13 +413,13 @@ def decoder_layer(config: ModelConfig, layer: dict, h: jax.Array, positions: jax
 def router_aux_loss(config: ModelConfig, router_stats, num_tokens: jax.Array) -> jax.Array:
     """Load-balancing loss from per-layer router statistics, as transformers' Qwen3-MoE `load_balancing_loss_func`.
 
-    router_stats: `(counts [L, E], prob_sum [L, E])` from `mlp_block`; num_tokens: the (weighted) token count of
+    router_stats: `(counts [L, E], prob_sum [L, E], ...)` from `mlp_block`; num_tokens: the (weighted) token count of
     one layer. With N = L * num_tokens, f_e = sum_l counts[l, e] / N and P_e = sum_l prob_sum[l, e] / N, the loss
     is `E * sum_e f_e * P_e` (before `router_aux_loss_coef`). Float32 scalar; 0.0 for dense models.
     """
     if not config.is_moe:
         return jnp.zeros((), jnp.float32)
-    counts, prob_sum = router_stats
+    counts, prob_sum = router_stats[:2]
     total = jnp.maximum(counts.shape[0] * num_tokens.astype(jnp.float32), 1.0)
     return config.num_experts * jnp.sum((jnp.sum(counts, 0) / total) * (jnp.sum(prob_sum, 0) / total))
 
@@ -547,21 +562,28 @@ def _check_tokens(tokens, name="tokens"):
         raise ValueError(f"{name} must be [batch, seq] integers, got shape {tokens.shape}")
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("return_router_loss",))
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("return_router_loss", "return_moe_dropped"))
 def forward_hidden(config: ModelConfig, params: dict, tokens: jax.Array, *, positions=None, segment_ids=None,
-                   attention_mask=None, return_router_loss: bool = False):
+                   attention_mask=None, return_router_loss: bool = False, return_moe_dropped: bool = False):
     """Final-normed hidden states [B, S, D] (compute dtype) for tokens [B, S]; masking as in the module doc.
 
     With `return_router_loss=True` returns `(hidden, router_aux_loss)`: the float32 load-balancing loss of
     transformers' Qwen3-MoE (`aux_loss`, before `config.router_aux_loss_coef`; see `router_aux_loss`), counting
     only real tokens (`router_token_weight`); 0.0 for dense models. Differentiable.
+    With `return_moe_dropped=True` a float32 scalar is appended: the number of real-token expert assignments that
+    the capacity of the all_to_all dispatch dropped, summed over layers (0.0 when dropless or dense).
     """
     _check_tokens(tokens)
-    if not return_router_loss:
+    if not (return_router_loss or return_moe_dropped):
         return _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask)
     hidden, (stats, num_tokens) = _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask,
                                                   return_router_stats=True)
-    return hidden, router_aux_loss(config, stats, num_tokens)
+    out = (hidden,)
+    if return_router_loss:
+        out += (router_aux_loss(config, stats, num_tokens),)
+    if return_moe_dropped:
+        out += (jnp.sum(stats[2]) if config.is_moe else jnp.zeros((), jnp.float32),)
+    return out
 
 
 @functools.partial(jax.jit, static_argnums=0)
