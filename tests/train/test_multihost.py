@@ -1,0 +1,161 @@
+"""The multi-host runtime: two local processes (jax.distributed over 127.0.0.1, gloo collectives, 4 fake CPU devices
+each) train like one process with 8 devices, and what they checkpoint restores in one process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from trace_jax.train import distributed
+from trace_jax.train.distributed import DistributedConfig
+
+REPO = Path(__file__).resolve().parents[2]
+HELPER = Path(__file__).with_name("multihost_step.py")
+TIMEOUT_S = 240  # a hung collective fails the test instead of blocking CI
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(args: list[str], num_processes: int, cwd: Path, log_dir: Path) -> list[subprocess.Popen]:
+    """`num_processes` processes of `python args...`, joined through the TRACE_JAX_* variables, 4 CPU devices
+    each; stdout and stderr go to log_dir/process<i>.log."""
+    port = _free_port()
+    procs = []
+    for index in range(num_processes):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+               "TRACE_JAX_COORDINATOR": f"127.0.0.1:{port}", "TRACE_JAX_NUM_PROCESSES": str(num_processes),
+               "TRACE_JAX_PROCESS_ID": str(index)}
+        log = open(log_dir / f"process{index}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, *args], env=env, cwd=cwd, stdout=log,
+                                      stderr=subprocess.STDOUT))
+        log.close()
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen], log_dir: Path) -> None:
+    try:
+        for p in procs:
+            p.wait(timeout=TIMEOUT_S)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for index, p in enumerate(procs):
+        log = (log_dir / f"process{index}.log").read_text()
+        assert p.returncode == 0, f"process {index} exited with {p.returncode}:\n{log[-4000:]}"
+
+
+def _flat(tree) -> dict[str, np.ndarray]:
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+# ------------------------------------------------------------------------------------------------ config
+def test_the_environment_overrides_the_fields_and_implies_explicit():
+    config = distributed.from_environment(DistributedConfig(), {"TRACE_JAX_COORDINATOR": "10.0.0.2:8476",
+                                                                "TRACE_JAX_NUM_PROCESSES": "4",
+                                                                "TRACE_JAX_PROCESS_ID": "3"})
+    assert config == DistributedConfig(mode="explicit", coordinator_address="10.0.0.2:8476", num_processes=4,
+                                       process_id=3)
+
+
+def test_without_the_environment_the_config_is_unchanged():
+    config = DistributedConfig(mode="auto")
+    assert distributed.from_environment(config, {"PATH": "/bin"}) is config
+
+
+def test_a_process_id_without_a_coordinator_names_the_missing_variable():
+    with pytest.raises(ValueError, match="TRACE_JAX_COORDINATOR"):
+        distributed.from_environment(DistributedConfig(), {"TRACE_JAX_NUM_PROCESSES": "2",
+                                                           "TRACE_JAX_PROCESS_ID": "1"})
+
+
+def test_a_non_integer_process_count_in_the_environment_is_a_clear_error():
+    with pytest.raises(ValueError, match="TRACE_JAX_NUM_PROCESSES='two' must be an integer"):
+        distributed.from_environment(DistributedConfig(), {"TRACE_JAX_COORDINATOR": "h:1",
+                                                           "TRACE_JAX_NUM_PROCESSES": "two"})
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"mode": "slurm"}, "mode must be one of"),
+    ({"mode": "explicit", "coordinator_address": "localhost", "num_processes": 2}, "must be 'host:port'"),
+    ({"mode": "explicit", "coordinator_address": "h:1", "num_processes": 2, "process_id": 2},
+     r"process_id must be in \[0, num_processes = 2\)"),
+    ({"local_device_ids": (-1,)}, "local_device_ids"),
+    ({"initialization_timeout_s": 0}, "initialization_timeout_s"),
+])
+def test_invalid_fields_are_rejected_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DistributedConfig(**fields)
+
+
+def test_gin_binds_the_distributed_config(tmp_path):
+    from trace_jax.train.gin_setup import parse
+
+    config = parse(["configs/tiny.gin"], ["DistributedConfig.mode = 'auto'",
+                                          "DistributedConfig.local_device_ids = [0, 1]"])
+    assert config.distributed == DistributedConfig(mode="auto", local_device_ids=(0, 1))
+
+
+def test_mode_off_initialises_nothing_and_reports_one_process():
+    assert distributed.initialize(DistributedConfig(), environ={}, log=None) == (0, 1)
+    assert not jax.distributed.is_initialized()
+
+
+def test_each_process_gets_a_contiguous_equal_share_in_process_order():
+    shares = [distributed.process_share(8, process_index=i, process_count=4) for i in range(4)]
+    assert shares == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
+    assert distributed.process_share(6) == slice(0, 6)  # one process (this one) holds everything
+
+
+def test_a_count_the_processes_cannot_share_evenly_is_a_clear_error():
+    with pytest.raises(ValueError, match="6 prompts cannot be split evenly over 4 processes"):
+        distributed.process_share(6, what="prompts", process_index=0, process_count=4)
+
+
+# ------------------------------------------------------------------------------------------------ two processes
+@pytest.mark.slow
+def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one_process(tmp_path):
+    from tests.train import multihost_step
+
+    from trace_jax.train.checkpoint import Checkpointer, abstract_train_state
+    from trace_jax.train.config import CheckpointConfig
+
+    multi_dir, single_dir = tmp_path / "two_processes", tmp_path / "one_process"
+    multi_dir.mkdir()
+    procs = _launch([str(HELPER), str(multi_dir)], 2, REPO, multi_dir)
+    try:
+        single = multihost_step.run_steps(single_dir)  # meanwhile: one process, the same 8 devices (conftest)
+    finally:
+        _wait(procs, multi_dir)
+    assert single["processes"] == 1
+    logs = [(multi_dir / f"process{i}.log").read_text() for i in range(2)]
+    assert "distributed: process 0 of 2" in logs[0] and "distributed: process 1 of 2" in logs[1]
+
+    multi = np.load(multi_dir / "result.npz")
+    np.testing.assert_allclose(multi["losses"], single["losses"], rtol=1e-5, atol=1e-6)
+    single_params = _flat(single["params"])
+    assert set(single_params) == set(multi.files) - {"losses"}
+    for name, value in single_params.items():
+        # 3 Adam steps at lr 1e-2 from gradients all-reduced in another order (gloo): float32 round-off only
+        np.testing.assert_allclose(multi[name], value, atol=1e-4, rtol=0, err_msg=name)
+
+    model_config, optimizer, _ = multihost_step.setup()
+    with Checkpointer(CheckpointConfig(directory=str(multi_dir / "checkpoints"), async_save=False)) as store:
+        assert store.latest_step() == multihost_step.STEPS
+        state, host = store.restore(abstract_train_state(model_config, optimizer))
+    np.testing.assert_allclose(host["losses"], multi["losses"], rtol=0, atol=0)
+    for name, value in _flat(state.params).items():
+        np.testing.assert_array_equal(value, multi[name], err_msg=name)
