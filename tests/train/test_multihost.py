@@ -159,3 +159,43 @@ def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one_proce
     np.testing.assert_allclose(host["losses"], multi["losses"], rtol=0, atol=0)
     for name, value in _flat(state.params).items():
         np.testing.assert_array_equal(value, multi[name], err_msg=name)
+
+
+LOOP_STEPS = 2
+
+
+@pytest.mark.slow
+def test_two_processes_run_the_rl_loop_and_only_process_0_writes_the_record(tmp_path):
+    """`trace-jax train` on two processes: each rolls out 2 of the step's 4 prompts, the update runs on the mesh
+    over both, process 0 alone logs and writes metrics and summary, and the checkpoint restores in one process."""
+    from tests.train.test_rl_pipeline import SMALL
+    from trace_jax.train.checkpoint import Checkpointer, abstract_train_state
+    from trace_jax.train.config import CheckpointConfig
+    from trace_jax.train.gin_setup import parse
+    from trace_jax.train.loop import build_environment
+    from trace_jax.train.metrics import read_metrics
+    from trace_jax.train.optimizer import make_optimizer
+
+    gin_file = tmp_path / "two.gin"
+    gin_file.write_text(SMALL + f"TrainConfig.prompts_per_step = 4\nTrainConfig.steps = {LOOP_STEPS}\n")
+    run_dir = tmp_path / "run"
+    procs = _launch(["-m", "trace_jax.cli", "train", "--gin_file", str(gin_file), "--run_dir", str(run_dir),
+                     "--no_progress"], 2, REPO, tmp_path)
+    _wait(procs, tmp_path)
+    logs = [(tmp_path / f"process{i}.log").read_text() for i in range(2)]
+    assert "run " in logs[0] and "after RL" in logs[0]
+    assert "distributed: process 1 of 2" in logs[1] and "eval (" not in logs[1]
+
+    records = [r for r in read_metrics(run_dir) if "reward" in r]
+    assert [r["step"] for r in records] == list(range(1, LOOP_STEPS + 1))  # one writer: no duplicate lines
+    assert all(np.isfinite(r["loss"]) for r in records)
+    assert (run_dir / "summary.json").exists()
+
+    config = parse([str(gin_file)])
+    model_config = build_environment(config, tmp_path / "env", load_params=False).model_config
+    with Checkpointer(CheckpointConfig(directory=str(run_dir / "checkpoints"), async_save=False)) as store:
+        assert store.latest_step() == LOOP_STEPS
+        state, host = store.restore(abstract_train_state(model_config, make_optimizer(config.optimizer)))
+    assert int(state.step) == LOOP_STEPS
+    assert host["data_position"] == 4 * LOOP_STEPS  # every prompt of every step, across both processes
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree_util.tree_leaves(state.params))

@@ -209,11 +209,27 @@ def global_batch(tree, shardings):
         if jax.process_count() == 1:
             return jax.device_put(x, sharding)
         global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
+        _check_rows_split_by_process(sharding, global_shape)
         return jax.make_array_from_process_local_data(sharding, x, global_shape)
 
     if isinstance(shardings, jax.sharding.Sharding):
         return jax.tree_util.tree_map(lambda x: place(x, shardings), tree)
     return jax.tree_util.tree_map(place, tree, shardings)
+
+
+def _check_rows_split_by_process(sharding, global_shape) -> None:
+    """Raise ValueError unless this process's devices hold exactly its own block of rows (in process order)."""
+    per = global_shape[0] // jax.process_count()
+    mine = (jax.process_index() * per, (jax.process_index() + 1) * per)
+    rows = set()
+    for index in sharding.addressable_devices_indices_map(global_shape).values():
+        start, stop, _ = index[0].indices(global_shape[0])
+        rows.update(range(start, stop))
+    if rows != set(range(*mine)):
+        raise ValueError(f"a global batch of {global_shape[0]} rows on {sharding} does not give process "
+                         f"{jax.process_index()} rows [{mine[0]}, {mine[1]}): the rows must be split over the "
+                         f"batch mesh axes across every process (make the rows per step a multiple of the devices "
+                         f"on the batch axes, {jax.device_count()} with the default MeshConfig)")
 
 
 def put_replicated_value(tree, shardings):
