@@ -5,7 +5,8 @@
 Every process builds the same params and the same global batches from fixed seeds, keeps only its own rows
 (`distributed.process_share`) and assembles them with `distributed.global_batch`; the train state lives on a mesh
 over every process's devices (FSDP across the processes). Every process takes part in the orbax checkpoint of the
-last step (OUT_DIR/checkpoints); process 0 writes OUT_DIR/result.npz: the losses and the final params.
+last step (OUT_DIR/checkpoints) and restores it onto the mesh again; process 0 writes OUT_DIR/result.npz: the
+losses, the final params and whether the restore gave them back.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def run_steps(out_dir: str | Path) -> dict:
 
     from trace_jax import models
     from trace_jax.train import distributed
-    from trace_jax.train.checkpoint import Checkpointer
+    from trace_jax.train.checkpoint import Checkpointer, abstract_train_state
     from trace_jax.train.config import CheckpointConfig, MeshConfig
     from trace_jax.train.state import init_train_state, state_shardings
     from trace_jax.train.step import batch_sharding, make_train_step
@@ -56,11 +57,19 @@ def run_steps(out_dir: str | Path) -> dict:
         losses.append(float(metrics["loss"]))
     with Checkpointer(CheckpointConfig(directory=str(out_dir / "checkpoints"), async_save=False)) as store:
         store.save(state, {"losses": losses}, force=True)
+        store.wait_until_finished()
+        # the resume path of a multi-process run: every process restores its shards onto the same mesh
+        restored, _ = store.restore(abstract_train_state(model_config, optimizer, mesh=mesh))
     params = jax.tree_util.tree_map(np.asarray, distributed.host_local(state.params))
+    restored = jax.tree_util.tree_map(np.asarray, distributed.host_local(restored.params))
+    restores_on_the_mesh = all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(params),
+                                                                    jax.tree_util.tree_leaves(restored)))
     if distributed.is_primary():
         flat = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
-        np.savez(out_dir / "result.npz", losses=np.asarray(losses), **flat)
-    return {"losses": losses, "params": params, "processes": jax.process_count()}
+        np.savez(out_dir / "result.npz", losses=np.asarray(losses), restores_on_the_mesh=restores_on_the_mesh,
+                 **flat)
+    return {"losses": losses, "params": params, "processes": jax.process_count(),
+            "restores_on_the_mesh": restores_on_the_mesh}
 
 
 if __name__ == "__main__":
