@@ -125,6 +125,28 @@ def test_a_count_the_processes_cannot_share_evenly_is_a_clear_error():
         distributed.process_share(6, what="prompts", process_index=0, process_count=4)
 
 
+def test_parsing_a_config_leaves_jax_free_to_join_a_multi_process_run(tmp_path):
+    """`trace-jax train` parses the gin config before `distributed.initialize`: nothing that parsing imports may
+    initialise JAX's backend (bm25s runs a JAX computation when imported, so it is imported on first use)."""
+    script = ("from trace_jax.train.gin_setup import parse\n"
+              "from trace_jax.train import distributed\n"
+              "config = parse(['configs/tiny.gin'])\n"
+              f"print(distributed.initialize(config.distributed, environ={{'TRACE_JAX_COORDINATOR': "
+              f"'127.0.0.1:{_free_port()}', 'TRACE_JAX_NUM_PROCESSES': '1', 'TRACE_JAX_PROCESS_ID': '0'}}))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "distributed: process 0 of 1 via 127.0.0.1" in done.stdout and "(0, 1)" in done.stdout
+
+
+def test_a_multi_process_train_without_run_dir_is_a_clear_error(monkeypatch, capsys):
+    from trace_jax.train.cli import run_train
+
+    monkeypatch.setattr(distributed, "initialize", lambda config: (0, 2))
+    assert run_train(["configs/tiny.gin"], [], None) == 2
+    assert "a multi-process run needs --run_dir" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------------ two processes
 @pytest.mark.slow
 def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one_process(tmp_path):

@@ -146,14 +146,21 @@ def initialize(config: DistributedConfig | None = None, *, environ: Mapping[str,
         if jax.config.values.get("jax_cpu_collectives_implementation") in (None, "none"):
             # without cross-process collectives a multi-process CPU run would fail at its first all-reduce
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        if config.mode == "auto":
-            jax.distributed.initialize(initialization_timeout=config.initialization_timeout_s)
-        else:
-            jax.distributed.initialize(coordinator_address=config.coordinator_address,
-                                       num_processes=config.num_processes, process_id=config.process_id,
-                                       local_device_ids=(list(config.local_device_ids)
-                                                         if config.local_device_ids is not None else None),
-                                       initialization_timeout=config.initialization_timeout_s)
+        try:
+            if config.mode == "auto":
+                jax.distributed.initialize(initialization_timeout=config.initialization_timeout_s)
+            else:
+                jax.distributed.initialize(coordinator_address=config.coordinator_address,
+                                           num_processes=config.num_processes, process_id=config.process_id,
+                                           local_device_ids=(list(config.local_device_ids)
+                                                             if config.local_device_ids is not None else None),
+                                           initialization_timeout=config.initialization_timeout_s)
+        except RuntimeError as error:
+            if "must be called before" not in str(error):
+                raise
+            raise RuntimeError("distributed.initialize came after JAX's backend was initialised (a computation, "
+                               "jax.devices(), or an import that runs one): call it first in the process, as "
+                               f"`trace-jax train` does ({error})") from None
         _initialized_by_us = config
         if log is not None:
             where = f" via {config.coordinator_address}" if config.mode == "explicit" else " (detected)"
