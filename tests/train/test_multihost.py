@@ -190,7 +190,8 @@ LOOP_STEPS = 2
 @pytest.mark.slow
 def test_two_processes_run_the_rl_loop_and_only_process_0_writes_the_record(tmp_path):
     """`trace-jax train` on two processes: each rolls out 2 of the step's 4 prompts, the update runs on the mesh
-    over both, process 0 alone logs and writes metrics and summary, and the checkpoint restores in one process."""
+    over both, process 0 alone logs and writes metrics and summary, and the checkpoint restores in one process
+    (the whole state onto a target, and the params alone as `trace-jax eval` reads them)."""
     from tests.train.test_rl_pipeline import SMALL
     from trace_jax.train.checkpoint import Checkpointer, abstract_train_state
     from trace_jax.train.config import CheckpointConfig
@@ -220,6 +221,9 @@ def test_two_processes_run_the_rl_loop_and_only_process_0_writes_the_record(tmp_
     with Checkpointer(CheckpointConfig(directory=str(run_dir / "checkpoints"), async_save=False)) as store:
         assert store.latest_step() == LOOP_STEPS
         state, host = store.restore(abstract_train_state(model_config, make_optimizer(config.optimizer)))
+        params = store.restore_params()  # what `trace-jax eval` and the HF export read, here on another topology
     assert int(state.step) == LOOP_STEPS
+    for name, value in _flat(params).items():
+        np.testing.assert_array_equal(value, _flat(state.params)[name], err_msg=name)
     assert host["data_position"] == 4 * LOOP_STEPS  # every prompt of every step, across both processes
     assert all(np.isfinite(leaf).all() for leaf in jax.tree_util.tree_leaves(state.params))
