@@ -48,6 +48,12 @@ def run_steps(out_dir: str | Path) -> dict:
     state = init_train_state(model_config, optimizer, params, jax.random.PRNGKey(1), mesh=mesh)
     step_fn = make_train_step(model_config, loss_config, optimizer, mesh=mesh)
     share = distributed.process_share(ROWS)
+    try:  # half the rows cannot cover 8 devices: the check must refuse them on every process
+        distributed.check_rows_split_by_process(batch_sharding(mesh, None, (ROWS // 2, LENGTH)),
+                                                (ROWS // 2, LENGTH))
+        refuses_too_few_rows = jax.process_count() == 1  # one process holds every row whatever the sharding
+    except ValueError:
+        refuses_too_few_rows = True
     losses = []
     for step in range(STEPS):
         full = synthetic_batch(model_config.vocab_size, ROWS, LENGTH, seed=100 + step)
@@ -67,7 +73,7 @@ def run_steps(out_dir: str | Path) -> dict:
     if distributed.is_primary():
         flat = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
         np.savez(out_dir / "result.npz", losses=np.asarray(losses), restores_on_the_mesh=restores_on_the_mesh,
-                 **flat)
+                 refuses_too_few_rows=refuses_too_few_rows, **flat)
     return {"losses": losses, "params": params, "processes": jax.process_count(),
             "restores_on_the_mesh": restores_on_the_mesh}
 

@@ -168,9 +168,10 @@ def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one_proce
 
     multi = np.load(multi_dir / "result.npz")
     assert multi["restores_on_the_mesh"] and single["restores_on_the_mesh"]
+    assert multi["refuses_too_few_rows"]  # 4 rows on 8 devices of 2 processes cannot be a global batch
     np.testing.assert_allclose(multi["losses"], single["losses"], rtol=1e-5, atol=1e-6)
     single_params = _flat(single["params"])
-    assert set(single_params) == set(multi.files) - {"losses", "restores_on_the_mesh"}
+    assert set(single_params) == set(multi.files) - {"losses", "restores_on_the_mesh", "refuses_too_few_rows"}
     for name, value in single_params.items():
         # 3 Adam steps at lr 1e-2 from gradients all-reduced in another order (gloo): float32 round-off only
         np.testing.assert_allclose(multi[name], value, atol=1e-4, rtol=0, err_msg=name)

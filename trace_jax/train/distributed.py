@@ -216,7 +216,7 @@ def global_batch(tree, shardings):
         if jax.process_count() == 1:
             return jax.device_put(x, sharding)
         global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
-        _check_rows_split_by_process(sharding, global_shape)
+        check_rows_split_by_process(sharding, global_shape)
         return jax.make_array_from_process_local_data(sharding, x, global_shape)
 
     if isinstance(shardings, jax.sharding.Sharding):
@@ -224,8 +224,9 @@ def global_batch(tree, shardings):
     return jax.tree_util.tree_map(place, tree, shardings)
 
 
-def _check_rows_split_by_process(sharding, global_shape) -> None:
-    """Raise ValueError unless this process's devices hold exactly its own block of rows (in process order)."""
+def check_rows_split_by_process(sharding, global_shape) -> None:
+    """Raise ValueError unless this process's devices hold exactly its own block of the rows of a `global_shape`
+    array placed with `sharding` (in process order), as `global_batch` needs."""
     per = global_shape[0] // jax.process_count()
     mine = (jax.process_index() * per, (jax.process_index() + 1) * per)
     rows = set()

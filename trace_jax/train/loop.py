@@ -332,6 +332,12 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
     # one process: everything on the default device, as ever. Several: the update on a mesh over all of them, the
     # rollouts and scoring on each process's own device from a host-local copy of the params.
     mesh = run_config.mesh.make_mesh() if multi else None
+    if multi:  # fail before any compute when the step's rows cannot be one global batch
+        try:
+            distributed.check_rows_split_by_process(batch_sharding(mesh, None, (rows, 1)), (rows, 1))
+        except ValueError as error:
+            raise ValueError(f"TrainConfig.prompts_per_step x RolloutConfig.group_size = {rows} rows per step: "
+                             f"{error}") from None
     local = distributed.host_local if multi else (lambda params: params)
     pipeline = RLPipeline(environment.model_config, environment.chat, environment.browser, run_config.rollout,
                           run_config.credit, run_config.loss, update_config, optimizer,
