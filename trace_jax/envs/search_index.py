@@ -11,6 +11,7 @@ It knows about documents and text only: no tools, pages or tasks.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -27,17 +28,19 @@ _TOKEN_PATTERN = re.compile(r"\w+")
 _META_NAME = "trace_jax_index.json"
 
 
+@functools.lru_cache(maxsize=1)
 def _stopwords() -> frozenset[str]:
+    # bm25s runs a JAX computation when imported: importing it on first use, not with this module, keeps JAX's
+    # backend uninitialised until a multi-process run has called jax.distributed.initialize
     from bm25s.stopwords import STOPWORDS_EN
 
     return frozenset(STOPWORDS_EN)
 
 
-STOPWORDS = _stopwords()
-
-
-def tokenize(text: str, *, stopwords: frozenset[str] = STOPWORDS) -> list[str]:
-    """Lower-cased ``\\w+`` words without English stopwords: used for both documents and queries."""
+def tokenize(text: str, *, stopwords: frozenset[str] | None = None) -> list[str]:
+    """Lower-cased ``\\w+`` words without English stopwords (or without `stopwords`): used for both documents and
+    queries."""
+    stopwords = _stopwords() if stopwords is None else stopwords
     return [token for token in _TOKEN_PATTERN.findall(text.lower()) if token not in stopwords]
 
 

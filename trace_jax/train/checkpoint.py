@@ -26,8 +26,6 @@ from trace_jax import models
 from trace_jax.train.config import CheckpointConfig
 from trace_jax.train.state import TrainState, state_shardings
 
-_ITEMS = ("state", "host")
-
 
 def abstract_train_state(model_config, optimizer, *, mesh=None, rules=None) -> TrainState:
     """A `TrainState` of `jax.ShapeDtypeStruct`s (with shardings on `mesh`, or on the default device without one):
@@ -87,7 +85,10 @@ class Checkpointer:
         # the interval is applied here (step % every_steps == 0); orbax's own would also save the first step seen
         options = ocp.CheckpointManagerOptions(save_interval_steps=1, max_to_keep=config.keep_last,
                                                enable_async_checkpointing=config.async_save, create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+        # handlers, not just item names: reading a checkpoint's metadata (`restore_params`) needs them
+        self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                             item_handlers={"state": ocp.StandardCheckpointHandler(),
+                                                            "host": ocp.JsonCheckpointHandler()})
 
     # ------------------------------------------------------------------ saving
     def save(self, state: TrainState, host_state: dict | None = None, *, force: bool = False) -> bool:
@@ -157,11 +158,17 @@ class Checkpointer:
         return restored.state, dict(restored.host or {})
 
     def restore_params(self, step: int | None = None):
-        """Only the params of a saved step, as saved (no target needed; on the default device)."""
+        """Only the params of a saved step (no target needed), on this process's first device, whatever mesh and
+        however many processes wrote them (e.g. `trace-jax eval` on one host after a multi-host run)."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
-        raw = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+        # a target built from the checkpoint's own shapes: without one orbax rebuilds the writer's device mesh,
+        # which fails on any other topology
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        saved = self.manager.item_metadata(step).state
+        target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)
+        raw = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         return raw.state["params"]
 
 

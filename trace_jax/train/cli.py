@@ -74,7 +74,16 @@ def run_train(gin_files, gin_params, run_dir, *, progress: bool = True) -> int:
                          config.train.prompts_per_step * config.rollout.group_size)
     except ValueError as error:
         return _fail(str(error))
+    from trace_jax.train import distributed
+
+    try:  # before any other JAX call: joining a multi-process run must come first
+        _, process_count = distributed.initialize(config.distributed)
+    except ValueError as error:
+        return _fail(str(error))
     if run_dir is None:
+        if process_count > 1:
+            return _fail("a multi-process run needs --run_dir (the same directory on every host, shared storage for "
+                         "the checkpoints); the default name has the time in it and would differ between hosts")
         run_dir = Path("runs") / f"{Path(gin_files[0]).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     from trace_jax.train.loop import train
 

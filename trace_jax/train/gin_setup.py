@@ -9,7 +9,7 @@
     trace_jax.train    TrainConfig, DataConfig, EnvConfig (this module), EvalConfig (evaluate.py),
                        WarmStartConfig (warmstart.py)
                        LossConfig, OptimizerConfig, MeshConfig, CheckpointConfig (train/config.py),
-                       UpdateConfig (train/pipeline.py)
+                       UpdateConfig (train/pipeline.py), DistributedConfig (train/distributed.py)
     trace_jax.credit   CreditConfig (credit/config.py)
 
 `parse(gin_files, gin_params)` parses the files then the `--gin_param` bindings and *builds every config*, so an
@@ -185,12 +185,13 @@ LAZY: tuple[tuple[str, str, str], ...] = (
     ("CheckpointConfig", "trace_jax.train.config", "trace_jax.train"),
     ("CreditConfig", "trace_jax.credit.config", "trace_jax.credit"),
     ("UpdateConfig", "trace_jax.train.pipeline", "trace_jax.train"),
+    ("DistributedConfig", "trace_jax.train.distributed", "trace_jax.train"),
 )
 # The concerns `parse` builds, as RunConfig field -> registered name.
 CONCERNS = {"train": "TrainConfig", "data": "DataConfig", "env": "EnvConfig", "rollout": "RolloutConfig",
             "eval": "EvalConfig", "warmstart": "WarmStartConfig", "loss": "LossConfig",
             "optimizer": "OptimizerConfig", "mesh": "MeshConfig", "checkpoint": "CheckpointConfig",
-            "credit": "CreditConfig", "update": "UpdateConfig"}
+            "credit": "CreditConfig", "update": "UpdateConfig", "distributed": "DistributedConfig"}
 
 _registered: dict[str, Any] = {}  # name -> the gin-wrapped callable
 _targets: dict[str, Any] = {}  # name -> the class or function registered
@@ -236,6 +237,7 @@ class RunConfig:
     checkpoint: Any  # CheckpointConfig
     credit: Any  # trace_jax.credit.config.CreditConfig
     update: Any  # trace_jax.train.pipeline.UpdateConfig
+    distributed: Any = None  # trace_jax.train.distributed.DistributedConfig (None = one process)
 
 
 class ConfigError(ValueError):

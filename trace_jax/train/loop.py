@@ -36,6 +36,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from trace_jax import models
 from trace_jax.credit import td_deltas, trace_values
@@ -45,6 +47,7 @@ from trace_jax.envs.world import build_world
 from trace_jax.models.chat import ChatFormat
 from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
 from trace_jax.scoring.receipts import excerpt, safe_filename, write_receipt
+from trace_jax.train import distributed
 from trace_jax.train.checkpoint import Checkpointer, PreemptionGuard, abstract_train_state
 from trace_jax.train.config import CheckpointConfig, LossConfig, OptimizerConfig
 from trace_jax.train.evaluate import EvalResult, compare, evaluate, format_comparison
@@ -54,8 +57,8 @@ from trace_jax.train.loss import LossBatch
 from trace_jax.train.metrics import PhaseTimer, RunWriter
 from trace_jax.train.optimizer import make_optimizer
 from trace_jax.train.pipeline import RLPipeline, UpdateConfig, check_compatible
-from trace_jax.train.state import init_train_state
-from trace_jax.train.step import make_train_step
+from trace_jax.train.state import init_train_state, state_shardings
+from trace_jax.train.step import batch_sharding, make_train_step
 from trace_jax.train.warmstart import oracle_trajectories, sft_arrays
 
 REFERENCE_DIR = "reference"
@@ -73,6 +76,16 @@ class Environment:
     chat: ChatFormat
     model_config: Any
     params: Any
+
+
+def _files_dir(run_dir: Path) -> Path:
+    """Where this process writes the files it builds (tokenizer, converted policy): the run directory on the
+    primary process, a scratch directory on the others (only process 0 writes into the run directory)."""
+    if distributed.is_primary():
+        return run_dir
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix=f"trace_jax_process{jax.process_index()}_"))
 
 
 def _policy_dir(run_config: RunConfig, run_dir: Path) -> Path | None:
@@ -95,7 +108,7 @@ def _policy_dir(run_config: RunConfig, run_dir: Path) -> Path | None:
 
 def build_environment(run_config: RunConfig, run_dir: str | Path, *, load_params: bool = True) -> Environment:
     """World, splits, browser, tokenizer, chat format and policy of a run (deterministic in the config)."""
-    run_dir = Path(run_dir)
+    run_dir = _files_dir(Path(run_dir))
     data, env, train_config = run_config.data, run_config.env, run_config.train
     world = build_world(data.world)
     splits = generate_splits(world, {"train": data.num_train_tasks, "eval": data.num_eval_tasks}, seed=data.seed,
@@ -248,6 +261,34 @@ def _tasks_at(train_tasks: list, position: int, count: int, shuffle_seed: int) -
     return out
 
 
+# ------------------------------------------------------------------------------------------------ multi-process
+def _combine_process_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """One step's rollout metrics of every process as one: means (every process holds the same number of rows and
+    prompts, so a mean of per-process means is the global mean) except `generated_tokens`, a sum. A collective."""
+    names = sorted(metrics)
+    values = distributed.gather_to_hosts(np.asarray([metrics[n] for n in names], np.float32)).astype(np.float64)
+    out = dict(zip(names, values.mean(axis=0).tolist()))
+    if "generated_tokens" in out:
+        out["generated_tokens"] = float(values[:, names.index("generated_tokens")].sum())
+    return out
+
+
+def _global_loss_batch(loss_batch: LossBatch, mesh) -> LossBatch:
+    """This process's `[n, Lb]` rows -> the global `[n x processes, W]` batch on `mesh`, W the widest length bucket
+    of any process (narrower rows are padded with untrained zeros). A collective."""
+    width = int(distributed.gather_to_hosts(np.asarray(loss_batch.shape[1], np.int32)).max())
+    padded = jax.tree_util.tree_map(
+        lambda x: np.pad(np.asarray(x), ((0, 0), (0, width - x.shape[1]))), loss_batch)
+    rows = loss_batch.shape[0] * jax.process_count()
+    return distributed.global_batch(padded, batch_sharding(mesh, None, (rows, width)))
+
+
+def _stop_requested_anywhere(guard: PreemptionGuard) -> None:
+    """Make a stop signal of any process every process's (they must all take the forced checkpoint together)."""
+    if distributed.gather_to_hosts(np.asarray(guard.requested, np.int32)).any() and not guard.requested:
+        guard.requested, guard.signal_name = True, "a signal to another process"
+
+
 def _reference_checkpointer(run_dir: Path) -> Checkpointer:
     return Checkpointer(CheckpointConfig(directory=str(run_dir / REFERENCE_DIR), every_steps=1, keep_last=None,
                                          async_save=False))
@@ -259,6 +300,12 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
 
     The gin config in effect must be the one `run_config` was parsed from (`gin_setup.parse`); it is written to
     the run directory. Raises ValueError before any compute when the configs cannot work together.
+
+    Multi-process (after `distributed.initialize`, see `trace_jax.train.distributed`): every process calls this with
+    the same config and run directory; the train state lives on `run_config.mesh` over every process's devices,
+    each process rolls out its share of the step's prompts, and only process 0 writes the run's files and logs
+    (every process writes its shards of the checkpoints). The warm start and the evaluations run on every process
+    (deterministic, so they agree).
     """
     from trace_jax.train.gin_setup import write_config
 
@@ -269,15 +316,33 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
     update_config = run_config.update or UpdateConfig()
     rows = train_config.prompts_per_step * run_config.rollout.group_size
     check_compatible(run_config.credit, run_config.loss, update_config, rows)
-    write_config(run_dir)
+    multi, primary = distributed.is_multiprocess(), distributed.is_primary()
+    if multi:
+        distributed.process_share(train_config.prompts_per_step, what="prompts per step (TrainConfig."
+                                  "prompts_per_step; each process rolls out an equal share)")
+        log = log if primary else (lambda _line: None)
+    if primary:
+        write_config(run_dir)
     stages: dict[str, float] = {}
 
     t0 = time.perf_counter()
     environment = build_environment(run_config, run_dir)
     stages["build"] = time.perf_counter() - t0
     optimizer = make_optimizer(run_config.optimizer)
+    # one process: everything on the default device, as ever. Several: the update on a mesh over all of them, the
+    # rollouts and scoring on each process's own device from a host-local copy of the params.
+    mesh = run_config.mesh.make_mesh() if multi else None
+    if multi:  # fail before any compute when the step's rows cannot be one global batch
+        try:
+            distributed.check_rows_split_by_process(batch_sharding(mesh, None, (rows, 1)), (rows, 1))
+        except ValueError as error:
+            raise ValueError(f"TrainConfig.prompts_per_step x RolloutConfig.group_size = {rows} rows per step: "
+                             f"{error}") from None
+    local = distributed.host_local if multi else (lambda params: params)
     pipeline = RLPipeline(environment.model_config, environment.chat, environment.browser, run_config.rollout,
-                          run_config.credit, run_config.loss, update_config, optimizer)
+                          run_config.credit, run_config.loss, update_config, optimizer,
+                          train_step=make_train_step(environment.model_config, run_config.loss, optimizer, mesh=mesh)
+                          if multi else None)
     checkpoint_config = dataclasses.replace(run_config.checkpoint,
                                             directory=str(run_dir / run_config.checkpoint.directory))
     log(f"run {run_dir}: {train_config.steps} RL steps of {train_config.prompts_per_step} prompts x "
@@ -288,7 +353,7 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
             _reference_checkpointer(run_dir) as reference_store:
         latest = checkpointer.latest_step()
         if latest is None:
-            writer = RunWriter(run_dir, total_steps=train_config.steps, progress=progress)
+            writer = RunWriter(run_dir, total_steps=train_config.steps, progress=progress, write_files=primary)
             params = environment.params
             evals: dict[str, dict] = {}
             if run_config.warmstart.steps > 0:
@@ -305,53 +370,68 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
             stages["eval_initial"] = time.perf_counter() - t0
             evals["initial"] = _eval_to_json(initial)
             writer.log(0, initial.metrics())
+            if multi:
+                params = distributed.put_replicated_value(
+                    params, state_shardings(environment.model_config, optimizer, mesh).params)
             state = init_train_state(environment.model_config, optimizer, params,
-                                     jax.random.PRNGKey(train_config.seed))
+                                     jax.random.PRNGKey(train_config.seed), mesh=mesh)
             host = {"data_position": 0, "evals": evals, "stages": stages}
             reference_store.save(state, {"step": 0}, force=True)
             checkpointer.save(state, host, force=True)
             checkpointer.wait_until_finished()
         else:
-            state, host = checkpointer.restore(abstract_train_state(environment.model_config, optimizer), latest)
-            writer = RunWriter(run_dir, total_steps=train_config.steps, resume_step=latest, progress=progress)
+            state, host = checkpointer.restore(abstract_train_state(environment.model_config, optimizer, mesh=mesh),
+                                               latest)
+            writer = RunWriter(run_dir, total_steps=train_config.steps, resume_step=latest, progress=progress,
+                               write_files=primary)
             log(f"resuming from the checkpoint of step {latest}")
             stages.update(host.get("stages", {}))
         step = int(state.step)
         reference_at = 0
         if train_config.reference_step >= 0 and step >= train_config.reference_step:
             reference_at = train_config.reference_step
-        reference_params = reference_store.restore_params(reference_at)
+        reference_params = local(reference_store.restore_params(reference_at))
         peak = _peak_flops()
         timer = PhaseTimer()
         rl_start = time.perf_counter()
         while step < train_config.steps:
             timer.reset()
-            tasks = _tasks_at(environment.train_tasks, int(host["data_position"]), train_config.prompts_per_step,
-                              run_config.data.shuffle_seed)
+            step_tasks = _tasks_at(environment.train_tasks, int(host["data_position"]),
+                                   train_config.prompts_per_step, run_config.data.shuffle_seed)
             key = jax.random.fold_in(jax.random.PRNGKey(train_config.seed), _ROLLOUT_SALT + step)
+            tasks = step_tasks
+            if multi:  # this process's prompts (whole groups: group statistics stay host-local) and its own key
+                tasks = step_tasks[distributed.process_share(len(step_tasks), what="prompts")]
+                key = jax.random.fold_in(key, jax.process_index())
             with timer.phase("rollout"):
-                rollout = pipeline.collect(state.params, tasks, key)
+                rollout = pipeline.collect(local(state.params), tasks, key)
             prepared = pipeline.prepare(rollout, reference_params, num_prompts=len(tasks))
             timer.seconds.update(prepared.timing)
+            if multi:
+                prepared.loss_batch = _global_loss_batch(prepared.loss_batch, mesh)
+                prepared.metrics = _combine_process_metrics(prepared.metrics)
             with timer.phase("update"):
                 state, update_metrics = pipeline.update(state, prepared, reference_params, seed=train_config.seed
                                                         * 1_000_003 + step)
                 jax.block_until_ready(state.params)
             step += 1
-            state = state.replace(step=jnp.asarray(step, jnp.int32))
-            host["data_position"] = int(host["data_position"]) + len(tasks)
+            state = state.replace(step=jnp.asarray(step, jnp.int32) if mesh is None else
+                                  distributed.put_replicated_value(np.int32(step), NamedSharding(mesh, P())))
+            host["data_position"] = int(host["data_position"]) + len(step_tasks)
             metrics = {**prepared.metrics, **update_metrics, **timer.metrics()}
             metrics.update(pipeline.throughput(prepared, timer.seconds["update"], timer.seconds["rollout"],
                                                peak_flops=peak))
             every = run_config.eval.every_steps
             if every and step % every == 0 and step < train_config.steps:
-                result = _evaluate(run_config, environment, state.params, f"step {step}", log)
+                result = _evaluate(run_config, environment, local(state.params), f"step {step}", log)
                 metrics.update(result.metrics())
                 host["evals"][f"step{step}"] = _eval_to_json(result)
             writer.log(step, metrics)
             if step == train_config.reference_step:
                 reference_store.save(state, {"step": step}, force=True)
-                reference_params = reference_store.restore_params(step)
+                reference_params = local(reference_store.restore_params(step))
+            if multi:
+                _stop_requested_anywhere(guard)
             checkpointer.maybe_save(state, host)
             if checkpointer.stop_requested:
                 log(f"stopped by {guard.signal_name} after step {step}; rerun the same command to resume")
@@ -364,7 +444,8 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
         checkpointer.wait_until_finished()
 
         t0 = time.perf_counter()
-        final = _evaluate(run_config, environment, state.params, "after RL", log)
+        final_params = local(state.params)
+        final = _evaluate(run_config, environment, final_params, "after RL", log)
         stages["eval_final"] = time.perf_counter() - t0
         writer.log(step, final.metrics())
         initial = _eval_from_json(host["evals"]["initial"])
@@ -372,8 +453,8 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
         line = format_comparison(initial, final, before_label=label, after_label="after RL")
         log(line)
         comparison = compare(initial, final)
-        receipt_tasks = environment.eval_tasks[:train_config.receipts]
-        receipts = write_credit_receipts(pipeline, state.params, reference_params, receipt_tasks,
+        receipt_tasks = environment.eval_tasks[:train_config.receipts] if primary else []
+        receipts = write_credit_receipts(pipeline, final_params, reference_params, receipt_tasks,
                                          jax.random.PRNGKey(train_config.seed + 1), run_dir / RECEIPTS_DIR)
         writer.write_plots()
         stages["rl_steps"] = rl_seconds

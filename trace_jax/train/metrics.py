@@ -126,30 +126,35 @@ class RunWriter:
         starts a fresh `metrics.jsonl` (an existing one is replaced).
       tensorboard: write TensorBoard event files.
       progress: show a tqdm progress bar (step, reward, accuracy, seconds per step).
+      write_files: False keeps the history in memory and writes nothing (no files, events, plots, summary or
+        bar): the writer of a multi-process run's non-primary processes, so only process 0 writes the run's record.
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, total_steps: int | None = None, resume_step: int | None = None,
-                 tensorboard: bool = True, progress: bool = True):
+                 tensorboard: bool = True, progress: bool = True, write_files: bool = True):
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.write_files = write_files
         self.metrics_path = self.run_dir / METRICS_FILE
         self.history: list[dict[str, float]] = []
         if resume_step is not None and self.metrics_path.exists():
             self.history = [r for r in read_metrics(self.metrics_path) if r["step"] <= resume_step]
-        with open(self.metrics_path, "w", encoding="utf-8") as handle:  # rewrite: drops steps past the checkpoint
-            for record in self.history:
-                handle.write(encode_line(record["step"], record["wall_time"],
-                                         {k: v for k, v in record.items() if k not in ("step", "wall_time")}) + "\n")
         self._time_offset = self.history[-1]["wall_time"] if self.history else 0.0
         self._start = time.perf_counter()
         self._last_step_time: float | None = None
         self._latest: dict[str, float] = {}
         self._tb = None
+        self._bar = None
+        if not write_files:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics_path, "w", encoding="utf-8") as handle:  # rewrite: drops steps past the checkpoint
+            for record in self.history:
+                handle.write(encode_line(record["step"], record["wall_time"],
+                                         {k: v for k, v in record.items() if k not in ("step", "wall_time")}) + "\n")
         if tensorboard:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(logdir=str(self.run_dir), flush_secs=10)
-        self._bar = None
         if progress:
             from tqdm import tqdm
 
@@ -169,8 +174,9 @@ class RunWriter:
         """
         wall = self.wall_time
         line = encode_line(step, wall, metrics)
-        with open(self.metrics_path, "a", encoding="utf-8") as handle:
-            handle.write(line + "\n")
+        if self.write_files:
+            with open(self.metrics_path, "a", encoding="utf-8") as handle:
+                handle.write(line + "\n")
         record = {"step": int(step), "wall_time": wall, **{k: _scalar(k, v) for k, v in metrics.items()}}
         self.history.append(record)
         if self._tb is not None:
@@ -197,8 +203,10 @@ class RunWriter:
                 shown[label] = f"{self._latest[key]:.3g}"
         self._bar.set_postfix(shown, refresh=True)
 
-    def write_summary(self, summary: Mapping[str, Any]) -> Path:
-        """Write `summary.json` (strict JSON; non-finite numbers become null)."""
+    def write_summary(self, summary: Mapping[str, Any]) -> Path | None:
+        """Write `summary.json` (strict JSON; non-finite numbers become null); None when not writing files."""
+        if not self.write_files:
+            return None
         path = self.run_dir / SUMMARY_FILE
 
         def clean(value):
@@ -216,7 +224,9 @@ class RunWriter:
         return path
 
     def write_plots(self) -> list[Path]:
-        """PNG plots of the history so far (see `write_plots`)."""
+        """PNG plots of the history so far (see `write_plots`); none when not writing files."""
+        if not self.write_files:
+            return []
         return write_plots(self.history, self.run_dir / PLOTS_DIR)
 
     def close(self) -> None:

@@ -1,0 +1,230 @@
+"""The multi-host runtime: two local processes (jax.distributed over 127.0.0.1, gloo collectives, 4 fake CPU devices
+each) train like one process with 8 devices, and what they checkpoint restores in one process."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from trace_jax.train import distributed
+from trace_jax.train.distributed import DistributedConfig
+
+REPO = Path(__file__).resolve().parents[2]
+HELPER = Path(__file__).with_name("multihost_step.py")
+TIMEOUT_S = 600  # a hung collective fails the test instead of blocking CI (a run takes 1-4 min on 2 busy cores)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(args: list[str], num_processes: int, cwd: Path, log_dir: Path) -> list[subprocess.Popen]:
+    """`num_processes` processes of `python args...`, joined through the TRACE_JAX_* variables, 4 CPU devices
+    each; stdout and stderr go to log_dir/process<i>.log."""
+    port = _free_port()
+    procs = []
+    for index in range(num_processes):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+               "TRACE_JAX_COORDINATOR": f"127.0.0.1:{port}", "TRACE_JAX_NUM_PROCESSES": str(num_processes),
+               "TRACE_JAX_PROCESS_ID": str(index)}
+        log = open(log_dir / f"process{index}.log", "w")
+        procs.append(subprocess.Popen([sys.executable, *args], env=env, cwd=cwd, stdout=log,
+                                      stderr=subprocess.STDOUT))
+        log.close()
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen], log_dir: Path) -> None:
+    try:
+        for p in procs:
+            p.wait(timeout=TIMEOUT_S)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for index, p in enumerate(procs):
+        log = (log_dir / f"process{index}.log").read_text()
+        assert p.returncode == 0, f"process {index} exited with {p.returncode}:\n{log[-4000:]}"
+
+
+def _flat(tree) -> dict[str, np.ndarray]:
+    return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+# ------------------------------------------------------------------------------------------------ config
+def test_the_environment_overrides_the_fields_and_implies_explicit():
+    config = distributed.from_environment(DistributedConfig(), {"TRACE_JAX_COORDINATOR": "10.0.0.2:8476",
+                                                                "TRACE_JAX_NUM_PROCESSES": "4",
+                                                                "TRACE_JAX_PROCESS_ID": "3"})
+    assert config == DistributedConfig(mode="explicit", coordinator_address="10.0.0.2:8476", num_processes=4,
+                                       process_id=3)
+
+
+def test_without_the_environment_the_config_is_unchanged():
+    config = DistributedConfig(mode="auto")
+    assert distributed.from_environment(config, {"PATH": "/bin"}) is config
+
+
+def test_a_process_id_without_a_coordinator_names_the_missing_variable():
+    with pytest.raises(ValueError, match="TRACE_JAX_COORDINATOR"):
+        distributed.from_environment(DistributedConfig(), {"TRACE_JAX_NUM_PROCESSES": "2",
+                                                           "TRACE_JAX_PROCESS_ID": "1"})
+
+
+def test_a_non_integer_process_count_in_the_environment_is_a_clear_error():
+    with pytest.raises(ValueError, match="TRACE_JAX_NUM_PROCESSES='two' must be an integer"):
+        distributed.from_environment(DistributedConfig(), {"TRACE_JAX_COORDINATOR": "h:1",
+                                                           "TRACE_JAX_NUM_PROCESSES": "two"})
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"mode": "slurm"}, "mode must be one of"),
+    ({"mode": "explicit", "coordinator_address": "localhost", "num_processes": 2}, "must be 'host:port'"),
+    ({"mode": "explicit", "coordinator_address": "h:1", "num_processes": 2, "process_id": 2},
+     r"process_id must be in \[0, num_processes = 2\)"),
+    ({"local_device_ids": (-1,)}, "local_device_ids"),
+    ({"initialization_timeout_s": 0}, "initialization_timeout_s"),
+])
+def test_invalid_fields_are_rejected_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DistributedConfig(**fields)
+
+
+def test_gin_binds_the_distributed_config(tmp_path):
+    from trace_jax.train.gin_setup import parse
+
+    config = parse(["configs/tiny.gin"], ["DistributedConfig.mode = 'auto'",
+                                          "DistributedConfig.local_device_ids = [0, 1]"])
+    assert config.distributed == DistributedConfig(mode="auto", local_device_ids=(0, 1))
+
+
+def test_mode_off_initialises_nothing_and_reports_one_process():
+    assert distributed.initialize(DistributedConfig(), environ={}, log=None) == (0, 1)
+    assert not jax.distributed.is_initialized()
+
+
+def test_each_process_gets_a_contiguous_equal_share_in_process_order():
+    shares = [distributed.process_share(8, process_index=i, process_count=4) for i in range(4)]
+    assert shares == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
+    assert distributed.process_share(6) == slice(0, 6)  # one process (this one) holds everything
+
+
+def test_a_count_the_processes_cannot_share_evenly_is_a_clear_error():
+    with pytest.raises(ValueError, match="6 prompts cannot be split evenly over 4 processes"):
+        distributed.process_share(6, what="prompts", process_index=0, process_count=4)
+
+
+def test_parsing_a_config_leaves_jax_free_to_join_a_multi_process_run(tmp_path):
+    """`trace-jax train` parses the gin config before `distributed.initialize`: nothing that parsing imports may
+    initialise JAX's backend (bm25s runs a JAX computation when imported, so it is imported on first use)."""
+    script = ("from trace_jax.train.gin_setup import parse\n"
+              "from trace_jax.train import distributed\n"
+              "config = parse(['configs/tiny.gin'])\n"
+              f"print(distributed.initialize(config.distributed, environ={{'TRACE_JAX_COORDINATOR': "
+              f"'127.0.0.1:{_free_port()}', 'TRACE_JAX_NUM_PROCESSES': '1', 'TRACE_JAX_PROCESS_ID': '0'}}))\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "distributed: process 0 of 1 via 127.0.0.1" in done.stdout and "(0, 1)" in done.stdout
+
+
+def test_a_multi_process_train_without_run_dir_is_a_clear_error(monkeypatch, capsys):
+    from trace_jax.train.cli import run_train
+
+    monkeypatch.setattr(distributed, "initialize", lambda config: (0, 2))
+    assert run_train(["configs/tiny.gin"], [], None) == 2
+    assert "a multi-process run needs --run_dir" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ two processes
+@pytest.mark.slow
+def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one_process(tmp_path):
+    from tests.train import multihost_step
+
+    from trace_jax.train.checkpoint import Checkpointer, abstract_train_state
+    from trace_jax.train.config import CheckpointConfig
+
+    multi_dir, single_dir = tmp_path / "two_processes", tmp_path / "one_process"
+    multi_dir.mkdir()
+    procs = _launch([str(HELPER), str(multi_dir)], 2, REPO, multi_dir)
+    try:
+        single = multihost_step.run_steps(single_dir)  # meanwhile: one process, the same 8 devices (conftest)
+    finally:
+        _wait(procs, multi_dir)
+    assert single["processes"] == 1
+    logs = [(multi_dir / f"process{i}.log").read_text() for i in range(2)]
+    assert "distributed: process 0 of 2" in logs[0] and "distributed: process 1 of 2" in logs[1]
+
+    multi = np.load(multi_dir / "result.npz")
+    assert multi["restores_on_the_mesh"] and single["restores_on_the_mesh"]
+    assert multi["refuses_too_few_rows"]  # 4 rows on 8 devices of 2 processes cannot be a global batch
+    np.testing.assert_allclose(multi["losses"], single["losses"], rtol=1e-5, atol=1e-6)
+    single_params = _flat(single["params"])
+    assert set(single_params) == set(multi.files) - {"losses", "restores_on_the_mesh", "refuses_too_few_rows"}
+    for name, value in single_params.items():
+        # 3 Adam steps at lr 1e-2 from gradients all-reduced in another order (gloo): float32 round-off only
+        np.testing.assert_allclose(multi[name], value, atol=1e-4, rtol=0, err_msg=name)
+
+    model_config, optimizer, _ = multihost_step.setup()
+    with Checkpointer(CheckpointConfig(directory=str(multi_dir / "checkpoints"), async_save=False)) as store:
+        assert store.latest_step() == multihost_step.STEPS
+        state, host = store.restore(abstract_train_state(model_config, optimizer))
+    np.testing.assert_allclose(host["losses"], multi["losses"], rtol=0, atol=0)
+    for name, value in _flat(state.params).items():
+        np.testing.assert_array_equal(value, multi[name], err_msg=name)
+
+
+LOOP_STEPS = 2
+
+
+@pytest.mark.slow
+def test_two_processes_run_the_rl_loop_and_only_process_0_writes_the_record(tmp_path):
+    """`trace-jax train` on two processes: each rolls out 2 of the step's 4 prompts, the update runs on the mesh
+    over both, process 0 alone logs and writes metrics and summary, and the checkpoint restores in one process
+    (the whole state onto a target, and the params alone as `trace-jax eval` reads them)."""
+    from tests.train.test_rl_pipeline import SMALL
+    from trace_jax.train.checkpoint import Checkpointer, abstract_train_state
+    from trace_jax.train.config import CheckpointConfig
+    from trace_jax.train.gin_setup import parse
+    from trace_jax.train.loop import build_environment
+    from trace_jax.train.metrics import read_metrics
+    from trace_jax.train.optimizer import make_optimizer
+
+    gin_file = tmp_path / "two.gin"
+    gin_file.write_text(SMALL + f"TrainConfig.prompts_per_step = 4\nTrainConfig.steps = {LOOP_STEPS}\n"
+                        "UpdateConfig.mini_batches = 2\n")  # mini-batches gather rows across the processes
+    run_dir = tmp_path / "run"
+    procs = _launch(["-m", "trace_jax.cli", "train", "--gin_file", str(gin_file), "--run_dir", str(run_dir),
+                     "--no_progress"], 2, REPO, tmp_path)
+    _wait(procs, tmp_path)
+    logs = [(tmp_path / f"process{i}.log").read_text() for i in range(2)]
+    assert "run " in logs[0] and "after RL" in logs[0]
+    assert "distributed: process 1 of 2" in logs[1] and "eval (" not in logs[1]
+
+    records = [r for r in read_metrics(run_dir) if "reward" in r]
+    assert [r["step"] for r in records] == list(range(1, LOOP_STEPS + 1))  # one writer: no duplicate lines
+    assert all(np.isfinite(r["loss"]) and r["updates"] == 2 for r in records)
+    assert (run_dir / "summary.json").exists()
+
+    config = parse([str(gin_file)])
+    model_config = build_environment(config, tmp_path / "env", load_params=False).model_config
+    with Checkpointer(CheckpointConfig(directory=str(run_dir / "checkpoints"), async_save=False)) as store:
+        assert store.latest_step() == LOOP_STEPS
+        state, host = store.restore(abstract_train_state(model_config, make_optimizer(config.optimizer)))
+        params = store.restore_params()  # what `trace-jax eval` and the HF export read, here on another topology
+    assert int(state.step) == LOOP_STEPS
+    for name, value in _flat(params).items():
+        np.testing.assert_array_equal(value, _flat(state.params)[name], err_msg=name)
+    assert host["data_position"] == 4 * LOOP_STEPS  # every prompt of every step, across both processes
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree_util.tree_leaves(state.params))
