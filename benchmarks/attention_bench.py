@@ -3,8 +3,9 @@
 Part 1 (the kernel): causal self-attention with the tiny model's attention shape (4 query heads, 2 kv heads,
 head_dim 16; batch 1) at each length. "new" = `attention.flash_attention` (custom_vjp, flash-style backward);
 "old" = `attention.dense_attention` differentiated by JAX (the whole score matrix; the tiled path long causal
-inputs took before, `decoder.prefix_attend`, is gone since attention has one implementation). Forward = the jitted attention; backward = (jitted `grad` of `sum(out * g)`, which runs the
-forward too) minus the forward, so bwd/fwd is the backward's own cost relative to the forward.
+inputs took before, `decoder.prefix_attend`, is gone since attention has one implementation). Forward = the
+jitted attention; backward = (jitted `grad` of `sum(out * g)`, which runs the forward too) minus the forward, so
+bwd/fwd is the backward's own cost relative to the forward.
 Target: new bwd/fwd <= 3.5.
 
 Part 2 (the model): `jax.grad` of the summed `token_logprobs` of the tiny model (train-shaped: B=1, S=length),
