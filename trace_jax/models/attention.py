@@ -90,35 +90,72 @@ def _num_distinct(x):  # per row, for contiguity: a row is contiguous iff #runs 
 
 
 # ---------------------------------------------------------------------------------------------------- dense
-def dense_attention(q, k, v, mask, *, query_chunk: int = 0):
+def dense_attention(q, k, v, mask, *, query_chunk: int = 0, block=None):
     """Reference grouped-query attention. q [B, Q, H, Dh]; k, v [B, T, K, Dh]; mask bool [B, Q, T] (True = may
-    attend) or a function `(q_start, q_len) -> [B, q_len, T]`. With `query_chunk` < Q, queries run in blocks under
-    `lax.map` (score memory [B, H, chunk, T]). Returns [B, Q, H, Dh] in v's dtype."""
+    attend) or a function `(q_start, q_len) -> [B, q_len, T]`. `block`: optional `(k2, v2, mask2)`, more keys
+    `[B, T2, K, Dh]` under a boolean `mask2 [B, Q, T2]`, in the same softmax (no concatenated copy of k). With
+    `query_chunk` < Q, queries run in blocks under `lax.map` (score memory [B, H, chunk, T + T2]).
+    Returns [B, Q, H, Dh] in v's dtype."""
     B, Q = q.shape[:2]
     rows = mask if callable(mask) else (lambda start, size: jax.lax.dynamic_slice_in_dim(mask, start, size, 1))
+
+    def parts(start, size):
+        main = [(k, v, rows(start, size))]
+        if block is None:
+            return main
+        k2, v2, mask2 = block
+        return main + [(k2, v2, jax.lax.dynamic_slice_in_dim(mask2.astype(bool), start, size, 1))]
+
     if not query_chunk or Q <= query_chunk:
-        return _dense_block(q, k, v, rows(0, Q))
+        return _dense_block(q, parts(0, Q))
     c = query_chunk
     n, rest = divmod(Q, c)
     qs = jnp.moveaxis(q[:, :n * c].reshape(B, n, c, *q.shape[2:]), 1, 0)
-    out = jax.lax.map(lambda iq: _dense_block(iq[1], k, v, rows(iq[0] * c, c)), (jnp.arange(n), qs))
+    out = jax.lax.map(lambda iq: _dense_block(iq[1], parts(iq[0] * c, c)), (jnp.arange(n), qs))
     out = jnp.moveaxis(out, 0, 1).reshape(B, n * c, *q.shape[2:])
     if rest:
-        out = jnp.concatenate([out, _dense_block(q[:, n * c:], k, v, rows(n * c, rest))], axis=1)
+        out = jnp.concatenate([out, _dense_block(q[:, n * c:], parts(n * c, rest))], axis=1)
     return out
 
 
-def _dense_block(q, k, v, mask):
+# At most this many queries (single-token decode), `_dense_block` contracts by broadcast-multiply-reduce instead of
+# a dot: XLA CPU then streams the keys and values once in their [B, T, K, Dh] layout, where a dot first copies them
+# into a transposed layout (measured: 41 vs 71 ms for SmolLM2's 30 layers of 4-row decode over 544 slots).
+REDUCE_QUERIES = 2
+
+
+def _dense_block(q, parts):
+    """parts: [(k [B, T, K, Dh], v, mask bool [B, Q, T]), ...], one softmax over all of their keys."""
     B, Q, H, Dh = q.shape
-    K = k.shape[2]
+    K = parts[0][0].shape[2]
+    v_dtype = parts[0][1].dtype
     qg = (q * jnp.asarray(Dh ** -0.5, q.dtype)).reshape(B, Q, K, H // K, Dh)
-    scores = jnp.einsum("bqkgd,btkd->bkgqt", qg, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _NEG_INF)
-    probs = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-    denom = jnp.sum(probs, axis=-1)  # [B, K, G, Q]; normalising after the value product saves a pass over scores
-    out = jnp.einsum("bkgqt,btkd->bqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    if Q <= REDUCE_QUERIES:
+        return _dense_block_reduce(qg, parts).astype(v_dtype).reshape(B, Q, H, Dh)
+    scores = [jnp.where(mask[:, None, None, :, :],
+                        jnp.einsum("bqkgd,btkd->bkgqt", qg, k, preferred_element_type=jnp.float32), _NEG_INF)
+              for k, _, mask in parts]
+    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s in scores])
+    probs = [jnp.exp(s - top) for s in scores]
+    denom = sum(jnp.sum(p, axis=-1) for p in probs)  # [B, K, G, Q]; normalising after the value product is cheaper
+    out = sum(jnp.einsum("bkgqt,btkd->bqkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+              for p, (_, v, _) in zip(probs, parts))
     out = out / jnp.transpose(denom, (0, 3, 1, 2))[..., None]
-    return out.astype(v.dtype).reshape(B, Q, H, Dh)
+    return out.astype(v_dtype).reshape(B, Q, H, Dh)
+
+
+def _dense_block_reduce(qg, parts):
+    """`_dense_block` for a few queries, in float32, laid out [B, Q, T, K, G]. qg [B, Q, K, G, Dh] (scaled)."""
+    f32 = jnp.float32
+    qf = qg.astype(f32)[:, :, None]  # [B, Q, 1, K, G, Dh]
+    scores = [jnp.where(mask[:, :, :, None, None], jnp.sum(qf * k.astype(f32)[:, None, :, :, None, :], axis=-1),
+                        _NEG_INF) for k, _, mask in parts]  # [B, Q, T, K, G]
+    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=2, keepdims=True) for s in scores])
+    probs = [jnp.exp(s - top) for s in scores]
+    denom = sum(jnp.sum(p, axis=2) for p in probs)  # [B, Q, K, G]
+    out = sum(jnp.sum(p[..., None] * v.astype(f32)[:, None, :, :, None, :], axis=2)
+              for p, (_, v, _) in zip(probs, parts))  # [B, Q, K, G, Dh]
+    return out / denom[..., None]
 
 
 # ---------------------------------------------------------------------------------------------------- tiled
@@ -128,23 +165,37 @@ def default_q_block(head_dim: int) -> int:
     return 32 if head_dim <= 32 else 128
 
 
-def flash_attention(q, k, v, ranges: KeyRanges, *, q_block: int = 0, k_block: int = 128):
+def flash_attention(q, k, v, ranges: KeyRanges, *, q_block: int = 0, k_block: int = 128, block=None,
+                    block_band: int | None = None):
     """Tiled attention over `ranges` with a flash-style backward. q [B, Q, H, Dh]; k, v [B, T, K, Dh].
 
     Query blocks of `q_block` rows (0: `default_q_block`) run under `lax.map`; each walks only the key tiles
     `[min key_start, max key_end)` of its rows (a `while_loop`, so skipped tiles cost nothing), keeping float32
     running max / sum / output. Work is about `sum_i (key_end[i] - key_start[i])` scores. Returns [B, Q, H, Dh].
+
+    `block`: optional `(k2, v2, mask2)`: more keys `[B, T2, K, Dh]` attended under a boolean `mask2 [B, Q, T2]`
+    in the same softmax (a query block's own new tokens next to a cache: `cache.extend`, `attend_cached_block`).
+    Each query block scores them densely before walking its tiles. `block_band` (static) promises
+    `mask2[b, i, j]` is False whenever `|i - j| >= block_band` (needs T2 == Q): each query block then scores only
+    the `q_block + 2 (block_band - 1)` block keys around it. Gradients flow to k2 and v2 too.
     """
     B, Q, H, Dh = q.shape
     T = k.shape[1]
     qb = min(q_block or default_q_block(Dh), Q)
-    kb = min(k_block, T)
+    kb = min(k_block, T) if T else 1
     key_start = jnp.zeros((B, Q), jnp.int32) if ranges.key_start is None else ranges.key_start.astype(jnp.int32)
     key_end = jnp.minimum(ranges.key_end.astype(jnp.int32), T)
     segments = ranges.q_segment is not None
     q_seg = ranges.q_segment.astype(jnp.int32) if segments else jnp.zeros((B, Q), jnp.int32)
     k_seg = ranges.k_segment.astype(jnp.int32) if segments else jnp.zeros((B, T), jnp.int32)
-    return _flash(q, k, v, key_start, key_end, q_seg, k_seg, qb, kb, segments)
+    k2 = v2 = mask2 = None
+    if block is not None:
+        k2, v2, mask2 = block
+        mask2 = mask2.astype(bool)
+        if block_band and k2.shape[1] != Q:
+            raise ValueError(f"block_band needs as many block keys as queries, got {k2.shape[1]} and {Q}")
+    return _flash(q, k, v, k2, v2, mask2, key_start, key_end, q_seg, k_seg, qb, kb, segments,
+                  block_band if block is not None else None)
 
 
 def _tiles(q, k, v, key_start, key_end, q_seg, k_seg, qb, kb):
@@ -165,6 +216,26 @@ def _tiles(q, k, v, key_start, key_end, q_seg, k_seg, qb, kb):
     return block(qs), k, v, block(key_start), block(key_end), block(q_seg), k_seg, nq, nk
 
 
+def _block_keys(k2, v2, mask2, Q, nq, qb, band):
+    """Pad the block keys for per-query-block windows. Returns (k2, v2, mask2, width, window_start(index))."""
+    pq = nq * qb - Q
+    mask2 = jnp.pad(mask2, ((0, 0), (0, pq), (0, 0)))
+    if not band:
+        return k2, v2, mask2, k2.shape[1], lambda index: 0
+    # Padding so every block's window [start - band + 1, start + qb + band - 1) is in range.
+    pads = (band - 1, band - 1 + pq)
+    k2 = jnp.pad(k2, ((0, 0), pads, (0, 0), (0, 0)))
+    v2 = jnp.pad(v2, ((0, 0), pads, (0, 0), (0, 0)))
+    return k2, v2, jnp.pad(mask2, ((0, 0), (0, 0), pads)), qb + 2 * (band - 1), lambda index: index * qb
+
+
+def _block_window(k2, v2, mask2, width, start, index, qb):
+    """The block keys, values and mask rows [B, qb, width] one query block scores."""
+    rows = jax.lax.dynamic_slice_in_dim(mask2, index * qb, qb, axis=1)
+    window = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, width, axis=axis)  # noqa: E731
+    return window(k2, 1), window(v2, 1), window(rows, 2)
+
+
 def _tile_range(starts, ends, kb, nk):
     """The key tiles [lo, hi) a query block must visit (rows with an empty range do not widen it)."""
     live = ends > starts
@@ -183,15 +254,29 @@ def _visible(j, kb, starts, ends, qsg, k_seg, segments):
     return vis
 
 
-def _flash_forward(q, k, v, key_start, key_end, q_seg, k_seg, qb, kb, segments):
+def _flash_forward(q, k, v, k2, v2, mask2, key_start, key_end, q_seg, k_seg, qb, kb, segments, band):
     B, Q, H, Dh = q.shape
     K = k.shape[2]
     G = H // K
     qs, kp, vp, starts, ends, qsegs, k_seg_p, nq, nk = _tiles(q, k, v, key_start, key_end, q_seg, k_seg, qb, kb)
+    if k2 is not None:
+        k2p, v2p, mask2p, width, window_start = _block_keys(k2, v2, mask2, Q, nq, qb, band)
 
     def query_block(xs):
-        qi, st, en, qsg = xs  # qi [B, qb, K, G, Dh]
+        index, qi, st, en, qsg = xs  # qi [B, qb, K, G, Dh]
         lo, hi = _tile_range(st, en, kb, nk)
+        m = jnp.full((B, K, G, qb), _NEG_INF, jnp.float32)
+        l = jnp.zeros((B, K, G, qb), jnp.float32)
+        o = jnp.zeros((B, K, G, qb, Dh), jnp.float32)
+        if k2 is not None:  # the block keys first, densely: they seed the running statistics
+            kw, vw, rows = _block_window(k2p, v2p, mask2p, width, window_start(index), index, qb)
+            vis = rows[:, None, None]
+            s = jnp.where(vis, jnp.einsum("bqkgd,btkd->bkgqt", qi, kw, preferred_element_type=jnp.float32),
+                          _NEG_INF)
+            m = jnp.max(s, axis=-1)
+            p = jnp.where(vis, jnp.exp(s - m[..., None]), 0.0)
+            l = jnp.sum(p, axis=-1)
+            o = jnp.einsum("bkgqt,btkd->bkgqd", p.astype(vw.dtype), vw, preferred_element_type=jnp.float32)
 
         def tile(carry):
             j, m, l, o = carry
@@ -207,33 +292,32 @@ def _flash_forward(q, k, v, key_start, key_end, q_seg, k_seg, qb, kb, segments):
                                                   preferred_element_type=jnp.float32)
             return j + 1, m_new, l * scale + jnp.sum(p, axis=-1), o
 
-        init = (lo, jnp.full((B, K, G, qb), _NEG_INF, jnp.float32), jnp.zeros((B, K, G, qb), jnp.float32),
-                jnp.zeros((B, K, G, qb, Dh), jnp.float32))
-        _, m, l, o = jax.lax.while_loop(lambda c: c[0] < hi, tile, init)
+        _, m, l, o = jax.lax.while_loop(lambda c: c[0] < hi, tile, (lo, m, l, o))
         seen = l > 0
         o = o / jnp.where(seen, l, 1.0)[..., None]
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)  # inf: backward gives p = 0
         return o, lse
 
-    o, lse = jax.lax.map(query_block, (qs, starts, ends, qsegs))  # [nq, B, K, G, qb, Dh], [nq, B, K, G, qb]
+    o, lse = jax.lax.map(query_block, (jnp.arange(nq), qs, starts, ends, qsegs))  # [nq, B, K, G, qb, Dh], [.., qb]
     out = jnp.transpose(o, (1, 0, 4, 2, 3, 5)).reshape(B, nq * qb, H, Dh)[:, :Q].astype(v.dtype)
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _flash(q, k, v, key_start, key_end, q_seg, k_seg, qb, kb, segments):
-    return _flash_forward(q, k, v, key_start, key_end, q_seg, k_seg, qb, kb, segments)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13))
+def _flash(q, k, v, k2, v2, mask2, key_start, key_end, q_seg, k_seg, qb, kb, segments, band):
+    return _flash_forward(q, k, v, k2, v2, mask2, key_start, key_end, q_seg, k_seg, qb, kb, segments, band)[0]
 
 
-def _flash_fwd(q, k, v, key_start, key_end, q_seg, k_seg, qb, kb, segments):
-    out, lse = _flash_forward(q, k, v, key_start, key_end, q_seg, k_seg, qb, kb, segments)
-    return out, (q, k, v, key_start, key_end, q_seg, k_seg, out, lse)
+def _flash_fwd(q, k, v, k2, v2, mask2, key_start, key_end, q_seg, k_seg, qb, kb, segments, band):
+    out, lse = _flash_forward(q, k, v, k2, v2, mask2, key_start, key_end, q_seg, k_seg, qb, kb, segments, band)
+    return out, (q, k, v, k2, v2, mask2, key_start, key_end, q_seg, k_seg, out, lse)
 
 
-def _flash_bwd(qb, kb, segments, res, d_out):
+def _flash_bwd(qb, kb, segments, band, res, d_out):
     """dq, dk, dv by recomputing each visited tile: p = exp(s - lse), dv += p^T dO, dp = dO V^T,
-    ds = p (dp - rowsum(dO * O)), dq += ds K, dk += ds^T q (q pre-scaled, so dq picks up the scale)."""
-    q, k, v, key_start, key_end, q_seg, k_seg, out, lse = res
+    ds = p (dp - rowsum(dO * O)), dq += ds K, dk += ds^T q (q pre-scaled, so dq picks up the scale).
+    The block keys, when given, are recomputed the same way once per query block."""
+    q, k, v, k2, v2, mask2, key_start, key_end, q_seg, k_seg, out, lse = res
     B, Q, H, Dh = q.shape
     T, K = k.shape[1], k.shape[2]
     G = H // K
@@ -243,12 +327,29 @@ def _flash_bwd(qb, kb, segments, res, d_out):
         jnp.pad(x, ((0, 0), (0, pq), (0, 0), (0, 0))).reshape(B, nq, qb, K, G, Dh), 1, 0).transpose(0, 1, 3, 4, 2, 5)
     dos = to_blocks(d_out.astype(jnp.float32))
     delta = jnp.sum(dos * to_blocks(out.astype(jnp.float32)), axis=-1)  # [nq, B, K, G, qb]
+    if k2 is not None:
+        k2p, v2p, mask2p, width, window_start = _block_keys(k2, v2, mask2, Q, nq, qb, band)
 
     def query_block(carry, xs):
-        dk, dv = carry
-        qi, st, en, qsg, do, dl, ls = xs
+        dk, dv, dk2, dv2 = carry
+        index, qi, st, en, qsg, do, dl, ls = xs
         lo, hi = _tile_range(st, en, kb, nk)
         do_c = do.astype(v.dtype)
+        dq = jnp.zeros((B, qb, K, G, Dh), jnp.float32)
+        if k2 is not None:
+            start = window_start(index)
+            kw, vw, rows = _block_window(k2p, v2p, mask2p, width, start, index, qb)
+            s = jnp.einsum("bqkgd,btkd->bkgqt", qi, kw, preferred_element_type=jnp.float32)
+            p = jnp.where(rows[:, None, None], jnp.exp(s - ls[..., None]), 0.0)
+            dp = jnp.einsum("bkgqd,btkd->bkgqt", do_c, vw, preferred_element_type=jnp.float32)
+            ds = p * (dp - dl[..., None])
+            dvw = jnp.einsum("bkgqt,bkgqd->btkd", p.astype(v2.dtype), do_c, preferred_element_type=jnp.float32)
+            dkw = jnp.einsum("bkgqt,bqkgd->btkd", ds.astype(q.dtype), qi, preferred_element_type=jnp.float32)
+            dq = jnp.einsum("bkgqt,btkd->bqkgd", ds.astype(k2.dtype), kw, preferred_element_type=jnp.float32)
+            dk2 = jax.lax.dynamic_update_slice_in_dim(
+                dk2, jax.lax.dynamic_slice_in_dim(dk2, start, width, axis=1) + dkw, start, axis=1)
+            dv2 = jax.lax.dynamic_update_slice_in_dim(
+                dv2, jax.lax.dynamic_slice_in_dim(dv2, start, width, axis=1) + dvw, start, axis=1)
 
         def tile(c):
             j, dq, dk, dv = c
@@ -268,14 +369,20 @@ def _flash_bwd(qb, kb, segments, res, d_out):
                 dv, jax.lax.dynamic_slice_in_dim(dv, j * kb, kb, axis=1) + dvj, j * kb, axis=1)
             return j + 1, dq, dk, dv
 
-        init = (lo, jnp.zeros((B, qb, K, G, Dh), jnp.float32), dk, dv)
-        _, dq, dk, dv = jax.lax.while_loop(lambda c: c[0] < hi, tile, init)
-        return (dk, dv), dq
+        _, dq, dk, dv = jax.lax.while_loop(lambda c: c[0] < hi, tile, (lo, dq, dk, dv))
+        return (dk, dv, dk2, dv2), dq
 
     zeros = jnp.zeros((B, nk * kb, K, Dh), jnp.float32)
-    (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), (qs, starts, ends, qsegs, dos, delta, lse))
+    zeros2 = None if k2 is None else jnp.zeros(k2p.shape, jnp.float32)
+    (dk, dv, dk2, dv2), dq = jax.lax.scan(query_block, (zeros, zeros, zeros2, zeros2),
+                                          (jnp.arange(nq), qs, starts, ends, qsegs, dos, delta, lse))
     dq = jnp.moveaxis(dq, 0, 1).reshape(B, nq * qb, H, Dh)[:, :Q] * (Dh ** -0.5)
-    return (dq.astype(q.dtype), dk[:, :T].astype(k.dtype), dv[:, :T].astype(v.dtype), None, None, None, None)
+    grads = (dq.astype(q.dtype), dk[:, :T].astype(k.dtype), dv[:, :T].astype(v.dtype))
+    if k2 is None:
+        return grads + (None,) * 7
+    lead = band - 1 if band else 0
+    T2 = k2.shape[1]
+    return grads + (dk2[:, lead:lead + T2].astype(k2.dtype), dv2[:, lead:lead + T2].astype(v2.dtype)) + (None,) * 5
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -327,7 +434,7 @@ def resolve_impl(impl: str, platform: str | None = None) -> str:
 
 
 def attention(q, k, v, mask, *, impl: str = "auto", q_block: int = 0, k_block: int = 128, query_chunk: int = 0,
-              self_attention: bool = False, segment_ids=None):
+              self_attention: bool = False, segment_ids=None, block=None, block_band: int | None = None):
     """Grouped-query attention, the one entry point. q [B, Q, H, Dh]; k, v [B, T, K, Dh] -> [B, Q, H, Dh].
 
     mask: a `KeyRanges` (every mask the models build) or a boolean [B, Q, T] array / row function (a user mask:
@@ -335,14 +442,20 @@ def attention(q, k, v, mask, *, impl: str = "auto", q_block: int = 0, k_block: i
     `self_attention=True` says q and k are the same tokens with purely causal ranges
     (plus `segment_ids` when packed): only then can "cudnn" and "pallas_tpu" run; otherwise they fall back to
     "xla". `query_chunk` bounds the dense path's score memory; `q_block`/`k_block` are the tiles.
+
+    `block`: optional `(k2, v2, mask2)`: more keys `[B, T2, K, Dh]` under a boolean `mask2 [B, Q, T2]`, merged
+    into the same softmax (a KV cache's new tokens next to its cached keys; an answer block next to a cached
+    prefix), with optional static `block_band` (see `flash_attention`). Only the "xla" and "dense" paths take it.
     """
     impl = resolve_impl(impl)
     few_queries = q.shape[1] < FEW_QUERIES
+    if block is not None and not isinstance(mask, KeyRanges):
+        raise ValueError("attention: `block` keys need a KeyRanges mask for the main keys")
     if not isinstance(mask, KeyRanges) or impl == "dense" or (impl == "xla" and few_queries):
         dense = mask.dense(k.shape[1]) if isinstance(mask, KeyRanges) else mask
-        return dense_attention(q, k, v, dense, query_chunk=query_chunk)
-    if impl == "cudnn" and self_attention and segment_ids is None:
+        return dense_attention(q, k, v, dense, query_chunk=query_chunk, block=block)
+    if impl == "cudnn" and self_attention and segment_ids is None and block is None:
         return _cudnn_causal(q, k, v)
-    if impl == "pallas_tpu" and self_attention:
+    if impl == "pallas_tpu" and self_attention and block is None:
         return _pallas_tpu_causal(q, k, v, segment_ids, q_block=q_block, k_block=k_block)
-    return flash_attention(q, k, v, mask, q_block=q_block, k_block=k_block)
+    return flash_attention(q, k, v, mask, q_block=q_block, k_block=k_block, block=block, block_band=block_band)

@@ -9,8 +9,8 @@ indices; rows are never left-padded).
   * `prefill` runs full rows once and returns their hidden states together with a cache of exactly those rows
     (the causal self-attention path of `forward`, so memory stays linear in length for long inputs).
   * `attend_cached_block` runs a block of queries against a prefilled cache with a per-query key limit and an
-    in-block boolean mask, without writing to the cache: flash-style tiles that skip cached keys beyond each
-    query tile's limit (memory O(tile), work about sum of the key limits).
+    in-block boolean mask, without writing to the cache: the attention API's tiled kernel skips cached keys
+    beyond each query tile's limit (memory O(tile), work about sum of the key limits).
 
 Both use the decoder's layer pieces and know nothing about sampling or scoring policy.
 """
@@ -92,30 +92,31 @@ def extend(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
     num_new = num_new.astype(jnp.int32)
     offsets = jnp.arange(n, dtype=jnp.int32)
     positions = cache.lengths[:, None] + offsets[None, :]  # [B, n]
-    write_slot = jnp.where(offsets[None, :] < num_new[:, None], positions, T)  # T = out of range -> dropped
+    stored = (offsets[None, :] < num_new[:, None]) & (positions < T)  # [B, n]: new tokens that get a cache slot
+    write_slot = jnp.where(stored, positions, T)  # T = out of range -> dropped
 
-    mask = attention_api.KeyRanges(key_end=positions + 1)  # each new token sees its row's cache up to itself
+    # Each new token sees its row's cached tokens (one key range) and the row's stored new tokens up to itself
+    # (the attention's block keys). The cache is read-only inside the layer loop and written once after it:
+    # writing it per layer made every decode step copy the whole cache.
+    cached = attention_api.KeyRanges(key_end=jnp.broadcast_to(jnp.minimum(cache.lengths, T)[:, None], (B, n)))
+    in_block = (offsets[:, None] >= offsets[None, :])[None] & stored[:, None, :]  # [B, n, n]
 
+    def layer(h, xs):
+        lp, k_layer, v_layer = xs
+
+        def attend(q, k, v):
+            out = dec.attend(config, q, k_layer.astype(q.dtype), v_layer.astype(q.dtype), cached,
+                             block=(k, v, in_block))
+            return out, (k.astype(cache.k.dtype), v.astype(cache.v.dtype))
+
+        h, kv, _ = dec.decoder_layer(config, lp, h, positions, attend)
+        return h, kv
+
+    h, (k_new, v_new) = jax.lax.scan(layer, dec.embed_tokens(config, params, tokens),
+                                     (params["layers"], cache.k, cache.v))
     rows = jnp.arange(B)[:, None]
-
-    # The whole cache is the scan carry and each layer scatters its new keys/values in place (a scan over the
-    # cache as xs -> ys would copy every layer's cache on every call).
-    def layer(carry, xs):
-        h, k_all, v_all = carry
-        lp, index = xs
-
-        def attend(q, k, v):  # write this layer's new keys/values, then attend over the row's whole cache
-            k_new = k_all.at[index, rows, write_slot].set(k.astype(k_all.dtype), mode="drop")
-            v_new = v_all.at[index, rows, write_slot].set(v.astype(v_all.dtype), mode="drop")
-            k_layer = jax.lax.dynamic_index_in_dim(k_new, index, keepdims=False).astype(q.dtype)
-            v_layer = jax.lax.dynamic_index_in_dim(v_new, index, keepdims=False).astype(q.dtype)
-            return dec.attend(config, q, k_layer, v_layer, mask), (k_new, v_new)
-
-        h, (k_all, v_all), _ = dec.decoder_layer(config, lp, h, positions, attend)
-        return (h, k_all, v_all), None
-
-    (h, new_k, new_v), _ = jax.lax.scan(layer, (dec.embed_tokens(config, params, tokens), cache.k, cache.v),
-                                        (params["layers"], jnp.arange(config.num_hidden_layers)))
+    new_k = cache.k.at[:, rows, write_slot].set(k_new, mode="drop")  # k_new [layers, B, n, K, Dh]
+    new_v = cache.v.at[:, rows, write_slot].set(v_new, mode="drop")
     new_cache = KVCache(k=new_k, v=new_v, lengths=cache.lengths + num_new)
     if return_logits == "none":
         return None, new_cache
@@ -143,23 +144,23 @@ def attend_cached_block(config: ModelConfig, params: dict, cache: KVCache, token
       block_band: optional static promise that `block_mask[b, q, q']` is False whenever `|q - q'| >= block_band`
         (e.g. answer copies of width w: band w); each query tile then scores only the block tokens near it.
 
-    Attention runs in flash-style tiles (`decoder.prefix_attend`, query tiles of `config.attention_query_chunk`
-    rows when set, as in causal self-attention): each query tile walks the cached key tiles
-    only up to its largest `key_limit`, so the work is about `sum_q key_limit[q]` scores (plus the in-block part)
-    and memory is O(tile) per step, linear in the cache length. Keep `key_limit` non-decreasing along the block
-    (e.g. copies ordered by boundary) for the most skipping.
+    Attention is the one attention API (`attention.attention`) with the cache as the main keys
+    (`KeyRanges(key_end=key_limit)`) and the block's own keys as its `block` keys: on the tiled kernel each query
+    tile walks the cached key tiles only up to its largest `key_limit`, so the work is about `sum_q key_limit[q]`
+    scores (plus the in-block part) and memory is O(tile) per step, linear in the cache length. Keep `key_limit`
+    non-decreasing along the block (e.g. copies ordered by boundary) for the most skipping. Differentiable.
 
     Compute log-probs from the result with `hidden_logprobs` (chunked; no [B, Q, V] float32 tensor).
     """
     block_mask = block_mask.astype(bool)
+    cached = attention_api.KeyRanges(key_end=key_limit.astype(jnp.int32))
 
     def layer(h, xs):
         lp, k_cache, v_cache = xs
 
         def attend(q, k, v):
-            return dec.prefix_attend(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), key_limit,
-                                     extra=(k, v, block_mask), extra_band=block_band,
-                                     q_block=config.attention_query_chunk or None), None
+            return dec.attend(config, q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), cached,
+                              block=(k, v, block_mask), block_band=block_band), None
 
         return dec.decoder_layer(config, lp, h, positions, attend)[0], None
 

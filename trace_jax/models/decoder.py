@@ -198,125 +198,27 @@ def _project_qkv(config: ModelConfig, attn: dict, x: jax.Array, positions: jax.A
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
-def attend(config: ModelConfig, q, k, v, mask, *, self_attention: bool = False, segment_ids=None):
+def attend(config: ModelConfig, q, k, v, mask, *, self_attention: bool = False, segment_ids=None, block=None,
+           block_band: int | None = None):
     """`attention.attention` with the config's implementation and tiles (see docs/models.md for which path runs).
 
     Query tiles: `attention_q_block`, else `attention_query_chunk`, else automatic by head width; key tiles:
     `attention_k_block`. A dense (user-mask) path is query-chunked by `attention_query_chunk`, or automatically in
     blocks of `AUTO_CHUNK` rows past `AUTO_CHUNK_ABOVE` queries, so its scores never need [B, H, S, S].
+    `block` / `block_band`: more keys under a boolean mask in the same softmax (see `attention.attention`).
     """
     Q = q.shape[1]
     chunk = config.attention_query_chunk or (AUTO_CHUNK if Q > AUTO_CHUNK_ABOVE else 0)
     return attention_api.attention(q, k, v, mask, impl=config.attention_impl,
                                    q_block=config.attention_q_block or config.attention_query_chunk,
                                    k_block=config.attention_k_block, query_chunk=chunk,
-                                   self_attention=self_attention, segment_ids=segment_ids)
+                                   self_attention=self_attention, segment_ids=segment_ids, block=block,
+                                   block_band=block_band)
 
 
 # A user-supplied [B, S, S] mask takes the dense path; past this many queries it runs in query blocks.
 AUTO_CHUNK_ABOVE = 2048
 AUTO_CHUNK = 512
-
-
-def prefix_attend(q, k, v, key_end, *, extra=None, extra_band: int | None = None, q_block: int | None = None,
-                  k_block: int | None = None):
-    """Attention where query i sees a key prefix, tiled flash-style with key tiles beyond the prefix skipped.
-
-    Args:
-      q: [B, Q, H, Dh]; k, v: [B, T, K, Dh] (grouped-query: H a multiple of K).
-      key_end: int [B, Q]: query i of row b attends keys j < key_end[b, i] (causal self-attention:
-        key_end = i + 1; a block against a cache: each query's own prefix length).
-      extra: optional `(k2 [B, T2, K, Dh], v2 [B, T2, K, Dh], mask2)` more keys attended under a boolean mask
-        `mask2 [B, Q, T2]` (True = may attend), scored densely per query block and merged exactly (e.g. a query
-        block's keys among its own tokens).
-      extra_band: optional; promises `mask2[b, i, j]` is False whenever `|i - j| >= extra_band` (needs T2 == Q),
-        so each query block scores only the `q_block + 2 (extra_band - 1)` extra keys around it.
-      q_block, k_block: tile sizes (default `attention.default_q_block(head_dim)` and 128). Query blocks run under
-        `lax.map`; within one, key tiles past the block's largest `key_end` (over the batch) are skipped, so the
-        work is about `sum_i key_end[i]` scores instead of `Q * T`, and each tile's float32 scores
-        `[B, H, q_block, k_block]` stay in cache. Online softmax (running max and sum) in float32.
-        Differentiable; the backward pass recomputes each tile's scores instead of storing them.
-
-    Returns [B, Q, H, Dh]. A query with no visible key gets a uniform average (finite), as in `attend`.
-    The result is ordering-independent; skipping is fastest when `key_end` is non-decreasing along queries.
-    """
-    B, Q, H, Dh = q.shape
-    T, K = k.shape[1], k.shape[2]
-    G = H // K
-    q_block = min(q_block or attention_api.default_q_block(Dh), Q)
-    k_block = min(k_block or 128, T)
-    nq, nk = -(-Q // q_block), -(-T // k_block)
-    pad_q, pad_k = nq * q_block - Q, nk * k_block - T
-    qs = (q * jnp.asarray(Dh ** -0.5, q.dtype)).reshape(B, Q, K, G, Dh)
-    ends = jnp.minimum(key_end.astype(jnp.int32), T)
-    if pad_q:
-        qs = jnp.pad(qs, ((0, 0), (0, pad_q), (0, 0), (0, 0), (0, 0)))
-        ends = jnp.pad(ends, ((0, 0), (0, pad_q)))
-    if pad_k:
-        k = jnp.pad(k, ((0, 0), (0, pad_k), (0, 0), (0, 0)))
-        v = jnp.pad(v, ((0, 0), (0, pad_k), (0, 0), (0, 0)))
-    qs = jnp.moveaxis(qs.reshape(B, nq, q_block, K, G, Dh), 1, 0)  # [nq, B, qb, K, G, Dh]
-    ends = jnp.moveaxis(ends.reshape(B, nq, q_block), 1, 0)  # [nq, B, qb]
-    k_tiles = k.reshape(B, nk, k_block, K, Dh)
-    v_tiles = v.reshape(B, nk, k_block, K, Dh)
-    key_offsets = jnp.arange(k_block, dtype=jnp.int32)
-    if extra is not None:
-        k2, v2, mask2 = extra
-        mask2 = jnp.pad(mask2.astype(bool), ((0, 0), (0, pad_q), (0, 0)))
-        if extra_band:
-            if k2.shape[1] != Q:
-                raise ValueError(f"extra_band needs as many extra keys as queries, got {k2.shape[1]} and {Q}")
-            width = q_block + 2 * (extra_band - 1)
-            # Padding so every block's window [start - band + 1, start + q_block + band - 1) is in range.
-            pads = (extra_band - 1, extra_band - 1 + nq * q_block - Q)
-            k2, v2 = jnp.pad(k2, ((0, 0), pads, (0, 0), (0, 0))), jnp.pad(v2, ((0, 0), pads, (0, 0), (0, 0)))
-            mask2 = jnp.pad(mask2, ((0, 0), (0, 0), pads))
-
-    def extra_block(index):  # the extra keys, values and mask rows one query block scores
-        start = index * q_block
-        rows = jax.lax.dynamic_slice_in_dim(mask2, start, q_block, axis=1)
-        if not extra_band:
-            return k2, v2, rows
-        window = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, width, axis=axis)  # noqa: E731
-        return window(k2, 1), window(v2, 1), window(rows, 2)
-
-    def accumulate(state, s, values):  # s [B, K, G, qb, t] float32 (masked), values [B, t, K, Dh]
-        m, l, o = state
-        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-        p = jnp.exp(s - m_new[..., None])
-        scale = jnp.exp(m - m_new)
-        o = o * scale[..., None] + jnp.einsum("bkgqt,btkd->bkgqd", p.astype(values.dtype), values,
-                                              preferred_element_type=jnp.float32)
-        return m_new, l * scale + jnp.sum(p, axis=-1), o
-
-    def query_block(xs):
-        index, qi, ei = xs  # qi [B, qb, K, G, Dh], ei [B, qb]
-        state = (jnp.full((B, K, G, q_block), _NEG_INF, jnp.float32), jnp.zeros((B, K, G, q_block), jnp.float32),
-                 jnp.zeros((B, K, G, q_block, Dh), jnp.float32))
-        if extra is not None:
-            k2, v2, rows = extra_block(index)
-            s = jnp.einsum("bqkgd,btkd->bkgqt", qi, k2, preferred_element_type=jnp.float32)
-            state = accumulate(state, jnp.where(rows[:, None, None], s, _NEG_INF), v2)
-
-        def tile(j, state):
-            kj = jax.lax.dynamic_index_in_dim(k_tiles, j, axis=1, keepdims=False)
-            vj = jax.lax.dynamic_index_in_dim(v_tiles, j, axis=1, keepdims=False)
-            s = jnp.einsum("bqkgd,btkd->bkgqt", qi, kj, preferred_element_type=jnp.float32)
-            visible = (j * k_block + key_offsets)[None, None, :] < ei[:, :, None]  # [B, qb, kb]
-            return accumulate(state, jnp.where(visible[:, None, None], s, _NEG_INF), vj)
-
-        # A static loop over all key tiles with the ones past the block's limit skipped by `cond` (as fast as a
-        # dynamic trip count here, and reverse-differentiable); `checkpoint` keeps only the running statistics
-        # per tile for the backward pass, not the tile's scores.
-        num_tiles = jnp.minimum((jnp.max(ei) + k_block - 1) // k_block, nk)
-        tile = jax.checkpoint(tile)
-        m, l, o = jax.lax.fori_loop(
-            0, nk, lambda j, st: jax.lax.cond(j < num_tiles, tile, lambda _, st: st, j, st), state)
-        return o / jnp.where(l > 0, l, 1.0)[..., None]  # [B, K, G, qb, Dh]
-
-    out = jax.lax.map(query_block, (jnp.arange(nq), qs, ends))  # [nq, B, K, G, qb, Dh]
-    out = jnp.transpose(out, (1, 0, 4, 2, 3, 5)).reshape(B, nq * q_block, H, Dh)[:, :Q]
-    return out.astype(v.dtype)
 
 
 def _attn_output(attn: dict, o: jax.Array) -> jax.Array:

@@ -12,9 +12,9 @@ Two layouts of the same computation:
     Simple; attention memory is `O((L + (T+1) m)^2)`, fine up to a few thousand tokens.
   * "cached": prefill the trajectory (causal attention, keys/values kept per layer), then run all copies as one
     query block against the cached keys with a per-query key limit (`models.attend_cached_block`). Its attention is
-    tiled (`decoder.prefix_attend`): a tile of copy queries reads cached key tiles only up to its largest `b_k`
-    and only the copy tokens within one answer width of it, so the work is about `sum_k (m-1) b_k` scores and
-    memory is linear in `L`.
+    the tiled kernel with the copies as block keys: a tile of copy queries reads cached key tiles only up to its
+    largest `b_k` and only the copy tokens within one answer width of it, so the work is about `sum_k (m-1) b_k`
+    scores and memory is linear in `L`.
 
 Only `m - 1` answer tokens per state run through the model: answer token 0 is predicted by the trajectory's own
 hidden state at `b_k - 1` (which only sees keys `< b_k`), and the last answer token predicts nothing we score.
