@@ -502,15 +502,19 @@ def router_token_weight(tokens_shape, segment_ids=None, attention_mask=None):
 
 
 def _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask, *, return_kv=False,
-                    return_router_stats=False):
+                    return_router_stats=False, token_mask=None):
     """Final-normed hidden [B, S, D]; with `return_kv`, also every layer's keys and values
     `([layers, B, S, K, Dh], [layers, B, S, K, Dh])` (what a KV cache of these tokens holds); with
-    `return_router_stats`, also `(router_stats, num_tokens)` for `router_aux_loss`."""
+    `return_router_stats`, also `(router_stats, num_tokens)` for `router_aux_loss`. `token_mask [B, S]` (0 =
+    padding) only narrows which tokens the router statistics count."""
     B, S = tokens.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
     mask = self_attention_mask((B, S), segment_ids, attention_mask)
     token_weight = router_token_weight((B, S), segment_ids, attention_mask) if config.is_moe else None
+    if config.is_moe and token_mask is not None:
+        real = (jnp.asarray(token_mask) != 0).astype(jnp.float32)
+        token_weight = real if token_weight is None else token_weight * real
 
     def self_attend(q, k, v):
         out = attend(config, q, k, v, mask, self_attention=attention_mask is None, segment_ids=segment_ids)
@@ -554,18 +558,20 @@ def _check_tokens(tokens, name="tokens"):
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("return_router_loss",))
 def forward_hidden(config: ModelConfig, params: dict, tokens: jax.Array, *, positions=None, segment_ids=None,
-                   attention_mask=None, return_router_loss: bool = False):
+                   attention_mask=None, return_router_loss: bool = False, token_mask=None):
     """Final-normed hidden states [B, S, D] (compute dtype) for tokens [B, S]; masking as in the module doc.
 
     With `return_router_loss=True` returns `(hidden, router_aux_loss)`: the float32 load-balancing loss of
     transformers' Qwen3-MoE (`aux_loss`, before `config.router_aux_loss_coef`; see `router_aux_loss`), counting
-    only real tokens (`router_token_weight`); 0.0 for dense models. Differentiable.
+    only real tokens (`router_token_weight`, and where given `token_mask [B, S]` nonzero: a trainer's right
+    padding, which attention needs no mask for since no real token looks past it); 0.0 for dense models.
+    Differentiable. `token_mask` changes nothing else.
     """
     _check_tokens(tokens)
     if not return_router_loss:
         return _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask)
     hidden, (stats, num_tokens) = _forward_hidden(config, params, tokens, positions, segment_ids, attention_mask,
-                                                  return_router_stats=True)
+                                                  return_router_stats=True, token_mask=token_mask)
     return hidden, router_aux_loss(config, stats, num_tokens)
 
 
