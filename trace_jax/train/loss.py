@@ -14,6 +14,9 @@ log pi_old(tokens[n, t] | tokens[n, :t])`, and index 0 is never trained.
     reference_logprobs  float32 [N, L]  frozen reference's log-probs of token t, for the KL term; None when
                                         `kl_coef == 0` (the train step then leaves the reference unused)
     segment_ids         int32   [N, L]  optional packing ids (tokens attend within their segment)
+    token_mask          float32 [N, L]  optional: 1 on real tokens (prompt, generated, observation), 0 on the
+                                        right padding; None = every token is real. Only the MoE load-balancing
+                                        loss reads it (padding must not count as routed tokens)
 
 Formulas (per trained token, `r` the importance ratio, `A` the advantage):
 
@@ -60,6 +63,7 @@ class LossBatch:
     behaviour_logprobs: jax.Array
     reference_logprobs: jax.Array | None = None
     segment_ids: jax.Array | None = None
+    token_mask: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -71,7 +75,7 @@ class LossBatch:
         if len(shape) != 2:
             raise ValueError(f"LossBatch.tokens must be [N, L], got shape {shape}")
         for name in ("positions", "loss_mask", "advantages", "behaviour_logprobs", "reference_logprobs",
-                     "segment_ids"):
+                     "segment_ids", "token_mask"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
                 raise ValueError(f"LossBatch.{name} has shape {tuple(value.shape)}, expected {shape} like tokens")
@@ -85,26 +89,35 @@ class LossBatch:
                              f"{loss_config.micro_batches}")
 
 
+def real_token_mask(lengths, width: int):
+    """float32 `[N, width]`: 1 on each row's first `lengths[n]` tokens, 0 on the right padding after them (the
+    `LossBatch.token_mask` of rows padded on the right)."""
+    return (jnp.arange(width)[None, :] < jnp.asarray(lengths)[:, None]).astype(jnp.float32)
+
+
 # ---------------------------------------------------------------------------------------------------- log-probs
-def _policy_hidden(model_config, params, tokens, positions, segment_ids, with_router_loss: bool):
-    """Final-normed hidden [N, L, D] and the MoE router load-balancing loss (float32 scalar, 0 for dense)."""
+def _policy_hidden(model_config, params, tokens, positions, segment_ids, with_router_loss: bool, token_mask=None):
+    """Final-normed hidden [N, L, D] and the MoE router load-balancing loss (float32 scalar, 0 for dense) over the
+    real tokens (`token_mask`, None = all)."""
     if with_router_loss and model_config.is_moe:
         return models.forward_hidden(model_config, params, tokens, positions=positions, segment_ids=segment_ids,
-                                     return_router_loss=True)
+                                     return_router_loss=True, token_mask=token_mask)
     hidden = models.forward_hidden(model_config, params, tokens, positions=positions, segment_ids=segment_ids)
     return hidden, jnp.zeros((), jnp.float32)
 
 
 def policy_logprobs(model_config, params, tokens, *, positions=None, segment_ids=None, chunk_size: int = 256,
-                    with_entropy: bool = False, with_router_loss: bool = False):
+                    with_entropy: bool = False, with_router_loss: bool = False, token_mask=None):
     """Token-aligned log-probs of `tokens [N, L]` under `params`, computed in sequence chunks.
 
     Returns `(logp, entropy, router_aux)`: `logp [N, L]` float32 with `logp[n, t] = log pi(tokens[n, t] |
     tokens[n, :t])` and `logp[n, 0] = 0`; `entropy [N, L]` float32, the entropy of the distribution token t was
     drawn from (same alignment), or None without `with_entropy`; `router_aux` the MoE load-balancing loss before
-    its coefficient (0 for dense models or without `with_router_loss`).
+    its coefficient (0 for dense models or without `with_router_loss`), counting only tokens where the optional
+    `token_mask [N, L]` is nonzero.
     """
-    hidden, router_aux = _policy_hidden(model_config, params, tokens, positions, segment_ids, with_router_loss)
+    hidden, router_aux = _policy_hidden(model_config, params, tokens, positions, segment_ids, with_router_loss,
+                                        token_mask)
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     out = models.hidden_logprobs(model_config, params, hidden, targets, chunk_size=chunk_size,
                                  with_entropy=with_entropy)
@@ -283,7 +296,7 @@ def loss_terms(model_config, loss_config: LossConfig, params, batch: LossBatch, 
         model_config, params, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids,
         chunk_size=cfg.chunk_for(max(1, rows // batch_shards), length, model_config.vocab_size),
         with_entropy=cfg.needs_entropy,
-        with_router_loss=cfg.router_aux and model_config.is_moe)
+        with_router_loss=cfg.router_aux and model_config.is_moe, token_mask=batch.token_mask)
     objective_sum, sums = objective_from_logprobs(cfg, logp, entropy, batch)
     return objective_sum, router_aux, sums
 

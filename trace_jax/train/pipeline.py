@@ -52,7 +52,7 @@ from trace_jax.scoring.fork import score_answer_prefixes
 from trace_jax.train.config import LossConfig
 from trace_jax.train.evaluate import episode_correct
 from trace_jax.train.flops import flops_per_token
-from trace_jax.train.loss import LossBatch
+from trace_jax.train.loss import LossBatch, real_token_mask
 from trace_jax.train.step import make_train_step
 
 SCORING_METHODS = ("fork", "naive")
@@ -272,7 +272,7 @@ class RLPipeline:
         loss_batch = LossBatch(tokens=batch.tokens[:, :width], positions=batch.positions[:, :width],
                                loss_mask=loss_mask, advantages=jnp.asarray(advantages),
                                behaviour_logprobs=batch.sampler_logprobs[:, :width],
-                               reference_logprobs=reference_lp)
+                               reference_logprobs=reference_lp, token_mask=real_token_mask(lengths, width))
         metrics = self.step_metrics(rollout, credit, answer_scores, ref_token_lp, width, num_prompts)
         return Prepared(rollout, loss_batch, credit, answer_scores, step_rewards, metrics, timing)
 
