@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import os
 import re
 import tempfile
 import time
@@ -254,6 +255,7 @@ class ProgramReport:
     model_flops: float | None = None
     out_of_memory: str = ""
     cost_keys: tuple[str, ...] = ()
+    raw_seconds: float | None = None
 
     @property
     def program_bytes(self) -> int | None:
@@ -301,6 +303,14 @@ class PlanReport:
         return next((p for p in self.programs if p.name == name), None)
 
     @property
+    def compiler_flop_share(self) -> float | None:
+        """The train step's FLOPs per chip in the compiler's cost analysis over the model FLOPs per chip."""
+        train = self.program("train")
+        if train is None or not train.flops or not train.model_flops:
+            return None
+        return train.flops / (train.model_flops / self.topology.num_chips)
+
+    @property
     def train_mfu(self) -> float | None:
         """Model FLOPs of the train step over (compiler time estimate x peak of all chips)."""
         train = self.program("train")
@@ -321,6 +331,9 @@ def _tpu_devices(topology: Topology):
                         "for a TPU at import) and run with JAX_PLATFORMS=cpu")
     from jax.experimental import topologies
 
+    # Compiling opens no TPU, so libtpu's one-process-per-host lock (/tmp/libtpu_lockfile) only makes concurrent
+    # plans (and pytest workers) fail; it must be lifted before libtpu initialises.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         return topologies.get_topology_desc(topology_name=topology.name, platform="tpu").devices
     except Exception as error:  # libtpu's message for a shape it does not know
@@ -385,6 +398,7 @@ def _compile(report: ProgramReport, lower, argument_bytes: int) -> None:
     report.flops = cost.get("flops")
     report.bytes_accessed = cost.get("bytes accessed")
     seconds = cost.get("optimal_seconds")
+    report.raw_seconds = None if seconds is None else float(seconds)
     report.seconds = float(seconds) if seconds is not None and seconds > 0 else None
 
 
@@ -671,12 +685,18 @@ def format_report(report: PlanReport) -> str:
     train = report.program("train")
     if train is not None and train.model_flops:
         if mfu is None:
-            lines.append(f"train step: {train.model_flops / 1e12:.1f} model TFLOPs; no compiler time estimate, so no "
-                         "implied MFU")
+            raw = "" if train.raw_seconds is None else f" (optimal_seconds = {train.raw_seconds:g})"
+            lines.append(f"train step: {train.model_flops / 1e12:.1f} model TFLOPs; the compiler gives no time "
+                         f"estimate{raw}, so no implied MFU")
         else:
             lines.append(f"train step: {train.model_flops / 1e12:.1f} model TFLOPs, compiler estimate "
                          f"{train.seconds:.3f} s -> implied MFU {100 * mfu:.0f}% of {t.num_chips} x "
                          f"{t.chip.peak_flops / 1e12:.0f} TFLOP/s")
+        counted = report.compiler_flop_share
+        if counted is not None and counted < 0.95:
+            lines.append(f"caution: the compiler's cost analysis counts {100 * counted:.0f}% of the model's FLOPs per "
+                         "chip (it counts each loop body once: the scans over layers, micro-batches and attention "
+                         "tiles), so its time is a lower bound and the implied MFU an upper bound")
     lines += [f"advice: {a}" for a in report.advice]
     lines += [f"note: {n}" for n in report.notes]
     return "\n".join(lines)
