@@ -96,13 +96,17 @@ def test_plan_of_the_tiny_config_on_v5e_2x2_compiles_all_three_programs_and_fits
 
 
 @needs_libtpu
-def test_a_kv_cache_larger_than_hbm_does_not_fit_and_the_advice_names_the_cache(tiny_run):
-    # 4096 rollout rows x 16384 tokens of float32 keys and values: 2 layers x 2 kv heads x 32 dims x 8 bytes
-    # = 1 KiB a token, 64 GiB in all, 16 GiB on each of 4 chips (plus logits and params): over v5e's 16 GiB.
-    run = parse(["configs/tiny.gin"], ["TrainConfig.prompts_per_step = 64", "RolloutConfig.group_size = 64",
-                                       "RolloutConfig.max_context = 16384"])
-    report = plan.plan(run, plan.PlanConfig("v5e:2x2", programs=("decode",)))
-    decode = report.program("decode")
-    assert 16 * GIB < decode.argument_bytes < 16.2 * GIB
-    assert report.verdict == "DOES NOT FIT"
-    assert any("KV cache" in advice for advice in report.advice)
+def test_a_kv_cache_larger_than_hbm_does_not_fit_exits_1_and_the_advice_names_the_rollout_rows(capsys):
+    # 4096 rollout rows x 16384 tokens of float32 keys and values: 2 layers x 2 kv heads x 16 dims x 8 bytes
+    # = 512 B a token (tiny-qwen3), 32 GiB in all, 8 GiB on each of 4 chips; the decode step's temporaries
+    # take it over v5e's 16 GiB.
+    argv = ["plan", "--gin_file", "configs/tiny.gin", "--topology", "v5e:2x2", "--programs", "decode",
+            "--model_preset", "tiny-qwen3", "--gin_param", "TrainConfig.prompts_per_step = 64",
+            "--gin_param", "RolloutConfig.group_size = 64", "--gin_param", "RolloutConfig.max_context = 16384"]
+    assert cli.main(argv) == 1
+    out = capsys.readouterr().out
+    decode = next(line for line in out.splitlines() if line.startswith("| decode"))
+    arguments = float(decode.split("|")[2].strip().rstrip("G"))
+    assert 8.0 <= arguments < 8.1  # the cache (8 GiB) plus logits and params
+    assert "verdict: DOES NOT FIT" in out
+    assert "advice: decode peaks at" in out and "TrainConfig.prompts_per_step" in out

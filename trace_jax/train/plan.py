@@ -3,8 +3,8 @@
     trace-jax plan --gin_file configs/qwen3_4b.gin --topology v5e:4x4 [--mesh fsdp=16] [--gin_param ...]
 
 With `libtpu` (the optional `tpu` extra) and `jax.experimental.topologies`, the three device programs of one RL
-step are lowered and compiled for the named TPU slice exactly as the loop builds them, on abstract inputs
-(`jax.ShapeDtypeStruct`s carrying their shardings; nothing is allocated):
+step are lowered and compiled for the named TPU slice with the builders the loop uses, given the mesh, on abstract
+inputs (`jax.ShapeDtypeStruct`s carrying their shardings; nothing is allocated):
 
   * "train":  `make_train_step` on the update's mini-batch (`prompts_per_step x group_size / mini_batches` rows
               of `max_context` tokens, `LossConfig.micro_batches`), the donated float32 train state;
@@ -20,8 +20,9 @@ chip's HBM: FIT, or DOES NOT FIT with what to change. The implied MFU is the mod
 (`flops.flops_per_token`, the MFU convention) over the compiler's time estimate at the chips' peak.
 
 On this jax (0.10) with libtpu, `compiled.cost_analysis()` gives FLOPs, bytes accessed and "optimal_seconds"
-(the TPU compiler's own estimate of the program's time); when a key is absent the report says "n/a" instead of
-guessing. GPU targets (`--topology h100:8`): no GPU compiler runs on a CPU host, so only what the shapes and
+(the TPU compiler's own estimate of the program's time), but counts each loop body once (scans over layers and
+micro-batches, attention tiles), and for real-sized steps "optimal_seconds" is not positive: the report then says
+"n/a" instead of guessing, and prints the share of the model FLOPs the compiler counted when it is under 90%. GPU targets (`--topology h100:8`): no GPU compiler runs on a CPU host, so only what the shapes and
 shardings determine is checked (resident bytes per device, FLOPs per step); temporaries and time are reported as
 not checked.
 
