@@ -27,7 +27,8 @@ from trace_jax.train.gin_setup import parse
 GIB = 1024**3
 CONFIGS = {"qwen3-4b": "configs/qwen3_4b.gin", "qwen3-30b-a3b": "configs/qwen3_30b_a3b.gin"}
 HEADER = ("| model | slice | mesh | micro-batches | train GiB/chip (args + temp = peak) | score GiB/chip | "
-          "decode GiB/chip | verdict (train / whole step) | compiler time est. | implied MFU | compile s |\n"
+          "decode GiB/chip | verdict (train / whole step) | compiler time est. (its utilisation) | implied MFU | "
+          "compile s |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|")
 
 
@@ -65,6 +66,11 @@ def row(model: str, slice_name: str, report: plan.PlanReport, seconds: float) ->
     hbm = report.topology.chip.hbm_bytes
     train_ok = train is not None and not train.out_of_memory and train.peak_bytes <= hbm
     time_text = "n/a" if train is None or train.seconds is None else f"{train.seconds:.2f} s"
+    share, busy = report.compiler_flop_share, report.compiler_utilisation
+    if train is not None and train.seconds is not None and share is not None and share < 0.9:
+        time_text += f" for {100 * share:.2g}% of the FLOPs"
+    if busy is not None:
+        time_text += f" ({100 * busy:.0f}% busy)"
     mfu = report.train_mfu
     mesh = ",".join(f"{a}={n}" for a, n in report.mesh.items() if n > 1)
     return (f"| {model} | {slice_name} ({report.topology.name}) | {mesh} | {report.settings['micro_batches']} x "
