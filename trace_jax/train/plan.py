@@ -528,9 +528,10 @@ def _advice(report: PlanReport, run_config, model_config) -> list[str]:
                    f"(data x fsdp x expert): rows are computed on fewer chips than hold them; make "
                    f"LossConfig.micro_batches divide {report.settings['rows'] // run_config.update.mini_batches // shards}")
     resident = report.resident["train state"] + report.resident["reference"]
-    if resident > hbm:
-        out.append(f"the train state and reference alone need {resident / GIB:.1f} GiB per chip: shard them over "
-                   f"more chips (a bigger slice, or fsdp over every chip: --mesh fsdp=-1) or a chip with more HBM")
+    if resident > hbm / 2 and report.fits is False:
+        out.append(f"the train state and the reference take {resident / GIB:.1f} of {hbm / GIB:.0f} GiB per chip "
+                   f"before any activation: shard them over more chips (a bigger slice, or fsdp over every chip: "
+                   f"--mesh fsdp=-1) or use a chip with more HBM")
     for p in report.programs:
         if not p.out_of_memory and (p.peak_bytes is None or p.peak_bytes <= hbm):
             continue
@@ -540,8 +541,8 @@ def _advice(report: PlanReport, run_config, model_config) -> list[str]:
             rows = report.settings["rows"] // run_config.update.mini_batches
             if micro < rows:
                 out.append(f"{over}: raise LossConfig.micro_batches (now {micro}, up to {rows}) or "
-                           f"UpdateConfig.mini_batches to cut the activation temporaries "
-                           f"({p.temp_bytes / GIB:.1f} GiB)")
+                           f"UpdateConfig.mini_batches to cut the temporaries that grow with rows (all temporaries: "
+                           f"{p.temp_bytes / GIB:.1f} GiB, gradients and the optimizer update included)")
             if model_config.remat != "full":
                 out.append(f"{over}: set remat to 'full' (now {model_config.remat!r})")
             if model_config.dtype != "bfloat16":
