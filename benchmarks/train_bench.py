@@ -160,38 +160,20 @@ def run_cpu(args):
 
 
 def run_aot(args):
-    """Compile the Qwen3-4B step for a TPU topology ahead of time and print its memory per chip."""
-    from jax.experimental import topologies
+    """Compile the Qwen3-4B step for a TPU topology ahead of time and print its memory per chip
+    (`trace_jax.train.plan`, what `trace-jax plan --programs train` does)."""
+    from trace_jax.train import plan
+    from trace_jax.train.gin_setup import parse
 
-    from trace_jax.train.checkpoint import abstract_train_state
-
-    topology = topologies.get_topology_desc(topology_name=args.topology, platform="tpu")
-    devices = topology.devices
+    run_config = parse(["configs/qwen3_4b.gin"], [f"TrainConfig.prompts_per_step = {args.rows}",
+                                                  "RolloutConfig.group_size = 1",
+                                                  f"RolloutConfig.max_context = {args.aot_length}",
+                                                  f"LossConfig.micro_batches = {args.micro_batches}"])
+    plan_config = plan.PlanConfig(topology=args.topology, programs=("train",), dtype="bfloat16", remat=args.remat)
     mesh_config = train.MeshConfig(data=1, fsdp=-1, tensor=args.tensor, expert=1)
-    mesh = models.make_mesh(mesh_config.axis_sizes(len(devices)), devices)
-    config = models.get_preset("qwen3-4b", dtype="bfloat16", remat=args.remat)
-    optimizer = train.make_optimizer(_optimizer_config())
-    loss_config = train.LossConfig(micro_batches=args.micro_batches)
-    step = train.make_train_step(config, loss_config, optimizer, mesh=mesh)
-    state = abstract_train_state(config, optimizer, mesh=mesh)
-    rows, length = args.rows, args.aot_length
-    sharding = train.step.batch_sharding(mesh, None, (rows, length))
-    spec = lambda dtype: jax.ShapeDtypeStruct((rows, length), dtype, sharding=sharding)  # noqa: E731
-    batch = train.LossBatch(tokens=spec(jnp.int32), positions=spec(jnp.int32), loss_mask=spec(jnp.float32),
-                            advantages=spec(jnp.float32), behaviour_logprobs=spec(jnp.float32))
-    start = time.perf_counter()
-    compiled = step.lower(state, batch, None).compile()
-    seconds = time.perf_counter() - start
-    memory = compiled.memory_analysis()
-    gib = 1024**3
-    total = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
-             - memory.alias_size_in_bytes)
-    print(f"Qwen3-4B train step AOT on {args.topology} ({len(devices)} chips, {devices[0].device_kind}), mesh "
-          f"{dict(mesh.shape)}, {rows} rows x {length} tokens, micro_batches={args.micro_batches}, bfloat16 compute, "
-          f"float32 master weights + AdamW, remat={args.remat}; compiled in {seconds:.0f} s")
-    print(f"per chip: arguments {memory.argument_size_in_bytes / gib:.2f} GiB, outputs "
-          f"{memory.output_size_in_bytes / gib:.2f} GiB (aliased {memory.alias_size_in_bytes / gib:.2f} GiB), "
-          f"temp {memory.temp_size_in_bytes / gib:.2f} GiB, total {total / gib:.2f} GiB")
+    report = plan.plan(run_config, plan_config, mesh_config, model_preset="qwen3-4b")
+    print(plan.format_report(report))
+    print(f"compiled in {report.program('train').compile_seconds:.0f} s")
 
 
 def main():

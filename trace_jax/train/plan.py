@@ -1,0 +1,753 @@
+"""`trace-jax plan`: will this run fit? Compile its device programs ahead of time for a TPU topology on a CPU host.
+
+    trace-jax plan --gin_file configs/qwen3_4b.gin --topology v5e:4x4 [--mesh fsdp=16] [--gin_param ...]
+
+With `libtpu` (the optional `tpu` extra) and `jax.experimental.topologies`, the three device programs of one RL
+step are lowered and compiled for the named TPU slice with the builders the loop uses, given the mesh, on abstract
+inputs (`jax.ShapeDtypeStruct`s carrying their shardings; nothing is allocated):
+
+  * "train":  `make_train_step` on the update's mini-batch (`prompts_per_step x group_size / mini_batches` rows
+              of `max_context` tokens, `LossConfig.micro_batches`), the donated float32 train state;
+  * "score":  the reference's prefix-fork scoring pass (`scoring.fork`) over `scoring_batch` rows (0 = all) of
+              `max_context` tokens with `max_turns + 1` states and an `answer_tokens`-token answer, bucketed as
+              `score_answer_prefixes` buckets them;
+  * "decode": one sampler decode step (`rollout.sampler`) of every rollout row against a `max_context` KV cache.
+
+For each, the compiler's per-device memory (arguments, outputs, temporaries, aliased), its FLOPs and, where the
+compiler gives one, its step-time estimate. A phase's peak adds what stays resident while it runs (the train
+state and the frozen reference, which are separate buffers), and the verdict compares the largest peak with the
+chip's HBM: FIT, or DOES NOT FIT with what to change. The implied MFU is the model FLOPs of the train step
+(`flops.flops_per_token`, the MFU convention) over the compiler's time estimate at the chips' peak.
+
+On this jax (0.10) with libtpu, `compiled.cost_analysis()` gives FLOPs, bytes accessed and "optimal_seconds"
+(the TPU compiler's own estimate of the program's time), but counts each loop body once (scans over layers and
+micro-batches, attention tiles), and for real-sized steps "optimal_seconds" is not positive: the report then says
+"n/a" instead of guessing, and prints the share of the model FLOPs the compiler counted when it is under 90%. GPU targets (`--topology h100:8`): no GPU compiler runs on a CPU host, so only what the shapes and
+shardings determine is checked (resident bytes per device, FLOPs per step); temporaries and time are reported as
+not checked.
+
+This module knows configs, the device programs' builders and the chip table; it runs nothing and knows nothing
+about tools, data or files beyond the gin files it is handed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+GIB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One accelerator: HBM per chip, dense bfloat16 peak (key of `flops.PEAK_FLOPS`), cores per chip in slice
+    names (`v5p-8` counts TensorCores: 4 chips), and the 2D/3D torus shapes of its standard slices."""
+
+    name: str
+    hbm_bytes: int
+    peak_key: str
+    platform: str = "tpu"
+    cores_per_chip: int = 1
+    dims: int = 2
+
+    @property
+    def peak_flops(self) -> float:
+        from trace_jax.train.flops import PEAK_FLOPS
+
+        return PEAK_FLOPS[self.peak_key]
+
+
+CHIPS: dict[str, Chip] = {
+    "v4": Chip("v4", 32 * GIB, "tpu-v4", cores_per_chip=2, dims=3),
+    "v5e": Chip("v5e", 16 * GIB, "tpu-v5e"),
+    "v5p": Chip("v5p", 95 * GIB, "tpu-v5p", cores_per_chip=2, dims=3),
+    "v6e": Chip("v6e", 32 * GIB, "tpu-v6e"),
+    "a100": Chip("a100", 80 * GIB, "a100", platform="gpu"),
+    "h100": Chip("h100", 80 * GIB, "h100", platform="gpu"),
+    "h200": Chip("h200", 141 * GIB, "h200", platform="gpu"),
+}
+# Standard slice shapes by chip count (what `v5e-16`-style names mean).
+_SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
+_SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
+              256: (4, 8, 8), 512: (8, 8, 8)}
+PROGRAMS = ("train", "score", "decode")
+
+
+class PlanError(ValueError):
+    """A topology, mesh or environment the plan cannot use; the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """A parsed target: chip, torus shape (TPU) and number of chips; `name` is what libtpu is asked for."""
+
+    chip: Chip
+    shape: tuple[int, ...]
+    num_chips: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.chip.name}:{'x'.join(map(str, self.shape))}"
+
+    @property
+    def slice_name(self) -> str:
+        return f"{self.chip.name}-{self.num_chips * self.chip.cores_per_chip}"
+
+
+def parse_topology(text: str) -> Topology:
+    """`v5e:4x4`, `v5p:2x2x2`, slice names `v5e-16` / `v5p-8` (TensorCores for v4/v5p), or GPUs `h100:8`."""
+    known = ", ".join(sorted(CHIPS))
+    match = re.fullmatch(r"\s*([a-z0-9]+)\s*([:-])\s*([0-9x]+)\s*", text.lower())
+    if not match or match.group(1) not in CHIPS:
+        raise PlanError(f"--topology {text!r}: expected CHIP:SHAPE (v5e:4x4, v5p:2x2x2), a slice name (v5e-16, "
+                        f"v5p-8) or GPU:COUNT (h100:8); known chips: {known}")
+    chip, sep, rest = CHIPS[match.group(1)], match.group(2), match.group(3)
+    if chip.platform == "gpu":
+        parts = [int(p) for p in rest.split("x") if p]
+        if not parts or min(parts) < 1:
+            raise PlanError(f"--topology {text!r}: a GPU target is GPU:COUNT, e.g. h100:8 or h100:2x8 (hosts x GPUs)")
+        return Topology(chip, tuple(parts), math.prod(parts))
+    if sep == "-":
+        if "x" in rest or int(rest) % chip.cores_per_chip:
+            raise PlanError(f"--topology {text!r}: a slice name is {chip.name}-N with N "
+                            f"{'TensorCores (2 per chip)' if chip.cores_per_chip == 2 else 'chips'}")
+        chips = int(rest) // chip.cores_per_chip
+        shapes = _SHAPES_3D if chip.dims == 3 else _SHAPES_2D
+        if chips not in shapes:
+            raise PlanError(f"--topology {text!r}: no standard {chip.name} slice of {chips} chips; known sizes: "
+                            f"{', '.join(f'{chip.name}-{n * chip.cores_per_chip}' for n in shapes)}, or give the "
+                            f"shape ({chip.name}:{'x'.join(['2'] * chip.dims)})")
+        return Topology(chip, shapes[chips], chips)
+    shape = tuple(int(p) for p in rest.split("x") if p)
+    if len(shape) != chip.dims or min(shape) < 1:
+        example = "4x4" if chip.dims == 2 else "2x2x2"
+        raise PlanError(f"--topology {text!r}: a {chip.name} shape has {chip.dims} dimensions, e.g. "
+                        f"{chip.name}:{example}")
+    return Topology(chip, shape, math.prod(shape))
+
+
+def parse_mesh(text: str | None, default):
+    """`--mesh fsdp=8,tensor=2` (unnamed axes 1, one may be -1) -> a `MeshConfig`; None keeps `default`."""
+    from trace_jax.train.config import MESH_AXES, MeshConfig, TrainConfigError
+
+    if not text:
+        return default
+    sizes = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in MESH_AXES or not re.fullmatch(r"-?\d+", value.strip()):
+            raise PlanError(f"--mesh {text!r}: expected AXIS=SIZE[,AXIS=SIZE] with axes {', '.join(MESH_AXES)} "
+                            f"(one size may be -1), e.g. --mesh fsdp=8,tensor=2")
+        sizes[name] = int(value)
+    try:
+        return MeshConfig(**{axis: sizes.get(axis, 1) for axis in MESH_AXES})
+    except TrainConfigError as error:
+        raise PlanError(f"--mesh {text!r}: {error}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """What to plan beyond the run's own configs.
+
+    Attributes:
+      topology: the target (`parse_topology` forms).
+      programs: which of "train", "score", "decode" to compile.
+      answer_tokens: tokens of the gold answer continuation the scorer appends after every state (template +
+        answer; the run's real ones are short).
+      dtype: compute dtype override of the policy ("" keeps the model config's); "bfloat16" is what TPUs want.
+      remat: rematerialisation override ("" keeps the model config's).
+      attention_impl: attention override; "" = the target platform's kernel when the config says "auto" (a CPU
+        host would otherwise compile its own XLA path).
+    """
+
+    topology: str
+    programs: tuple[str, ...] = PROGRAMS
+    answer_tokens: int = 32
+    dtype: str = ""
+    remat: str = ""
+    attention_impl: str = ""
+
+    def __post_init__(self):
+        parse_topology(self.topology)
+        bad = [p for p in self.programs if p not in PROGRAMS]
+        if bad or not self.programs:
+            raise PlanError(f"--programs {','.join(self.programs)!r}: choose from {', '.join(PROGRAMS)}")
+        if not isinstance(self.answer_tokens, int) or self.answer_tokens < 2:
+            raise PlanError(f"--answer_tokens must be an int >= 2, got {self.answer_tokens!r}")
+
+
+# ------------------------------------------------------------------------------------------------ the model
+def resolve_model(run_config, *, preset: str = "") -> tuple[Any, str]:
+    """The policy's `ModelConfig` as the loop would build it, without weights; returns `(config, how)`.
+
+    A fresh-init policy (`TrainConfig.model`) with the word tokenizer gets the tokenizer's vocabulary size (built
+    in a temporary directory, as the loop does); a checkpoint directory's `config.json` is read; a checkpoint that
+    is not on this host (e.g. configs/qwen3_4b.gin's placeholder) uses `preset`, or the preset whose name matches
+    the directory's name (`Qwen3-4B` -> `qwen3-4b`).
+    """
+    from trace_jax import models
+
+    train = run_config.train
+    if preset:
+        if preset not in models.preset_names():
+            raise PlanError(f"--model_preset {preset!r}: unknown; presets: {', '.join(models.preset_names())}")
+        return models.get_preset(preset), f"preset {preset} (--model_preset)"
+    if train.model is not None:
+        config = train.model
+        if train.tokenizer == "word":
+            from trace_jax.envs.oracle import trajectory_vocabulary
+            from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
+
+            with tempfile.TemporaryDirectory() as directory:
+                vocab = len(load_tokenizer(build_word_tokenizer(trajectory_vocabulary(), directory)))
+            config = config.replace(vocab_size=vocab)
+            return config, f"TrainConfig.model, vocab {vocab} (the word tokenizer's)"
+        return config, "TrainConfig.model"
+    source = train.checkpoint
+    if source == "gguf:smollm2":
+        return models.get_preset("smollm2-135m"), "preset smollm2-135m (TrainConfig.checkpoint = 'gguf:smollm2')"
+    if (Path(source) / "config.json").exists():
+        return models.ModelConfig.from_hf(source, param_dtype="float32"), f"{source}/config.json"
+    name = Path(source).name.lower()
+    if name in models.preset_names():
+        return models.get_preset(name), f"preset {name} ({source} is not on this host; matched by name)"
+    raise PlanError(f"TrainConfig.checkpoint = {source!r} has no config.json on this host and matches no preset; "
+                    f"pass --model_preset NAME ({', '.join(models.preset_names())}) or point the checkpoint at a "
+                    "directory holding its config.json (only config.json is read)")
+
+
+def _override_model(config, plan: PlanConfig, platform: str):
+    from trace_jax.models.attention import resolve_impl
+
+    changes = {}
+    if plan.dtype:
+        changes["dtype"] = plan.dtype
+    if plan.remat:
+        changes["remat"] = plan.remat
+    impl = plan.attention_impl or config.attention_impl
+    changes["attention_impl"] = resolve_impl(impl, platform)
+    return config.replace(**changes)
+
+
+# ------------------------------------------------------------------------------------------------ results
+@dataclasses.dataclass
+class ProgramReport:
+    """One compiled program on one device (bytes per device; None = the compiler did not say / not checked)."""
+
+    name: str
+    shape: str
+    argument_bytes: int | None = None
+    output_bytes: int | None = None
+    temp_bytes: int | None = None
+    alias_bytes: int | None = None
+    resident_other_bytes: int = 0
+    flops: float | None = None
+    bytes_accessed: float | None = None
+    seconds: float | None = None
+    compile_seconds: float | None = None
+    model_flops: float | None = None
+    out_of_memory: str = ""
+    cost_keys: tuple[str, ...] = ()
+    raw_seconds: float | None = None
+
+    @property
+    def program_bytes(self) -> int | None:
+        if self.argument_bytes is None or self.temp_bytes is None:
+            return None
+        return self.argument_bytes + (self.output_bytes or 0) + self.temp_bytes - (self.alias_bytes or 0)
+
+    @property
+    def peak_bytes(self) -> int | None:
+        own = self.program_bytes
+        return None if own is None else own + self.resident_other_bytes
+
+
+@dataclasses.dataclass
+class PlanReport:
+    """The whole plan: target, mesh, model, per-program reports, verdict and advice."""
+
+    topology: Topology
+    mesh: dict[str, int]
+    model: str
+    settings: dict[str, Any]
+    programs: list[ProgramReport]
+    resident: dict[str, int]
+    checked: bool = True
+    notes: list[str] = dataclasses.field(default_factory=list)
+    advice: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def peak_bytes(self) -> int | None:
+        peaks = [p.peak_bytes for p in self.programs if p.peak_bytes is not None]
+        return max(peaks) if peaks else None
+
+    @property
+    def fits(self) -> bool | None:
+        if any(p.out_of_memory for p in self.programs):
+            return False
+        peak = self.peak_bytes
+        return None if peak is None or not self.checked else peak <= self.topology.chip.hbm_bytes
+
+    @property
+    def verdict(self) -> str:
+        return {True: "FIT", False: "DOES NOT FIT", None: "NOT CHECKED"}[self.fits]
+
+    def program(self, name: str) -> ProgramReport | None:
+        return next((p for p in self.programs if p.name == name), None)
+
+    @property
+    def compiler_flop_share(self) -> float | None:
+        """The train step's FLOPs per chip in the compiler's cost analysis over the model FLOPs per chip."""
+        train = self.program("train")
+        if train is None or not train.flops or not train.model_flops:
+            return None
+        return train.flops / (train.model_flops / self.topology.num_chips)
+
+    @property
+    def train_mfu(self) -> float | None:
+        """Model FLOPs of the train step over (compiler time estimate x peak of all chips); None without a time
+        estimate, or when the compiler's estimate covers under 90% of the model's FLOPs (loop bodies counted once:
+        its time is then not the step's)."""
+        train = self.program("train")
+        share = self.compiler_flop_share
+        if train is None or not train.seconds or not train.model_flops or share is None or share < 0.9:
+            return None
+        return train.model_flops / (train.seconds * self.topology.chip.peak_flops * self.topology.num_chips)
+
+    @property
+    def compiler_utilisation(self) -> float | None:
+        """The compiler's own FLOPs over (its time estimate x one chip's peak): how busy it expects a chip to be on
+        the work it counted (when that is the loop bodies, an estimate for the step only if they dominate)."""
+        train = self.program("train")
+        if train is None or not train.seconds or not train.flops:
+            return None
+        return train.flops / (train.seconds * self.topology.chip.peak_flops)
+
+
+# ------------------------------------------------------------------------------------------------ building
+def libtpu_installed() -> bool:
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def _tpu_devices(topology: Topology):
+    if not libtpu_installed():
+        raise PlanError(f"planning for {topology.name} needs libtpu to compile TPU programs on this host: install "
+                        "the `tpu` extra (pip install -e '.[tpu]', in a venv of its own: libtpu makes JAX probe "
+                        "for a TPU at import) and run with JAX_PLATFORMS=cpu")
+    from jax.experimental import topologies
+
+    # Compiling opens no TPU, so libtpu's one-process-per-host lock (/tmp/libtpu_lockfile) only makes concurrent
+    # plans (and pytest workers) fail; it must be lifted before libtpu initialises.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        return topologies.get_topology_desc(topology_name=topology.name, platform="tpu").devices
+    except Exception as error:  # libtpu's message for a shape it does not know
+        raise PlanError(f"--topology {topology.name}: libtpu does not know this topology ({str(error)[:200]}); "
+                        f"use a standard slice shape, e.g. {topology.chip.name}:"
+                        f"{'x'.join(map(str, (_SHAPES_3D if topology.chip.dims == 3 else _SHAPES_2D)[4]))}") from None
+
+
+def _abstract(tree, shardings):
+    import jax
+
+    return jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
+
+
+def device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded `ShapeDtypeStruct`s (its largest shard of each leaf)."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if leaf is None:
+            continue
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+_OOM = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)")
+
+
+def _compile(report: ProgramReport, lower, argument_bytes: int) -> None:
+    """Compile, and fill `report` from the compiler's memory and cost analyses. A compile that runs out of HBM
+    is a result, not an error: its temporaries come from the compiler's message, its arguments from the shapes."""
+    start = time.perf_counter()
+    lowered = lower()
+    try:
+        compiled = lowered.compile()
+    except Exception as error:  # jax raises JaxRuntimeError (RESOURCE_EXHAUSTED) for a compile-time HBM OOM
+        match = _OOM.search(str(error))
+        if match is None:
+            raise
+        scale = {"K": 1024, "M": 1024**2, "G": GIB, "T": 1024 * GIB}
+        report.compile_seconds = time.perf_counter() - start
+        report.temp_bytes = int(float(match.group(1)) * scale[match.group(2)])
+        report.argument_bytes = argument_bytes
+        report.out_of_memory = (f"the compiler ran out of HBM: temporaries {match.group(1)}{match.group(2)} exceed "
+                                f"the available {match.group(3)}{match.group(4)}")
+        return
+    report.compile_seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    if memory is not None:
+        report.argument_bytes = int(memory.argument_size_in_bytes)
+        report.output_bytes = int(memory.output_size_in_bytes)
+        report.temp_bytes = int(memory.temp_size_in_bytes)
+        report.alias_bytes = int(memory.alias_size_in_bytes)
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per program
+        cost = cost[0] if cost else None
+    cost = cost or {}
+    report.cost_keys = tuple(sorted(k for k in cost if not k.startswith("utilization")))
+    report.flops = cost.get("flops")
+    report.bytes_accessed = cost.get("bytes accessed")
+    seconds = cost.get("optimal_seconds")
+    report.raw_seconds = None if seconds is None else float(seconds)
+    report.seconds = float(seconds) if seconds is not None and seconds > 0 else None
+
+
+class _Programs:
+    """The abstract inputs and lowerings of the three programs for one model, run config and mesh."""
+
+    def __init__(self, model_config, run_config, mesh, plan: PlanConfig):
+        import jax
+        import jax.numpy as jnp
+
+        from trace_jax import models
+        from trace_jax.train.checkpoint import abstract_train_state
+        from trace_jax.train.optimizer import make_optimizer
+
+        self.config, self.run, self.mesh, self.plan = model_config, run_config, mesh, plan
+        self.optimizer = make_optimizer(run_config.optimizer)
+        self.state = abstract_train_state(model_config, self.optimizer, mesh=mesh)
+        shapes = jax.eval_shape(lambda: models.init_params(model_config, jax.random.PRNGKey(0), dtype="float32"))
+        # The frozen reference is a float32 copy of the initial policy (loop.py), placed like the policy's params.
+        self.reference = _abstract(shapes, models.param_shardings(model_config, mesh))
+        self.rows = run_config.train.prompts_per_step * run_config.rollout.group_size
+        self.length = run_config.rollout.max_context
+        self.jnp = jnp
+
+    def train(self, report: ProgramReport):
+        import jax
+
+        from trace_jax.train.loss import LossBatch
+        from trace_jax.train.step import batch_sharding, make_train_step
+
+        rows = self.rows // self.run.update.mini_batches
+        loss = self.run.loss
+        step = make_train_step(self.config, loss, self.optimizer, mesh=self.mesh)
+        sharding = batch_sharding(self.mesh, None, (rows, self.length))
+        spec = lambda dtype: jax.ShapeDtypeStruct((rows, self.length), dtype, sharding=sharding)  # noqa: E731
+        jnp = self.jnp
+        batch = LossBatch(tokens=spec(jnp.int32), positions=spec(jnp.int32), loss_mask=spec(jnp.float32),
+                          advantages=spec(jnp.float32), behaviour_logprobs=spec(jnp.float32),
+                          reference_logprobs=spec(jnp.float32) if loss.needs_reference else None)
+        report.shape = (f"{rows} rows x {self.length} tokens, {loss.micro_batches} micro-batches of "
+                        f"{rows // loss.micro_batches}")
+        from trace_jax.train.flops import flops_per_token
+
+        report.model_flops = flops_per_token(self.config, self.length) * rows * self.length
+        report.resident_other_bytes = device_bytes(self.reference)  # the reference stays while the policy trains
+        _compile(report, lambda: step.lower(self.state, batch, None), device_bytes((self.state, batch)))
+
+    def score(self, report: ProgramReport):
+        import jax
+
+        from trace_jax.scoring import fork
+
+        # The padding rules are score_answer_prefixes' own (imported, not restated).
+        n = self.run.update.scoring_batch or self.rows
+        multiple = fork._batch_multiple(self.mesh, None)
+        pn = -(-fork.bucket_size(n, 1) // multiple) * multiple
+        pl = fork.bucket_size(self.length, 16)
+        ps = fork._state_bucket(self.run.rollout.max_turns + 1)
+        pm = fork.bucket_size(self.plan.answer_tokens, 1)
+        layout = fork.choose_layout(pl, ps, pm)
+        jnp = self.jnp
+
+        def arg(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=fork._batch_sharding(self.mesh, None, len(shape)))
+
+        args = (arg((pn, pl), jnp.int32), arg((pn, ps), jnp.int32), arg((pn, ps), jnp.bool_),
+                arg((pn, pm), jnp.int32), arg((pn, pm), jnp.int32))
+        with_token_lp = self.run.loss.needs_reference or self.run.update.kl_metric
+        report.shape = (f"{pn} rows x {pl} tokens, {ps} states x {pm} answer tokens, {layout} layout"
+                        f"{', + trajectory log-probs' if with_token_lp else ''}")
+        report.resident_other_bytes = device_bytes(self.state)  # the policy's train state stays during scoring
+        _compile(report, lambda: fork._fork_scores.lower(self.reference, *args, config=self.config, layout=layout,
+                                                         logprob_chunk=256, query_chunk=0,
+                                                         with_token_logprobs=with_token_lp),
+                 device_bytes((self.reference, args)))
+
+    def decode(self, report: ProgramReport):
+        import jax
+
+        from trace_jax.models.cache import init_cache
+        from trace_jax.models.sharding import param_shardings
+        from trace_jax.rollout import sampler
+
+        jnp = self.jnp
+        n, length = self.rows, self.length
+        shapes = jax.eval_shape(lambda: sampler.SamplerState(
+            cache=init_cache(self.config, n, length),
+            logits=jnp.zeros((n, self.config.vocab_size), jnp.float32)))
+        state = _abstract(shapes, sampler._divisible_shardings(shapes, sampler.state_shardings(self.mesh)))
+        params = _abstract(jax.eval_shape(lambda: self.state.params), param_shardings(self.config, self.mesh))
+        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        row = jax.sharding.NamedSharding(self.mesh, sampler._divisible_shardings(
+            jax.ShapeDtypeStruct((n,), jnp.int32), state.cache.lengths.sharding).spec)
+        active = jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=row)
+        budget = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=row)
+        stop_ids = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=replicated)
+        rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
+        report.shape = f"{n} rows, KV cache of {length} tokens ({self.config.dtype})"
+        # The policy's params are the train state's; its optimizer state and the reference stay resident.
+        report.resident_other_bytes = (device_bytes(self.state) - device_bytes(self.state.params)
+                                       + device_bytes(self.reference))
+        _compile(report, lambda: sampler._decode_jit.lower(self.config, self.run.rollout.sampling, params, state,
+                                                           active, budget, stop_ids, rng, None),
+                 device_bytes((params, state, active, budget, stop_ids, rng)))
+
+
+def _advice(report: PlanReport, run_config, model_config) -> list[str]:
+    """What to change, by the program that is over (or, when it fits, how to use the headroom)."""
+    hbm = report.topology.chip.hbm_bytes
+    out = []
+    shards, micro_rows = report.settings["batch_shards"], report.settings["micro_batch_rows"]
+    if micro_rows % shards:
+        out.append(f"a micro-batch of {micro_rows} rows does not split over the {shards} batch shards of the mesh "
+                   f"(data x fsdp x expert): rows are computed on fewer chips than hold them; make "
+                   f"LossConfig.micro_batches divide {report.settings['rows'] // run_config.update.mini_batches // shards}")
+    resident = report.resident["train state"] + report.resident["reference"]
+    if resident > hbm / 2 and report.fits is False:
+        out.append(f"the train state and the reference take {resident / GIB:.1f} of {hbm / GIB:.0f} GiB per chip "
+                   f"before any activation: shard them over more chips (a bigger slice, or fsdp over every chip: "
+                   f"--mesh fsdp=-1) or use a chip with more HBM")
+    for p in report.programs:
+        if not p.out_of_memory and (p.peak_bytes is None or p.peak_bytes <= hbm):
+            continue
+        over = f"{p.name} peaks at {p.peak_bytes / GIB:.1f} GiB"
+        if p.name == "train":
+            micro = run_config.loss.micro_batches
+            rows = report.settings["rows"] // run_config.update.mini_batches
+            if micro < rows:
+                out.append(f"{over}: raise LossConfig.micro_batches (now {micro}, up to {rows}) or "
+                           f"UpdateConfig.mini_batches to cut the temporaries that grow with rows (all temporaries: "
+                           f"{p.temp_bytes / GIB:.1f} GiB, gradients and the optimizer update included)")
+            if model_config.remat != "full":
+                out.append(f"{over}: set remat to 'full' (now {model_config.remat!r})")
+            if model_config.dtype != "bfloat16":
+                out.append(f"{over}: compute in bfloat16 (now {model_config.dtype})")
+        elif p.name == "score":
+            out.append(f"{over}: set UpdateConfig.scoring_batch (now {run_config.update.scoring_batch or 'all'} rows)"
+                       f" to score fewer rows per pass")
+        elif p.name == "decode":
+            cache = "" if model_config.dtype == "bfloat16" else ", or compute (and cache) in bfloat16"
+            out.append(f"{over}: the rollout decodes all {report.settings['rows']} rows (prompts_per_step x "
+                       f"group_size; RolloutConfig has no smaller rollout batch) against a KV cache of "
+                       f"{report.settings['length']} tokens each: lower TrainConfig.prompts_per_step, or spread the "
+                       f"rows over more chips{cache}")
+        out.append(f"{over}: or shorten RolloutConfig.max_context (now {report.settings['length']})")
+    return list(dict.fromkeys(out))
+
+
+def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset: str = "") -> PlanReport:
+    """Compile the chosen programs for the topology and report per-device memory, FLOPs, time and the verdict."""
+    import jax
+
+    from trace_jax import models
+    from trace_jax.train.config import TrainConfigError
+
+    topology = parse_topology(plan_config.topology)
+    mesh_config = mesh_config or run_config.mesh
+    try:
+        axes = mesh_config.axis_sizes(topology.num_chips)
+    except TrainConfigError as error:
+        raise PlanError(f"{topology.name} has {topology.num_chips} chips: {error}") from None
+    devices = _tpu_devices(topology) if topology.chip.platform == "tpu" else None  # fail before any work
+    model_config, how = resolve_model(run_config, preset=model_preset)
+    model_config = _override_model(model_config, plan_config, topology.chip.platform)
+    rows = run_config.train.prompts_per_step * run_config.rollout.group_size
+    settings = dict(rows=rows, length=run_config.rollout.max_context, micro_batches=run_config.loss.micro_batches,
+                    mini_batches=run_config.update.mini_batches, dtype=model_config.dtype, remat=model_config.remat,
+                    attention=model_config.attention_impl, learning_rate=run_config.optimizer.learning_rate)
+    shards = math.prod(axes[a] for a in ("data", "fsdp", "expert"))  # the "batch" rule's mesh axes
+    settings.update(batch_shards=shards, micro_batch_rows=rows // run_config.update.mini_batches
+                    // run_config.loss.micro_batches)
+    if topology.chip.platform == "gpu":
+        return _gpu_report(topology, axes, model_config, how, settings, run_config, plan_config)
+    mesh = models.make_mesh(axes, devices)
+    programs = _Programs(model_config, run_config, mesh, plan_config)
+    resident = {"train state": device_bytes(programs.state), "reference": device_bytes(programs.reference)}
+    reports, notes = [], []
+    for name in plan_config.programs:
+        report = ProgramReport(name, "")
+        try:
+            getattr(programs, name)(report)
+        except NotImplementedError as error:
+            if "Mosaic" not in str(error) or programs.config.attention_impl == "xla":
+                raise
+            # A Pallas kernel under GSPMD without shard_map does not lower: say so, and plan the XLA attention path
+            # (what the run can compile on this mesh today).
+            notes.append(f"attention_impl {programs.config.attention_impl!r} does not lower on mesh {axes}: "
+                         f"{str(error).splitlines()[0]} (models/attention.py calls the kernel outside a "
+                         "shard_map); planned with attention_impl 'xla' instead")
+            programs.config = programs.config.replace(attention_impl="xla")
+            settings["attention"] = "xla"
+            report = ProgramReport(name, "")
+            getattr(programs, name)(report)
+        reports.append(report)
+        jax.clear_caches()
+    result = PlanReport(topology, axes, how, settings, reports, resident)
+    result.notes += notes + [f"device kind {devices[0].device_kind}; compiled with jax {jax.__version__}"]
+    result.advice = _advice(result, run_config, model_config)
+    return result
+
+
+def _gpu_report(topology, axes, model_config, how, settings, run_config, plan_config) -> PlanReport:
+    """What shapes and shardings alone say about a GPU mesh (no GPU compiler runs on a CPU host)."""
+    import jax
+    import numpy as np
+
+    from trace_jax import models
+    from trace_jax.train.flops import flops_per_token
+    from trace_jax.train.optimizer import make_optimizer
+
+    mesh = jax.sharding.AbstractMesh(tuple(axes.values()), tuple(axes))
+    optimizer = make_optimizer(run_config.optimizer)
+    shapes = jax.eval_shape(lambda: models.init_params(model_config, jax.random.PRNGKey(0), dtype="float32"))
+    params = _abstract(shapes, models.param_shardings(model_config, mesh))
+    opt_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize
+                    for x in jax.tree_util.tree_leaves(jax.eval_shape(optimizer.init, shapes)))
+    # Adam's moments are sharded like the params (state.py): scale the param bytes by the unsharded ratio.
+    param_total = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(shapes))
+    per_device_params = device_bytes(params)
+    state_bytes = per_device_params + int(opt_bytes * per_device_params / max(param_total, 1))
+    rows, length = settings["rows"], settings["length"]
+    cache = 2 * model_config.num_hidden_layers * rows * length * model_config.num_key_value_heads * \
+        model_config.head_dim * np.dtype(model_config.dtype).itemsize
+    cache_per_device = cache // max(1, math.prod(axes[a] for a in ("data", "fsdp", "expert")))
+    train = ProgramReport("train", f"{rows // run_config.update.mini_batches} rows x {length} tokens")
+    train.model_flops = flops_per_token(model_config, length) * (rows // run_config.update.mini_batches) * length
+    train.resident_other_bytes = per_device_params
+    decode = ProgramReport("decode", f"{rows} rows, KV cache of {length} tokens")
+    report = PlanReport(topology, axes, how, settings, [train, decode],
+                        {"train state": state_bytes, "reference": per_device_params}, checked=False)
+    report.notes += [
+        f"GPU target {topology.chip.name} x {topology.num_chips}: no GPU compiler runs on this CPU host, so only "
+        "what shapes and shardings determine is checked here.",
+        f"checked: mesh {axes} matches {topology.num_chips} GPUs; per device the float32 train state (params + "
+        f"AdamW) {state_bytes / GIB:.2f} GiB, the reference {per_device_params / GIB:.2f} GiB, the rollout KV "
+        f"cache {cache_per_device / GIB:.2f} GiB (rows over data/fsdp/expert); model FLOPs per update "
+        f"{train.model_flops:.3g}.",
+        "not checked: activation temporaries, XLA's buffer assignment and the step time; run `trace-jax plan` on "
+        "one GPU host of the target (the same command compiles there), or plan the same mesh on a TPU topology "
+        "for a compiler-checked estimate of the temporaries.",
+    ]
+    return report
+
+
+# ------------------------------------------------------------------------------------------------ printing
+def _gib(value) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value / GIB:.2f}G" if value >= GIB / 10 else f"{value / 1024**2:.1f}M"
+
+
+def format_report(report: PlanReport) -> str:
+    """The human-readable plan (what `trace-jax plan` prints)."""
+    t, s = report.topology, report.settings
+    lines = [f"plan: {t.name} ({t.slice_name}, {t.num_chips} chips, {t.chip.hbm_bytes / GIB:.0f} GiB HBM each), "
+             f"mesh {report.mesh}",
+             f"model: {report.model}; compute {s['dtype']}, remat {s['remat']}, attention {s['attention']}",
+             f"step: {s['rows']} trajectories x {s['length']} tokens, {s['mini_batches']} mini-batch(es), "
+             f"{s['micro_batches']} micro-batch(es); float32 master weights + AdamW",
+             f"resident per chip: train state {_gib(report.resident['train state'])}, reference "
+             f"{_gib(report.resident['reference'])} (bytes per chip below: G = GiB, M = MiB)", ""]
+    header = (f"| {'program':<7} | {'args':>8} | {'out':>8} | {'temp':>8} | {'aliased':>8} | "
+              f"{'+resident':>9} | {'peak':>8} | {'TFLOP/chip':>10} | {'est. ms':>8} | shape")
+    lines += [header, "|" + "|".join("-" * len(c) for c in header.split("|")[1:]) + "|"]
+    for p in report.programs:
+        flops = "n/a" if p.flops is None else f"{p.flops / 1e12:.3f}"
+        ms = "n/a" if p.seconds is None else f"{p.seconds * 1e3:.1f}"
+        peak = _gib(p.peak_bytes) if not p.out_of_memory else ">" + _gib(p.peak_bytes)
+        lines.append(f"| {p.name:<7} | {_gib(p.argument_bytes):>8} | {_gib(p.output_bytes):>8} | "
+                     f"{_gib(p.temp_bytes):>8} | {_gib(p.alias_bytes):>8} | {_gib(p.resident_other_bytes):>9} | "
+                     f"{peak:>8} | {flops:>10} | {ms:>8} | {p.shape}{' (OUT OF MEMORY)' if p.out_of_memory else ''}")
+    lines.append("")
+    peak = report.peak_bytes
+    lines += [f"{p.name}: {p.out_of_memory}" for p in report.programs if p.out_of_memory]
+    if report.fits is None:
+        lines.append("verdict: NOT CHECKED (see the notes)")
+    else:
+        lines.append(f"verdict: {report.verdict}: peak {'over ' if report.fits is False and peak <= t.chip.hbm_bytes else ''}{peak / GIB:.2f} GiB of {t.chip.hbm_bytes / GIB:.0f} GiB per "
+                     f"chip ({100 * peak / t.chip.hbm_bytes:.0f}%)")
+    mfu = report.train_mfu
+    train = report.program("train")
+    if train is not None and train.model_flops:
+        counted = report.compiler_flop_share
+        if mfu is not None:
+            lines.append(f"train step: {train.model_flops / 1e12:.1f} model TFLOPs, compiler estimate "
+                         f"{train.seconds:.3f} s -> implied MFU {100 * mfu:.0f}% of {t.num_chips} x "
+                         f"{t.chip.peak_flops / 1e12:.0f} TFLOP/s")
+        elif train.seconds is None:
+            raw = "" if train.raw_seconds is None else f" (optimal_seconds = {train.raw_seconds:g})"
+            lines.append(f"train step: {train.model_flops / 1e12:.1f} model TFLOPs; the compiler gives no time "
+                         f"estimate{raw}, so no implied MFU")
+        else:
+            lines.append(f"train step: {train.model_flops / 1e12:.1f} model TFLOPs; the compiler's estimate "
+                         f"{train.seconds:.3f} s covers {100 * counted:.2g}% of them (its cost analysis counts each "
+                         "loop body once: the scans over layers and micro-batches, the attention tiles), so it is "
+                         "not the step's time and gives no implied MFU")
+        busy = report.compiler_utilisation
+        if busy is not None:
+            lines.append(f"the compiler expects {100 * busy:.0f}% of a chip's peak on the FLOPs it counted "
+                         f"({train.flops / 1e12:.2f} TFLOP in {train.seconds * 1e3:.1f} ms)")
+    lines += [f"advice: {a}" for a in report.advice]
+    lines += [f"note: {n}" for n in report.notes]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ the command
+def add_arguments(parser) -> None:
+    parser.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
+    parser.add_argument("--gin_param", action="append", default=[], help="extra binding (repeatable; later wins)")
+    parser.add_argument("--topology", required=True,
+                        help="target: v5e:4x4, v5p:2x2x2, a slice name (v5e-16, v5p-8), or a GPU count (h100:8)")
+    parser.add_argument("--mesh", default=None, help="mesh axes, e.g. fsdp=8,tensor=2 (default: the MeshConfig "
+                                                     "of the gin files)")
+    parser.add_argument("--programs", default=",".join(PROGRAMS), help="comma-separated subset of train,score,decode")
+    parser.add_argument("--model_preset", default="", help="model preset when the checkpoint is not on this host")
+    parser.add_argument("--dtype", default="", help="compute dtype override, e.g. bfloat16 (default: the model's)")
+    parser.add_argument("--remat", default="", help="rematerialisation override, e.g. full (default: the model's)")
+    parser.add_argument("--answer_tokens", type=int, default=32, help="answer continuation length for scoring")
+
+
+def run(args) -> int:
+    import sys
+
+    from trace_jax.train.gin_setup import ConfigError, parse
+
+    if not args.gin_file:
+        print("error: trace-jax plan needs --gin_file (e.g. configs/qwen3_4b.gin)", file=sys.stderr)
+        return 2
+    try:
+        run_config = parse(args.gin_file, args.gin_param)
+        plan_config = PlanConfig(topology=args.topology, programs=tuple(p.strip() for p in args.programs.split(",")),
+                                 answer_tokens=args.answer_tokens, dtype=args.dtype, remat=args.remat)
+        mesh_config = parse_mesh(args.mesh, None)
+        report = plan(run_config, plan_config, mesh_config, model_preset=args.model_preset)
+    except (ConfigError, PlanError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(format_report(report))
+    return 1 if report.fits is False else 0
