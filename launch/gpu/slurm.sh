@@ -44,12 +44,7 @@ while (($#)); do
     --signal-seconds) has_value "$1" "$#"; SIGNAL_SECONDS=$2; shift 2 ;;
     --sbatch-arg) has_value "$1" "$#"; SBATCH_ARGS+=("$2"); shift 2 ;;
     --python) has_value "$1" "$#"; TRAIN_PYTHON=$2; shift 2 ;;
-    --gin_file) has_value "$1" "$#"; GIN_FILES+=("$2"); shift 2 ;;
-    --gin_param) has_value "$1" "$#"; GIN_PARAMS+=("$2"); shift 2 ;;
-    --run_dir) has_value "$1" "$#"; RUN_DIR=$2; shift 2 ;;
-    --dry-run) DRY_RUN=1; shift ;;
-    -h | --help) usage 0 ;;
-    *) die "unknown argument '$1' (see --help)" ;;
+    *) common_arg "$@"; shift "$SHIFT" ;;
   esac
 done
 
