@@ -137,7 +137,7 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
     """SFT on oracle trajectories rendered exactly as the rollouts render them; returns `(params, losses)`."""
     ws = run_config.warmstart
     results = oracle_trajectories(environment.train_tasks, environment.browser, ws)
-    arrays = sft_arrays(environment.chat, run_config.rollout, environment.browser, results,
+    arrays = sft_arrays(environment.chat, ws.render_rollout(run_config.rollout), environment.browser, results,
                         length_multiple=ws.length_multiple, max_length=ws.max_length,
                         answer_weight=ws.answer_weight)
     optimizer = make_optimizer(OptimizerConfig(learning_rate=ws.learning_rate, schedule="cosine",
@@ -158,7 +158,7 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
             take = min(ws.batch_size - len(index), len(order) - position)
             index += order[position:position + take].tolist()
             position += take
-        rows = arrays.batch(np.asarray(index))
+        rows = arrays.batch(np.asarray(index), length_multiple=ws.length_multiple)
         batch = LossBatch(tokens=jnp.asarray(rows["tokens"]), positions=jnp.asarray(rows["positions"]),
                           loss_mask=jnp.asarray(rows["loss_mask"]), advantages=jnp.asarray(rows["weights"]),
                           behaviour_logprobs=jnp.zeros(rows["tokens"].shape, jnp.float32),

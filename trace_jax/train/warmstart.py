@@ -52,9 +52,14 @@ class WarmStartConfig:
       only_solved: keep only trajectories whose oracle answer is correct.
       detour_prob: the oracle's detour probability (wrong result opened, then back), for recovery behaviour.
       oracle_topn: results the oracle asks `search` for.
-      length_multiple: the padded length L is the longest row rounded up to this (so jit sees few shapes).
+      length_multiple: the padded length L is the longest row rounded up to this, and each SFT batch is cut to its
+        own longest row rounded up to this (so jit sees few shapes and short batches cost less).
       max_length: drop rendered trajectories longer than this many tokens (0 = up to `rollout.max_context`); a
         few long detour-heavy episodes would otherwise set the padded width of every SFT batch.
+      max_turns: turn budget of the rendered demonstrations (0 = `RolloutConfig.max_turns`, the rollouts' own).
+        A larger budget keeps demonstrations that the policy could not finish within its rollout budget, e.g. an
+        oracle detour (a wrong result opened, then the right one) when the rollouts allow no turn to spare: the
+        warm-started policy then imitates a habit that fails under its own budget, which RL can remove.
       answer_weight: SFT weight of the final (answer) turn's tokens, relative to 1 on the tool turns. The loss is
         a mean over all ~100 generated tokens of an episode, of which only the first mention of the answer value
         needs the observation; the protocol tokens are learned early and then dominate the batch. Pass it to
@@ -71,13 +76,14 @@ class WarmStartConfig:
     oracle_topn: int = 3
     length_multiple: int = 64
     max_length: int = 0
+    max_turns: int = 0
     answer_weight: float = 1.0
 
     def __post_init__(self):
         for name in ("num_trajectories", "batch_size", "oracle_topn", "length_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"WarmStartConfig.{name} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("steps", "warmup_steps", "max_length"):
+        for name in ("steps", "warmup_steps", "max_length", "max_turns"):
             if getattr(self, name) < 0:
                 raise ValueError(f"WarmStartConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if not self.answer_weight > 0:
@@ -90,6 +96,10 @@ class WarmStartConfig:
     @property
     def oracle(self) -> OracleConfig:
         return OracleConfig(detour_prob=self.detour_prob, topn=self.oracle_topn)
+
+    def render_rollout(self, rollout: RolloutConfig) -> RolloutConfig:
+        """The rollout settings the demonstrations are rendered with: the rollouts' own, with `max_turns` when set."""
+        return dataclasses.replace(rollout, max_turns=self.max_turns) if self.max_turns else rollout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,11 +127,20 @@ class SFTArrays:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
-    def batch(self, index) -> dict[str, np.ndarray]:
-        """`tokens`, `positions`, `loss_mask`, `weights` of the rows `index` (int array), each [len(index), L]."""
+    def batch(self, index, length_multiple: int = 0) -> dict[str, np.ndarray]:
+        """`tokens`, `positions`, `loss_mask`, `weights` of the rows `index` (int array), each [len(index), W].
+
+        W = L by default; with `length_multiple > 0`, W = the batch's longest row rounded up to that multiple (at most
+        L): the columns cut off are padding of every row in the batch, which no real token attends to (causal), so
+        the loss is the same and a batch of short rows costs less. Few distinct W values means few compiles.
+        """
         index = np.asarray(index)
-        return {"tokens": self.tokens[index], "positions": self.positions[index], "loss_mask": self.loss_mask[index],
-                "weights": self.weights[index]}
+        width = self.tokens.shape[1]
+        if length_multiple > 0:
+            longest = int(self.lengths[index].max()) if len(index) else 1
+            width = min(width, -(-max(longest, 1) // length_multiple) * length_multiple)
+        return {"tokens": self.tokens[index, :width], "positions": self.positions[index, :width],
+                "loss_mask": self.loss_mask[index, :width], "weights": self.weights[index, :width]}
 
     def epoch_order(self, seed: int, epoch: int) -> np.ndarray:
         """A permutation of the rows, deterministic in (seed, epoch), so a resumed warm start sees the same order."""
