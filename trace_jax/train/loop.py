@@ -53,7 +53,7 @@ from trace_jax.train.config import CheckpointConfig, LossConfig, OptimizerConfig
 from trace_jax.train.evaluate import EvalResult, compare, evaluate, format_comparison
 from trace_jax.train.flops import PEAK_FLOPS, measure_peak_flops
 from trace_jax.train.gin_setup import RunConfig
-from trace_jax.train.loss import LossBatch, real_token_mask
+from trace_jax.train.loss import LossBatch, real_token_mask, trained_positions
 from trace_jax.train.metrics import PhaseTimer, RunWriter
 from trace_jax.train.optimizer import make_optimizer
 from trace_jax.train.pipeline import RLPipeline, UpdateConfig, check_compatible
@@ -162,7 +162,8 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
         batch = LossBatch(tokens=jnp.asarray(rows["tokens"]), positions=jnp.asarray(rows["positions"]),
                           loss_mask=jnp.asarray(rows["loss_mask"]), advantages=jnp.asarray(rows["weights"]),
                           behaviour_logprobs=jnp.zeros(rows["tokens"].shape, jnp.float32),
-                          token_mask=real_token_mask(arrays.lengths[np.asarray(index)], rows["tokens"].shape[1]))
+                          token_mask=real_token_mask(arrays.lengths[np.asarray(index)], rows["tokens"].shape[1]),
+                          trained_index=jnp.asarray(trained_positions(rows["loss_mask"], ws.length_multiple)))
         state, metrics = step_fn(state, batch, None)
         losses.append(float(metrics["loss"]))
         if step == 0 or (step + 1) % max(1, ws.steps // 5) == 0:

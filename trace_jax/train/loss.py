@@ -17,6 +17,11 @@ log pi_old(tokens[n, t] | tokens[n, :t])`, and index 0 is never trained.
     token_mask          float32 [N, L]  optional: 1 on real tokens (prompt, generated, observation), 0 on the
                                         right padding; None = every token is real. Only the MoE load-balancing
                                         loss reads it (padding must not count as routed tokens)
+    trained_index       int32   [N, K]  optional: each row's trained positions (`loss_mask > 0`) in increasing
+                                        order, then 0s (`trained_positions` builds it; K >= every row's count).
+                                        With it the LM head runs on those K positions per row instead of all L:
+                                        an agent trajectory is mostly prompt and observation tokens, which the
+                                        loss never reads. None = the head runs everywhere. Same loss either way
 
 Formulas (per trained token, `r` the importance ratio, `A` the advantage):
 
@@ -41,6 +46,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from trace_jax import models
@@ -64,6 +70,7 @@ class LossBatch:
     reference_logprobs: jax.Array | None = None
     segment_ids: jax.Array | None = None
     token_mask: jax.Array | None = None
+    trained_index: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -79,6 +86,11 @@ class LossBatch:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
                 raise ValueError(f"LossBatch.{name} has shape {tuple(value.shape)}, expected {shape} like tokens")
+        if self.trained_index is not None:
+            index_shape = tuple(self.trained_index.shape)
+            if len(index_shape) != 2 or index_shape[0] != shape[0] or index_shape[1] > shape[1]:
+                raise ValueError(f"LossBatch.trained_index has shape {index_shape}, expected [N, K] with N = "
+                                 f"{shape[0]} rows and K <= L = {shape[1]} (build it with trained_positions(loss_mask))")
         if (loss_config is not None and loss_config.needs_reference and self.reference_logprobs is None
                 and not reference_params_given):
             raise ValueError(f"LossBatch.reference_logprobs is None but LossConfig.kl_coef={loss_config.kl_coef} "
@@ -87,6 +99,20 @@ class LossBatch:
         if loss_config is not None and shape[0] % loss_config.micro_batches:
             raise ValueError(f"LossBatch has {shape[0]} rows, not divisible by LossConfig.micro_batches="
                              f"{loss_config.micro_batches}")
+
+
+def trained_positions(loss_mask, multiple: int = 64) -> np.ndarray:
+    """Host side: `LossBatch.trained_index` for a `loss_mask [N, L]`: int32 `[N, K]`, row n's positions with
+    `loss_mask > 0` in increasing order, then 0s; K = the largest row count rounded up to `multiple` (at most L),
+    so jit sees few distinct K. Position 0 is never trained, so 0 marks the padding."""
+    mask = np.asarray(loss_mask) > 0
+    rows, length = mask.shape
+    if mask[:, 0].any():
+        raise ValueError("loss_mask[:, 0] is nonzero: token 0 has no prediction and is never trained")
+    counts = mask.sum(axis=1)
+    k = int(min(length, max(1, -(-int(counts.max(initial=0)) // multiple) * multiple)))
+    order = np.argsort(~mask, axis=1, kind="stable")[:, :k]  # trained positions first, in order
+    return np.where(np.arange(k)[None, :] < counts[:, None], order, 0).astype(np.int32)
 
 
 def real_token_mask(lengths, width: int):
@@ -107,7 +133,8 @@ def _policy_hidden(model_config, params, tokens, positions, segment_ids, with_ro
 
 
 def policy_logprobs(model_config, params, tokens, *, positions=None, segment_ids=None, chunk_size: int = 256,
-                    with_entropy: bool = False, with_router_loss: bool = False, token_mask=None):
+                    with_entropy: bool = False, with_router_loss: bool = False, token_mask=None,
+                    trained_index=None):
     """Token-aligned log-probs of `tokens [N, L]` under `params`, computed in sequence chunks.
 
     Returns `(logp, entropy, router_aux)`: `logp [N, L]` float32 with `logp[n, t] = log pi(tokens[n, t] |
@@ -115,9 +142,26 @@ def policy_logprobs(model_config, params, tokens, *, positions=None, segment_ids
     drawn from (same alignment), or None without `with_entropy`; `router_aux` the MoE load-balancing loss before
     its coefficient (0 for dense models or without `with_router_loss`), counting only tokens where the optional
     `token_mask [N, L]` is nonzero.
+
+    With `trained_index [N, K]` (see `LossBatch`) the LM head runs only at those positions: `logp` and `entropy`
+    hold the same values there and 0 at every other position.
     """
     hidden, router_aux = _policy_hidden(model_config, params, tokens, positions, segment_ids, with_router_loss,
                                         token_mask)
+    if trained_index is not None:
+        index = trained_index.astype(jnp.int32)
+        # token t is predicted from the hidden state at t - 1; padding entries (0) read position 0, then drop out
+        picked_hidden = jnp.take_along_axis(hidden, jnp.maximum(index - 1, 0)[..., None], axis=1)
+        out = models.hidden_logprobs(model_config, params, picked_hidden, jnp.take_along_axis(tokens, index, axis=1),
+                                     chunk_size=chunk_size, with_entropy=with_entropy)
+        rows = jnp.arange(tokens.shape[0])[:, None]
+
+        def scatter(values):  # [N, K] -> token-aligned [N, L], 0 off the trained positions
+            return jnp.zeros(tokens.shape, jnp.float32).at[rows, index].add(jnp.where(index > 0, values, 0.0))
+
+        if with_entropy:
+            return scatter(out[0]), scatter(out[1]), router_aux
+        return scatter(out), None, router_aux
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     out = models.hidden_logprobs(model_config, params, hidden, targets, chunk_size=chunk_size,
                                  with_entropy=with_entropy)
@@ -294,9 +338,11 @@ def loss_terms(model_config, loss_config: LossConfig, params, batch: LossBatch, 
     rows, length = batch.tokens.shape
     logp, entropy, router_aux = policy_logprobs(
         model_config, params, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids,
-        chunk_size=cfg.chunk_for(max(1, rows // batch_shards), length, model_config.vocab_size),
+        chunk_size=cfg.chunk_for(max(1, rows // batch_shards), length if batch.trained_index is None
+                                 else batch.trained_index.shape[1], model_config.vocab_size),
         with_entropy=cfg.needs_entropy,
-        with_router_loss=cfg.router_aux and model_config.is_moe, token_mask=batch.token_mask)
+        with_router_loss=cfg.router_aux and model_config.is_moe, token_mask=batch.token_mask,
+        trained_index=batch.trained_index)
     objective_sum, sums = objective_from_logprobs(cfg, logp, entropy, batch)
     return objective_sum, router_aux, sums
 

@@ -52,7 +52,7 @@ from trace_jax.scoring.fork import score_answer_prefixes
 from trace_jax.train.config import LossConfig
 from trace_jax.train.evaluate import episode_correct
 from trace_jax.train.flops import flops_per_token
-from trace_jax.train.loss import LossBatch, real_token_mask
+from trace_jax.train.loss import LossBatch, real_token_mask, trained_positions
 from trace_jax.train.step import make_train_step
 
 SCORING_METHODS = ("fork", "naive")
@@ -272,7 +272,9 @@ class RLPipeline:
         loss_batch = LossBatch(tokens=batch.tokens[:, :width], positions=batch.positions[:, :width],
                                loss_mask=loss_mask, advantages=jnp.asarray(advantages),
                                behaviour_logprobs=batch.sampler_logprobs[:, :width],
-                               reference_logprobs=reference_lp, token_mask=real_token_mask(lengths, width))
+                               reference_logprobs=reference_lp, token_mask=real_token_mask(lengths, width),
+                               trained_index=jnp.asarray(trained_positions(loss_mask,
+                                                                           self.update_config.length_multiple)))
         metrics = self.step_metrics(rollout, credit, answer_scores, ref_token_lp, width, num_prompts)
         return Prepared(rollout, loss_batch, credit, answer_scores, step_rewards, metrics, timing)
 
@@ -363,6 +365,10 @@ class RLPipeline:
         out = {"rollout_tokens_per_s": prepared.rollout.generated_tokens / max(rollout_seconds, 1e-9),
                "update_tokens_per_s": trained / max(update_seconds, 1e-9)}
         flops = flops_per_token(self.model_config, width) * trained
+        if prepared.loss_batch.trained_index is not None:  # the LM head ran on the trained tokens only
+            head = 6.0 * self.model_config.hidden_size * self.model_config.vocab_size
+            scored = float(np.asarray(prepared.loss_batch.loss_mask).astype(bool).sum()) * self.update_config.epochs
+            flops -= head * (trained - scored)
         out["update_tflops"] = flops / max(update_seconds, 1e-9) / 1e12
         if peak_flops:
             out["mfu"] = flops / max(update_seconds, 1e-9) / peak_flops
