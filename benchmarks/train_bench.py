@@ -15,6 +15,12 @@ the step; steadier than wall time when other jobs share the cores, and it charge
 
     python benchmarks/train_bench.py [--models tiny-qwen3,smollm2-135m] [--lengths 512,1024] [--rows 2]
     python benchmarks/train_bench.py --aot [--topology v5e:4x4] [--rows 16] [--aot-length 2048]
+    python benchmarks/train_bench.py --floor [--models ...] [--lengths ...]
+
+`--floor` asks whether a target ratio is reachable at all: it times every matmul of the step (forward and
+backward, each weight, attention and head product at the benchmark's shapes; `step_gemms`) run alone in torch
+and in XLA, and prints torch's whole step over that sum. A step whose matmuls run at the same speed cannot beat
+torch by more than that quotient, however little time everything else takes.
 """
 
 from __future__ import annotations
@@ -176,6 +182,131 @@ def run_aot(args):
     print(f"compiled in {report.program('train').compile_seconds:.0f} s")
 
 
+# ---------------------------------------------------------------------------------------------------- GEMM floor
+def step_gemms(config, rows, length):
+    """Every matmul of one forward + backward step at the benchmark's shapes, as `(name, batch, m, k, n, count,
+    causal)`: `count` identical `[batch] x [m, k] @ [k, n]` products per step. Linear layers `y = x W`
+    (x [T, a], W [a, b], T = rows x length) give three: the forward `[T, a] @ [a, b]`, the input gradient
+    `[T, b] @ [b, a]` and the weight gradient `[a, T] @ [T, b]`. Attention per (row, head) gives the six of
+    the mathematical minimum: q k^T and p v forward; dv = p^T do, dp = do v^T, dq = ds k, dk = ds^T q backward
+    (no recompute). `causal=True` marks the attention products, of which a causal kernel needs only the lower
+    triangle: the floor counts half of their full-square time (a lower bound: tiles on the diagonal are whole).
+    The LM head (tied or not) is a linear layer with b = vocab; every position's logits are computed, as
+    transformers does."""
+    c = config
+    T, D, F = rows * length, c.hidden_size, c.intermediate_size
+    L, H, K, Dh, V = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size
+    if c.is_moe:
+        raise ValueError(f"--floor covers dense models, got MoE preset {c!r}")
+    linears = [("q_proj", D, H * Dh, L), ("k_proj", D, K * Dh, L), ("v_proj", D, K * Dh, L),
+               ("o_proj", H * Dh, D, L), ("gate_proj", D, F, L), ("up_proj", D, F, L), ("down_proj", F, D, L),
+               ("lm_head", D, V, 1)]
+    out = []
+    for name, a, b, count in linears:
+        out += [(f"{name} fwd", 1, T, a, b, count, False), (f"{name} dx", 1, T, b, a, count, False),
+                (f"{name} dw", 1, a, T, b, count, False)]
+    S, BH = length, rows * H
+    out += [("attn q.k", BH, S, Dh, S, L, True), ("attn p.v", BH, S, S, Dh, L, True),
+            ("attn dv", BH, S, S, Dh, L, True), ("attn dp", BH, S, Dh, S, L, True),
+            ("attn dq", BH, S, S, Dh, L, True), ("attn dk", BH, S, S, Dh, L, True)]
+    return out
+
+
+def _timed(fn):
+    """(wall seconds, CPU seconds) of one call of fn."""
+    cpu_start, start = _cpu_seconds(), time.perf_counter()
+    fn()
+    return time.perf_counter() - start, _cpu_seconds() - cpu_start
+
+
+def gemm_fns(gemms, backend):
+    """One callable per entry of `gemms` that runs that product once. torch: `torch.mm`/`bmm` into a
+    preallocated output, row-major operands, the weight-gradient operand a transposed view (`x.t() @ dy`, how
+    autograd calls BLAS). jax: one jitted `jnp.matmul` each (XLA:CPU), the weight-gradient operand transposed too
+    (`x.T @ dy`, XLA inserting any copy it needs)."""
+    import torch
+
+    fns = []
+    for name, batch, m, k, n, _, _ in gemms:
+        transposed = name.endswith(" dw")
+        shape_a = (batch, k, m) if transposed else (batch, m, k)
+        if backend == "torch":
+            gen = torch.Generator().manual_seed(0)
+            a = torch.randn(*shape_a, generator=gen)
+            b = torch.randn(batch, k, n, generator=gen)
+            a_op = a.transpose(1, 2) if transposed else a
+            out = torch.empty(batch, m, n)
+            fns.append((lambda a_op=a_op, b=b, out=out: torch.bmm(a_op, b, out=out)) if batch > 1 else
+                       (lambda a_op=a_op, b=b, out=out: torch.mm(a_op[0], b[0], out=out[0])))
+        else:
+            key_a, key_b = jax.random.split(jax.random.PRNGKey(0))
+            a = jax.random.normal(key_a, shape_a[1:] if batch == 1 else shape_a, jnp.float32)
+            b = jax.random.normal(key_b, (k, n) if batch == 1 else (batch, k, n), jnp.float32)
+            f = jax.jit(lambda a, b, t=transposed: jnp.matmul(jnp.swapaxes(a, -1, -2) if t else a, b))
+            fns.append(lambda f=f, a=a, b=b: f(a, b).block_until_ready())
+    return fns
+
+
+def run_floor(args):
+    """Per model and length: torch's (and our) whole training step against the time the step's matmuls take
+    alone (torch and XLA), interleaved: each repeat runs both steps, then every matmul once. A step's time is
+    its best repeat; the floor sums, over `step_gemms`, each product's best repeat times its count (causal
+    attention products at half). step/GEMMs is the largest speed-up over torch's step that a step whose matmuls
+    run at torch's speed can reach, every other op taking no time."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    print(f"GEMM floor: jax {jax.__version__}, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+          f"{os.cpu_count()} CPUs, float32, best of {args.repeats} interleaved repeats; load average "
+          f"{_load_average()}")
+    header = (f"| {'model':<13} | {'S':>5} | {'GFLOP':>6} | {'torch step':>10} | {'torch GEMMs':>11} |"
+              f" {'XLA GEMMs':>9} | {'ours step':>9} | {'torch step / GEMMs':>18} | {'by CPU time':>11} |"
+              f" {'ours / XLA GEMMs':>16} |")
+    print(header)
+    print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
+    for preset in args.models.split(","):
+        with tempfile.TemporaryDirectory() as directory:
+            config, params, _ = _load(preset, directory)
+            for length in [int(x) for x in args.lengths.split(",")]:
+                batch = synthetic_batch(config.vocab_size, args.rows, length, seed=length)
+                torch_model = transformers.AutoModelForCausalLM.from_pretrained(directory,
+                                                                                dtype=torch.float32).train()
+                torch_step = _torch_step_fn(torch_model, batch)
+                optimizer = train.make_optimizer(_optimizer_config())
+                box = [train.init_train_state(config, optimizer, params, jax.random.PRNGKey(0))]
+                ours_step = train.make_train_step(config, _loss_config(), optimizer)
+
+                def ours():
+                    box[0], metrics = ours_step(box[0], batch, None)
+                    float(metrics["loss"])
+
+                gemms = step_gemms(config, args.rows, length)
+                weights = [count * (0.5 if causal else 1.0) for *_, count, causal in gemms]
+                torch_gemms, xla_gemms = gemm_fns(gemms, "torch"), gemm_fns(gemms, "jax")
+                contenders = {"torch": [torch_step], "ours": [ours], "torch_gemms": torch_gemms,
+                              "xla_gemms": xla_gemms}
+                for fns in contenders.values():  # warm-up / compile
+                    for fn in fns:
+                        fn()
+                best = {name: [[float("inf")] * 2 for _ in fns] for name, fns in contenders.items()}
+                for _ in range(args.repeats):
+                    for name, fns in contenders.items():
+                        for i, fn in enumerate(fns):
+                            best[name][i] = [min(x, y) for x, y in zip(best[name][i], _timed(fn))]
+                total = {name: [sum(w * t[j] for w, t in zip(weights if "gemms" in name else [1.0], times))
+                                for j in (0, 1)] for name, times in best.items()}
+                gflop = sum(2 * b * m * k * n * w for (_, b, m, k, n, _, _), w in zip(gemms, weights)) / 1e9
+                print(f"| {preset:<13} | {length:>5} | {gflop:>6.1f} | {total['torch'][0]:>9.3f}s | "
+                      f"{total['torch_gemms'][0]:>10.3f}s | {total['xla_gemms'][0]:>8.3f}s | "
+                      f"{total['ours'][0]:>8.3f}s | {total['torch'][0] / total['torch_gemms'][0]:>17.2f}x | "
+                      f"{total['torch'][1] / total['torch_gemms'][1]:>10.2f}x | "
+                      f"{total['ours'][0] / total['xla_gemms'][0]:>15.2f}x |", flush=True)
+                del torch_model, torch_step, box, ours_step, ours, contenders
+                jax.clear_caches()
+    print(f"load average at the end: {_load_average()}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny-qwen3,smollm2-135m")
@@ -188,10 +319,15 @@ def main():
     parser.add_argument("--aot-length", type=int, default=2048)
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--remat", default="full")
+    parser.add_argument("--floor", action="store_true",
+                        help="time the step's matmuls alone (torch, XLA) against torch's whole step")
     args = parser.parse_args()
     if args.aot:
         args.rows = args.rows or 16
         run_aot(args)
+    elif args.floor:
+        args.rows = args.rows or 2
+        run_floor(args)
     else:
         args.rows = args.rows or 2
         run_cpu(args)
