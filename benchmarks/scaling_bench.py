@@ -6,7 +6,10 @@ a venv of its own, with JAX_PLATFORMS=cpu) and writes one markdown row as soon a
 is cut short keeps its rows. The mesh is fsdp over every chip (the 30B-A3B: experts over up to 8 chips, fsdp
 over the rest); `LossConfig.micro_batches` is set so that a micro-batch holds one row per batch shard, and
 `UpdateConfig.scoring_batch` scores one row per batch shard per pass. Compute is bfloat16 with full remat
-(float32 master weights and AdamW). A Qwen3-4B train-step compile takes 3-8 minutes on a loaded 2-core host.
+(float32 master weights and AdamW). A Qwen3-4B train-step compile takes 3-8 minutes on a loaded 2-core host;
+each cell whose train step fits also compiles the 1-2 layer unrolled variants behind the step-time estimate
+(`plan.estimate_train_time`: compiler XLA ops + attention kernel at the compiler's dot rate) and its implied MFU,
+an upper bound (docs/scaling.md). `--validate` adds the 3-layer variant and prints it against the prediction.
 
     python benchmarks/scaling_bench.py [--models qwen3-4b,qwen3-30b-a3b] [--slices v5e-16,v5p-8,v5p-16,v6e-8]
         [--programs train,decode] [--out docs/scaling_table.md] [--cell MODEL@SLICE:MESH ...]
@@ -27,8 +30,8 @@ from trace_jax.train.gin_setup import parse
 GIB = 1024**3
 CONFIGS = {"qwen3-4b": "configs/qwen3_4b.gin", "qwen3-30b-a3b": "configs/qwen3_30b_a3b.gin"}
 HEADER = ("| model | slice | mesh | micro-batches | train GiB/chip (args + temp = peak) | score GiB/chip | "
-          "decode GiB/chip | verdict (train / whole step) | compiler time est. (its utilisation) | implied MFU | "
-          "compile s |\n"
+          "decode GiB/chip | verdict (train / whole step) | step time est. = compiler XLA ops + attention kernel "
+          "(XLA FLOPs counted / expected) | implied MFU | compile s |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|")
 
 
@@ -39,7 +42,8 @@ def default_mesh(model: str, chips: int) -> str:
     return f"fsdp={chips}"
 
 
-def plan_cell(model: str, slice_name: str, mesh_text: str, programs: tuple[str, ...]) -> plan.PlanReport:
+def plan_cell(model: str, slice_name: str, mesh_text: str, programs: tuple[str, ...], *,
+              validate: bool = False) -> plan.PlanReport:
     topology = plan.parse_topology(slice_name)
     mesh = plan.parse_mesh(mesh_text, None)
     axes = mesh.axis_sizes(topology.num_chips)
@@ -49,7 +53,8 @@ def plan_cell(model: str, slice_name: str, mesh_text: str, programs: tuple[str, 
     micro = max(1, rows // shards)
     run_config = parse([CONFIGS[model]], [f"LossConfig.micro_batches = {micro}",
                                           f"UpdateConfig.scoring_batch = {shards}"])
-    plan_config = plan.PlanConfig(topology=slice_name, programs=programs, dtype="bfloat16", remat="full")
+    plan_config = plan.PlanConfig(topology=slice_name, programs=programs, dtype="bfloat16", remat="full",
+                                  validate_estimate=validate)
     return plan.plan(run_config, plan_config, mesh, model_preset=model)
 
 
@@ -65,12 +70,12 @@ def row(model: str, slice_name: str, report: plan.PlanReport, seconds: float) ->
     train = report.program("train")
     hbm = report.topology.chip.hbm_bytes
     train_ok = train is not None and not train.out_of_memory and train.peak_bytes <= hbm
-    time_text = "n/a" if train is None or train.seconds is None else f"{train.seconds:.2f} s"
-    share, busy = report.compiler_flop_share, report.compiler_utilisation
-    if train is not None and train.seconds is not None and share is not None and share < 0.9:
-        time_text += f" for {100 * share:.2g}% of the FLOPs"
-    if busy is not None:
-        time_text += f" ({100 * busy:.0f}% busy)"
+    e = report.estimate
+    if e is None:
+        time_text = "n/a" if train is None or train.out_of_memory else f"n/a ({report.estimate_missing})"
+    else:
+        time_text = (f"{e.seconds:.2f} s = {e.xla_seconds:.2f} + {e.kernel_seconds:.2f} "
+                     f"({100 * e.xla_flops / e.expected_xla_flops:.1f}%)")
     mfu = report.train_mfu
     mesh = ",".join(f"{a}={n}" for a, n in report.mesh.items() if n > 1)
     return (f"| {model} | {slice_name} ({report.topology.name}) | {mesh} | {report.settings['micro_batches']} x "
@@ -87,6 +92,8 @@ def main():
     parser.add_argument("--programs", default="train,decode")
     parser.add_argument("--cell", action="append", default=[], help="MODEL@SLICE:MESH, an extra cell")
     parser.add_argument("--out", default="docs/scaling_table.md", help="markdown table, one row per finished cell")
+    parser.add_argument("--validate", action="store_true",
+                        help="also compile each cell's 3-layer variant against the estimate's prediction")
     args = parser.parse_args()
     cells = [(m, s, default_mesh(m, plan.parse_topology(s).num_chips))
              for m in args.models.split(",") if m for s in args.slices.split(",") if s]
@@ -100,7 +107,7 @@ def main():
     print(HEADER, flush=True)
     for model, slice_name, mesh in cells:
         start = time.perf_counter()
-        report = plan_cell(model, slice_name, mesh, programs)
+        report = plan_cell(model, slice_name, mesh, programs, validate=args.validate)
         line = row(model, slice_name, report, time.perf_counter() - start)
         with out.open("a") as f:
             f.write(line + "\n")

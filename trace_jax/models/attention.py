@@ -394,28 +394,55 @@ def _cudnn_causal(q, k, v):
 
 
 def _pallas_tpu_causal(q, k, v, segment_ids, *, q_block: int, k_block: int):
-    """Splash attention (Pallas TPU) for causal self-attention; segment_ids [B, S] or None."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    """Splash attention (Pallas TPU) for causal self-attention; segment_ids [B, S] or None.
+
+    The Mosaic kernel is per-device: GSPMD cannot partition it. Under a mesh set with `jax.set_mesh` (the train
+    step, the loop) it runs inside `jax.shard_map`, rows split over the mesh axes of the "batch" rule and heads
+    over those of "heads" (`sharding.DEFAULT_RULES`: data/fsdp/expert and tensor; an axis that does not divide
+    the dimension is dropped, so that dimension is replicated over it), each device running the kernel on its own
+    rows and heads. Without a mesh (one device) it runs as is.
+    """
+    from trace_jax.models.sharding import logical_to_mesh_spec
 
     B, S, H, Dh = q.shape
     K = k.shape[2]
+    qh = jnp.transpose(q * jnp.asarray(Dh ** -0.5, q.dtype), (0, 2, 1, 3))  # [B, H, S, Dh]
+    kh, vh = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))
+    if K not in (1, H):  # grouped-query: repeat keys and values per query head (then heads shard like q's)
+        kh, vh = jnp.repeat(kh, H // K, axis=1), jnp.repeat(vh, H // K, axis=1)
+    if K == 1:  # multi-query: one key/value head, replicated over the head shards
+        kh, vh = kh[:, 0], vh[:, 0]
+    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    kernel = functools.partial(_splash_local, q_block=q_block, k_block=k_block, mqa=K == 1)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or mesh.size == 1:
+        out = kernel(qh, kh, vh, seg)
+    else:
+        spec = logical_to_mesh_spec(jax.sharding.PartitionSpec("batch", "heads", None, None), mesh, shape=qh.shape)
+        P = jax.sharding.PartitionSpec
+        rows = spec[0]
+        kv_spec = P(rows, None, None) if K == 1 else spec
+        seg_spec = None if seg is None else P(rows, None)
+        out = jax.shard_map(kernel, mesh=mesh, in_specs=(spec, kv_spec, kv_spec, seg_spec), out_specs=spec,
+                            check_vma=False)(qh, kh, vh, seg)
+    return jnp.transpose(out, (0, 2, 1, 3)).astype(v.dtype)
+
+
+def _splash_local(qh, kh, vh, seg, *, q_block: int, k_block: int, mqa: bool):
+    """The splash kernel over one device's rows and heads: qh [b, h, S, Dh]; kh, vh [b, h, S, Dh] (or [b, S, Dh]
+    when `mqa`); seg int32 [b, S] or None. Returns [b, h, S, Dh]."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    _, H, S, _ = qh.shape
     bq, bk = min(q_block or 128, S), min(k_block or 128, S)
     mask = sm.MultiHeadMask([sm.CausalMask((S, S)) for _ in range(H)])
     sizes = sk.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
                           block_kv_dkv_compute=bk, block_q_dq=bq, block_kv_dq=bk)
-    kernel = sk.make_splash_mqa_single_device(mask, block_sizes=sizes) if K == 1 else \
+    kernel = sk.make_splash_mqa_single_device(mask, block_sizes=sizes) if mqa else \
         sk.make_splash_mha_single_device(mask, block_sizes=sizes)
-    qh = jnp.transpose(q * jnp.asarray(Dh ** -0.5, q.dtype), (0, 2, 1, 3))  # [B, H, S, Dh]
-    kh, vh = jnp.transpose(k, (0, 2, 1, 3)), jnp.transpose(v, (0, 2, 1, 3))
-    if K not in (1, H):  # grouped-query: repeat keys and values per query head
-        kh, vh = jnp.repeat(kh, H // K, axis=1), jnp.repeat(vh, H // K, axis=1)
-    if K == 1:
-        kh, vh = kh[:, 0], vh[:, 0]
-    seg = None if segment_ids is None else sk.SegmentIds(q=segment_ids.astype(jnp.int32),
-                                                         kv=segment_ids.astype(jnp.int32))
-    out = jax.vmap(lambda a, b, c, s: kernel(a, b, c, segment_ids=s))(qh, kh, vh, seg)
-    return jnp.transpose(out, (0, 2, 1, 3)).astype(v.dtype)
+    segments = None if seg is None else sk.SegmentIds(q=seg, kv=seg)
+    return jax.vmap(lambda a, b, c, s: kernel(a, b, c, segment_ids=s))(qh, kh, vh, segments)
 
 
 # Below this many queries (single-token decode, short appends) one dense pass over the keys beats walking tiles:

@@ -13,18 +13,20 @@ inputs (`jax.ShapeDtypeStruct`s carrying their shardings; nothing is allocated):
               `score_answer_prefixes` buckets them;
   * "decode": one sampler decode step (`rollout.sampler`) of every rollout row against a `max_context` KV cache.
 
-For each, the compiler's per-device memory (arguments, outputs, temporaries, aliased), its FLOPs and, where the
-compiler gives one, its step-time estimate. A phase's peak adds what stays resident while it runs (the train
-state and the frozen reference, which are separate buffers), and the verdict compares the largest peak with the
-chip's HBM: FIT, or DOES NOT FIT with what to change. The implied MFU is the model FLOPs of the train step
-(`flops.flops_per_token`, the MFU convention) over the compiler's time estimate at the chips' peak.
+For each, the compiler's per-device memory (arguments, outputs, temporaries, aliased) and its FLOPs. A phase's
+peak adds what stays resident while it runs (the train state and the frozen reference, which are separate
+buffers), and the verdict compares the largest peak with the chip's HBM: FIT, or DOES NOT FIT with what to
+change.
 
-On this jax (0.10) with libtpu, `compiled.cost_analysis()` gives FLOPs, bytes accessed and "optimal_seconds"
-(the TPU compiler's own estimate of the program's time), but counts each loop body once (scans over layers and
-micro-batches, attention tiles), and for real-sized steps "optimal_seconds" is not positive: the report then says
-"n/a" instead of guessing, and prints the share of the model FLOPs the compiler counted when it is under 90%. GPU targets (`--topology h100:8`): no GPU compiler runs on a CPU host, so only what the shapes and
-shardings determine is checked (resident bytes per device, FLOPs per step); temporaries and time are reported as
-not checked.
+Step time: `compiled.cost_analysis()` (jax 0.10, libtpu) gives FLOPs, bytes accessed and "optimal_seconds" (the
+TPU compiler's cost-model time) but counts each loop body once (the scans over layers, micro-batches and log-prob
+chunks) and gives the Pallas attention kernel no cost. `estimate_train_time` therefore compiles 1-2 layer
+variants of the same step with every scan unrolled, extends their figures linearly to the step's layers and
+micro-batches, and adds the attention kernels' FLOPs at the compiler's own dot rate: a roofline estimate of the
+whole step, from which the implied MFU (`flops.flops_per_token`, the MFU convention, over estimate x chips x
+peak) is an upper bound. docs/scaling.md says how it is checked and what it is not. GPU targets
+(`--topology h100:8`): no GPU compiler runs on a CPU host, so only what the shapes and shardings determine is
+checked (resident bytes per device, FLOPs per step); temporaries and time are reported as not checked.
 
 This module knows configs, the device programs' builders and the chip table; it runs nothing and knows nothing
 about tools, data or files beyond the gin files it is handed.
@@ -32,6 +34,7 @@ about tools, data or files beyond the gin files it is handed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -166,6 +169,9 @@ class PlanConfig:
       remat: rematerialisation override ("" keeps the model config's).
       attention_impl: attention override; "" = the target platform's kernel when the config says "auto" (a CPU
         host would otherwise compile its own XLA path).
+      estimate_time: also compile the small unrolled variants of the train step that give the whole step's
+        roofline time estimate and implied MFU (`estimate_train_time`; 2-3 more compiles of 1-2 layer models).
+      validate_estimate: also compile the 3-layer variant and report it against the estimate's prediction.
     """
 
     topology: str
@@ -174,6 +180,8 @@ class PlanConfig:
     dtype: str = ""
     remat: str = ""
     attention_impl: str = ""
+    estimate_time: bool = True
+    validate_estimate: bool = False
 
     def __post_init__(self):
         parse_topology(self.topology)
@@ -257,6 +265,7 @@ class ProgramReport:
     out_of_memory: str = ""
     cost_keys: tuple[str, ...] = ()
     raw_seconds: float | None = None
+    loops: int | None = None  # loops of > 1 iteration in the traced program (`loops_in`), when counted
 
     @property
     def program_bytes(self) -> int | None:
@@ -283,6 +292,8 @@ class PlanReport:
     checked: bool = True
     notes: list[str] = dataclasses.field(default_factory=list)
     advice: list[str] = dataclasses.field(default_factory=list)
+    estimate: TimeEstimate | None = None
+    estimate_missing: str = ""  # why there is no estimate (empty when there is one or none was asked for)
 
     @property
     def peak_bytes(self) -> int | None:
@@ -304,32 +315,13 @@ class PlanReport:
         return next((p for p in self.programs if p.name == name), None)
 
     @property
-    def compiler_flop_share(self) -> float | None:
-        """The train step's FLOPs per chip in the compiler's cost analysis over the model FLOPs per chip."""
-        train = self.program("train")
-        if train is None or not train.flops or not train.model_flops:
-            return None
-        return train.flops / (train.model_flops / self.topology.num_chips)
-
-    @property
     def train_mfu(self) -> float | None:
-        """Model FLOPs of the train step over (compiler time estimate x peak of all chips); None without a time
-        estimate, or when the compiler's estimate covers under 90% of the model's FLOPs (loop bodies counted once:
-        its time is then not the step's)."""
+        """Model FLOPs of the train step (`flops.flops_per_token`, the MFU convention) over (the whole step's
+        roofline time `estimate.seconds` x the vendor peak of all chips); None without an estimate."""
         train = self.program("train")
-        share = self.compiler_flop_share
-        if train is None or not train.seconds or not train.model_flops or share is None or share < 0.9:
+        if train is None or self.estimate is None or not train.model_flops:
             return None
-        return train.model_flops / (train.seconds * self.topology.chip.peak_flops * self.topology.num_chips)
-
-    @property
-    def compiler_utilisation(self) -> float | None:
-        """The compiler's own FLOPs over (its time estimate x one chip's peak): how busy it expects a chip to be on
-        the work it counted (when that is the loop bodies, an estimate for the step only if they dominate)."""
-        train = self.program("train")
-        if train is None or not train.seconds or not train.flops:
-            return None
-        return train.flops / (train.seconds * self.topology.chip.peak_flops)
+        return train.model_flops / (self.estimate.seconds * self.topology.chip.peak_flops * self.topology.num_chips)
 
 
 # ------------------------------------------------------------------------------------------------ building
@@ -378,6 +370,23 @@ def device_bytes(tree) -> int:
 _OOM = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)")
 
 
+def loops_in(jaxpr) -> int:
+    """Loops of more than one iteration in a jaxpr and its sub-jaxprs: `while` (fori / while_loop, data-dependent
+    trip counts included) and `scan`s not fully unrolled. The compiler's cost analysis counts each one's body once.
+    Pallas kernels' own jaxprs are not walked (they run inside the kernel)."""
+    from jax._src import core
+
+    count = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "pallas_call":
+            continue
+        if name == "while" or (name == "scan" and eqn.params["length"] > max(1, int(eqn.params["unroll"]))):
+            count += 1
+        count += sum(loops_in(sub) for sub in core.jaxprs_in_params(eqn.params))
+    return count
+
+
 def _compile(report: ProgramReport, lower, argument_bytes: int) -> None:
     """Compile, and fill `report` from the compiler's memory and cost analyses. A compile that runs out of HBM
     is a result, not an error: its temporaries come from the compiler's message, its arguments from the shapes."""
@@ -415,6 +424,174 @@ def _compile(report: ProgramReport, lower, argument_bytes: int) -> None:
     report.seconds = float(seconds) if seconds is not None and seconds > 0 else None
 
 
+# ------------------------------------------------------------------------------------------------ step time
+@contextlib.contextmanager
+def _unrolled_scans():
+    """Trace with every `jax.lax.scan` fully unrolled (same values), so that the compiler's cost analysis, which
+    counts a loop body once, counts every iteration. Only for the small variants `estimate_train_time` compiles."""
+    import jax
+
+    scan = jax.lax.scan
+
+    def unrolled(*args, **kwargs):
+        kwargs["unroll"] = True
+        return scan(*args, **kwargs)
+
+    jax.lax.scan = unrolled
+    try:
+        yield
+    finally:
+        jax.lax.scan = scan
+
+
+_DOT_RATES: dict[str, float] = {}
+
+
+def compiler_dot_rate(device) -> float:
+    """The highest FLOP/s the TPU compiler's cost model gives a matmul on `device` (a topology device): the FLOPs
+    of a bfloat16 [8192, 8192] x [8192, 8192] dot over its `optimal_seconds`. libtpu 0.0.52 gives 197e12 on v5e,
+    394e12 on v5p and 918e12 on v6e (smaller or thinner dots get less: 174e12 for [4096, 8192] x [8192, 8192] on
+    v5e), so work costed at this rate takes at least this long in the compiler's model."""
+    import jax
+    import jax.numpy as jnp
+
+    kind = device.device_kind
+    if kind not in _DOT_RATES:
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        args = [jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16, sharding=sharding)] * 2
+        cost = jax.jit(jnp.matmul).trace(*args).lower(lowering_platforms=("tpu",)).compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        _DOT_RATES[kind] = 2 * 8192**3 / float(cost["optimal_seconds"])
+    return _DOT_RATES[kind]
+
+
+def splash_kernel_flops(config, rows: int, length: int, mesh) -> float:
+    """FLOPs per chip the Pallas splash attention kernels run in one micro-batch's forward and backward: per layer,
+    row and head, each visited causal block pair (the block lower triangle, diagonal included; `_splash_local`'s
+    block sizes) costs 2 x q_block x k_block x head_dim per dot, and the kernels do 2 dots forward (q k^T, p v),
+    2 more for the forward recomputed under remat, 3 in the dq kernel and 4 in the dkv kernel. Divided by the
+    shards `_pallas_tpu_causal` splits rows and heads over (a dimension not divisible by its axes is computed on
+    every chip of them)."""
+    from jax.sharding import PartitionSpec as P
+
+    from trace_jax.models.sharding import logical_to_mesh_spec
+
+    H, Dh = config.num_attention_heads, config.head_dim
+    bq = min(config.attention_q_block or config.attention_query_chunk or 128, length)
+    bk = min(config.attention_k_block or 128, length)
+    nk = -(-length // bk)
+    pairs = sum(min(nk, -(-((i + 1) * bq) // bk)) for i in range(-(-length // bq)))
+    dots = 2 + (2 if config.remat != "none" else 0) + 3 + 4
+    total = dots * 2 * bq * bk * Dh * pairs * rows * H * config.num_hidden_layers
+    sizes = dict(mesh.shape)
+    spec = logical_to_mesh_spec(P("batch", "heads", None, None), mesh, shape=(rows, H, length, Dh))
+    shards = 1
+    for entry in spec[:2]:
+        for axis in () if entry is None else (entry,) if isinstance(entry, str) else entry:
+            shards *= sizes[axis]
+    return total / shards
+
+
+@dataclasses.dataclass
+class TimeEstimate:
+    """A roofline time of the whole train step on one chip, from the compiler's cost model (`estimate_train_time`).
+
+    Attributes (per chip, whole step): seconds = xla_seconds + kernel_seconds; xla_seconds / xla_flops /
+    xla_bytes: the compiler's `optimal_seconds`, FLOPs and bytes accessed with every loop iteration counted;
+    kernel_seconds / kernel_flops: the Pallas attention kernels, which the compiler does not cost, at its own dot
+    rate (`dot_rate`); expected_xla_flops: the matmul FLOPs outside attention (`flops.matmul_params_per_token`,
+    x 4/3 for the forward recomputed under remat), to check the compiler counted everything; variants:
+    `(layers, micro_batches, flops, optimal_seconds)` of each compiled variant; check: when the step has more
+    layers than the variants, `(layers, micro_batches, compiled optimal_seconds, predicted)` of one more variant
+    (`estimate_train_time(validate=True)`)."""
+
+    seconds: float
+    xla_seconds: float
+    xla_flops: float
+    xla_bytes: float
+    kernel_seconds: float
+    kernel_flops: float
+    dot_rate: float
+    expected_xla_flops: float
+    variants: tuple
+    check: tuple | None = None
+
+
+def _combine(costs: dict, layers: int, micro: int) -> float:
+    """Whole-step figure from the variants' figures, linear in layers per micro-batch and in micro-batches:
+    one micro-batch (no accumulator): C = C(1, 1) + (L - 1) (C(2, 1) - C(1, 1)); M >= 2 micro-batches:
+    C = K0 + M K1 + M L K2 with K2 = (C(2, 2) - C(1, 2)) / 2, K1 = C(1, 3) - C(1, 2) - K2, K0 = C(1, 2) - 2 (K1 + K2)
+    (K0: the optimizer and the accumulator's zeros; K1: a micro-batch outside the layers; K2: a layer of one)."""
+    if micro == 1:
+        return costs[1, 1] + (layers - 1) * (costs[2, 1] - costs[1, 1])
+    k2 = (costs[2, 2] - costs[1, 2]) / 2
+    k1 = costs[1, 3] - costs[1, 2] - k2
+    k0 = costs[1, 2] - 2 * (k1 + k2)
+    return k0 + micro * k1 + micro * layers * k2
+
+
+def estimate_train_time(programs: "_Programs", device, *, validate: bool = False) -> tuple[TimeEstimate | None, str]:
+    """The train step's roofline time per chip, or None and why not.
+
+    The compiler's `cost_analysis()` counts a loop body once, and the step loops over layers, micro-batches and
+    log-prob chunks. So variants of the same step with 1-2 layers and 1-3 micro-batches of the step's micro-batch
+    shape are compiled with every scan unrolled, and their FLOPs, bytes and `optimal_seconds` are extended
+    linearly to the step's layers and micro-batches (`_combine`). The Pallas attention kernels are custom calls
+    the cost model does not cost (0 FLOPs); their FLOPs (`splash_kernel_flops`) are added at the compiler's own
+    dot rate. A variant left with a loop (the XLA attention's tile loops have data-dependent trip counts) or out
+    of HBM gives no estimate. `validate`: also compile the 3-layer variant and record it against the prediction.
+    """
+    import jax
+
+    from trace_jax.train.flops import matmul_params_per_token
+
+    config, run = programs.config, programs.run
+    layers, micro = config.num_hidden_layers, run.loss.micro_batches
+    rows = programs.rows // run.update.mini_batches
+    micro_rows = rows // micro
+    grid = [(1, 1), (2, 1)] if micro == 1 else [(1, 2), (2, 2), (1, 3)]
+    if validate and layers > 2:
+        grid.append((3, grid[0][1]))
+    figures = {}
+    for n_layers, n_micro in grid:
+        variant = _Programs(config.replace(num_hidden_layers=n_layers),
+                            dataclasses.replace(run, loss=dataclasses.replace(run.loss, micro_batches=n_micro)),
+                            programs.mesh, programs.plan)
+        report = ProgramReport("train", "")
+        with _unrolled_scans():
+            variant.train(report, rows=n_micro * micro_rows, count_loops=True)
+        jax.clear_caches()
+        if report.out_of_memory:
+            return None, (f"the {n_layers}-layer, {n_micro}-micro-batch variant ran out of HBM "
+                          f"({report.out_of_memory})")
+        if report.loops:
+            return None, (f"the unrolled {n_layers}-layer variant still has {report.loops} loop(s) the cost "
+                          f"analysis counts once (attention {config.attention_impl!r}: the XLA path's tile loops "
+                          "have data-dependent trip counts); plan with the Pallas kernel (attention 'pallas_tpu')")
+        if report.flops is None or report.raw_seconds is None or report.raw_seconds <= 0:
+            return None, (f"the compiler gave no usable cost for the {n_layers}-layer variant (flops "
+                          f"{report.flops}, optimal_seconds {report.raw_seconds})")
+        figures[n_layers, n_micro] = (report.flops, report.raw_seconds, report.bytes_accessed or 0.0)
+    pick = lambda i: {key: value[i] for key, value in figures.items()}  # noqa: E731
+    xla_flops, xla_seconds, xla_bytes = (_combine(pick(i), layers, micro) for i in range(3))
+    kernel_flops = 0.0
+    if config.attention_impl == "pallas_tpu":
+        kernel_flops = micro * splash_kernel_flops(config, micro_rows, programs.length, programs.mesh)
+    rate = compiler_dot_rate(device)
+    tokens = rows * programs.length
+    recompute = 4 / 3 if config.remat != "none" else 1.0
+    expected = recompute * 3 * 2 * matmul_params_per_token(config) * tokens / programs.mesh.size
+    check = None
+    if validate and layers > 2:
+        base = {key: value for key, value in pick(1).items() if key[0] < 3}
+        m = grid[0][1]  # the variants' layer count enters linearly: C(3, m) = C(1, m) + 2 (C(2, m) - C(1, m))
+        check = (3, m, pick(1)[3, m], base[1, m] + 2 * (base[2, m] - base[1, m]))
+    return TimeEstimate(seconds=xla_seconds + kernel_flops / rate, xla_seconds=xla_seconds, xla_flops=xla_flops,
+                        xla_bytes=xla_bytes, kernel_seconds=kernel_flops / rate, kernel_flops=kernel_flops,
+                        dot_rate=rate, expected_xla_flops=expected,
+                        variants=tuple((l, m, f, t) for (l, m), (f, t, _) in figures.items()), check=check), ""
+
+
 class _Programs:
     """The abstract inputs and lowerings of the three programs for one model, run config and mesh."""
 
@@ -436,13 +613,14 @@ class _Programs:
         self.length = run_config.rollout.max_context
         self.jnp = jnp
 
-    def train(self, report: ProgramReport):
+    def train(self, report: ProgramReport, *, rows: int | None = None, count_loops: bool = False):
+        """The update's train step; `rows` overrides the mini-batch's rows (`estimate_train_time`'s variants)."""
         import jax
 
         from trace_jax.train.loss import LossBatch
         from trace_jax.train.step import batch_sharding, make_train_step
 
-        rows = self.rows // self.run.update.mini_batches
+        rows = rows or self.rows // self.run.update.mini_batches
         loss = self.run.loss
         step = make_train_step(self.config, loss, self.optimizer, mesh=self.mesh)
         sharding = batch_sharding(self.mesh, None, (rows, self.length))
@@ -457,7 +635,16 @@ class _Programs:
 
         report.model_flops = flops_per_token(self.config, self.length) * rows * self.length
         report.resident_other_bytes = device_bytes(self.reference)  # the reference stays while the policy trains
-        _compile(report, lambda: step.lower(self.state, batch, None), device_bytes((self.state, batch)))
+        lower = lambda: step.lower(self.state, batch, None)  # noqa: E731
+        if count_loops:
+            with jax.set_mesh(self.mesh):
+                traced = step.jitted.trace(self.state, batch, None)
+            report.loops = loops_in(traced.jaxpr.jaxpr)
+
+            def lower():
+                with jax.set_mesh(self.mesh):
+                    return traced.lower()
+        _compile(report, lower, device_bytes((self.state, batch)))
 
     def score(self, report: ProgramReport):
         import jax
@@ -599,8 +786,7 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
             # A Pallas kernel under GSPMD without shard_map does not lower: say so, and plan the XLA attention path
             # (what the run can compile on this mesh today).
             notes.append(f"attention_impl {programs.config.attention_impl!r} does not lower on mesh {axes}: "
-                         f"{str(error).splitlines()[0]} (models/attention.py calls the kernel outside a "
-                         "shard_map); planned with attention_impl 'xla' instead")
+                         f"{str(error).splitlines()[0]}; planned with attention_impl 'xla' instead")
             programs.config = programs.config.replace(attention_impl="xla")
             settings["attention"] = "xla"
             report = ProgramReport(name, "")
@@ -608,6 +794,10 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
         reports.append(report)
         jax.clear_caches()
     result = PlanReport(topology, axes, how, settings, reports, resident)
+    train = result.program("train")
+    if plan_config.estimate_time and train is not None and not train.out_of_memory:
+        result.estimate, result.estimate_missing = estimate_train_time(
+            programs, devices[0], validate=plan_config.validate_estimate)
     result.notes += notes + [f"device kind {devices[0].device_kind}; compiled with jax {jax.__version__}"]
     result.advice = _advice(result, run_config, model_config)
     return result
@@ -691,30 +881,40 @@ def format_report(report: PlanReport) -> str:
     else:
         lines.append(f"verdict: {report.verdict}: peak {'over ' if report.fits is False and peak <= t.chip.hbm_bytes else ''}{peak / GIB:.2f} GiB of {t.chip.hbm_bytes / GIB:.0f} GiB per "
                      f"chip ({100 * peak / t.chip.hbm_bytes:.0f}%)")
-    mfu = report.train_mfu
-    train = report.program("train")
-    if train is not None and train.model_flops:
-        counted = report.compiler_flop_share
-        if mfu is not None:
-            lines.append(f"train step: {train.model_flops / 1e12:.1f} model TFLOPs, compiler estimate "
-                         f"{train.seconds:.3f} s -> implied MFU {100 * mfu:.0f}% of {t.num_chips} x "
-                         f"{t.chip.peak_flops / 1e12:.0f} TFLOP/s")
-        elif train.seconds is None:
-            raw = "" if train.raw_seconds is None else f" (optimal_seconds = {train.raw_seconds:g})"
-            lines.append(f"train step: {train.model_flops / 1e12:.1f} model TFLOPs; the compiler gives no time "
-                         f"estimate{raw}, so no implied MFU")
-        else:
-            lines.append(f"train step: {train.model_flops / 1e12:.1f} model TFLOPs; the compiler's estimate "
-                         f"{train.seconds:.3f} s covers {100 * counted:.2g}% of them (its cost analysis counts each "
-                         "loop body once: the scans over layers and micro-batches, the attention tiles), so it is "
-                         "not the step's time and gives no implied MFU")
-        busy = report.compiler_utilisation
-        if busy is not None:
-            lines.append(f"the compiler expects {100 * busy:.0f}% of a chip's peak on the FLOPs it counted "
-                         f"({train.flops / 1e12:.2f} TFLOP in {train.seconds * 1e3:.1f} ms)")
+    lines += format_estimate(report)
     lines += [f"advice: {a}" for a in report.advice]
     lines += [f"note: {n}" for n in report.notes]
     return "\n".join(lines)
+
+
+def _secs(value: float) -> str:
+    return f"{value:.2f} s" if value >= 1 else f"{value * 1e3:.3g} ms"
+
+
+def format_estimate(report: PlanReport) -> list[str]:
+    """The train step's time lines: the roofline estimate and implied MFU, or why there is none."""
+    t, train, e = report.topology, report.program("train"), report.estimate
+    if train is None or not train.model_flops:
+        return []
+    if e is None:
+        why = report.estimate_missing or "not asked for (--no_time_estimate)"
+        if train.out_of_memory:
+            why = "the step does not fit"
+        return [f"train step: {train.model_flops / 1e12:.1f} model TFLOPs; no time estimate: {why}"]
+    lines = [f"train step: {train.model_flops / 1e12:.1f} model TFLOPs; roofline estimate {_secs(e.seconds)} per step "
+             f"-> implied MFU {100 * report.train_mfu:.0f}% of {t.num_chips} x {t.chip.peak_flops / 1e12:.0f} "
+             f"TFLOP/s (an upper bound: see docs/scaling.md)",
+             f"  = compiler {_secs(e.xla_seconds)} (optimal_seconds of the XLA ops, every loop iteration counted: "
+             f"{e.xla_flops / 1e12:.3g} TFLOP/chip, {100 * e.xla_flops / e.expected_xla_flops:.1f}% of the "
+             f"{e.expected_xla_flops / 1e12:.3g} matmul TFLOP/chip expected, {_gib(e.xla_bytes)} accessed)"
+             f" + attention kernel {_secs(e.kernel_seconds)} ({e.kernel_flops / 1e12:.3g} TFLOP/chip at the "
+             f"compiler's dot rate {e.dot_rate / 1e12:.0f} TFLOP/s)"]
+    if e.check is not None:
+        layers, micro, got, predicted = e.check
+        lines.append(f"  check: the {layers}-layer variant ({micro} micro-batch(es)) compiles to {got * 1e3:.1f} ms, "
+                     f"predicted {predicted * 1e3:.1f} ms from the 1- and 2-layer ones "
+                     f"({100 * (predicted / got - 1):+.2f}%)")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------ the command
@@ -730,6 +930,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", default="", help="compute dtype override, e.g. bfloat16 (default: the model's)")
     parser.add_argument("--remat", default="", help="rematerialisation override, e.g. full (default: the model's)")
     parser.add_argument("--answer_tokens", type=int, default=32, help="answer continuation length for scoring")
+    parser.add_argument("--no_time_estimate", action="store_true",
+                        help="skip the unrolled 1-2 layer variants of the train step behind the step-time estimate")
+    parser.add_argument("--validate_estimate", action="store_true",
+                        help="also compile the 3-layer variant and print it against the estimate's prediction")
 
 
 def run(args) -> int:
@@ -743,7 +947,9 @@ def run(args) -> int:
     try:
         run_config = parse(args.gin_file, args.gin_param)
         plan_config = PlanConfig(topology=args.topology, programs=tuple(p.strip() for p in args.programs.split(",")),
-                                 answer_tokens=args.answer_tokens, dtype=args.dtype, remat=args.remat)
+                                 answer_tokens=args.answer_tokens, dtype=args.dtype, remat=args.remat,
+                                 estimate_time=not args.no_time_estimate,
+                                 validate_estimate=args.validate_estimate)
         mesh_config = parse_mesh(args.mesh, None)
         report = plan(run_config, plan_config, mesh_config, model_preset=args.model_preset)
     except (ConfigError, PlanError) as error:
