@@ -367,7 +367,8 @@ class RLPipeline:
         flops = flops_per_token(self.model_config, width) * trained
         if prepared.loss_batch.trained_index is not None:  # the LM head ran on the trained tokens only
             head = 6.0 * self.model_config.hidden_size * self.model_config.vocab_size
-            scored = float(np.asarray(prepared.loss_batch.loss_mask).astype(bool).sum()) * self.update_config.epochs
+            # a device reduction: the batch may be a global array over several processes (replicated scalar out)
+            scored = float(jnp.sum(prepared.loss_batch.loss_mask > 0)) * self.update_config.epochs
             flops -= head * (trained - scored)
         out["update_tflops"] = flops / max(update_seconds, 1e-9) / 1e12
         if peak_flops:
