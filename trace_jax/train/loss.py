@@ -76,6 +76,11 @@ class LossBatch:
     def shape(self) -> tuple[int, int]:
         return tuple(self.tokens.shape)
 
+    @property
+    def head_width(self) -> int:
+        """Positions per row the LM head runs on: K with `trained_index`, else L."""
+        return int((self.tokens if self.trained_index is None else self.trained_index).shape[1])
+
     def validate(self, loss_config: LossConfig | None = None, *, reference_params_given: bool = False) -> None:
         """Host-side check of shapes and of what the loss config needs; raises ValueError naming the field."""
         shape = self.shape
@@ -101,6 +106,12 @@ class LossBatch:
                              f"{loss_config.micro_batches}")
 
 
+def length_bucket(longest: int, multiple: int, max_len: int) -> int:
+    """The padded length for a batch whose longest row has `longest` tokens: rounded up to `multiple`, at most
+    `max_len` (the one bucketing rule of the train step's inputs, so jit sees few shapes)."""
+    return int(min(max_len, -(-max(longest, 1) // multiple) * multiple))
+
+
 def trained_positions(loss_mask, multiple: int = 64) -> np.ndarray:
     """Host side: `LossBatch.trained_index` for a `loss_mask [N, L]`: int32 `[N, K]`, row n's positions with
     `loss_mask > 0` in increasing order, then 0s; K = the largest row count rounded up to `multiple` (at most L),
@@ -110,7 +121,7 @@ def trained_positions(loss_mask, multiple: int = 64) -> np.ndarray:
     if mask[:, 0].any():
         raise ValueError("loss_mask[:, 0] is nonzero: token 0 has no prediction and is never trained")
     counts = mask.sum(axis=1)
-    k = int(min(length, max(1, -(-int(counts.max(initial=0)) // multiple) * multiple)))
+    k = length_bucket(int(counts.max(initial=0)), multiple, length)
     order = np.argsort(~mask, axis=1, kind="stable")[:, :k]  # trained positions first, in order
     return np.where(np.arange(k)[None, :] < counts[:, None], order, 0).astype(np.int32)
 
@@ -335,11 +346,10 @@ def loss_terms(model_config, loss_config: LossConfig, params, batch: LossBatch, 
     The loss is `objective_sum / objective_count(...) + router_aux_coef(model_config) * router_aux`.
     """
     cfg = loss_config
-    rows, length = batch.tokens.shape
+    rows = batch.tokens.shape[0]
     logp, entropy, router_aux = policy_logprobs(
         model_config, params, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids,
-        chunk_size=cfg.chunk_for(max(1, rows // batch_shards), length if batch.trained_index is None
-                                 else batch.trained_index.shape[1], model_config.vocab_size),
+        chunk_size=cfg.chunk_for(max(1, rows // batch_shards), batch.head_width, model_config.vocab_size),
         with_entropy=cfg.needs_entropy,
         with_router_loss=cfg.router_aux and model_config.is_moe, token_mask=batch.token_mask,
         trained_index=batch.trained_index)

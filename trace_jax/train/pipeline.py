@@ -52,7 +52,7 @@ from trace_jax.scoring.fork import score_answer_prefixes
 from trace_jax.train.config import LossConfig
 from trace_jax.train.evaluate import episode_correct
 from trace_jax.train.flops import flops_per_token
-from trace_jax.train.loss import LossBatch, real_token_mask, trained_positions
+from trace_jax.train.loss import LossBatch, length_bucket, real_token_mask, trained_positions
 from trace_jax.train.step import make_train_step
 
 SCORING_METHODS = ("fork", "naive")
@@ -145,11 +145,6 @@ class Prepared:
     step_rewards: np.ndarray | None
     metrics: dict[str, float]
     timing: dict[str, float]
-
-
-def length_bucket(longest: int, multiple: int, max_len: int) -> int:
-    """The padded length for a batch whose longest row has `longest` tokens."""
-    return int(min(max_len, -(-max(longest, 1) // multiple) * multiple))
 
 
 class RLPipeline:

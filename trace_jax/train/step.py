@@ -112,8 +112,8 @@ def make_train_step(model_config, loss_config: LossConfig, optimizer: optax.Grad
                 if reference_params is None:
                     raise ValueError("LossConfig.kl_coef > 0 needs reference log-probs: put them in "
                                      "LossBatch.reference_logprobs or pass reference_params to the train step")
-                width = mb.tokens.shape[1] if mb.trained_index is None else mb.trained_index.shape[1]
-                chunk = cfg.chunk_for(max(1, mb.tokens.shape[0] // batch_shards), width, model_config.vocab_size)
+                chunk = cfg.chunk_for(max(1, mb.tokens.shape[0] // batch_shards), mb.head_width,
+                                      model_config.vocab_size)
                 ref_lp = policy_logprobs(model_config, reference_params, mb.tokens, positions=mb.positions,
                                          segment_ids=mb.segment_ids, chunk_size=chunk,
                                          trained_index=mb.trained_index)[0]

@@ -37,6 +37,7 @@ from trace_jax.envs.oracle import OracleConfig, OracleResult, solve
 from trace_jax.models.chat import ChatFormat, ToolCall, parse_tool_call
 from trace_jax.rollout.agent import RolloutConfig, error_observation
 from trace_jax.rollout.batch import build_batch
+from trace_jax.train.loss import length_bucket
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +138,7 @@ class SFTArrays:
         index = np.asarray(index)
         width = self.tokens.shape[1]
         if length_multiple > 0:
-            longest = int(self.lengths[index].max()) if len(index) else 1
-            width = min(width, -(-max(longest, 1) // length_multiple) * length_multiple)
+            width = length_bucket(int(self.lengths[index].max()) if len(index) else 1, length_multiple, width)
         return {"tokens": self.tokens[index, :width], "positions": self.positions[index, :width],
                 "loss_mask": self.loss_mask[index, :width], "weights": self.weights[index, :width]}
 
