@@ -1,19 +1,21 @@
 """KV-cache sampler: jitted prefill/append and single-token decode over a fixed batch of rows.
 
-The device side is two jitted functions with the cache donated:
+The device side is jitted functions with the cache donated:
 
   * `_append_jit` runs a variable-length chunk per row through the model (`trace_jax.models.extend`) and keeps the
     last logits of every row that received tokens. Prefill of the prompts and appending tool responses to some rows
     are the same call. Chunks are padded to buckets (`bucket_length`: powers of two >= 16, multiples of 256 above
     512), so it compiles once per bucket.
-  * `_decode_jit` samples one token per active row from the pending logits, feeds it to the model (`_decode_model`:
-    `models.extend` with n = 1, which updates the cache in place) and updates each row's stop state (stop token,
-    per-row token budget, cache full). One compile per batch shape. The model runs every step, also for rows
-    that stopped (their cache is left unchanged).
+  * `_decode_step` samples one token per active row from the pending logits, feeds it to the model
+    (`_decode_model`: `models.extend` with n = 1, which updates the cache in place) and updates each row's stop
+    state (stop token, per-row token budget, cache full). The model runs every step, also for rows that stopped
+    (their cache is left unchanged). `_decode_steps_jit` runs `sync_every` of these steps in one program (a
+    `lax.scan`); `_decode_jit` runs one (the step a logits hook drives, and the program `plan` sizes). One compile
+    per batch shape (and step count).
 
-`generate` is the host loop around `_decode_jit`. It reads the stop flags back every `sync_every` steps (every step
-when a logits hook is set), checks stop *strings* (tags that are not single tokens, e.g. `</tool_call>` for SmolLM2)
-on the host, and rolls back the cache length of a row that overshot a stop string.
+`generate` is the host loop around them. It reads the stop flags back every `sync_every` steps (every step when a
+logits hook is set), checks stop *strings* (tags that are not single tokens, e.g. `</tool_call>` for SmolLM2) on the
+host, and rolls back the cache length of a row that overshot a stop string.
 
 Log-probs. For every generated token two values are returned:
   * `logprobs`: log p(token) under the *raw model* distribution at temperature 1, no top-k/top-p filtering (with a
@@ -210,9 +212,9 @@ def _decode_model(config: ModelConfig, params, cache: cache_lib.KVCache, tokens:
     return cache_lib.extend(config, params, cache, tokens[:, None], active.astype(jnp.int32), return_logits="last")
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
-def _decode_jit(config: ModelConfig, sampling: SamplingConfig, params, state: SamplerState, active: jax.Array,
-                budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array, logit_bias):
+def _decode_step(config: ModelConfig, sampling: SamplingConfig, params, state: SamplerState, active: jax.Array,
+                 budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array, logit_bias):
+    """One decode step (traced, not jitted): sample from the pending logits, feed the tokens, update stop states."""
     logits = state.logits if logit_bias is None else state.logits + logit_bias
     tokens, logprobs, sampled_lp = sample_from_logits(logits, rng, sampling)
     tokens = jnp.where(active, tokens, 0)
@@ -230,6 +232,39 @@ def _decode_jit(config: ModelConfig, sampling: SamplingConfig, params, state: Sa
     logits_out = jnp.where(active[:, None], new_logits, state.logits)
     return SamplerState(cache=cache, logits=logits_out), tokens, logprobs, sampled_lp, still_active, reason, \
         budget_left
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+def _decode_jit(config: ModelConfig, sampling: SamplingConfig, params, state: SamplerState, active: jax.Array,
+                budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array, logit_bias):
+    """One decode step (`_decode_step`) as its own program: the step a logits hook drives, and what `plan` sizes."""
+    return _decode_step(config, sampling, params, state, active, budget_left, stop_ids, rng, logit_bias)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
+def _decode_steps_jit(config: ModelConfig, sampling: SamplingConfig, num_steps: int, params, state: SamplerState,
+                      active: jax.Array, budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array,
+                      first_step: jax.Array, reason: jax.Array):
+    """`num_steps` decode steps in one program (`lax.scan` over `_decode_step`), step `s` keyed
+    `fold_in(rng, first_step + s)` as the one-step loop keys it, so both give the same tokens.
+
+    One dispatch instead of `num_steps`: on a small model the host round trip of each step (~0.45 ms of Python and
+    dispatch on this CPU) costs more than the step itself. Returns the state, per-step `[num_steps, B]` tokens,
+    logprobs, sampling logprobs and the active mask *before* each step, the active mask after the last step, each
+    row's stop reason (rows that did not stop keep `reason`) and the budgets left.
+    """
+
+    def body(carry, s):
+        state, active, budget_left, reason = carry
+        state, tokens, lp, slp, still, step_reason, budget_left = _decode_step(
+            config, sampling, params, state, active, budget_left, stop_ids, jax.random.fold_in(rng, first_step + s),
+            None)
+        reason = jnp.where(active, step_reason, reason)
+        return (state, still, budget_left, reason), (tokens, lp, slp, active)
+
+    (state, active, budget_left, reason), (tokens, lp, slp, was_active) = jax.lax.scan(
+        body, (state, active, budget_left, reason), jnp.arange(num_steps, dtype=jnp.uint32))
+    return state, tokens, lp, slp, was_active, active, reason, budget_left
 
 
 def append(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Sequence[int]]) -> SamplerState:
@@ -368,38 +403,44 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
     budget_dev = jnp.asarray(budget)
     sync_every = 1 if logits_hook is not None else max(1, sync_every)
 
-    per_step_tokens, per_step_lp, per_step_slp, per_step_active = [], [], [], []
-    reason = np.zeros(batch, np.int32)
+    # Host copies of the decoded steps, one [steps, B] block per host sync: tokens, logprobs, sampling logprobs and
+    # each row's active flag *before* the step (a row's generation is its tokens at the steps it was active).
+    tok_blocks, lp_blocks, slp_blocks, act_blocks = [], [], [], []
+    reason_dev = jnp.full((batch,), RUNNING, jnp.int32)
     generated: list[list[int]] = [[] for _ in range(batch)]
     checked = np.zeros(batch, np.int64)  # tokens of each row already scanned for stop strings
     host_active = active.copy()
     step = 0
     while host_active.any():
-        for _ in range(sync_every):
-            bias = None
-            if logits_hook is not None:
-                hooked = logits_hook(step, generated)
-                bias = None if hooked is None else jnp.asarray(hooked, jnp.float32)
+        if logits_hook is None:
+            # sync_every steps in one dispatch (same keys and tokens as one step per call)
+            state, tokens, lp, slp, was_active, active_dev, reason_dev, budget_dev = _decode_steps_jit(
+                config, sampling, sync_every, params, state, active_dev, budget_dev, stop_arr, rng,
+                jnp.asarray(step, jnp.uint32), reason_dev)
+            step += sync_every
+        else:
+            hooked = logits_hook(step, generated)
+            bias = None if hooked is None else jnp.asarray(hooked, jnp.float32)
             was_active = active_dev
             state, tokens, lp, slp, active_dev, step_reason, budget_dev = _decode_jit(
                 config, sampling, params, state, active_dev, budget_dev, stop_arr, jax.random.fold_in(rng, step),
                 bias)
-            per_step_tokens.append(tokens)
-            per_step_lp.append(lp)
-            per_step_slp.append(slp)
-            per_step_active.append(was_active)
-            reason_dev = step_reason if step == 0 else jnp.where(was_active, step_reason, reason_dev)
+            reason_dev = jnp.where(was_active, step_reason, reason_dev)
+            tokens, lp, slp, was_active = tokens[None], lp[None], slp[None], was_active[None]
             step += 1
-            if logits_hook is not None:
-                tok_np, act_np = np.asarray(tokens), np.asarray(was_active)
-                for row in np.nonzero(act_np)[0]:
-                    generated[row].append(int(tok_np[row]))
+            tok_np, act_np = np.asarray(tokens[0]), np.asarray(was_active[0])
+            for row in np.nonzero(act_np)[0]:
+                generated[row].append(int(tok_np[row]))
+        tok_blocks.append(np.asarray(tokens))
+        lp_blocks.append(np.asarray(lp))
+        slp_blocks.append(np.asarray(slp))
+        act_blocks.append(np.asarray(was_active).copy())
         host_active = np.asarray(active_dev)
         reason = np.asarray(reason_dev).copy()
         if stop_strings is not None and stop_strings.strings:
             # Check the rows' new tokens; a row that completed a stop string is stopped and rolled back.
-            tokens_np = np.stack([np.asarray(t) for t in per_step_tokens], axis=1)
-            mask_np = np.stack([np.asarray(a) for a in per_step_active], axis=1)
+            tokens_np = np.concatenate(tok_blocks, axis=0).T
+            mask_np = np.concatenate(act_blocks, axis=0).T.copy()
             rollback = {}
             for row in np.nonzero(active)[0]:
                 ids = tokens_np[row][mask_np[row]]
@@ -417,8 +458,8 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
                     reason[row] = STOP_STRING
                     current[row] = lengths0[row] + keep
                     # Drop the overshoot from the recorded steps of this row.
-                    for s in np.nonzero(mask_np[row])[0][keep:]:
-                        per_step_active[s] = per_step_active[s].at[row].set(False)
+                    mask_np[row, np.nonzero(mask_np[row])[0][keep:]] = False
+                act_blocks = [mask_np.T]
                 host_active = new_active
                 active_dev = jnp.asarray(new_active)
                 reason_dev = jnp.asarray(reason)
@@ -429,10 +470,8 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
         empty = [np.zeros(0, np.int32) for _ in range(batch)]
         return state, Generation(empty, [np.zeros(0, np.float32)] * batch, [np.zeros(0, np.float32)] * batch,
                                  reason, 0)
-    tokens_np = np.stack([np.asarray(t) for t in per_step_tokens], axis=1)
-    lp_np = np.stack([np.asarray(t) for t in per_step_lp], axis=1)
-    slp_np = np.stack([np.asarray(t) for t in per_step_slp], axis=1)
-    mask_np = np.stack([np.asarray(a) for a in per_step_active], axis=1)
+    tokens_np, lp_np, slp_np, mask_np = (np.concatenate(blocks, axis=0).T
+                                         for blocks in (tok_blocks, lp_blocks, slp_blocks, act_blocks))
     out = Generation(tokens=[tokens_np[b][mask_np[b]].astype(np.int32) for b in range(batch)],
                      logprobs=[lp_np[b][mask_np[b]] for b in range(batch)],
                      sampling_logprobs=[slp_np[b][mask_np[b]] for b in range(batch)],
