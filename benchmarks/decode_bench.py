@@ -1,9 +1,10 @@
-"""Decode throughput: `sync_every` decode steps fused into one program vs one dispatch per step, side by side.
+"""Decode throughput of `sampler.generate` vs the one-dispatch-per-step loop it replaced, side by side.
 
-`sampler.generate` runs `sync_every` steps per device call (`_decode_steps_jit`, a `lax.scan` over the decode
-step). The contender is the host loop it replaced: one `_decode_jit` call per step, the stop flags read back every
-`sync_every` steps (what `generate` did before). Both decode the same greedy rows from the same prefilled state, so
-their tokens must be equal (checked). Calls are interleaved, best of `--repeats`, compilation excluded.
+`sampler.generate` runs `sync_every` decode steps per device call (`_decode_steps_jit`, a `lax.scan` over the
+decode step) and lets attention read only a bucket of cache slots above the longest row (`attend_len`). The
+contender is the host loop it replaced: one `_decode_jit` call per step over the whole cache, the stop flags read
+back every `sync_every` steps. Both decode the same greedy rows from the same prefilled state, so their tokens must
+be equal (checked). Calls are interleaved, best of `--repeats`, compilation excluded.
 
     python benchmarks/decode_bench.py [--rows 1,16,64] [--cache 512] [--steps 32] [--sync_every 8,16]
         [--models tiny,smollm2] [--repeats 5]

@@ -61,6 +61,24 @@ def test_extend_with_mixed_num_new_per_row(model):
     np.testing.assert_array_equal(cache.lengths, lengths)
 
 
+def test_attending_to_the_first_slots_only_equals_reading_the_whole_cache(model):
+    """`attend_len` >= every row's length after the call reads fewer slots and gives the same logits and cache."""
+    config, params = model
+    tokens = tokens_of((3, 40), 3)
+    lengths = jnp.asarray([7, 19, 0])
+    prompt = models.init_cache(config, 3, 128)
+    _, prompt = models.extend(config, params, prompt, tokens[:, :20], lengths, return_logits="none")
+    block, num_new = tokens[:, 20:24], jnp.asarray([4, 1, 3])
+    whole, whole_cache = models.extend(config, params, jax.tree_util.tree_map(jnp.copy, prompt), block, num_new,
+                                       return_logits="all")
+    part, part_cache = models.extend(config, params, prompt, block, num_new, return_logits="all", attend_len=32)
+    np.testing.assert_allclose(np.asarray(part), np.asarray(whole), atol=1e-6)
+    # layer 0 writes the same keys; later layers' differ in the last bits (a shorter softmax reduction)
+    np.testing.assert_allclose(np.asarray(part_cache.k), np.asarray(whole_cache.k), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(part_cache.k[0]), np.asarray(whole_cache.k[0]))
+    np.testing.assert_array_equal(part_cache.lengths, whole_cache.lengths)
+
+
 def test_row_with_zero_new_tokens_keeps_its_cache(model):
     config, params = model
     cache = models.init_cache(config, 2, 8)

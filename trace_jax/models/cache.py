@@ -67,9 +67,9 @@ def prefill(config: ModelConfig, params: dict, tokens: jax.Array) -> tuple[jax.A
     return hidden, KVCache(k=keys, v=values, lengths=lengths)
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("return_logits",), donate_argnums=2)
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("return_logits", "attend_len"), donate_argnums=2)
 def extend(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array, num_new: jax.Array, *,
-           return_logits: str = "last"):
+           return_logits: str = "last", attend_len: int | None = None):
     """Append each row's first `num_new[b]` tokens to the cache and run them through the model.
 
     Args:
@@ -83,6 +83,10 @@ def extend(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
 
     Each new token attends to its row's cached tokens and the row's earlier new tokens (causal). Tokens that
     would land at or beyond `max_len` are dropped silently: check capacity on the host.
+    `attend_len` (static): read only the first `attend_len` cache slots for attention, which must hold every
+    row's cached tokens (`lengths <= attend_len`, the caller's promise; the sampler passes a bucket above the
+    longest row). The cost of a decode step grows with the slots it reads (a 16-row step of the tiny default
+    policy: 1.3 ms at 128 slots, 6.6 ms at 512), so a short row in a long cache need not pay for the whole cache.
     Returns (logits, new_cache) with new_cache.lengths = lengths + num_new.
     """
     if return_logits not in ("last", "all", "hidden", "none"):
@@ -98,7 +102,8 @@ def extend(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
     # Each new token sees its row's cached tokens (one key range) and the row's stored new tokens up to itself
     # (the attention's block keys). The cache is read-only inside the layer loop and written once after it:
     # writing it per layer made every decode step copy the whole cache.
-    cached = attention_api.KeyRanges(key_end=jnp.broadcast_to(jnp.minimum(cache.lengths, T)[:, None], (B, n)))
+    read = T if attend_len is None else min(attend_len, T)
+    cached = attention_api.KeyRanges(key_end=jnp.broadcast_to(jnp.minimum(cache.lengths, read)[:, None], (B, n)))
     in_block = (offsets[:, None] >= offsets[None, :])[None] & stored[:, None, :]  # [B, n, n]
 
     def layer(h, xs):
@@ -112,8 +117,12 @@ def extend(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
         h, kv, _ = dec.decoder_layer(config, lp, h, positions, attend)
         return h, kv
 
+    if attend_len is None or attend_len >= T:
+        k_read, v_read = cache.k, cache.v
+    else:
+        k_read, v_read = cache.k[:, :, :attend_len], cache.v[:, :, :attend_len]
     h, (k_new, v_new) = jax.lax.scan(layer, dec.embed_tokens(config, params, tokens),
-                                     (params["layers"], cache.k, cache.v))
+                                     (params["layers"], k_read, v_read))
     rows = jnp.arange(B)[:, None]
     new_k = cache.k.at[:, rows, write_slot].set(k_new, mode="drop")  # k_new [layers, B, n, K, Dh]
     new_v = cache.v.at[:, rows, write_slot].set(v_new, mode="drop")

@@ -204,16 +204,19 @@ def _append_jit(config: ModelConfig, params, state: SamplerState, tokens: jax.Ar
     return SamplerState(cache=cache, logits=logits)
 
 
-def _decode_model(config: ModelConfig, params, cache: cache_lib.KVCache, tokens: jax.Array, active: jax.Array):
+def _decode_model(config: ModelConfig, params, cache: cache_lib.KVCache, tokens: jax.Array, active: jax.Array,
+                  attend_len: int | None = None):
     """One token per active row through the model (`models.extend` with n = 1); inactive rows keep their cache.
+    `attend_len`: read only that many cache slots (every row's length must fit; see `models.cache.extend`).
 
     Returns float32 logits [B, V] (meaningless for inactive rows) and the cache.
     """
-    return cache_lib.extend(config, params, cache, tokens[:, None], active.astype(jnp.int32), return_logits="last")
+    return cache_lib.extend(config, params, cache, tokens[:, None], active.astype(jnp.int32), return_logits="last",
+                            attend_len=attend_len)
 
 
 def _decode_step(config: ModelConfig, sampling: SamplingConfig, params, state: SamplerState, active: jax.Array,
-                 budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array, logit_bias):
+                 budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array, logit_bias, attend_len=None):
     """One decode step (traced, not jitted): sample from the pending logits, feed the tokens, update stop states."""
     logits = state.logits if logit_bias is None else state.logits + logit_bias
     tokens, logprobs, sampled_lp = sample_from_logits(logits, rng, sampling)
@@ -221,7 +224,7 @@ def _decode_step(config: ModelConfig, sampling: SamplingConfig, params, state: S
 
     # No `lax.cond` to skip the model once every row stopped: on CPU it copied the whole cache every step (decode
     # step 460 vs 236 ms for extend alone on SmolLM2), far more than the few idle steps before the next host sync.
-    new_logits, cache = _decode_model(config, params, state.cache, tokens, active)
+    new_logits, cache = _decode_model(config, params, state.cache, tokens, active, attend_len)
     budget_left = budget_left - active.astype(jnp.int32)
     hit_stop = jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
     full = cache.lengths >= cache.max_len
@@ -241,15 +244,17 @@ def _decode_jit(config: ModelConfig, sampling: SamplingConfig, params, state: Sa
     return _decode_step(config, sampling, params, state, active, budget_left, stop_ids, rng, logit_bias)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
-def _decode_steps_jit(config: ModelConfig, sampling: SamplingConfig, num_steps: int, params, state: SamplerState,
-                      active: jax.Array, budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array,
-                      first_step: jax.Array, reason: jax.Array):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=5)
+def _decode_steps_jit(config: ModelConfig, sampling: SamplingConfig, num_steps: int, attend_len: int | None, params,
+                      state: SamplerState, active: jax.Array, budget_left: jax.Array, stop_ids: jax.Array,
+                      rng: jax.Array, first_step: jax.Array, reason: jax.Array):
     """`num_steps` decode steps in one program (`lax.scan` over `_decode_step`), step `s` keyed
     `fold_in(rng, first_step + s)` as the one-step loop keys it, so both give the same tokens.
 
     One dispatch instead of `num_steps`: on a small model the host round trip of each step (~0.45 ms of Python and
-    dispatch on this CPU) costs more than the step itself. Returns the state, per-step `[num_steps, B]` tokens,
+    dispatch on this CPU) costs more than the step itself. `attend_len` (static): the cache slots attention reads,
+    at least every row's length after the last step (`generate` passes a `bucket_length` above it; None = all).
+    Returns the state, per-step `[num_steps, B]` tokens,
     logprobs, sampling logprobs and the active mask *before* each step, the active mask after the last step, each
     row's stop reason (rows that did not stop keep `reason`) and the budgets left.
     """
@@ -258,7 +263,7 @@ def _decode_steps_jit(config: ModelConfig, sampling: SamplingConfig, num_steps: 
         state, active, budget_left, reason = carry
         state, tokens, lp, slp, still, step_reason, budget_left = _decode_step(
             config, sampling, params, state, active, budget_left, stop_ids, jax.random.fold_in(rng, first_step + s),
-            None)
+            None, attend_len)
         reason = jnp.where(active, step_reason, reason)
         return (state, still, budget_left, reason), (tokens, lp, slp, active)
 
@@ -414,8 +419,12 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
     while host_active.any():
         if logits_hook is None:
             # sync_every steps in one dispatch (same keys and tokens as one step per call)
+            # Attention reads a bucket of slots above the longest row after these steps, not the whole cache
+            # (one compile per bucket: powers of two, then multiples of 256).
+            attend = bucket_length(int(lengths0.max()) + step + sync_every)
+            attend = None if attend >= state.max_len else attend
             state, tokens, lp, slp, was_active, active_dev, reason_dev, budget_dev = _decode_steps_jit(
-                config, sampling, sync_every, params, state, active_dev, budget_dev, stop_arr, rng,
+                config, sampling, sync_every, attend, params, state, active_dev, budget_dev, stop_arr, rng,
                 jnp.asarray(step, jnp.uint32), reason_dev)
             step += sync_every
         else:
