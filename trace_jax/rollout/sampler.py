@@ -418,9 +418,8 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
     step = 0
     while host_active.any():
         if logits_hook is None:
-            # sync_every steps in one dispatch (same keys and tokens as one step per call)
-            # Attention reads a bucket of slots above the longest row after these steps, not the whole cache
-            # (one compile per bucket: powers of two, then multiples of 256).
+            # sync_every steps in one dispatch (same keys and tokens as one step per call); attention reads a
+            # bucket of slots above the longest row after them, not the whole cache (one compile per bucket).
             attend = bucket_length(int(lengths0.max()) + step + sync_every)
             attend = None if attend >= state.max_len else attend
             state, tokens, lp, slp, was_active, active_dev, reason_dev, budget_dev = _decode_steps_jit(
@@ -435,11 +434,11 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
                 config, sampling, params, state, active_dev, budget_dev, stop_arr, jax.random.fold_in(rng, step),
                 bias)
             reason_dev = jnp.where(was_active, step_reason, reason_dev)
-            tokens, lp, slp, was_active = tokens[None], lp[None], slp[None], was_active[None]
             step += 1
-            tok_np, act_np = np.asarray(tokens[0]), np.asarray(was_active[0])
+            tok_np, act_np = np.asarray(tokens), np.asarray(was_active)
             for row in np.nonzero(act_np)[0]:
                 generated[row].append(int(tok_np[row]))
+            tokens, lp, slp, was_active = tokens[None], lp[None], slp[None], was_active[None]  # a 1-step block
         tok_blocks.append(np.asarray(tokens))
         lp_blocks.append(np.asarray(lp))
         slp_blocks.append(np.asarray(slp))
