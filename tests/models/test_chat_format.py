@@ -333,3 +333,34 @@ def test_incremental_pieces_concatenate_to_the_rendering_for_any_text(chat, syst
     record = chat.messages_to_ids(messages, tools=TOOLS)
     assert record.ids.tolist() == ids
     assert len(record.boundaries) == 2 and (record.loss_mask[record.boundaries[1] :].sum() == len(final))
+
+
+# The Rust-backend encoders ChatFormat uses must give what the tokenizer wrapper gives, for both the markup
+# (special-token strings recognised) and the plain (split) encodings, on text full of control-token pieces.
+control_soup = st.lists(st.sampled_from(["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>",
+                                         "user", "\n", " ", "Paris", "capital", "é", "<|", "|>", "  x", "\t"]),
+                        max_size=12).map("".join)
+
+
+def _wrapper_ids(tokenizer, text, split):
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=split)["input_ids"]) if text else []
+
+
+@given(st.one_of(control_soup, st.text(max_size=40)))
+def test_backend_encoders_equal_the_tokenizer_wrapper(tokenizer, chat, text):
+    assert chat._fast is not None
+    assert chat._plain(text) == _wrapper_ids(tokenizer, text, True)
+    assert chat._markup(text) == _wrapper_ids(tokenizer, text, False)
+
+
+def test_backend_encoders_equal_the_wrapper_on_smollm2(smollm2_hf_dir):
+    smollm2 = load_tokenizer(str(smollm2_hf_dir))
+    chat = ChatFormat(smollm2)
+    assert chat._fast is not None
+    rng = np.random.default_rng(0)
+    pieces = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "user", "\n", " ", "Paris", "é", "<|",
+              "  x", "\t", "capital of France", "{\"query\": 1}"]
+    for _ in range(200):
+        text = "".join(rng.choice(pieces, size=rng.integers(0, 10)))
+        assert chat._plain(text) == _wrapper_ids(smollm2, text, True), text
+        assert chat._markup(text) == _wrapper_ids(smollm2, text, False), text
