@@ -4,7 +4,7 @@ For each case (model, L, T, m) it times, on the same random trajectory and answe
   packed  one pass, packed layout (trajectory + T+1 answer copies, explicit mask)
   cached  one pass, cached-prefix layout (block-causal prefill, then all copies as one query block with per-query
           key limits)
-  fork    = whichever layout `method="fork", layout="auto"` picks for the shape (cached above 512 packed tokens)
+  fork    = whichever layout `method="fork", layout="auto"` picks for the shape (cached above 128 packed tokens)
   naive   ours, one jitted forward per prefix (prefix cut to a multiple of 64 tokens)
   torch   transformers (torch, CPU), one forward per prefix with full logits: what a researcher would write
 and prints the naive/fork time ratio beside the token ratio `sum_k (b_k + m) / (L + (T+1) m)`, the speed-up of

@@ -182,6 +182,11 @@ def test_auto_layout_switches_to_cached_for_long_inputs(tiny, reference):
     assert choose_layout(1024, 17, 8, packed_max_len=4096) == "packed"
     assert choose_layout(8192, 17, 8, packed_max_len=4096) == "cached"
     assert packed_length(1024, 17, 8) == 1024 + 17 * 7
+    # the defaults: packed only for a small pass (a short row and few tokens in all), as measured by
+    # benchmarks/scoring_layout_bench.py
+    assert choose_layout(256, 3, 5, rows=4) == "packed"  # 4 x 268 tokens
+    assert choose_layout(256, 3, 5, rows=64) == "cached"  # 64 x 268 tokens: the embedded default's step
+    assert choose_layout(384, 3, 5, rows=1) == "cached"  # 396 tokens in one row
     config, params = tiny
     batch, _, (naive_scores, _) = reference
     scores, _ = _score(config, params, batch, method="fork", packed_max_len=8)  # forces the cached layout

@@ -12,6 +12,7 @@ This package knows the model API and the credit API; it knows nothing about roll
 
 from trace_jax.scoring.fork import (
     DEFAULT_PACKED_MAX_LEN,
+    DEFAULT_PACKED_MAX_TOKENS,
     LAYOUTS,
     METHODS,
     PrefixScores,
@@ -25,7 +26,7 @@ from trace_jax.scoring.fork import (
 from trace_jax.scoring.naive import score_answer_prefixes_naive
 
 __all__ = [
-    "DEFAULT_PACKED_MAX_LEN", "LAYOUTS", "METHODS", "PrefixScores", "bucket_size", "choose_layout",
-    "compiled_memory", "packed_length", "score_answer_prefixes", "score_answer_prefixes_naive",
+    "DEFAULT_PACKED_MAX_LEN", "DEFAULT_PACKED_MAX_TOKENS", "LAYOUTS", "METHODS", "PrefixScores", "bucket_size",
+    "choose_layout", "compiled_memory", "packed_length", "score_answer_prefixes", "score_answer_prefixes_naive",
     "validate_scoring_inputs",
 ]

@@ -44,12 +44,17 @@ from trace_jax.models.config import ModelConfig
 
 METHODS = ("fork", "cached", "naive")
 LAYOUTS = ("auto", "packed", "cached")
-# Above this packed length (trajectory + all answer copies) "auto" switches to the cached layout: the packed mask
-# and score tensors grow as its square, while the cached layout's prefill (`models.prefill`) skips the masked half
-# of the trajectory's attention and its copy block skips keys past each copy's boundary, linear in memory.
-# Measured on CPU (benchmarks/scoring_bench.py) the cached layout is faster from L=1024 on; the packed one wins
-# only for short inputs, where its single fused pass has less overhead.
-DEFAULT_PACKED_MAX_LEN = 512
+# "auto" runs the packed layout only for small passes: rows of at most DEFAULT_PACKED_MAX_LEN packed tokens
+# (trajectory + all answer copies) and a batch of at most DEFAULT_PACKED_MAX_TOKENS packed tokens in all. The
+# packed mask and score tensors grow as the square of the packed length, while the cached layout's prefill
+# (`models.prefill`) skips the masked half of the trajectory's attention and its copy block skips keys past each
+# copy's boundary (linear in memory); but it runs more, smaller ops per layer, which a small batch does not
+# amortise. Measured side by side on CPU (benchmarks/scoring_layout_bench.py, 2026-12-02): on the embedded
+# default's model with 64 rows the cached layout is 1.04-1.6x faster from 79 packed tokens a row (5K in all) on;
+# on SmolLM2-135M with 4 rows the packed one is 1.12x faster at 271 tokens a row and the cached one 1.09x faster
+# at 399. Where the rule errs on those measurements it costs under 8%.
+DEFAULT_PACKED_MAX_LEN = 384
+DEFAULT_PACKED_MAX_TOKENS = 4096
 
 
 class PrefixScores(NamedTuple):
@@ -257,15 +262,19 @@ def packed_length(length: int, num_slots: int, answer_length: int) -> int:
     return length + num_slots * (answer_length - 1)
 
 
-def choose_layout(length: int, num_slots: int, answer_length: int, packed_max_len: int = DEFAULT_PACKED_MAX_LEN):
-    """"packed" while the packed sequence is at most `packed_max_len` tokens, else "cached" (linear memory)."""
-    return "packed" if packed_length(length, num_slots, answer_length) <= packed_max_len else "cached"
+def choose_layout(length: int, num_slots: int, answer_length: int, packed_max_len: int = DEFAULT_PACKED_MAX_LEN,
+                  rows: int = 1, packed_max_tokens: int = DEFAULT_PACKED_MAX_TOKENS):
+    """"packed" while a row's packed sequence is at most `packed_max_len` tokens and the batch's (`rows` of
+    them) at most `packed_max_tokens`, else "cached" (linear memory; faster for all but small passes)."""
+    packed = packed_length(length, num_slots, answer_length)
+    return "packed" if packed <= packed_max_len and rows * packed <= packed_max_tokens else "cached"
 
 
 # ---------------------------------------------------------------------------------------------------- public API
 def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_states, answer_tokens, answer_mask,
                           *, method: str = "fork", layout: str = "auto", lengths=None, mesh=None, rules=None,
-                          packed_max_len: int = DEFAULT_PACKED_MAX_LEN, logprob_chunk: int = 256,
+                          packed_max_len: int = DEFAULT_PACKED_MAX_LEN,
+                          packed_max_tokens: int = DEFAULT_PACKED_MAX_TOKENS, logprob_chunk: int = 256,
                           query_chunk: int = 0, bucket: bool = True, token_logprobs: bool = True) -> PrefixScores:
     """Score the gold answer after every state boundary of every trajectory (TRACE's reference scores).
 
@@ -282,7 +291,8 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
         are conditioned on; tokens after them (padding) influence nothing.
       method: "fork" (one pass; layout by `layout`), "cached" (= fork with layout "cached"), "naive" (one forward
         per prefix, the reference; see `trace_jax.scoring.naive`).
-      layout: "auto" (packed up to `packed_max_len` tokens, else cached), "packed" or "cached".
+      layout: "auto" (packed while a row is at most `packed_max_len` packed tokens and the padded batch at most
+        `packed_max_tokens`, else cached; `choose_layout`), "packed" or "cached".
       lengths: optional int `[N]` true trajectory lengths; only used to zero `token_logprobs` beyond them and to
         check boundaries.
       mesh, rules: optional mesh; trajectories are split over the mesh axes that the logical "batch" axis maps to
@@ -321,7 +331,7 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
         padded_shape = (-(-n // multiple) * multiple, length, slots, m)
     pn, pl, ps, pm = padded_shape
     if layout == "auto":
-        layout = choose_layout(pl, ps, pm, packed_max_len)
+        layout = choose_layout(pl, ps, pm, packed_max_len, rows=pn, packed_max_tokens=packed_max_tokens)
     state_valid = np.arange(ps)[None, :] < _pad_to(num_states, (pn,))[:, None]
     # Padded rows: one state at offset 1 with one scored token, so nothing divides by zero; results discarded.
     padded_boundaries = _pad_to(boundaries, (pn, ps), 1)
