@@ -182,3 +182,48 @@ def test_the_step_time_estimate_matches_compiling_the_whole_step_unrolled(tiny_r
     assert 0.9 < estimate.xla_flops / estimate.expected_xla_flops < 1.15
     assert estimate.kernel_flops == 2 * plan.splash_kernel_flops(config, 4, 256, mesh)  # 2 micro-batches of 4 rows
     assert estimate.seconds == pytest.approx(estimate.xla_seconds + estimate.kernel_flops / estimate.dot_rate)
+
+
+def test_figures_extend_affinely_in_tokens():
+    short = {((1, 1), 64): (10.0, 1.0, 5.0), ((1, 1), 128): (18.0, 1.5, 9.0)}
+    assert plan._extend_in_tokens(short, (64, 128), 256) == {(1, 1): (34.0, 2.5, 17.0)}
+    assert plan.short_context_lengths(49152) == (3072, 6144)
+    assert plan.short_context_lengths(2048) == (512, 1024)  # never below one attention block
+
+
+@needs_libtpu
+def test_variants_at_a_shorter_context_extended_in_tokens_match_the_full_context_ones(tiny_run):
+    """The fallback for steps whose unrolled variants do not fit: compiled at 128 and 256 tokens a row (whole
+    splash blocks) and extended to 512, the estimate agrees with the variants compiled at 512 (the same tiny
+    2-micro-batch step)."""
+    import dataclasses
+
+    from trace_jax import models
+
+    topology = plan.parse_topology("v5e:2x2")
+    mesh = models.make_mesh({"data": 1, "fsdp": 4, "tensor": 1, "expert": 1}, plan._tpu_devices(topology))
+    run = dataclasses.replace(tiny_run, loss=dataclasses.replace(tiny_run.loss, micro_batches=2),
+                              train=dataclasses.replace(tiny_run.train, prompts_per_step=4),
+                              rollout=dataclasses.replace(tiny_run.rollout, max_context=512))
+    config, _ = plan.resolve_model(run)
+    config = plan._override_model(config, plan.PlanConfig("v5e:2x2"), "tpu")
+    programs = plan._Programs(config, run, mesh, plan.PlanConfig("v5e:2x2"))
+    full, why = plan.estimate_train_time(programs, mesh.devices.flat[0])
+    assert full is not None and full.lengths is None, why
+    scaled, why = plan.estimate_train_time(programs, mesh.devices.flat[0], lengths=(128, 256))
+    assert scaled is not None, why
+    assert scaled.lengths == (128, 256) and scaled.context == 512
+    assert scaled.xla_flops == pytest.approx(full.xla_flops, rel=0.02)
+    assert scaled.xla_seconds == pytest.approx(full.xla_seconds, rel=0.02)
+    assert scaled.kernel_flops == full.kernel_flops  # the kernel is costed at the step's own context
+    report = plan.PlanReport(topology, {}, "tiny", {}, [], {}, estimate=scaled)
+    report.programs.append(plan.ProgramReport("train", "", model_flops=1e12))
+    assert any("compiled at 128 and 256 tokens per row" in line for line in plan.format_estimate(report))
+
+
+@needs_libtpu
+@pytest.mark.parametrize("topology, hbm_bandwidth", [("v5e:2x2", 819e9), ("v6e:2x4", 1640e9)])
+def test_the_compilers_memory_rate_is_near_the_chips_hbm_bandwidth(topology, hbm_bandwidth):
+    # the rate behind the roofline fallback for negative optimal_seconds (v6e): bytes over time of a copy-like op
+    device = plan._tpu_devices(plan.parse_topology(topology))[0]
+    assert 0.7 * hbm_bandwidth < plan.compiler_memory_rate(device) <= 1.05 * hbm_bandwidth

@@ -465,6 +465,25 @@ def compiler_dot_rate(device) -> float:
     return _DOT_RATES[kind]
 
 
+_MEMORY_RATES: dict[str, float] = {}
+
+
+def compiler_memory_rate(device) -> float:
+    """The bytes per second the TPU compiler's cost model gives a memory-bound op on `device`: `bytes accessed`
+    over `optimal_seconds` of an elementwise float32 [8192, 8192] scale (read and write, no reuse)."""
+    import jax
+    import jax.numpy as jnp
+
+    kind = device.device_kind
+    if kind not in _MEMORY_RATES:
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        arg = jax.ShapeDtypeStruct((8192, 8192), jnp.float32, sharding=sharding)
+        cost = jax.jit(lambda x: x * 2.0).trace(arg).lower(lowering_platforms=("tpu",)).compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        _MEMORY_RATES[kind] = float(cost["bytes accessed"]) / float(cost["optimal_seconds"])
+    return _MEMORY_RATES[kind]
+
+
 def splash_kernel_flops(config, rows: int, length: int, mesh) -> float:
     """FLOPs per chip the Pallas splash attention kernels run in one micro-batch's forward and backward: per layer,
     row and head, each visited causal block pair (the block lower triangle, diagonal included; `_splash_local`'s
@@ -503,7 +522,9 @@ class TimeEstimate:
     x 4/3 for the forward recomputed under remat), to check the compiler counted everything; variants:
     `(layers, micro_batches, flops, optimal_seconds)` of each compiled variant; check: when the step has more
     layers than the variants, `(layers, micro_batches, compiled optimal_seconds, predicted)` of one more variant
-    (`estimate_train_time(validate=True)`)."""
+    (`estimate_train_time(validate=True)`); lengths: the two contexts the variants were compiled at when not the
+    step's own (their figures extended in tokens), else None; context: the step's tokens per row; time_source:
+    "optimal_seconds" (the compiler's times), or how the times were made when it gave negative ones."""
 
     seconds: float
     xla_seconds: float
@@ -515,6 +536,9 @@ class TimeEstimate:
     expected_xla_flops: float
     variants: tuple
     check: tuple | None = None
+    lengths: tuple[int, int] | None = None
+    context: int = 0
+    time_source: str = "optimal_seconds"
 
 
 def _combine(costs: dict, layers: int, micro: int) -> float:
@@ -532,7 +556,25 @@ def _combine(costs: dict, layers: int, micro: int) -> float:
     return at(2) + (micro - 2) * (at(2) - at(1))
 
 
-def estimate_train_time(programs: "_Programs", device, *, validate: bool = False) -> tuple[TimeEstimate | None, str]:
+def _extend_in_tokens(short: dict, lengths: tuple[int, int], length: int) -> dict:
+    """Each variant's figures at `length` tokens per row from the same variant at the two `lengths`, affine in
+    tokens: C(T) = C(T1) + (T - T1) (C(T2) - C(T1)) / (T2 - T1). Under the Pallas kernel (which is costed apart)
+    everything the compiler costs is per token (matmuls, norms, the chunked log-probs) or per step (the optimizer,
+    weight gathers per micro-batch): affine in tokens."""
+    t1, t2 = lengths
+    return {key: tuple(a + (length - t1) * (b - a) / (t2 - t1) for a, b in zip(short[key, t1], short[key, t2]))
+            for key in {k for k, _ in short}}
+
+
+def short_context_lengths(length: int, block: int = 512) -> tuple[int, int]:
+    """The two shorter contexts `estimate_train_time` compiles the variants at when full-length ones run out of
+    HBM: about 1/16 and 1/8 of `length`, in whole attention blocks (3072 and 6144 tokens for 48K)."""
+    short = max(block, (length // 16) // block * block)
+    return short, 2 * short
+
+
+def estimate_train_time(programs: "_Programs", device, *, validate: bool = False,
+                        lengths: tuple[int, int] | None = None) -> tuple[TimeEstimate | None, str]:
     """The train step's roofline time per chip, or None and why not.
 
     The compiler's `cost_analysis()` counts a loop body once, and the step loops over layers, micro-batches and
@@ -540,10 +582,18 @@ def estimate_train_time(programs: "_Programs", device, *, validate: bool = False
     micro-batches of the step's micro-batch shape are compiled with every scan unrolled, and their FLOPs, bytes
     and `optimal_seconds` are extended linearly to the step's layers and micro-batches (`_combine`; no variant
     has 3 micro-batches: unrolled, their activations are live at once, and for Qwen3-4B at 48K tokens that ran
-    out of HBM). The Pallas attention kernels are custom calls
-    the cost model does not cost (0 FLOPs); their FLOPs (`splash_kernel_flops`) are added at the compiler's own
-    dot rate. A variant left with a loop (the XLA attention's tile loops have data-dependent trip counts) or out
-    of HBM gives no estimate. `validate`: also compile the 3-layer variant and record it against the prediction.
+    out of HBM). Unrolled, even the 1-layer variant can need several times the step's memory (the log-prob
+    chunks' activations are live at once: 158 GiB for Qwen3-4B at 48K on v6e-8); when a full-length variant runs
+    out of HBM, or when `lengths` is given, every variant is compiled at two shorter contexts instead
+    (`short_context_lengths`) and extended to the step's context affinely in tokens (`_extend_in_tokens`).
+    The Pallas attention kernels are custom calls
+    the cost model does not cost (0 FLOPs); their FLOPs (`splash_kernel_flops`, at the full context) are added at
+    the compiler's own dot rate. A variant left with a loop (the XLA attention's tile loops have data-dependent
+    trip counts) or out of HBM at the short contexts gives no estimate. Where the compiler gives a variant a
+    negative `optimal_seconds` (libtpu 0.0.52 on v6e), every variant's time is instead the roofline
+    max(FLOPs / dot rate, bytes / memory rate) of its counted FLOPs and bytes at the compiler's own rates
+    (`compiler_dot_rate`, `compiler_memory_rate`), and `time_source` says so. `validate`: also compile the
+    3-layer variant and record it against the prediction.
     """
     import jax
 
@@ -556,32 +606,59 @@ def estimate_train_time(programs: "_Programs", device, *, validate: bool = False
     grid = [(1, 1), (2, 1)] + ([(1, 2), (2, 2)] if micro > 1 else [])
     if validate and layers > 2:
         grid.append((3, 1))
-    figures = {}
-    for n_layers, n_micro in grid:
-        variant = _Programs(config.replace(num_hidden_layers=n_layers),
-                            dataclasses.replace(run, loss=dataclasses.replace(run.loss, micro_batches=n_micro)),
-                            programs.mesh, programs.plan)
-        report = ProgramReport("train", "")
-        with _unrolled_scans():
-            variant.train(report, rows=n_micro * micro_rows, count_loops=True)
-        jax.clear_caches()
-        if report.out_of_memory:
-            return None, (f"the {n_layers}-layer, {n_micro}-micro-batch variant ran out of HBM "
-                          f"({report.out_of_memory})")
-        if report.loops:
-            return None, (f"the unrolled {n_layers}-layer variant still has {report.loops} loop(s) the cost "
-                          f"analysis counts once (attention {config.attention_impl!r}: the XLA path's tile loops "
-                          "have data-dependent trip counts); plan with the Pallas kernel (attention 'pallas_tpu')")
-        if report.flops is None or report.raw_seconds is None or report.raw_seconds <= 0:
-            return None, (f"the compiler gave no usable cost for the {n_layers}-layer variant (flops "
-                          f"{report.flops}, optimal_seconds {report.raw_seconds})")
-        figures[n_layers, n_micro] = (report.flops, report.raw_seconds, report.bytes_accessed or 0.0)
+
+    def compile_variants(length):
+        """{(layers, micro): (flops, seconds, bytes)} at `length` tokens per row, or (None, why, out of HBM?)."""
+        out = {}
+        for n_layers, n_micro in grid:
+            variant_run = dataclasses.replace(run, loss=dataclasses.replace(run.loss, micro_batches=n_micro),
+                                              rollout=dataclasses.replace(run.rollout, max_context=length))
+            variant = _Programs(config.replace(num_hidden_layers=n_layers), variant_run, programs.mesh, programs.plan)
+            report = ProgramReport("train", "")
+            with _unrolled_scans():
+                variant.train(report, rows=n_micro * micro_rows, count_loops=True)
+            jax.clear_caches()
+            where = f"the {n_layers}-layer, {n_micro}-micro-batch variant at {length} tokens"
+            if report.out_of_memory:
+                return None, f"{where} ran out of HBM ({report.out_of_memory})", True
+            if report.loops:
+                return None, (f"{where} still has {report.loops} loop(s) the cost analysis counts once (attention "
+                              f"{config.attention_impl!r}: the XLA path's tile loops have data-dependent trip "
+                              "counts); plan with the Pallas kernel (attention 'pallas_tpu')"), False
+            if not report.flops or not report.bytes_accessed or report.raw_seconds is None:
+                return None, (f"the compiler gave no usable cost for {where} (flops {report.flops}, bytes "
+                              f"{report.bytes_accessed}, optimal_seconds {report.raw_seconds})"), False
+            out[n_layers, n_micro] = (report.flops, report.raw_seconds, report.bytes_accessed)
+        return out, "", False
+
+    figures, why, out_of_memory = (None, "", True) if lengths else compile_variants(programs.length)
+    if figures is None and out_of_memory:
+        first = why
+        lengths = lengths or short_context_lengths(programs.length, config.attention_q_block or 512)
+        short = {}
+        for length in lengths:
+            found, why, _ = compile_variants(length)
+            if found is None:
+                return None, (f"{first}; and {why}" if first else why)
+            short.update({(key, length): value for key, value in found.items()})
+        figures = _extend_in_tokens(short, lengths, programs.length)
+    elif figures is None:
+        return None, why
+    else:
+        lengths = None
+    rate = compiler_dot_rate(device)
+    time_source = "optimal_seconds"
+    if any(seconds <= 0 for _, seconds, _ in figures.values()):
+        # libtpu 0.0.52 gives some programs a negative optimal_seconds (every Qwen3-4B train variant on v6e):
+        # then each variant's time is the roofline of its counted FLOPs and bytes at the compiler's own rates.
+        memory_rate = compiler_memory_rate(device)
+        figures = {key: (f, max(f / rate, b / memory_rate), b) for key, (f, _, b) in figures.items()}
+        time_source = f"roofline of FLOPs and bytes (optimal_seconds was negative; {memory_rate / 1e9:.0f} GB/s)"
     pick = lambda i: {key: value[i] for key, value in figures.items()}  # noqa: E731
     xla_flops, xla_seconds, xla_bytes = (_combine(pick(i), layers, micro) for i in range(3))
     kernel_flops = 0.0
     if config.attention_impl == "pallas_tpu":
         kernel_flops = micro * splash_kernel_flops(config, micro_rows, programs.length, programs.mesh)
-    rate = compiler_dot_rate(device)
     tokens = rows * programs.length
     recompute = 4 / 3 if config.remat != "none" else 1.0
     expected = recompute * 3 * 2 * matmul_params_per_token(config) * tokens / programs.mesh.size
@@ -593,7 +670,8 @@ def estimate_train_time(programs: "_Programs", device, *, validate: bool = False
     return TimeEstimate(seconds=xla_seconds + kernel_flops / rate, xla_seconds=xla_seconds, xla_flops=xla_flops,
                         xla_bytes=xla_bytes, kernel_seconds=kernel_flops / rate, kernel_flops=kernel_flops,
                         dot_rate=rate, expected_xla_flops=expected,
-                        variants=tuple((l, m, f, t) for (l, m), (f, t, _) in figures.items()), check=check), ""
+                        variants=tuple((l, m, f, t) for (l, m), (f, t, _) in figures.items()), check=check,
+                        lengths=lengths, context=programs.length, time_source=time_source), ""
 
 
 class _Programs:
@@ -908,11 +986,14 @@ def format_estimate(report: PlanReport) -> list[str]:
     lines = [f"train step: {train.model_flops / 1e12:.1f} model TFLOPs; roofline estimate {_secs(e.seconds)} per step "
              f"-> implied MFU {100 * report.train_mfu:.0f}% of {t.num_chips} x {t.chip.peak_flops / 1e12:.0f} "
              f"TFLOP/s (an upper bound: see docs/scaling.md)",
-             f"  = compiler {_secs(e.xla_seconds)} (optimal_seconds of the XLA ops, every loop iteration counted: "
+             f"  = compiler {_secs(e.xla_seconds)} ({e.time_source} of the XLA ops, every loop iteration counted: "
              f"{e.xla_flops / 1e12:.3g} TFLOP/chip, {100 * e.xla_flops / e.expected_xla_flops:.1f}% of the "
              f"{e.expected_xla_flops / 1e12:.3g} matmul TFLOP/chip expected, {_gib(e.xla_bytes)} accessed)"
              f" + attention kernel {_secs(e.kernel_seconds)} ({e.kernel_flops / 1e12:.3g} TFLOP/chip at the "
              f"compiler's dot rate {e.dot_rate / 1e12:.0f} TFLOP/s)"]
+    if e.lengths is not None:
+        lines.append(f"  (the unrolled variants were compiled at {e.lengths[0]} and {e.lengths[1]} tokens per row and "
+                     f"their figures extended in tokens to the step's {e.context})")
     if e.check is not None:
         layers, micro, got, predicted = e.check
         lines.append(f"  check: the {layers}-layer variant ({micro} micro-batch(es)) compiles to {got * 1e3:.1f} ms, "
