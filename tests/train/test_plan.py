@@ -227,3 +227,44 @@ def test_the_compilers_memory_rate_is_near_the_chips_hbm_bandwidth(topology, hbm
     # the rate behind the roofline fallback for negative optimal_seconds (v6e): bytes over time of a copy-like op
     device = plan._tpu_devices(plan.parse_topology(topology))[0]
     assert 0.7 * hbm_bandwidth < plan.compiler_memory_rate(device) <= 1.05 * hbm_bandwidth
+
+
+def test_short_contexts_halve_until_the_variants_fit(tiny_run, monkeypatch):
+    """Without a TPU: a stand-in for the variants' compiles that runs out of HBM above 2048 tokens and costs
+    (layers, micro-batches, tokens) affinely: the estimate halves 3072/6144 to 1536/3072 and then to 768/1536,
+    where both fit, and extends them back to the step's 49152 tokens exactly."""
+    import dataclasses
+    import types
+
+    from trace_jax import models
+
+    compiled = []
+
+    def cost(layers, micro, length):
+        return 5.0 + layers * micro * (2.0 + 3.0 * length)  # per-step + per-token work
+
+    class FakePrograms:
+        def __init__(self, config, run, mesh, plan_config):
+            self.config, self.length = config, run.rollout.max_context
+            self.micro = run.loss.micro_batches
+
+        def train(self, report, *, rows, count_loops):
+            compiled.append(self.length)
+            if self.length > 2048:
+                report.out_of_memory = "the compiler ran out of HBM"
+                return
+            value = cost(self.config.num_hidden_layers, self.micro, self.length)
+            report.flops, report.raw_seconds, report.bytes_accessed, report.loops = value, value, value, 0
+
+    monkeypatch.setattr(plan, "_Programs", FakePrograms)
+    monkeypatch.setattr(plan, "compiler_dot_rate", lambda device: 1.0)
+    config = models.get_preset("tiny-qwen3").replace(num_hidden_layers=4, attention_impl="xla")
+    run = dataclasses.replace(tiny_run, loss=dataclasses.replace(tiny_run.loss, micro_batches=2),
+                              rollout=dataclasses.replace(tiny_run.rollout, max_context=49152))
+    programs = types.SimpleNamespace(config=config, run=run, rows=4, mesh=types.SimpleNamespace(size=1),
+                                     plan=None, length=49152)
+    estimate, why = plan.estimate_train_time(programs, None)
+    assert estimate is not None, why
+    assert estimate.lengths == (768, 1536)
+    assert estimate.xla_seconds == pytest.approx(cost(4, 2, 49152))
+    assert 6144 in compiled and 3072 in compiled and compiled.count(1536) == 4  # each length compiled once

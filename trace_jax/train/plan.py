@@ -585,7 +585,8 @@ def estimate_train_time(programs: "_Programs", device, *, validate: bool = False
     out of HBM). Unrolled, even the 1-layer variant can need several times the step's memory (the log-prob
     chunks' activations are live at once: 158 GiB for Qwen3-4B at 48K on v6e-8); when a full-length variant runs
     out of HBM, or when `lengths` is given, every variant is compiled at two shorter contexts instead
-    (`short_context_lengths`) and extended to the step's context affinely in tokens (`_extend_in_tokens`).
+    (`short_context_lengths`, halved again while one still runs out of HBM and they stay whole attention blocks)
+    and extended to the step's context affinely in tokens (`_extend_in_tokens`).
     The Pallas attention kernels are custom calls
     the cost model does not cost (0 FLOPs); their FLOPs (`splash_kernel_flops`, at the full context) are added at
     the compiler's own dot rate. A variant left with a loop (the XLA attention's tile loops have data-dependent
@@ -633,14 +634,26 @@ def estimate_train_time(programs: "_Programs", device, *, validate: bool = False
 
     figures, why, out_of_memory = (None, "", True) if lengths else compile_variants(programs.length)
     if figures is None and out_of_memory:
-        first = why
-        lengths = lengths or short_context_lengths(programs.length, config.attention_q_block or 512)
-        short = {}
-        for length in lengths:
-            found, why, _ = compile_variants(length)
-            if found is None:
-                return None, (f"{first}; and {why}" if first else why)
-            short.update({(key, length): value for key, value in found.items()})
+        first, forced = why, lengths is not None
+        block = config.attention_q_block or 512
+        lengths = lengths or short_context_lengths(programs.length, block)
+        compiled: dict[int, dict] = {}
+        while True:
+            failed = None
+            for length in sorted(lengths, reverse=True):  # the longer one is the likelier to run out of HBM
+                if length not in compiled:
+                    found, why, oom = compile_variants(length)
+                    if found is None:
+                        failed = (why, oom)
+                        break
+                    compiled[length] = found
+            if failed is None:
+                break
+            # out of HBM even there: halve both contexts while they stay whole blocks (unless they were given)
+            if forced or not failed[1] or lengths[0] // 2 < block:
+                return None, (f"{first}; and {failed[0]}" if first else failed[0])
+            lengths = (lengths[0] // 2, lengths[1] // 2)
+        short = {(key, length): value for length in lengths for key, value in compiled[length].items()}
         figures = _extend_in_tokens(short, lengths, programs.length)
     elif figures is None:
         return None, why
