@@ -12,8 +12,8 @@ Two `trace-jax serve` processes on a tiny random Qwen3 (word tokenizer) checkpoi
 Rounds alternate between them (`--repeats`, best round of each kept; the median and range of the per-round
 ratios are printed too, since on a shared 2-core machine the best-of ratio moves between runs). Printed per
 server: valid requests served, failed or lost ones, invalid ones answered 4xx with a message, p50/p99 latency of
-the valid ones, completion tokens/s, and the CPU time per request of the client process and of the server process (the machine's two cores
-are shared by both); then the throughput ratio batched / sequential, and the load average before and after.
+the valid ones, completion tokens/s, and the CPU time per request of the client process and of the server process
+(the machine's two cores are shared by both); then the throughput ratio batched / sequential, and the load average before and after.
 
 The client is the standard library's `http.client` (`--client stdlib`, the default); `--client httpx` runs the same
 load through httpx, whose own CPU cost (~1.5 ms per request against ~0.2 ms, measured) is large enough on a 2-core

@@ -9,10 +9,10 @@ follows the rollout in `RLPipeline`:
   trace-naive  the same with naive scoring (one forward per state), for contrast
 
 Calls are interleaved round-robin, in an order that rotates every round, best of `--repeats` after one warm-up
-call each (compilation excluded). The
-rollout is timed in the same rounds, since a full step = rollout + the rest; the table gives both the ratio of the
-post-rollout part and of the full step, and the phase breakdown (scoring, credit, update) of each contender; and
-GRPO's full step plus TRACE's own work (its scoring and credit), since both run the same update.
+call each (compilation excluded). The rollout is timed in the same rounds, since a full step = rollout + the rest;
+the table gives both the ratio of the post-rollout part and of the full step, and the phase breakdown (scoring,
+credit, update) of each contender; and GRPO's full step plus TRACE's own work (its scoring and credit), since
+both run the same update.
 
     .venv/bin/python benchmarks/step_bench.py                  # tiny.gin's batch (8 prompts x 8 samples)
     .venv/bin/python benchmarks/step_bench.py --prompts 2 --group 4 --repeats 2    # a quick smoke run

@@ -444,7 +444,21 @@ def _unrolled_scans():
         jax.lax.scan = scan
 
 
-_DOT_RATES: dict[str, float] = {}
+_REFERENCE_COSTS: dict[tuple[str, str], dict] = {}
+
+
+def _reference_cost(device, name: str, fn, dtype, count: int) -> dict:
+    """The compiler's `cost_analysis()` of `fn` on `count` [8192, 8192] `dtype` arguments on `device` (a topology
+    device), cached by device kind: the reference ops behind the compiler's rates."""
+    import jax
+
+    key = (device.device_kind, name)
+    if key not in _REFERENCE_COSTS:
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        args = [jax.ShapeDtypeStruct((8192, 8192), dtype, sharding=sharding)] * count
+        cost = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).compile().cost_analysis()
+        _REFERENCE_COSTS[key] = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return _REFERENCE_COSTS[key]
 
 
 def compiler_dot_rate(device) -> float:
@@ -452,36 +466,19 @@ def compiler_dot_rate(device) -> float:
     of a bfloat16 [8192, 8192] x [8192, 8192] dot over its `optimal_seconds`. libtpu 0.0.52 gives 197e12 on v5e,
     394e12 on v5p and 918e12 on v6e (smaller or thinner dots get less: 174e12 for [4096, 8192] x [8192, 8192] on
     v5e), so work costed at this rate takes at least this long in the compiler's model."""
-    import jax
     import jax.numpy as jnp
 
-    kind = device.device_kind
-    if kind not in _DOT_RATES:
-        sharding = jax.sharding.SingleDeviceSharding(device)
-        args = [jax.ShapeDtypeStruct((8192, 8192), jnp.bfloat16, sharding=sharding)] * 2
-        cost = jax.jit(jnp.matmul).trace(*args).lower(lowering_platforms=("tpu",)).compile().cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        _DOT_RATES[kind] = 2 * 8192**3 / float(cost["optimal_seconds"])
-    return _DOT_RATES[kind]
-
-
-_MEMORY_RATES: dict[str, float] = {}
+    cost = _reference_cost(device, "matmul", jnp.matmul, jnp.bfloat16, 2)
+    return 2 * 8192**3 / float(cost["optimal_seconds"])
 
 
 def compiler_memory_rate(device) -> float:
     """The bytes per second the TPU compiler's cost model gives a memory-bound op on `device`: `bytes accessed`
     over `optimal_seconds` of an elementwise float32 [8192, 8192] scale (read and write, no reuse)."""
-    import jax
     import jax.numpy as jnp
 
-    kind = device.device_kind
-    if kind not in _MEMORY_RATES:
-        sharding = jax.sharding.SingleDeviceSharding(device)
-        arg = jax.ShapeDtypeStruct((8192, 8192), jnp.float32, sharding=sharding)
-        cost = jax.jit(lambda x: x * 2.0).trace(arg).lower(lowering_platforms=("tpu",)).compile().cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-        _MEMORY_RATES[kind] = float(cost["bytes accessed"]) / float(cost["optimal_seconds"])
-    return _MEMORY_RATES[kind]
+    cost = _reference_cost(device, "scale", lambda x: x * 2.0, jnp.float32, 1)
+    return float(cost["bytes accessed"]) / float(cost["optimal_seconds"])
 
 
 def splash_kernel_flops(config, rows: int, length: int, mesh) -> float:
@@ -657,8 +654,6 @@ def estimate_train_time(programs: "_Programs", device, *, validate: bool = False
         figures = _extend_in_tokens(short, lengths, programs.length)
     elif figures is None:
         return None, why
-    else:
-        lengths = None
     rate = compiler_dot_rate(device)
     time_source = "optimal_seconds"
     if any(seconds <= 0 for _, seconds, _ in figures.values()):
