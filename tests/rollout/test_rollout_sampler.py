@@ -182,6 +182,55 @@ def test_group_prefill_equals_prefilling_every_row():
         S.prefill_groups(config, params, S.init_state(config, 5, 32), prompts, 3)
 
 
+def test_prefill_rows_equals_resetting_the_rows_and_appending(model):
+    """Admitting prompts into rows of a running batch (what the server does) matches resetting those rows' lengths
+    and appending the prompts: same lengths, pending logits, keys/values and greedy continuation; the other rows
+    are untouched, and a prompt given to two rows runs once."""
+    config, params = model
+
+    def running():  # four rows that have decoded a few tokens (deterministic: built twice, states are donated)
+        state = S.append(config, params, S.init_state(config, 4, MAX_LEN), PROMPTS)
+        return S.generate(config, params, state, rng=jax.random.PRNGKey(1), active=np.ones(4, bool),
+                          max_new_tokens=5, stop_ids=(), sampling=GREEDY, sync_every=5)[0]
+
+    rows, prompts = [3, 1, 0], [[21, 22, 23], [40] * 20, [21, 22, 23]]
+    before = running()
+    kept_k = np.asarray(before.cache.k[:, 2])
+    fast = S.prefill_rows(config, params, before, rows, prompts)
+
+    reference = running()
+    lengths = np.asarray(reference.lengths).copy()
+    lengths[rows] = 0
+    reference = reference.replace(cache=reference.cache.replace(lengths=jnp.asarray(lengths)))
+    chunks = [[], [], [], []]
+    for row, prompt in zip(rows, prompts):
+        chunks[row] = prompt
+    reference = S.append(config, params, reference, chunks)
+
+    assert fast.lengths.tolist() == reference.lengths.tolist() == [3, 20, len(PROMPTS[2]) + 5, 3]
+    np.testing.assert_allclose(np.asarray(fast.logits), np.asarray(reference.logits), atol=1e-5)
+    for row, length in enumerate(fast.lengths.tolist()):
+        for name in ("k", "v"):
+            np.testing.assert_allclose(np.asarray(getattr(fast.cache, name)[:, row, :length]),
+                                       np.asarray(getattr(reference.cache, name)[:, row, :length]), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(fast.cache.k[:, 2]), kept_k)
+    continuations = [S.generate(config, params, state, rng=jax.random.PRNGKey(2), active=np.ones(4, bool),
+                                max_new_tokens=8, stop_ids=(), sampling=GREEDY, sync_every=8)[1].tokens
+                     for state in (fast, reference)]
+    for a, b in zip(*continuations):
+        np.testing.assert_array_equal(a, b)
+
+    state = S.init_state(config, 4, MAX_LEN)
+    with pytest.raises(ValueError, match="distinct rows"):
+        S.prefill_rows(config, params, state, [1, 1], [[3], [4]])
+    with pytest.raises(ValueError, match="distinct rows"):
+        S.prefill_rows(config, params, state, [4], [[3]])
+    with pytest.raises(ValueError, match="1 to 64"):
+        S.prefill_rows(config, params, state, [0], [[3] * 65])
+    with pytest.raises(ValueError, match="prompt for row 2"):
+        S.prefill_rows(config, params, state, [2], [[-1]])
+
+
 def test_decode_step_writes_the_cache_once_outside_loops_and_conditionals(model):
     """The compiled decode step writes the donated KV cache once, in place, at top level: no scatter into the whole
     cache inside the layer loop (a per-layer scatter into the cache carry was copied each step on CPU) and no

@@ -12,6 +12,8 @@ The device side is jitted functions with the cache donated:
     (their cache is left unchanged). `_decode_steps_jit` runs `sync_every` of these steps in one program (a
     `lax.scan`); `_decode_jit` runs one (the step a logits hook drives, and the program `plan` sizes). One compile
     per batch shape (and step count).
+  * `_prefill_rows_jit` replaces some rows of a running batch by new prompts (a server admitting requests): only
+    those prompts run through the model, on a small cache, and their keys/values are written into their rows.
 
 `generate` is the host loop around them. It reads the stop flags back every `sync_every` steps (every step when a
 logits hook is set), checks stop *strings* (tags that are not single tokens, e.g. `</tool_call>` for SmolLM2) on the
@@ -328,6 +330,83 @@ def prefill_groups(config: ModelConfig, params, state: SamplerState, prompts: Se
         tokens[row, :len(prompt)] = prompt
     num_new = np.asarray([len(p) for p in prompts], np.int32)
     return _prefill_groups_jit(config, params, state, jnp.asarray(tokens), jnp.asarray(num_new), group)
+
+
+def _count_bucket(n: int) -> int:
+    """Prompt counts padded to a power of two, so a batch of B rows compiles at most log2(B) + 1 of them."""
+    size = 1
+    while size < n:
+        size *= 2
+    return size
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _prefill_rows_jit(config: ModelConfig, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array,
+                      rows: jax.Array, source: jax.Array, count: jax.Array):
+    """tokens [U, W] / num_new [U]: the distinct prompts; rows, source [B]: entry i < count writes prompt
+    source[i] into row rows[i] (entries from count on are padding, rows = B). The row count is a traced loop
+    bound, not a shape, so only (U, W) compile."""
+    U, W = tokens.shape
+    small = cache_lib.init_cache(config, U, W, dtype=state.cache.k.dtype)
+    logits, small = cache_lib.extend.__wrapped__(config, params, small, tokens, num_new, return_logits="last")
+
+    def write(i, kv):  # one row's slots 0..W-1, in place; slots >= W keep stale values beyond the row's length
+        k, v = kv
+        at = (0, rows[i], 0, 0, 0)
+        return (jax.lax.dynamic_update_slice(k, jax.lax.dynamic_slice_in_dim(small.k, source[i], 1, axis=1), at),
+                jax.lax.dynamic_update_slice(v, jax.lax.dynamic_slice_in_dim(small.v, source[i], 1, axis=1), at))
+
+    k, v = jax.lax.fori_loop(0, count, write, (state.cache.k, state.cache.v))
+    lengths = state.cache.lengths.at[rows].set(num_new[source], mode="drop")
+    return SamplerState(cache=cache_lib.KVCache(k=k, v=v, lengths=lengths),
+                        logits=state.logits.at[rows].set(logits[source], mode="drop"))
+
+
+def prefill_rows(config: ModelConfig, params, state: SamplerState, rows: Sequence[int],
+                 prompts: Sequence[Sequence[int]]) -> SamplerState:
+    """Replace rows `rows[i]` of a running state by fresh prompts `prompts[i]` (their old tokens are discarded);
+    the other rows are untouched. Same result as resetting those rows' lengths to 0 and `append`ing the prompts.
+
+    Only the new prompts run through the model, on a cache just wide enough for the longest (`bucket_length`),
+    and their keys/values are written into the state's rows: `append` would run every row of the batch against
+    all `max_len` cache slots. Identical prompts (a request's `n` choices) run once. The distinct prompts are
+    padded to a power-of-two count and a `bucket_length` width, so shapes repeat (the number of rows is not a
+    shape). The old state is donated: do not reuse it.
+
+    Args:
+      rows: distinct row indices in [0, batch).
+      prompts: one non-empty token-id sequence per row, each at most `max_len` tokens.
+    """
+    batch = state.cache.batch_size
+    if len(rows) != len(prompts):
+        raise ValueError(f"prefill_rows got {len(rows)} rows and {len(prompts)} prompts; pass one prompt per row")
+    if not rows:
+        return state
+    if len(set(rows)) != len(rows) or not all(0 <= int(r) < batch for r in rows):
+        raise ValueError(f"prefill_rows needs distinct rows in [0, {batch}), got {list(rows)}")
+    unique: dict[tuple[int, ...], int] = {}
+    source = []
+    for row, prompt in zip(rows, prompts):
+        prompt = tuple(int(t) for t in prompt)
+        if not prompt or len(prompt) > state.max_len:
+            raise ValueError(f"prefill_rows: the prompt for row {row} has {len(prompt)} tokens; it must have 1 to "
+                             f"{state.max_len} (the cache's max_len)")
+        if prompt not in unique:
+            dec.check_token_ids(config, np.asarray(prompt, np.int64), f"prompt for row {row}")
+            unique[prompt] = len(unique)
+        source.append(unique[prompt])
+    width = min(bucket_length(max(len(p) for p in unique)), state.max_len)
+    tokens = np.zeros((_count_bucket(len(unique)), width), np.int32)
+    num_new = np.zeros(len(tokens), np.int32)
+    for prompt, index in unique.items():
+        tokens[index, :len(prompt)] = prompt
+        num_new[index] = len(prompt)
+    row_ids = np.full(batch, batch, np.int32)  # padding entries point past the batch: their writes are dropped
+    row_ids[:len(rows)] = rows
+    source_ids = np.zeros(batch, np.int32)
+    source_ids[:len(rows)] = source
+    return _prefill_rows_jit(config, params, state, jnp.asarray(tokens), jnp.asarray(num_new),
+                             jnp.asarray(row_ids), jnp.asarray(source_ids), jnp.int32(len(rows)))
 
 
 @dataclasses.dataclass

@@ -2,9 +2,9 @@
 
 One worker thread owns a `SamplerState` of `max_batch` rows (the KV cache) and runs the sampler in *slices* of
 `slice_tokens` decode steps (`trace_jax.rollout.sampler.generate` with a per-row budget). Between slices it retires
-rows that finished and admits waiting requests into free rows (their cache length is reset to 0 and their prompt
-is appended with `sampler.append`), so a long request never holds a short one back for more than one slice
-(continuous batching at slice granularity). A request with `n > 1` takes `n` rows.
+rows that finished and admits waiting requests into free rows (`sampler.prefill_rows`: only the new prompts run
+through the model and are written into their rows), so a long request never holds a short one back for more than
+one slice (continuous batching at slice granularity). A request with `n > 1` takes `n` rows and one prefill.
 
 The sampler's sampling settings are one static configuration per decode step and its random key is one per step
 for the whole batch, so:
@@ -31,7 +31,6 @@ import time
 from typing import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.rollout import sampler as sampler_lib
@@ -312,15 +311,9 @@ class Engine:
         return admitted
 
     def _prefill(self, state, admitted):
-        """Reset the admitted rows' cache length to 0 and append their prompts (other rows are untouched)."""
-        lengths = np.asarray(state.cache.lengths).copy()
-        chunks: list[Sequence[int]] = [[] for _ in range(state.cache.batch_size)]
-        for row_index, row in admitted:
-            lengths[row_index] = 0
-            chunks[row_index] = list(row.request.prompt_ids)
-        new_lengths = jax.device_put(jnp.asarray(lengths, jnp.int32), state.cache.lengths.sharding)
-        state = state.replace(cache=state.cache.replace(lengths=new_lengths))
-        return sampler_lib.append(self.model_config, self.params, state, chunks)
+        """Put the admitted rows' prompts into their rows (their old tokens are dropped; other rows are untouched)."""
+        return sampler_lib.prefill_rows(self.model_config, self.params, state, [index for index, _ in admitted],
+                                        [row.request.prompt_ids for _, row in admitted])
 
     def _emit_progress(self, row: _Row, done: str | None) -> bool:
         """Send the row's new text; returns True when the choice is finished (its row is free)."""
