@@ -1,5 +1,6 @@
-"""The engine's bounds without a model: a full queue refuses, an oversize request is refused before queueing, and the
-HTTP layer turns a full queue into a 429 that says so."""
+"""The engine: a full queue refuses, an oversize request is refused before queueing, the HTTP layer turns a full
+queue into a 429 that says so; on a tiny model, requests admitted into a running batch decode as if alone, and a
+failed prefill fails its requests without taking the server down."""
 
 import httpx
 import pytest
@@ -46,3 +47,159 @@ def test_full_queue_is_a_429_with_a_message():
         response = httpx.post(server.url + "/v1/chat/completions", timeout=10,
                               json={"model": "busy", "messages": [{"role": "user", "content": "hi"}]})
     assert response.status_code == 429 and "retry later" in response.json()["error"]["message"]
+
+
+class _IdsTokenizer:
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(str(i) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    import jax
+
+    from trace_jax import models
+
+    config = models.get_preset("tiny-qwen3")
+    return config, models.init_params(config, jax.random.PRNGKey(0))
+
+
+def _alone(config, params, prompt, max_tokens, max_context):
+    """The sampler's greedy continuation of one prompt decoded on its own."""
+    import jax
+    import numpy as np
+
+    from trace_jax.rollout import sampler
+
+    state = sampler.append(config, params, sampler.init_state(config, 1, max_context), [list(prompt)])
+    _, generation = sampler.generate(config, params, state, rng=jax.random.PRNGKey(0), active=np.ones(1, bool),
+                                     max_new_tokens=max_tokens, stop_ids=(), sampling=SamplingConfig(greedy=True))
+    return tuple(int(t) for t in generation.tokens[0])
+
+
+class _Collect:
+    def __init__(self):
+        import threading
+
+        self.events, self.done = [], threading.Event()
+
+    def __call__(self, event):
+        from trace_jax.serve.engine import Failed, Finished
+
+        self.events.append(event)
+        if isinstance(event, Failed) or isinstance(event, Finished):
+            self.done.set()
+
+
+def _submit(engine, prompt, max_tokens, n=1):
+    collect = _Collect()
+    engine.submit(GenerationRequest(prompt_ids=list(prompt), max_tokens=max_tokens, n=n, emit=collect,
+                                    sampling=SamplingConfig(greedy=True)))
+    return collect
+
+
+def test_requests_admitted_into_a_running_batch_decode_as_if_alone(tiny_model):
+    """Continuous batching: requests that arrive while others decode are prefilled into free rows of the running
+    batch (and `n` choices of one prompt share a prefill); every one's greedy tokens equal its prompt decoded alone."""
+    import time
+
+    from trace_jax.serve.engine import Finished
+
+    config, params = tiny_model
+    jobs = [((5, 9, 17, 33), 40, 1), ((100, 3), 6, 1), ((44, 45, 46, 47, 48, 49, 50), 9, 2), ((7,), 13, 1),
+            ((100, 3), 5, 1), (tuple(range(60, 90)), 7, 1)]
+    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=EngineConfig(
+        max_batch=4, max_context=64, slice_tokens=4, batch_wait_s=0.0)).start()
+    try:
+        pending = []
+        for prompt, max_tokens, n in jobs:
+            pending.append(_submit(engine, prompt, max_tokens, n))
+            time.sleep(0.02)
+        for collect in pending:
+            assert collect.done.wait(120)
+            time.sleep(0.01)
+    finally:
+        engine.close()
+    assert engine.stats["max_rows"] > 1
+    for (prompt, max_tokens, n), collect in zip(jobs, pending):
+        finished = sorted((e for e in collect.events if isinstance(e, Finished)), key=lambda e: e.choice)
+        assert [e.choice for e in finished] == list(range(n)), collect.events
+        expected = _alone(config, params, prompt, max_tokens, 64)
+        for event in finished:
+            assert event.token_ids == expected and event.reason == "length", (prompt, event)
+
+
+@pytest.mark.parametrize("donated", [False, True], ids=["before-the-device", "state-lost"])
+def test_a_failed_prefill_fails_its_requests_and_the_server_goes_on(tiny_model, donated):
+    """A prefill that raises fails the requests it admitted; if the donated state was lost with it, the running
+    rows fail too (their caches are gone) instead of decoding garbage; later requests are served correctly."""
+    from trace_jax.serve.engine import Failed, Finished
+
+    config, params = tiny_model
+    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=EngineConfig(
+        max_batch=4, max_context=64, slice_tokens=2, batch_wait_s=0.0))
+    real_prefill, calls = engine._prefill, []
+
+    def flaky(state, admitted):
+        calls.append(len(admitted))
+        if len(calls) == 2:
+            if donated:
+                state.cache.k.delete()
+            raise RuntimeError("device fell over")
+        return real_prefill(state, admitted)
+
+    engine._prefill = flaky
+    engine.start()
+    try:
+        running = _submit(engine, (5, 9, 17, 33), 40)
+        while engine.stats["slices"] == 0:
+            running.done.wait(0.005)
+        broken = _submit(engine, (100, 3), 6)
+        assert broken.done.wait(120) and running.done.wait(120)
+        later = _submit(engine, (7, 8), 5)
+        assert later.done.wait(120)
+    finally:
+        engine.close()
+    assert isinstance(broken.events[-1], Failed) and "device fell over" in broken.events[-1].message
+    if donated:
+        assert isinstance(running.events[-1], Failed)
+    else:
+        assert running.events[-1] == Finished(0, "length", running.events[-1].text,
+                                              _alone(config, params, (5, 9, 17, 33), 40, 64))
+    assert later.events[-1].token_ids == _alone(config, params, (7, 8), 5, 64)
+
+
+def test_warmup_compiles_every_prefill_shape_the_requests_then_meet(tiny_model):
+    """With `warmup_tokens`, `start` compiles the prefill for every count of distinct prompts and length bucket up
+    to that many tokens and the greedy slice for every cache-read bucket: greedy requests of those shapes then
+    compile neither (and still decode as if alone)."""
+    from trace_jax.rollout import sampler
+    from trace_jax.serve.engine import Finished
+
+    config, params = tiny_model
+    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=EngineConfig(  # shapes no other test meets
+        max_batch=3, max_context=48, slice_tokens=4, batch_wait_s=0.05, warmup_tokens=20)).start()
+    try:
+        compiled = sampler._prefill_rows_jit._cache_size(), sampler._decode_steps_jit._cache_size()
+        jobs = [((3,) * 19, 3, 1), ((4, 5), 3, 1), ((6,) * 9, 3, 2)]  # 3 distinct prompts of 2-19 tokens together
+        pending = [_submit(engine, prompt, max_tokens, n) for prompt, max_tokens, n in jobs]
+        assert all(collect.done.wait(120) for collect in pending)
+        later = _submit(engine, (9,) * 17, 4)
+        assert later.done.wait(120)
+    finally:
+        engine.close()
+    assert (sampler._prefill_rows_jit._cache_size(), sampler._decode_steps_jit._cache_size()) == compiled
+    for (prompt, max_tokens, n), collect in zip(jobs + [((9,) * 17, 4, 1)], pending + [later]):
+        finished = [e for e in collect.events if isinstance(e, Finished)]
+        assert len(finished) == n and all(e.token_ids == _alone(config, params, prompt, max_tokens, 48)
+                                          for e in finished)
+    with pytest.raises(ValueError, match="warmup_tokens"):
+        EngineConfig(max_context=64, warmup_tokens=65)
+
+
+def test_a_failed_warmup_is_raised_by_start(tiny_model):
+    config, _ = tiny_model
+    engine = Engine(config, {}, _IdsTokenizer(), stop_ids=(), engine=EngineConfig(max_batch=2, max_context=32,
+                                                                                   warmup_tokens=8))
+    with pytest.raises(RuntimeError, match="warm-up failed"):
+        engine.start()

@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-batching", action="store_true", help="serve one request at a time")
     parser.add_argument("--batch-wait-ms", type=float, default=5.0,
                         help="when idle, wait this long for more requests to batch with the first one")
+    parser.add_argument("--warmup-tokens", type=int, default=0,
+                        help="before serving, compile the prefill of every batch shape for prompts up to this many "
+                             "tokens (0: compile each shape when first met)")
     parser.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
                         help="uvicorn's log level; 'info' logs every request")
     parser.add_argument("--scripted-judge", action="store_true",
@@ -61,14 +64,14 @@ def run(args: argparse.Namespace) -> int:
         try:
             engine = None
             if args.max_context is not None or args.max_batch != 16 or args.no_batching or args.max_queue != 256 \
-                    or args.slice_tokens != 16 or args.batch_wait_ms != 5.0:
+                    or args.slice_tokens != 16 or args.batch_wait_ms != 5.0 or args.warmup_tokens:
                 from trace_jax.models.config import ModelConfig
 
                 limit = ModelConfig.from_hf(args.checkpoint).max_position_embeddings
                 engine = EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue,
                                       max_context=args.max_context or min(limit, 4096),
                                       slice_tokens=args.slice_tokens, batching=not args.no_batching,
-                                      batch_wait_s=args.batch_wait_ms / 1000)
+                                      batch_wait_s=args.batch_wait_ms / 1000, warmup_tokens=args.warmup_tokens)
             backend = ModelBackend.from_checkpoint(args.checkpoint, tokenizer_path=args.tokenizer,
                                                    name=args.model_name, dtype=args.dtype, engine=engine)
         except (ValueError, FileNotFoundError, OSError) as error:

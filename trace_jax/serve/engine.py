@@ -53,6 +53,10 @@ class EngineConfig:
       batch_wait_s: when the engine is idle and a request arrives, wait up to this long for more to arrive before
         starting, so a burst of arrivals forms one batch instead of a one-row slice followed by the rest (a
         dynamic batcher's queue delay; it never delays a request that can join a running batch).
+      warmup_tokens: at `start`, before serving, compile the prefill of every count of distinct prompts (1, 2, 4,
+        .. up to max_batch) at every length bucket up to this many prompt tokens, and the greedy decode slice at
+        every cache-read bucket up to max_context, so the first requests of each shape do not stall the batch for
+        a compile (0 = compile on first use; other sampling settings compile their slices on first use).
     """
 
     max_batch: int = 16
@@ -63,8 +67,13 @@ class EngineConfig:
     sync_every: int = 16
     seed: int = 0
     batch_wait_s: float = 0.005
+    warmup_tokens: int = 0
 
     def __post_init__(self):
+        if (not isinstance(self.warmup_tokens, int) or isinstance(self.warmup_tokens, bool)
+                or not 0 <= self.warmup_tokens <= self.max_context):
+            raise ValueError(f"EngineConfig.warmup_tokens must be an int in [0, max_context={self.max_context}], got "
+                             f"{self.warmup_tokens!r}")
         for name in ("max_batch", "max_queue", "max_context", "slice_tokens", "sync_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -170,13 +179,22 @@ class Engine:
         self._wake = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
         self.stats = {"slices": 0, "requests": 0, "tokens": 0, "max_rows": 0}
 
     # -- public --------------------------------------------------------------------------------------------------
     def start(self) -> "Engine":
+        """Start the worker; returns once it is ready to serve (after the warm-up, whose errors it raises)."""
         if self._thread is None:
+            self._ready.clear()
             self._thread = threading.Thread(target=self._run, name="trace-jax-serve-engine", daemon=True)
             self._thread.start()
+            self._ready.wait()
+            if self._startup_error is not None:
+                self._thread.join()
+                self._thread = None
+                raise RuntimeError(f"the engine's warm-up failed: {self._startup_error}") from self._startup_error
         return self
 
     def close(self, timeout: float = 30.0) -> None:
@@ -206,10 +224,16 @@ class Engine:
 
     # -- worker --------------------------------------------------------------------------------------------------
     def _run(self) -> None:
-        from trace_jax.rollout.sampler import init_state
-
         batch = self.config.max_batch
-        state = init_state(self.model_config, batch, self.config.max_context)
+        try:
+            state = self._fresh_state()
+            if self.config.warmup_tokens:
+                state = self._warmup(state)
+        except BaseException as error:  # reported by start()
+            self._startup_error = error
+            self._ready.set()
+            return
+        self._ready.set()
         rows: list[_Row | None] = [None] * batch
         sampling: SamplingConfig | None = None
         seeded = False
@@ -238,10 +262,12 @@ class Engine:
                 try:
                     state = self._prefill(state, admitted)
                 except Exception as error:  # a device failure must fail the requests, not kill the server
-                    for row_index, row in admitted:
-                        rows[row_index] = None
-                    self._fail({id(r.request): r.request for _, r in admitted}.values(), error)
-                    state = init_state(self.model_config, batch, self.config.max_context)
+                    failed = [r for _, r in admitted]
+                    if state.cache.k.is_deleted():  # the donated state is gone: so are the running rows' caches
+                        failed += [r for r in rows if r is not None]
+                        rows = [None] * batch
+                        state = self._fresh_state()
+                    self._fail({id(r.request): r.request for r in failed}.values(), error)
                     continue
                 for row_index, row in admitted:
                     rows[row_index] = row
@@ -264,7 +290,7 @@ class Engine:
             except Exception as error:
                 self._fail({id(r.request): r.request for r in rows if r}.values(), error)
                 rows = [None] * batch
-                state = init_state(self.model_config, batch, self.config.max_context)
+                state = self._fresh_state()
                 continue
             tick += 1
             self.stats["slices"] += 1
@@ -309,6 +335,55 @@ class Engine:
             for choice in range(request.n):
                 admitted.append((free.pop(0), _Row(request, choice, [], request.max_tokens)))
         return admitted
+
+    def _fresh_state(self):
+        """An empty sampler state with every array committed to its device, as every program's outputs then are:
+        a program compiles once per placement of its arguments, so a state that mixed placements (fresh arrays
+        are uncommitted, outputs of programs fed committed ones are committed) would compile some shapes twice."""
+        state = sampler_lib.init_state(self.model_config, self.config.max_batch, self.config.max_context)
+        return jax.tree_util.tree_map(lambda x: jax.device_put(x, x.sharding), state)
+
+    def _set_lengths(self, state, value: int):
+        lengths = jax.device_put(np.full(self.config.max_batch, value, np.int32), state.cache.lengths.sharding)
+        return state.replace(cache=state.cache.replace(lengths=lengths))
+
+    def _warmup(self, state):
+        """Run (and so compile) every prefill shape up to `warmup_tokens` prompt tokens and a greedy slice at every
+        cache-read bucket; returns the state with every row empty again."""
+        widths, size = [], 1
+        while size <= self.config.warmup_tokens:
+            width = min(sampler_lib.bucket_length(size), self.config.max_context)
+            widths.append(width)
+            size = width + 1
+        counts, count = [], 1
+        while True:
+            counts.append(min(count, self.config.max_batch))
+            if count >= self.config.max_batch:
+                break
+            count *= 2
+        for width in widths:
+            length = min(width, self.config.max_context - 1)  # leave a slot to decode into
+            for count in counts:
+                prompts = [[(i + 1) % self.model_config.vocab_size] * length for i in range(count)]
+                state = sampler_lib.prefill_rows(self.model_config, self.params, state, list(range(count)), prompts)
+        # A slice reads a bucket of cache slots above its longest row (`sampler.generate`): one program per bucket
+        # up to the whole cache. Rows are set to a length that makes the slice read that bucket (the cache holds
+        # warm-up garbage; only the programs matter).
+        steps = min(self.config.sync_every, self.config.slice_tokens)
+        attend, size = [], 1
+        while size + steps <= self.config.max_context:
+            bucket = sampler_lib.bucket_length(size + steps)
+            attend.append(min(bucket, self.config.max_context))
+            size = bucket - steps + 1
+        budgets = np.full(self.config.max_batch, self.config.slice_tokens, np.int32)
+        for bucket in attend:
+            length = max(1, min(bucket, self.config.max_context) - steps)
+            state = self._set_lengths(state, length)
+            state, _ = sampler_lib.generate(self.model_config, self.params, state, rng=jax.random.PRNGKey(0),
+                                            active=np.ones(self.config.max_batch, bool), max_new_tokens=budgets,
+                                            stop_ids=self.stop_ids, sampling=SamplingConfig(greedy=True),
+                                            sync_every=steps)
+        return self._set_lengths(state, 0)
 
     def _prefill(self, state, admitted):
         """Put the admitted rows' prompts into their rows (their old tokens are dropped; other rows are untouched)."""
