@@ -13,17 +13,22 @@ TOOL_ARGUMENTS = {"query": "Alpha river"}
 
 
 
-def sampler_greedy(backend, prompt_ids, max_tokens):
-    """The sampler's own greedy continuation of `prompt_ids` (one row, one generate call), as text."""
+def greedy_ids(config, params, prompt_ids, max_tokens, max_context, stop_ids=()):
+    """The sampler's own greedy continuation of `prompt_ids` (one row, one generate call), as token ids."""
     from trace_jax.rollout import sampler
 
-    engine = backend.engine
-    state = sampler.init_state(engine.model_config, 1, engine.config.max_context)
-    state = sampler.append(engine.model_config, engine.params, state, [list(prompt_ids)])
-    _, generation = sampler.generate(engine.model_config, engine.params, state, rng=jax.random.PRNGKey(0),
-                                     active=np.ones(1, bool), max_new_tokens=max_tokens, stop_ids=backend.stop_ids,
+    state = sampler.append(config, params, sampler.init_state(config, 1, max_context), [list(prompt_ids)])
+    _, generation = sampler.generate(config, params, state, rng=jax.random.PRNGKey(0), active=np.ones(1, bool),
+                                     max_new_tokens=max_tokens, stop_ids=stop_ids,
                                      sampling=sampler.SamplingConfig(greedy=True))
-    ids = [int(t) for t in generation.tokens[0]]
+    return tuple(int(t) for t in generation.tokens[0])
+
+
+def sampler_greedy(backend, prompt_ids, max_tokens):
+    """`greedy_ids` on the backend's model, stop ids and context, decoded as text (the stop token dropped)."""
+    engine = backend.engine
+    ids = list(greedy_ids(engine.model_config, engine.params, prompt_ids, max_tokens, engine.config.max_context,
+                          backend.stop_ids))
     if ids and ids[-1] in backend.stop_ids:
         ids = ids[:-1]
     return backend.tokenizer.decode(ids, skip_special_tokens=False)

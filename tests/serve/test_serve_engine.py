@@ -9,6 +9,8 @@ from trace_jax.rollout.sampler import SamplingConfig
 from trace_jax.serve import Engine, EngineConfig, QueueFull, ScriptedBackend, ServeConfig, ServerThread, create_app
 from trace_jax.serve.engine import GenerationRequest
 
+from serve_helpers import greedy_ids
+
 
 def _request(n=1, prompt=(1, 2, 3), max_tokens=4):
     return GenerationRequest(prompt_ids=list(prompt), max_tokens=max_tokens, sampling=SamplingConfig(greedy=True),
@@ -64,19 +66,6 @@ def tiny_model():
     return config, models.init_params(config, jax.random.PRNGKey(0))
 
 
-def _alone(config, params, prompt, max_tokens, max_context):
-    """The sampler's greedy continuation of one prompt decoded on its own."""
-    import jax
-    import numpy as np
-
-    from trace_jax.rollout import sampler
-
-    state = sampler.append(config, params, sampler.init_state(config, 1, max_context), [list(prompt)])
-    _, generation = sampler.generate(config, params, state, rng=jax.random.PRNGKey(0), active=np.ones(1, bool),
-                                     max_new_tokens=max_tokens, stop_ids=(), sampling=SamplingConfig(greedy=True))
-    return tuple(int(t) for t in generation.tokens[0])
-
-
 class _Collect:
     def __init__(self):
         import threading
@@ -124,7 +113,7 @@ def test_requests_admitted_into_a_running_batch_decode_as_if_alone(tiny_model):
     for (prompt, max_tokens, n), collect in zip(jobs, pending):
         finished = sorted((e for e in collect.events if isinstance(e, Finished)), key=lambda e: e.choice)
         assert [e.choice for e in finished] == list(range(n)), collect.events
-        expected = _alone(config, params, prompt, max_tokens, 64)
+        expected = greedy_ids(config, params, prompt, max_tokens, 64)
         for event in finished:
             assert event.token_ids == expected and event.reason == "length", (prompt, event)
 
@@ -165,8 +154,8 @@ def test_a_failed_prefill_fails_its_requests_and_the_server_goes_on(tiny_model, 
         assert isinstance(running.events[-1], Failed)
     else:
         assert running.events[-1] == Finished(0, "length", running.events[-1].text,
-                                              _alone(config, params, (5, 9, 17, 33), 40, 64))
-    assert later.events[-1].token_ids == _alone(config, params, (7, 8), 5, 64)
+                                              greedy_ids(config, params, (5, 9, 17, 33), 40, 64))
+    assert later.events[-1].token_ids == greedy_ids(config, params, (7, 8), 5, 64)
 
 
 def test_warmup_compiles_every_prefill_shape_the_requests_then_meet(tiny_model):
@@ -191,7 +180,7 @@ def test_warmup_compiles_every_prefill_shape_the_requests_then_meet(tiny_model):
     assert (sampler._prefill_rows_jit._cache_size(), sampler._decode_steps_jit._cache_size()) == compiled
     for (prompt, max_tokens, n), collect in zip(jobs + [((9,) * 17, 4, 1)], pending + [later]):
         finished = [e for e in collect.events if isinstance(e, Finished)]
-        assert len(finished) == n and all(e.token_ids == _alone(config, params, prompt, max_tokens, 48)
+        assert len(finished) == n and all(e.token_ids == greedy_ids(config, params, prompt, max_tokens, 48)
                                           for e in finished)
     with pytest.raises(ValueError, match="warmup_tokens"):
         EngineConfig(max_context=64, warmup_tokens=65)

@@ -94,6 +94,17 @@ def bucket_length(n: int, minimum: int = MIN_BUCKET) -> int:
     return size
 
 
+def _padded(chunks: Sequence[Sequence[int]], width: int, rows: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Token ids [rows, width] (chunk b left-aligned in row b, zeros after; rows default len(chunks)) and the
+    chunk lengths [rows] (0 for padding rows), as device arrays."""
+    tokens = np.zeros((len(chunks) if rows is None else rows, width), np.int32)
+    num_new = np.zeros(len(tokens), np.int32)
+    for row, chunk in enumerate(chunks):
+        tokens[row, :len(chunk)] = chunk
+        num_new[row] = len(chunk)
+    return jnp.asarray(tokens), jnp.asarray(num_new)
+
+
 # ---------------------------------------------------------------------------------------------------- sampling
 def sampling_logits(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
     """float32 [B, V] logits of the distribution actually sampled from: tempered, top-k, top-p (-inf = removed)."""
@@ -289,11 +300,7 @@ def append(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Se
     for row, chunk in enumerate(chunks):
         dec.check_token_ids(config, np.asarray(chunk, np.int64), f"append chunk {row}")
     width = min(bucket_length(longest), bucket_length(state.max_len))
-    tokens = np.zeros((len(chunks), width), np.int32)
-    for row, chunk in enumerate(chunks):
-        tokens[row, :len(chunk)] = chunk
-    num_new = np.asarray([len(c) for c in chunks], np.int32)
-    return _append_jit(config, params, state, jnp.asarray(tokens), jnp.asarray(num_new))
+    return _append_jit(config, params, state, *_padded(chunks, width))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
@@ -325,19 +332,7 @@ def prefill_groups(config: ModelConfig, params, state: SamplerState, prompts: Se
     if longest == 0:
         return state
     width = min(bucket_length(longest), bucket_length(state.max_len))
-    tokens = np.zeros((len(prompts), width), np.int32)
-    for row, prompt in enumerate(prompts):
-        tokens[row, :len(prompt)] = prompt
-    num_new = np.asarray([len(p) for p in prompts], np.int32)
-    return _prefill_groups_jit(config, params, state, jnp.asarray(tokens), jnp.asarray(num_new), group)
-
-
-def _count_bucket(n: int) -> int:
-    """Prompt counts padded to a power of two, so a batch of B rows compiles at most log2(B) + 1 of them."""
-    size = 1
-    while size < n:
-        size *= 2
-    return size
+    return _prefill_groups_jit(config, params, state, *_padded(prompts, width), group)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
@@ -370,8 +365,8 @@ def prefill_rows(config: ModelConfig, params, state: SamplerState, rows: Sequenc
     Only the new prompts run through the model, on a cache just wide enough for the longest (`bucket_length`),
     and their keys/values are written into the state's rows: `append` would run every row of the batch against
     all `max_len` cache slots. Identical prompts (a request's `n` choices) run once. The distinct prompts are
-    padded to a power-of-two count and a `bucket_length` width, so shapes repeat (the number of rows is not a
-    shape). The old state is donated: do not reuse it.
+    padded to a `bucket_length(count, minimum=1)` count (powers of two) and a `bucket_length` width, so shapes
+    repeat (the number of rows is not a shape). The old state is donated: do not reuse it.
 
     Args:
       rows: distinct row indices in [0, batch).
@@ -396,17 +391,13 @@ def prefill_rows(config: ModelConfig, params, state: SamplerState, rows: Sequenc
             unique[prompt] = len(unique)
         source.append(unique[prompt])
     width = min(bucket_length(max(len(p) for p in unique)), state.max_len)
-    tokens = np.zeros((_count_bucket(len(unique)), width), np.int32)
-    num_new = np.zeros(len(tokens), np.int32)
-    for prompt, index in unique.items():
-        tokens[index, :len(prompt)] = prompt
-        num_new[index] = len(prompt)
+    tokens, num_new = _padded(list(unique), width, rows=bucket_length(len(unique), minimum=1))
     row_ids = np.full(batch, batch, np.int32)  # padding entries point past the batch: their writes are dropped
     row_ids[:len(rows)] = rows
     source_ids = np.zeros(batch, np.int32)
     source_ids[:len(rows)] = source
-    return _prefill_rows_jit(config, params, state, jnp.asarray(tokens), jnp.asarray(num_new),
-                             jnp.asarray(row_ids), jnp.asarray(source_ids), jnp.int32(len(rows)))
+    return _prefill_rows_jit(config, params, state, tokens, num_new, jnp.asarray(row_ids), jnp.asarray(source_ids),
+                             jnp.int32(len(rows)))
 
 
 @dataclasses.dataclass

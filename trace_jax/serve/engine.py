@@ -350,37 +350,28 @@ class Engine:
     def _warmup(self, state):
         """Run (and so compile) every prefill shape up to `warmup_tokens` prompt tokens and a greedy slice at every
         cache-read bucket; returns the state with every row empty again."""
-        widths, size = [], 1
-        while size <= self.config.warmup_tokens:
-            width = min(sampler_lib.bucket_length(size), self.config.max_context)
-            widths.append(width)
-            size = width + 1
-        counts, count = [], 1
-        while True:
-            counts.append(min(count, self.config.max_batch))
-            if count >= self.config.max_batch:
-                break
-            count *= 2
+        batch, context, bucket = self.config.max_batch, self.config.max_context, sampler_lib.bucket_length
+        # The shapes `prefill_rows` pads to: prompt widths, and counts of distinct prompts (each count's bucket
+        # is met by passing that many prompts, at most the batch).
+        widths = sorted({min(bucket(n), context) for n in range(1, self.config.warmup_tokens + 1)})
+        counts = sorted({min(bucket(n, minimum=1), batch) for n in range(1, batch + 1)})
         for width in widths:
-            length = min(width, self.config.max_context - 1)  # leave a slot to decode into
+            length = min(width, context - 1)  # leave a slot to decode into
             for count in counts:
                 prompts = [[(i + 1) % self.model_config.vocab_size] * length for i in range(count)]
                 state = sampler_lib.prefill_rows(self.model_config, self.params, state, list(range(count)), prompts)
-        # A slice reads a bucket of cache slots above its longest row (`sampler.generate`): one program per bucket
-        # up to the whole cache. Rows are set to a length that makes the slice read that bucket (the cache holds
-        # warm-up garbage; only the programs matter).
+        # A slice reads `bucket(longest row + steps)` cache slots (`sampler.generate`): one program per bucket up
+        # to the whole cache. Rows are set to the shortest length that reads each bucket (the cache holds warm-up
+        # garbage; only the programs matter).
         steps = min(self.config.sync_every, self.config.slice_tokens)
-        attend, size = [], 1
-        while size + steps <= self.config.max_context:
-            bucket = sampler_lib.bucket_length(size + steps)
-            attend.append(min(bucket, self.config.max_context))
-            size = bucket - steps + 1
-        budgets = np.full(self.config.max_batch, self.config.slice_tokens, np.int32)
-        for bucket in attend:
-            length = max(1, min(bucket, self.config.max_context) - steps)
+        lengths: dict[int, int] = {}
+        for length in range(1, context - steps + 1):
+            lengths.setdefault(min(bucket(length + steps), context), length)
+        budgets = np.full(batch, self.config.slice_tokens, np.int32)
+        for length in lengths.values():
             state = self._set_lengths(state, length)
             state, _ = sampler_lib.generate(self.model_config, self.params, state, rng=jax.random.PRNGKey(0),
-                                            active=np.ones(self.config.max_batch, bool), max_new_tokens=budgets,
+                                            active=np.ones(batch, bool), max_new_tokens=budgets,
                                             stop_ids=self.stop_ids, sampling=SamplingConfig(greedy=True),
                                             sync_every=steps)
         return self._set_lengths(state, 0)
