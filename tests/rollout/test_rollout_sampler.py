@@ -73,6 +73,16 @@ def test_rows_stop_at_stop_ids_and_budgets(model):
     np.testing.assert_array_equal(state.lengths, expected_lengths)
 
 
+def test_generate_with_no_active_row_returns_an_empty_generation(model):
+    config, params = model
+    state = S.append(config, params, S.init_state(config, 2, MAX_LEN), [[1, 2], [3]])
+    state, gen = S.generate(config, params, state, rng=jax.random.PRNGKey(0), active=np.zeros(2, bool),
+                            max_new_tokens=4, stop_ids=[5], sampling=GREEDY)
+    assert gen.steps == 0 and [len(t) for t in gen.tokens] == [0, 0]
+    assert gen.stop_reason.tolist() == [S.RUNNING, S.RUNNING]
+    np.testing.assert_array_equal(state.lengths, [2, 1])
+
+
 def test_rows_stop_when_the_cache_is_full(model):
     config, params = model
     prompts = [list(range(1, MAX_LEN - 2)), [1, 2], [3], [4]]
