@@ -109,6 +109,11 @@ class Failed:
 Event = TextDelta | Finished | Failed
 
 
+# `jax.random.fold_in` as one compiled program: called eagerly it dispatches several primitives, each with
+# its own host overhead, and the engine derives a key for every slice.
+_fold_in = jax.jit(jax.random.fold_in)
+
+
 class QueueFull(RuntimeError):
     """The engine's queue holds `max_queue` requests; the client should retry later."""
 
@@ -237,7 +242,8 @@ class Engine:
         rows: list[_Row | None] = [None] * batch
         sampling: SamplingConfig | None = None
         seeded = False
-        key = jax.random.PRNGKey(self.config.seed)
+        base_key = jax.random.PRNGKey(self.config.seed)
+        key = base_key
         tick = 0
         while True:
             with self._wake:
@@ -279,12 +285,12 @@ class Engine:
             active = np.array([r is not None for r in rows])
             budgets = np.array([min(self.config.slice_tokens, r.budget_left) if r else 0 for r in rows], np.int32)
             if not seeded:
-                key = jax.random.fold_in(jax.random.PRNGKey(self.config.seed), self.stats["slices"])
+                key = _fold_in(base_key, self.stats["slices"])
             try:
                 # A slice has at most slice_tokens steps: reading the stop flags later than that would dispatch
                 # steps in which every row is already out of budget.
                 state, generation = sampler_lib.generate(
-                    self.model_config, self.params, state, rng=jax.random.fold_in(key, tick), active=active,
+                    self.model_config, self.params, state, rng=_fold_in(key, tick), active=active,
                     max_new_tokens=budgets, stop_ids=self.stop_ids, sampling=sampling,
                     sync_every=min(self.config.sync_every, self.config.slice_tokens))
             except Exception as error:
