@@ -364,3 +364,18 @@ def test_backend_encoders_equal_the_wrapper_on_smollm2(smollm2_hf_dir):
         text = "".join(rng.choice(pieces, size=rng.integers(0, 10)))
         assert chat._plain(text) == _wrapper_ids(smollm2, text, True), text
         assert chat._markup(text) == _wrapper_ids(smollm2, text, False), text
+
+
+def test_long_texts_take_the_gil_free_path_and_equal_the_wrapper(tokenizer, chat, smollm2_hf_dir):
+    """Texts over `_GIL_FREE_CHARS` are encoded as a batch of one (the GIL is released): same ids as the wrapper."""
+    from trace_jax.models import chat as chat_lib
+
+    rng = np.random.default_rng(1)
+    pieces = ["<|im_start|>", "<|im_end|>", "<tool_call>", "user", "\n", " ", "Paris", "é", "<|", "capital", "\t"]
+    smollm2 = load_tokenizer(str(smollm2_hf_dir))
+    for tok, fmt in ((tokenizer, chat), (smollm2, ChatFormat(smollm2))):
+        for _ in range(3):
+            text = "".join(rng.choice(pieces, size=3000))
+            assert len(text) > chat_lib._GIL_FREE_CHARS
+            assert fmt._plain(text) == _wrapper_ids(tok, text, True)
+            assert fmt._markup(text) == _wrapper_ids(tok, text, False)
