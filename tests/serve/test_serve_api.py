@@ -119,6 +119,27 @@ def test_bad_requests_are_4xx_with_a_message_that_names_the_problem(served, clie
     assert response.status_code == 400 and "messages" in response.json()["error"]["message"]
 
 
+def test_long_request_bodies_are_rendered_off_the_event_loop_with_the_same_results(served, client):
+    """Bodies over OFFLOAD_BYTES are rendered on a worker thread: same greedy text, same 4xx for a prompt over the
+    context, and streaming works from that path too."""
+    from trace_jax.serve.app import OFFLOAD_BYTES
+
+    _, backend = served
+    padding = "x" * (OFFLOAD_BYTES + 1)  # a long `user` field: the body is long, the prompt is not
+    reply = client.chat.completions.create(model="tiny", messages=PLAIN, temperature=0, max_tokens=20, user=padding)
+    prompt = backend.chat.render(PLAIN, add_generation_prompt=True).ids
+    assert reply.choices[0].message.content == sampler_greedy(backend, prompt, 20)
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=PLAIN, temperature=0, max_tokens=20, user=padding, stream=True)]
+    assert "".join(pieces) == reply.choices[0].message.content
+    raw = client.completions.create(model="tiny", prompt="Hello world", temperature=0, max_tokens=12, user=padding)
+    ids = backend.tokenizer.encode("Hello world", add_special_tokens=False)
+    assert raw.choices[0].text == sampler_greedy(backend, ids, 12)
+    status, message = _error(lambda: client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello " * 5000}]))
+    assert status == 400 and "context" in message
+
+
 def test_api_key_is_required_when_set(tiny_checkpoint):
     from trace_jax.serve import ScriptedBackend, ServeConfig, ServerThread, create_app
 

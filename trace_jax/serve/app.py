@@ -33,6 +33,10 @@ from trace_jax.serve.backend import GenerationParams, RequestError
 from trace_jax.serve.engine import Failed, Finished, QueueFull, TextDelta
 
 MAX_STOP_STRINGS = 4
+# Requests with a body over this many bytes are rendered and tokenized on a worker thread, not on the event loop:
+# a prompt of tens of thousands of characters takes milliseconds to tokenize, during which every other
+# connection would wait (the tokenizer releases the GIL for long texts, `ChatFormat._encode`).
+OFFLOAD_BYTES = 16 * 1024
 # Accepted for compatibility but not implemented: a request that turns one on gets a 400 rather than silently
 # different behaviour.
 UNSUPPORTED = ("logprobs", "top_logprobs", "logit_bias", "response_format", "echo", "best_of", "suffix")
@@ -111,7 +115,8 @@ def _params(body: _Common, max_tokens: int | None) -> GenerationParams:
     top_p = 1.0 if body.top_p is None else body.top_p
     sampling = SamplingConfig(greedy=True) if temperature == 0 else SamplingConfig(temperature=temperature,
                                                                                    top_p=top_p)
-    return GenerationParams(max_tokens=max_tokens, sampling=sampling, n=body.n, stop=stop, seed=body.seed)
+    return GenerationParams(max_tokens=max_tokens, sampling=sampling, n=body.n, stop=stop, seed=body.seed,
+                            stream=body.stream)
 
 
 def _parse_reply(text: str, with_tools: bool) -> tuple[str | None, list[dict], str | None]:
@@ -192,7 +197,7 @@ def create_app(backend, config: ServeConfig = ServeConfig()) -> FastAPI:
         return {"object": "list", "data": [{"id": backend.name, "object": "model", "created": created,
                                              "owned_by": "trace-jax"}]}
 
-    def submit(call, *args):
+    async def submit(request: Request, call, *args):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -200,7 +205,10 @@ def create_app(backend, config: ServeConfig = ServeConfig()) -> FastAPI:
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
         try:
-            submitted, handle = call(*args, emit)
+            if int(request.headers.get("content-length") or 0) > OFFLOAD_BYTES:
+                submitted, handle = await asyncio.to_thread(call, *args, emit)
+            else:
+                submitted, handle = call(*args, emit)
         except RequestError as error:
             raise ApiError(400, str(error), param=error.param) from None
         except QueueFull as error:
@@ -229,12 +237,13 @@ def create_app(backend, config: ServeConfig = ServeConfig()) -> FastAPI:
                 "total_tokens": submitted.prompt_tokens + completion}
 
     @app.post("/v1/chat/completions", dependencies=v1)
-    async def chat_completions(body: ChatRequest):
+    async def chat_completions(body: ChatRequest, request: Request):
         check_model(body.model)
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = _params(body, max_tokens)
         with_tools = bool(body.tools) and body.tool_choice != "none"
-        submitted, handle, queue = submit(backend.submit_chat, body.messages, body.tools, body.tool_choice, params)
+        submitted, handle, queue = await submit(request, backend.submit_chat, body.messages, body.tools,
+                                                body.tool_choice, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         now = int(time.time())
         if body.stream:
@@ -249,8 +258,9 @@ def create_app(backend, config: ServeConfig = ServeConfig()) -> FastAPI:
                 message["tool_calls"] = tool_calls
             choices.append({"index": f.choice, "message": message, "finish_reason": finish or f.reason,
                             "logprobs": None})
-        return {"id": request_id, "object": "chat.completion", "created": now, "model": backend.name,
-                "choices": choices, "usage": usage(submitted, finished)}
+        # A Response as it is: FastAPI would otherwise walk the dict through jsonable_encoder first.
+        return JSONResponse({"id": request_id, "object": "chat.completion", "created": now, "model": backend.name,
+                             "choices": choices, "usage": usage(submitted, finished)})
 
     async def _stream_chat(queue, handle, submitted, body, request_id, now, with_tools):
         from trace_jax.models.chat import TOOL_CALL_OPEN
@@ -310,7 +320,7 @@ def create_app(backend, config: ServeConfig = ServeConfig()) -> FastAPI:
                 handle.cancelled = True
 
     @app.post("/v1/completions", dependencies=v1)
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         params = _params(body, body.max_tokens)
         prompt = body.prompt
@@ -318,7 +328,7 @@ def create_app(backend, config: ServeConfig = ServeConfig()) -> FastAPI:
             if len(prompt) != 1:
                 raise ApiError(400, f"prompt holds {len(prompt)} strings; send one prompt per request", param="prompt")
             prompt = prompt[0]
-        submitted, handle, queue = submit(backend.submit_completion, prompt, params)
+        submitted, handle, queue = await submit(request, backend.submit_completion, prompt, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         now = int(time.time())
         if body.stream:
@@ -345,9 +355,9 @@ def create_app(backend, config: ServeConfig = ServeConfig()) -> FastAPI:
 
             return EventSourceResponse(events(), ping=15)
         finished = await collect(queue, body.n, handle)
-        return {"id": request_id, "object": "text_completion", "created": now, "model": backend.name,
-                "choices": [{"index": f.choice, "text": f.text, "finish_reason": f.reason, "logprobs": None}
-                            for f in finished],
-                "usage": usage(submitted, finished)}
+        return JSONResponse({"id": request_id, "object": "text_completion", "created": now, "model": backend.name,
+                             "choices": [{"index": f.choice, "text": f.text, "finish_reason": f.reason,
+                                          "logprobs": None} for f in finished],
+                             "usage": usage(submitted, finished)})
 
     return app
