@@ -80,11 +80,43 @@ class _Collect:
             self.done.set()
 
 
-def _submit(engine, prompt, max_tokens, n=1):
+def _submit(engine, prompt, max_tokens, n=1, **fields):
     collect = _Collect()
     engine.submit(GenerationRequest(prompt_ids=list(prompt), max_tokens=max_tokens, n=n, emit=collect,
-                                    sampling=SamplingConfig(greedy=True)))
+                                    sampling=SamplingConfig(greedy=True), **fields))
     return collect
+
+
+def test_unstreamed_requests_get_only_the_finished_text_which_equals_the_streamed_one(tiny_model):
+    """`stream=False`: no TextDelta, one Finished per choice, the same text and ids as the streamed request (whose
+    deltas concatenate to that text), stop strings included."""
+    from trace_jax.serve.engine import Finished, TextDelta
+
+    config, params = tiny_model
+    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=EngineConfig(
+        max_batch=4, max_context=64, slice_tokens=4, batch_wait_s=0.0)).start()
+    try:
+        results = {}
+        for stream in (True, False):
+            collect = _submit(engine, (5, 9, 17, 33), 14, stream=stream)
+            assert collect.done.wait(120)
+            results[stream] = collect.events
+        streamed_text = results[True][-1].text
+        stop = " ".join(streamed_text.split(" ")[5:7])  # two tokens of the second slice
+        for stream in (True, False):
+            collect = _submit(engine, (5, 9, 17, 33), 14, stream=stream, stop=(stop,))
+            assert collect.done.wait(120)
+            results[stream, "stop"] = collect.events
+    finally:
+        engine.close()
+    streamed, unstreamed = results[True], results[False]
+    assert len([e for e in streamed if isinstance(e, TextDelta)]) > 1
+    assert "".join(e.text for e in streamed if isinstance(e, TextDelta)) == streamed[-1].text
+    assert unstreamed == [streamed[-1]] and isinstance(unstreamed[0], Finished)
+    assert unstreamed[0].token_ids == greedy_ids(config, params, (5, 9, 17, 33), 14, 64)
+    cut = streamed_text[:streamed_text.find(stop)]
+    assert results[False, "stop"] == [results[True, "stop"][-1]] == [Finished(0, "stop", cut,
+                                                                               results[True, "stop"][-1].token_ids)]
 
 
 def test_requests_admitted_into_a_running_batch_decode_as_if_alone(tiny_model):

@@ -41,6 +41,7 @@ class GenerationParams:
     n: int = 1
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    stream: bool = True  # False: only the finished text is needed (no `TextDelta` events)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +137,7 @@ class ModelBackend:
                                "n")
         request = GenerationRequest(prompt_ids=prompt_ids, max_tokens=params.max_tokens or room,
                                     sampling=params.sampling, emit=emit, n=params.n, stop=params.stop,
-                                    seed=params.seed)
+                                    seed=params.seed, stream=params.stream)
         self.engine.submit(request)
         return Submitted(prompt_tokens=len(prompt_ids), prefix=prefix), request
 

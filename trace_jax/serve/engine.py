@@ -130,6 +130,8 @@ class GenerationRequest:
       stop: stop strings; the text ends before the first one (not included).
       seed: run alone with this key (reproducible sampling); None shares the batch.
       emit: called with every `Event` of this request, on the engine's thread.
+      stream: send `TextDelta`s as text arrives; False sends only `Finished` (and `Failed`), and the engine then
+        decodes a choice's text once, when it finishes, unless stop strings need checking every slice.
     """
 
     prompt_ids: Sequence[int]
@@ -139,6 +141,7 @@ class GenerationRequest:
     n: int = 1
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    stream: bool = True
     cancelled: bool = False  # set by the caller (client went away): rows are freed at the next slice
 
 
@@ -389,11 +392,13 @@ class Engine:
 
     def _emit_progress(self, row: _Row, done: str | None) -> bool:
         """Send the row's new text; returns True when the choice is finished (its row is free)."""
+        stops = row.request.stop
+        if done is None and not row.request.stream and not stops:
+            return False  # nothing to send before the end and no stop string to look for
         ids = row.generated
         if done == "stop" and ids and ids[-1] in self.stop_ids:
             ids = ids[:-1]
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        stops = row.request.stop
         if stops:
             cut = min((text.find(s) for s in stops if s and s in text), default=-1)
             if cut >= 0:
@@ -403,7 +408,7 @@ class Engine:
         else:
             visible = text
         try:
-            if len(visible) > len(row.sent) and visible.startswith(row.sent):
+            if row.request.stream and len(visible) > len(row.sent) and visible.startswith(row.sent):
                 row.request.emit(TextDelta(row.choice, visible[len(row.sent):]))
                 row.sent = visible
             if done is not None:
