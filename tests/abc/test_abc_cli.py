@@ -150,3 +150,17 @@ def test_receipt_escapes_record_text(judge, tmp_path):
     (receipt,) = (tmp_path / "out" / "receipts").iterdir()
     html = receipt.read_text()
     assert "<b>Who?</b>" not in html and "&lt;b&gt;Who?&lt;/b&gt;" in html and "<script>" not in html
+
+
+def test_summary_and_outputs_never_hold_the_judge_credentials(judge, tmp_path):
+    url, _ = judge
+    records, _ = _records()
+    secret_url = url.replace("http://", "http://alice:s3cret@")
+    assert main(["abc-score", str(_write(tmp_path / "in.jsonl", records[3:])), "--judge-url", secret_url,
+                 "--judge-model", "rubric-judge", "--judge-api-key", "sk-k3y", "--out", str(tmp_path / "out")]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["settings"]["judge_url"] == url
+    for written in (tmp_path / "out").rglob("*"):
+        if written.is_file():
+            text = written.read_text(errors="replace")
+            assert "s3cret" not in text and "sk-k3y" not in text, written

@@ -159,3 +159,101 @@ def test_judge_config_reads_the_endpoint_from_the_environment(monkeypatch):
     monkeypatch.delenv("TRACE_JAX_JUDGE_URL")
     with pytest.raises(ValueError, match="TRACE_JAX_JUDGE_URL"):
         JudgeConfig.from_env()
+
+
+def _cache_entries(tmp_path):
+    return sorted((tmp_path / "cache").glob("*.json"))
+
+
+def test_a_cached_judgement_out_of_range_is_judged_again_not_trusted(judge_server, tmp_path):
+    url, backend = judge_server
+    _, steps, expected = next(t for t in trajectories() if t[0] == "guess")
+    _scorer(url, "rubric-judge", tmp_path).score(question=QUESTION, gold=GOLD, clues=CLUES, steps=steps)
+    (entry,) = _cache_entries(tmp_path)
+    for tampered in ([9, 0, 0], [-1, 0, 0], [0, 0], "x", [True, 0, 0]):
+        entry.write_text(json.dumps({"counts": tampered}))
+        calls = backend.calls
+        counts = _scorer(url, "rubric-judge", tmp_path).score(question=QUESTION, gold=GOLD, clues=CLUES, steps=steps)
+        assert as_tuples(counts) == expected and backend.calls == calls + 1, tampered
+        assert json.loads(entry.read_text())["counts"] == list(expected[0][:3])  # overwritten with the fresh one
+    entry.write_bytes(b"\xff{not json")
+    _scorer(url, "rubric-judge", tmp_path).score(question=QUESTION, gold=GOLD, clues=CLUES, steps=steps)
+    audit = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert [a["status"] for a in audit].count("cache_invalid") == 6
+    assert "must be an int in [0, 2]" in next(a["error"] for a in audit if a["status"] == "cache_invalid")
+
+
+def test_cache_key_holds_the_endpoint_temperature_and_max_tokens(judge_server, tmp_path):
+    url, backend = judge_server
+    _, steps, _ = next(t for t in trajectories() if t[0] == "guess")
+
+    def judged(scorer_url=url, backend_=backend, **fields):
+        calls = backend_.calls
+        _scorer(scorer_url, "rubric-judge", tmp_path, **fields).score(question=QUESTION, gold=GOLD, clues=CLUES,
+                                                                      steps=steps)
+        return backend_.calls - calls
+
+    assert judged() == 1 and judged() == 0
+    assert judged(temperature=0.5) == 1 and judged(temperature=0.5) == 0
+    assert judged(max_tokens=64) == 1 and judged(max_tokens=64) == 0
+    other = ScriptedBackend(scripted_rubric_reply, name="rubric-judge")
+    with ServerThread(create_app(other, ServeConfig())) as server:
+        assert judged(server.url + "/v1", other) == 1  # same model name, another endpoint
+    # credentials are not part of the endpoint's identity
+    assert judged(url.replace("http://", "http://user:pw@")) == 0
+
+
+def test_cache_files_are_written_through_temporaries_named_by_process_and_thread(judge_server, tmp_path,
+                                                                                monkeypatch):
+    import os
+    import pathlib
+    import threading
+
+    url, _ = judge_server
+    _, steps, _ = next(t for t in trajectories() if t[0] == "correct")
+    written = []
+    original = pathlib.Path.write_bytes
+
+    def recording(self, data):
+        written.append((self.name, threading.get_ident()))
+        return original(self, data)
+
+    monkeypatch.setattr(pathlib.Path, "write_bytes", recording)
+    _scorer(url, "rubric-judge", tmp_path, concurrency=4).score(question=QUESTION, gold=GOLD, clues=CLUES,
+                                                               steps=steps)
+    assert len(written) == len(steps) and len({ident for _, ident in written}) > 1
+    assert all(name.endswith(f".{os.getpid()}.{ident}.tmp") for name, ident in written)
+    assert not list((tmp_path / "cache").glob("*.tmp")) and len(_cache_entries(tmp_path)) == len(steps)
+
+
+def test_an_unwritable_cache_or_audit_warns_and_scoring_goes_on(judge_server, tmp_path):
+    from trace_jax.abc.judge import JudgeStorageWarning
+
+    url, backend = judge_server
+    _, steps, expected = next(t for t in trajectories() if t[0] == "rejected")
+    (tmp_path / "cache").write_text("a file where the cache directory should be")
+    (tmp_path / "audit.jsonl").mkdir()  # a directory where the audit file should be
+    with pytest.warns(JudgeStorageWarning) as caught:
+        counts = _scorer(url, "rubric-judge", tmp_path, concurrency=1).score(question=QUESTION, gold=GOLD,
+                                                                             clues=CLUES, steps=steps)
+    assert as_tuples(counts) == expected and not any(c.flagged for c in counts)
+    messages = [str(w.message) for w in caught if issubclass(w.category, JudgeStorageWarning)]
+    assert len(messages) == 2  # once each, not once per step
+    assert any("judge cache" in m and "without a cache" in m for m in messages)
+    assert any("judge audit" in m and "without an audit" in m for m in messages)
+
+
+def test_a_cache_that_stops_being_writable_mid_run_warns_once(judge_server, tmp_path):
+    import shutil
+
+    from trace_jax.abc.judge import JudgeStorageWarning
+
+    url, _ = judge_server
+    _, steps, expected = next(t for t in trajectories() if t[0] == "correct")
+    scorer = _scorer(url, "rubric-judge", tmp_path, concurrency=1)
+    shutil.rmtree(tmp_path / "cache")
+    (tmp_path / "cache").write_text("the disk is gone")
+    with pytest.warns(JudgeStorageWarning, match="judge cache") as caught:
+        counts = scorer.score(question=QUESTION, gold=GOLD, clues=CLUES, steps=steps)
+    assert as_tuples(counts) == expected
+    assert sum(issubclass(w.category, JudgeStorageWarning) for w in caught) == 1

@@ -48,7 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                          "(default: $TRACE_JAX_JUDGE_URL)")
     judge.add_argument("--judge-model", default=None, help="model id (default: $TRACE_JAX_JUDGE_MODEL)")
     judge.add_argument("--judge-api-key", default=None, help="bearer key (default: $TRACE_JAX_JUDGE_API_KEY)")
-    judge.add_argument("--timeout", type=float, default=60.0, help="seconds per judge request")
+    judge.add_argument("--timeout", type=float, default=60.0,
+                       help="seconds one judge request may take in all (connect, send, the whole reply)")
+    judge.add_argument("--deadline", type=float, default=None,
+                       help="seconds for one step's judgement, every attempt and wait together "
+                            "(default: JudgeConfig.deadline_s)")
     judge.add_argument("--max-attempts", type=int, default=3, help="judge calls per step before neutral + flag")
     judge.add_argument("--backoff", type=float, default=0.5, help="first retry delay in seconds (doubles)")
     judge.add_argument("--concurrency", type=int, default=4, help="steps of a trajectory judged at once")
@@ -160,9 +164,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         endpoint = EndpointConfig.from_env("TRACE_JAX_JUDGE", base_url=args.judge_url, model=args.judge_model,
                                            api_key=args.judge_api_key, timeout_s=args.timeout)
+        deadline = {} if args.deadline is None else {"deadline_s": args.deadline}
         config = JudgeConfig(endpoint=endpoint, max_attempts=args.max_attempts, backoff_s=args.backoff,
                              concurrency=args.concurrency, cache_dir=args.cache_dir or str(out_dir / "judge_cache"),
-                             audit_path=str(out_dir / "judge_audit.jsonl"))
+                             audit_path=str(out_dir / "judge_audit.jsonl"), **deadline)
     except ValueError as error:
         print(f"abc-score: judge: {error} (--judge-url, --judge-model)", file=sys.stderr)
         return 2
@@ -206,8 +211,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         scorer.close()
     results = _write_outputs(prepared, counts, recovered, out_dir, args)
+    # never the API key, and the URL without credentials (summary.json is shared with results)
     settings = {"gamma": args.gamma, "normalize": args.normalize, "judge_model": endpoint.model,
-                "judge_url": endpoint.base_url, "max_attempts": args.max_attempts}
+                "judge_url": endpoint.public_url, "max_attempts": args.max_attempts,
+                "deadline_s": config.deadline_s}
     flagged = sum(sum(r["flagged"]) for r in results)
     summary = {"input": str(input_path), "records": total, "scored": len(results), "skipped": len(errors),
                "flagged_steps": flagged, "judge_calls": scorer.calls,

@@ -12,12 +12,18 @@ Robustness:
   * strict parsing (`parse_counts`): one JSON object, bare or in one ```json fence (the rule of
     `trace_jax.abc.replies`, shared with clue recovery), exactly those keys, non-negative ints no larger than the
     number of clues of the kind; anything else is malformed;
-  * malformed replies and retryable endpoint failures (timeouts, 429, 5xx) are retried with exponential backoff;
-    after `max_attempts` the step is scored neutral (counts 0, so reward 1.0 unless `ans` applies) and flagged with a
-    note; never fatal. A non-retryable failure (wrong key, unknown model) is flagged at once;
-  * a disk cache keyed by (rubric version, judge model, question, gold, clues, the step and the steps before it)
-    prevents repeat calls; only well-formed judgements are cached;
-  * every HTTP attempt and cache hit is appended to an audit JSONL (request, reply, status, latency).
+  * malformed replies and retryable endpoint failures (timeouts, 429, 5xx) are retried with exponential backoff
+    and jitter (`trace_jax.abc.retry`), never sooner than the server's `Retry-After`, within `deadline_s` per step
+    (all attempts and waits together); after `max_attempts`, or when the deadline would pass, the step is scored
+    neutral (counts 0, so reward 1.0 unless `ans` applies) and flagged with a note; never fatal. A non-retryable
+    failure (wrong key, unknown model, a reply over the size limit) is flagged at once;
+  * a disk cache keyed by (rubric version, judge model, endpoint without credentials, temperature, max tokens,
+    question, gold, clues, the step and the steps before it) prevents repeat calls; only well-formed judgements are
+    cached, and a cached judgement is checked again when read (`validate_counts`, the rule of fresh replies): one
+    out of range for the clue chain, or an unreadable entry, is judged again and overwritten, never trusted;
+  * every HTTP attempt and cache hit is appended to an audit JSONL (request, reply, status, latency);
+  * the cache and the audit are conveniences: when one cannot be written (a full disk, a read-only directory) the
+    scorer warns once (`JudgeStorageWarning`) and carries on without it.
 
 `scripted_rubric_reply` is a deterministic stand-in judge: it reads the case from the prompt and applies the rubric
 with the first-revealed rule to the clue chain. `trace-jax serve --scripted-judge` serves it, so `abc-score` can run
@@ -32,14 +38,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import os
+import random
 import re
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from trace_jax.abc.replies import MalformedReply, parse_json_object
+from trace_jax.abc.retry import Deadline, retry_delay
 from trace_jax.abc.scorer import Step, StepCounts
 from trace_jax.envs.answers import answer_reward, extract_answer, normalize_answer
 from trace_jax.envs.tasks import Clue, clue_matches
@@ -75,7 +86,10 @@ class JudgeConfig:
       endpoint: base URL, model, API key and per-request timeout (`EndpointConfig.from_env("TRACE_JAX_JUDGE")`
         reads them from `$TRACE_JAX_JUDGE_URL`, `_MODEL`, `_API_KEY`).
       max_attempts: calls per step before it is scored neutral and flagged (>= 1).
-      backoff_s, backoff_max_s: sleep `min(backoff_s * 2**attempt, backoff_max_s)` between attempts.
+      backoff_s, backoff_max_s: sleep up to `min(backoff_s * 2**retry, backoff_max_s)` between attempts (at least
+        half of it, at random; never less than the server's `Retry-After`).
+      deadline_s: overall seconds for one step's judgement: every attempt and wait together. Each request gets what
+        is left of it (at most the endpoint's `timeout_s`).
       temperature, max_tokens: of the judge's generation.
       observation_chars: each observation in the prompt is cut to this many characters.
       concurrency: steps of one trajectory judged at the same time (their prompts do not depend on each other).
@@ -87,6 +101,7 @@ class JudgeConfig:
     max_attempts: int = 3
     backoff_s: float = 0.5
     backoff_max_s: float = 8.0
+    deadline_s: float = 300.0
     temperature: float = 0.0
     max_tokens: int = 128
     observation_chars: int = 6000
@@ -101,8 +116,12 @@ class JudgeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"JudgeConfig.{name} must be an int >= 1, got {value!r}")
-        if self.backoff_s < 0 or self.backoff_max_s < 0:
-            raise ValueError("JudgeConfig.backoff_s and backoff_max_s must be >= 0")
+        for name in ("backoff_s", "backoff_max_s", "deadline_s"):
+            value = getattr(self, name)
+            if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+                    or value < 0 or (name == "deadline_s" and value == 0)):
+                raise ValueError(f"JudgeConfig.{name} must be a finite number {'> 0' if name == 'deadline_s' else '>= 0'}"
+                                 f", got {value!r}")
         if not 0 <= self.temperature <= 2:
             raise ValueError(f"JudgeConfig.temperature must be in [0, 2], got {self.temperature!r}")
 
@@ -171,11 +190,23 @@ class MalformedJudgement(MalformedReply):
 def parse_counts(text: Any, clues: Sequence[Clue]) -> tuple[int, int, int]:
     """`(n_found, n_excluded, n_rejected)` from a judge reply, strictly; raises `MalformedJudgement` saying why.
 
-    The object is read by `trace_jax.abc.replies.parse_json_object` (bare, or in one ```json fence)."""
+    The object is read by `trace_jax.abc.replies.parse_json_object` (bare, or in one ```json fence) and checked by
+    `validate_counts`."""
     try:
         value = parse_json_object(text, "the judge's reply")
     except MalformedReply as error:
         raise MalformedJudgement(str(error)) from None
+    return validate_counts(value, clues)
+
+
+def validate_counts(value: Mapping[str, Any], clues: Sequence[Clue]) -> tuple[int, int, int]:
+    """The counts of a judgement object, checked against the clue chain; raises `MalformedJudgement` saying why.
+
+    Exactly the keys `COUNT_KEYS` (+ an optional "reason"), each a non-negative int no larger than the number of
+    clues of its kind (`n_rejected` at most 1 when there is no support clue). Fresh replies and cache entries are
+    both held to this rule."""
+    if not isinstance(value, Mapping):
+        raise MalformedJudgement(f"expected an object with the keys {list(COUNT_KEYS)}, got {type(value).__name__}")
     missing = [k for k in COUNT_KEYS if k not in value]
     extra = sorted(set(value) - set(COUNT_KEYS) - {"reason"})
     if missing or extra:
@@ -209,10 +240,16 @@ class LLMJudgeStepScorer:
     def __init__(self, config: JudgeConfig, client: ChatClient | None = None):
         self.config = config
         self.client = client or ChatClient(config.endpoint)
-        self._audit_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._rng = random.Random()
         self.calls = 0  # HTTP attempts made (cache hits excluded)
-        if config.cache_dir:
-            Path(config.cache_dir).mkdir(parents=True, exist_ok=True)
+        self.cache_dir: Path | None = Path(config.cache_dir) if config.cache_dir else None
+        self.audit_path: Path | None = Path(config.audit_path) if config.audit_path else None
+        if self.cache_dir is not None:
+            try:
+                self.cache_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                self._disable_cache(error)
 
     def close(self) -> None:
         self.client.close()
@@ -233,32 +270,43 @@ class LLMJudgeStepScorer:
         ans = answer_outcome(gold, steps, k)
         payload = case_payload(question, gold, chain, steps, k, self.config.observation_chars)
         key = self._cache_key(payload)
-        cached = self._cache_read(key)
+        cached = self._cache_read(key, chain, k)
         if cached is not None:
-            self._audit({"key": key, "step": k + 1, "status": "cache_hit", "counts": cached})
+            self._audit({"key": key, "step": k + 1, "status": "cache_hit", "counts": list(cached)})
             return StepCounts(*cached, ans=ans)
         messages = judge_messages(payload)
-        problem = "no attempt made"
+        problem, attempts, retry_after = "no attempt made", 0, None
+        deadline = Deadline(self.config.deadline_s)
         for attempt in range(self.config.max_attempts):
             if attempt:
-                time.sleep(min(self.config.backoff_s * 2 ** (attempt - 1), self.config.backoff_max_s))
+                delay = retry_delay(attempt, backoff_s=self.config.backoff_s, backoff_max_s=self.config.backoff_max_s,
+                                    retry_after=retry_after, rng=self._rng)
+                if delay >= deadline.remaining():
+                    problem += (f"; no retry: waiting {delay:.3g} s would pass the {self.config.deadline_s:g} s "
+                                "deadline (JudgeConfig.deadline_s)")
+                    break
+                time.sleep(delay)
             started = time.perf_counter()
-            self.calls += 1
+            attempts += 1
+            with self._lock:
+                self.calls += 1
             record = {"key": key, "step": k + 1, "attempt": attempt + 1, "request": messages}
+            text = None
             try:
                 reply = self.client.chat(messages, temperature=self.config.temperature,
-                                         max_tokens=self.config.max_tokens)
+                                         max_tokens=self.config.max_tokens, timeout_s=deadline.remaining())
                 text = reply.get("content")
                 counts = parse_counts(text, chain)
             except EndpointError as error:
-                problem = f"endpoint error: {error}"
+                problem, retry_after = f"endpoint error: {error}", error.retry_after
                 self._audit({**record, "status": "endpoint_error", "error": str(error),
+                             "retry_after_s": error.retry_after,
                              "latency_s": round(time.perf_counter() - started, 4)})
                 if not error.retryable:
                     break
                 continue
             except MalformedJudgement as error:
-                problem = f"malformed judge output: {error}"
+                problem, retry_after = f"malformed judge output: {error}", None
                 self._audit({**record, "status": "malformed", "reply": text, "error": str(error),
                              "latency_s": round(time.perf_counter() - started, 4)})
                 continue
@@ -266,40 +314,90 @@ class LLMJudgeStepScorer:
                          "latency_s": round(time.perf_counter() - started, 4)})
             self._cache_write(key, counts, text)
             return StepCounts(*counts, ans=ans)
-        note = f"{problem} (after {attempt + 1} attempt(s)); scored neutral"
+        note = f"{problem} (after {attempts} attempt(s)); scored neutral"
         return StepCounts(ans=ans, flagged=True, note=note)
 
     # -- cache and audit -----------------------------------------------------------------------------------------
     def _cache_key(self, payload: Mapping[str, Any]) -> str:
-        identity = {"rubric": RUBRIC_VERSION, "model": self.config.endpoint.model, "case": payload}
-        return hashlib.sha256(json.dumps(identity, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+        """The judgement's identity: everything that changes what the judge would reply."""
+        identity = {"rubric": RUBRIC_VERSION, "model": self.config.endpoint.model,
+                    "endpoint": self.config.endpoint.public_url, "temperature": self.config.temperature,
+                    "max_tokens": self.config.max_tokens, "case": payload}
+        return hashlib.sha256(json.dumps(identity, sort_keys=True, ensure_ascii=True).encode()).hexdigest()
 
-    def _cache_read(self, key: str) -> tuple[int, int, int] | None:
-        if not self.config.cache_dir:
+    def _cache_read(self, key: str, chain: Sequence[Clue], k: int) -> tuple[int, int, int] | None:
+        """The cached counts, checked as a fresh reply is; None (judge again) when absent, unreadable or invalid."""
+        if self.cache_dir is None:
             return None
-        path = Path(self.config.cache_dir) / f"{key}.json"
+        path = self.cache_dir / f"{key}.json"
         try:
-            counts = json.loads(path.read_text(encoding="utf-8"))["counts"]
-            return tuple(int(c) for c in counts)
-        except (OSError, ValueError, KeyError, TypeError):
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            self._audit({"key": key, "step": k + 1, "status": "cache_invalid", "error": f"unreadable: {error}"})
+            return None
+        try:
+            entry = json.loads(raw)
+            counts = entry["counts"] if isinstance(entry, dict) else None
+            if not isinstance(counts, list) or len(counts) != len(COUNT_KEYS):
+                raise MalformedJudgement(f"'counts' must be a list of {len(COUNT_KEYS)} ints, got {counts!r:.80}")
+            return validate_counts(dict(zip(COUNT_KEYS, counts)), chain)
+        except (ValueError, RecursionError, KeyError) as error:  # MalformedJudgement is a ValueError
+            self._audit({"key": key, "step": k + 1, "status": "cache_invalid",
+                         "error": f"{type(error).__name__}: {error}"[:300]})
             return None
 
     def _cache_write(self, key: str, counts, reply: str) -> None:
-        if not self.config.cache_dir:
+        cache_dir = self.cache_dir
+        if cache_dir is None:
             return
-        path = Path(self.config.cache_dir) / f"{key}.json"
-        temporary = path.with_suffix(f".{threading.get_ident()}.tmp")
-        temporary.write_text(json.dumps({"counts": list(counts), "reply": reply, "model": self.config.endpoint.model,
-                                         "rubric": RUBRIC_VERSION}), encoding="utf-8")
-        temporary.replace(path)  # atomic: a reader never sees half a file
+        path = cache_dir / f"{key}.json"
+        # unique per process and thread: two scorers sharing a cache never write into one temporary file
+        temporary = cache_dir / f"{key}.{os.getpid()}.{threading.get_ident()}.tmp"
+        entry = {"counts": list(counts), "reply": reply, "model": self.config.endpoint.model,
+                 "rubric": RUBRIC_VERSION}
+        try:
+            temporary.write_bytes(json.dumps(entry, ensure_ascii=True).encode())
+            temporary.replace(path)  # atomic: a reader never sees half a file
+        except OSError as error:
+            try:
+                temporary.unlink(missing_ok=True)
+            except OSError:
+                pass
+            self._disable_cache(error)
+
+    def _disable_cache(self, error: OSError) -> None:
+        with self._lock:
+            if self.cache_dir is None:
+                return
+            where, self.cache_dir = self.cache_dir, None
+        warnings.warn(f"judge cache {where} cannot be written ({type(error).__name__}: {error}); judging on without "
+                      "a cache (every step is judged again next run). Free space or pass a writable --cache-dir.",
+                      JudgeStorageWarning, stacklevel=3)
 
     def _audit(self, record: dict) -> None:
-        if not self.config.audit_path:
+        if self.audit_path is None:
             return
         line = json.dumps({"time": round(time.time(), 3), "model": self.config.endpoint.model, **record},
-                          ensure_ascii=False)
-        with self._audit_lock, open(self.config.audit_path, "a", encoding="utf-8") as handle:
-            handle.write(line + "\n")
+                          ensure_ascii=False, default=str)
+        data = (line + "\n").encode("utf-8", "backslashreplace")  # a lone surrogate becomes its JSON escape
+        with self._lock:
+            path = self.audit_path
+            if path is None:
+                return
+            try:
+                with open(path, "ab") as handle:
+                    handle.write(data)
+                return
+            except OSError as error:
+                self.audit_path, problem = None, f"{type(error).__name__}: {error}"
+        warnings.warn(f"judge audit {path} cannot be written ({problem}); scoring on without "
+                      "an audit. Free space or write --out somewhere writable.", JudgeStorageWarning, stacklevel=3)
+
+
+class JudgeStorageWarning(UserWarning):
+    """The judge's cache or audit file could not be written; scoring goes on without it."""
 
 
 # ---------------------------------------------------------------------------------------------------- scripted judge

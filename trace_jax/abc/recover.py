@@ -18,6 +18,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 from trace_jax.abc.replies import MalformedReply, parse_json_object
+from trace_jax.abc.retry import retry_delay
 from trace_jax.envs.corpus import Corpus
 from trace_jax.envs.tasks import Clue
 from trace_jax.serve.client import ChatClient, EndpointError
@@ -40,7 +41,8 @@ class RecoveryConfig:
       max_turns: model calls before giving up (each may run tools).
       temperature, max_tokens: of the agent's generations.
       observation_chars: tool responses are cut to this many characters.
-      max_attempts, backoff_s: per model call, for retryable endpoint failures.
+      max_attempts, backoff_s, backoff_max_s: per model call, for retryable endpoint failures
+        (`trace_jax.abc.retry.retry_delay`: jittered exponential backoff, never sooner than `Retry-After`).
     """
 
     max_turns: int = 16
@@ -49,14 +51,17 @@ class RecoveryConfig:
     observation_chars: int = 8000
     max_attempts: int = 3
     backoff_s: float = 0.5
+    backoff_max_s: float = 8.0
 
     def __post_init__(self):
         for name in ("max_turns", "max_tokens", "observation_chars", "max_attempts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"RecoveryConfig.{name} must be an int >= 1, got {value!r}")
-        if self.backoff_s < 0 or not 0 <= self.temperature <= 2:
-            raise ValueError("RecoveryConfig.backoff_s must be >= 0 and temperature in [0, 2]")
+        if not (0 <= self.backoff_s < float("inf") and 0 <= self.backoff_max_s < float("inf")
+                and 0 <= self.temperature <= 2):
+            raise ValueError("RecoveryConfig.backoff_s and backoff_max_s must be finite and >= 0, and temperature in "
+                             "[0, 2]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +135,8 @@ class ClueRecoveryAgent:
             except EndpointError as error:
                 if not error.retryable or attempt == self.config.max_attempts - 1:
                     raise
-                time.sleep(self.config.backoff_s * 2 ** attempt)
+                time.sleep(retry_delay(attempt + 1, backoff_s=self.config.backoff_s,
+                                       backoff_max_s=self.config.backoff_max_s, retry_after=error.retry_after))
         raise AssertionError("unreachable")
 
     def recover(self, question: str, answer: str, aliases: Sequence[str] = ()) -> RecoveryResult:
