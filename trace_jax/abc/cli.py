@@ -33,7 +33,7 @@ import numpy as np
 
 from trace_jax.abc.rules import message_text, steps_from_messages
 from trace_jax.abc.scorer import Step, StepCounts
-from trace_jax.jsonl import parse_chat_record
+from trace_jax.jsonl import jsonl_lines, parse_chat_record
 
 
 class RecordError(ValueError):
@@ -82,7 +82,7 @@ def _call_text(step: Step) -> str:
     return f"{step.tool_call[0]}({json.dumps(step.tool_call[1], ensure_ascii=False)})"
 
 
-def prepare_record(line_number: int, text: str, args) -> dict:
+def prepare_record(line_number: int, text: bytes | str, args) -> dict:
     """Parse one JSONL line into {record, id, question, gold, group, steps, clues | None}; raises RecordError."""
     from trace_jax.abc.judge import clue_records
 
@@ -187,16 +187,13 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     prepared, errors, total = [], [], 0
-    with input_path.open(encoding="utf-8") as handle:
-        for line_number, text in enumerate(handle, start=1):
-            if not text.strip():
-                continue
-            total += 1
-            try:
-                prepared.append(prepare_record(line_number, text, args))
-            except RecordError as error:
-                errors.append((line_number, str(error)))
-                print(f"abc-score: {input_path}:{line_number}: skipped: {error}", file=sys.stderr)
+    for line_number, text in jsonl_lines(input_path):
+        total += 1
+        try:
+            prepared.append(prepare_record(line_number, text, args))
+        except RecordError as error:
+            errors.append((line_number, str(error)))
+            print(f"abc-score: {input_path}:{line_number}: skipped: {error}", file=sys.stderr)
 
     recovered = _recover_missing(prepared, errors, args, endpoint, input_path)
     if recovered is None:

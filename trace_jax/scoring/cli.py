@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from trace_jax.credit.config import DEFAULTS, CreditConfig
-from trace_jax.jsonl import parse_chat_record
+from trace_jax.jsonl import LineError, jsonl_lines, parse_chat_record, parse_line
 from trace_jax.scoring.fork import LAYOUTS, METHODS
 
 THINKING_CHOICES = ("auto", "none", "hybrid", "off", "always")
@@ -198,8 +198,12 @@ def _observations(messages: list) -> list[str]:
     return out
 
 
-def prepare_record(line_number: int, text: str, chat, tokenizer, args, config: CreditConfig) -> Prepared:
-    """Parse and tokenise one JSONL line; raises RecordError naming the problem."""
+def prepare_record(line_number: int, text: bytes | str, chat, tokenizer, args, config: CreditConfig, *,
+                   max_positions: int | None = None) -> Prepared:
+    """Parse and tokenise one JSONL line; raises RecordError naming the problem.
+
+    With `max_positions` (the reference's `max_position_embeddings`), a record whose scoring pass would use a
+    position at or past it is refused: the model was never trained there, so its scores would mean nothing."""
     from trace_jax.credit.gigpo import history_state_keys
     from trace_jax.scoring.continuation import build_answer_continuation
 
@@ -232,6 +236,13 @@ def prepare_record(line_number: int, text: str, chat, tokenizer, args, config: C
         turn_index += [-1] * len(prompt)
         boundaries.append(len(ids))
     num_turns = len(boundaries) - 1
+    # the fork pass feeds the trajectory at positions [0, L) and answer copy k at b_k .. b_k + m - 2
+    needed = max(len(ids), boundaries[-1] + len(continuation.ids) - 1)
+    if max_positions is not None and needed > max_positions:
+        raise RecordError(f"the record needs {needed} positions ({len(ids)} trajectory tokens, then the "
+                          f"{len(continuation.ids)}-token answer after its last state); the reference model's context "
+                          f"is {max_positions} (max_position_embeddings) and nothing past it is scored. Shorten the "
+                          "record (fewer turns or shorter observations) or use a reference with a longer context")
     step_counts = None
     if config.estimator == "abc_grpo":
         step_counts = _abc_step_counts(record, messages, answer)
@@ -437,10 +448,10 @@ def record_results(prepared: list[Prepared], scores: list[np.ndarray], groups: G
     return out
 
 
-def _skipped_group(text: str, group_key: str) -> str | None:
+def _skipped_group(text: bytes, group_key: str) -> str | None:
     try:
-        record = json.loads(text)
-    except json.JSONDecodeError:
+        record = parse_line(text)
+    except LineError:
         return None
     group = record.get(group_key) if isinstance(record, dict) else None
     return None if group is None else str(group)
@@ -481,19 +492,17 @@ def run(args: argparse.Namespace) -> int:
     errors: list[tuple[int, str]] = []
     incomplete_groups: set[str] = set()
     total = 0
-    with input_path.open(encoding="utf-8") as handle:
-        for line_number, text in enumerate(handle, start=1):
-            if not text.strip():
-                continue
-            total += 1
-            try:
-                prepared.append(prepare_record(line_number, text, chat, tokenizer, args, config))
-            except RecordError as error:
-                errors.append((line_number, str(error)))
-                group = _skipped_group(text, args.group_key)
-                if group is not None:
-                    incomplete_groups.add(group)
-                print(f"credit: {input_path}:{line_number}: skipped: {error}", file=sys.stderr)
+    for line_number, text in jsonl_lines(input_path):
+        total += 1
+        try:
+            prepared.append(prepare_record(line_number, text, chat, tokenizer, args, config,
+                                           max_positions=model_config.max_position_embeddings))
+        except RecordError as error:
+            errors.append((line_number, str(error)))
+            group = _skipped_group(text, args.group_key)
+            if group is not None:
+                incomplete_groups.add(group)
+            print(f"credit: {input_path}:{line_number}: skipped: {error}", file=sys.stderr)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
