@@ -95,7 +95,7 @@ def parse_line(raw: bytes | str) -> Any:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
-        raise LineError(f"not valid JSON ({error.msg} at column {error.colno}); each line must be one JSON "
+        raise LineError(f"invalid JSON ({error.msg} at column {error.colno}); each line must be one JSON "
                         "value") from None
     except RecursionError:
         raise LineError(f"JSON nested too deeply to read (over {MAX_DEPTH} levels allowed); a record is a flat "

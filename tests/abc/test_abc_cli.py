@@ -116,7 +116,7 @@ def test_malformed_records_are_reported_with_line_numbers_and_skipped(judge, tmp
     assert _score(url, path, tmp_path / "out") == 0
     err = capsys.readouterr().err
     assert "in.jsonl:2: skipped: no 'clues' field; pass --corpus" in err
-    assert "in.jsonl:3: skipped: not valid JSON" in err
+    assert "in.jsonl:3: skipped: invalid JSON" in err
     assert "in.jsonl:4: skipped: field 'messages'" in err
     assert "in.jsonl:5: skipped: field 'answer'" in err
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())

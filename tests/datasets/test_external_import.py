@@ -4,7 +4,13 @@ import json
 
 import pytest
 
-from trace_jax.data.external import ExternalDataError, load_external, load_external_corpus, load_external_tasks
+from trace_jax.data.external import (
+    ExternalDataError,
+    ExternalDataWarning,
+    load_external,
+    load_external_corpus,
+    load_external_tasks,
+)
 from trace_jax.envs.oracle import make_browser
 
 CORPUS = [
@@ -69,36 +75,64 @@ def test_imported_corpus_works_with_the_browser(files):
 
 
 @pytest.mark.parametrize("line, message", [
-    ("{not json", "queries.jsonl:4: invalid JSON"),
-    ("[1, 2]", "queries.jsonl:4: expected a JSON object"),
-    (json.dumps({"query": "q", "answer": "a"}), "queries.jsonl:4: field 'query_id'"),
-    (json.dumps({"query_id": "x", "answer": "a"}), "queries.jsonl:4: field 'query' missing"),
+    ("{not json", "invalid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    (json.dumps({"query": "q", "answer": "a"}), "field 'query_id'"),
+    (json.dumps({"query_id": "x", "answer": "a"}), "field 'query' missing"),
     (json.dumps({"query_id": "x", "query": "q", "answer": 3}), "field 'answer' must be a non-empty string"),
     (json.dumps({"query_id": "x", "query": "q", "answer": "a", "gold_docs": "d1"}), "field 'gold_docs' must be a list"),
-    (json.dumps({"query_id": "x", "query": "q", "answer": "a", "gold_docs": [{"id": 1}]}), "gold_docs\\[0\\]"),
+    (json.dumps({"query_id": "x", "query": "q", "answer": "a", "gold_docs": [{"id": 1}]}), "gold_docs[0]"),
     (json.dumps({"query_id": "x", "query": "q", "answer": "a", "gold_docs": ["missing"]}),
-     "docid 'missing' .* is not in the corpus"),
+     "docid 'missing' (in gold_doc) is not in the corpus"),
     (json.dumps({"query_id": 7, "query": "q", "answer": "a"}), "duplicate query_id '7'"),
-    (json.dumps({"query_id": "x", "encrypted_query": "zzz", "canary": "c"}), "decrypt it first"),
     (json.dumps({"query_id": "x", "query": "q", "answer": "a", "answers": "b"}), "'answers' must be a list"),
 ])
-def test_malformed_query_lines_raise_errors_naming_file_line_and_field(tmp_path, line, message):
-    queries = write_jsonl(tmp_path / "queries.jsonl", QUERIES, extra_lines=[line])
+def test_malformed_query_lines_are_skipped_with_file_line_and_field(tmp_path, line, message):
+    queries = write_jsonl(tmp_path / "queries.jsonl", QUERIES[:2] + [QUERIES[2]], extra_lines=[line])
     corpus = write_jsonl(tmp_path / "corpus.jsonl", CORPUS)
-    with pytest.raises(ExternalDataError, match=message):
-        load_external(queries, corpus)
+    with pytest.warns(ExternalDataWarning, match="1 line\\(s\\) skipped"):
+        dataset = load_external(queries, corpus)
+    assert [t.task_id for t in dataset.tasks] == ["browsecomp_plus-7", "browsecomp_plus-q8", "browsecomp_plus-q9"]
+    (skipped,) = dataset.skipped
+    assert (skipped.path, skipped.line) == (str(queries), 4) and message in skipped.error
+    assert str(skipped).startswith(f"{queries}:4: skipped: ")
+
+
+def test_an_encrypted_release_is_refused_as_a_whole(tmp_path):
+    line = json.dumps({"query_id": "x", "encrypted_query": "zzz", "canary": "c"})
+    queries = write_jsonl(tmp_path / "queries.jsonl", QUERIES, extra_lines=[line])
+    with pytest.raises(ExternalDataError, match="queries.jsonl:4: .*decrypt it first"):
+        load_external(queries, write_jsonl(tmp_path / "corpus.jsonl", CORPUS))
 
 
 @pytest.mark.parametrize("record, message", [
-    ({"text": "no id"}, "corpus.jsonl:4: field 'docid'"),
+    ({"text": "no id"}, "field 'docid'"),
     ({"docid": "d1", "text": "again"}, "duplicate docid 'd1'"),
-    ({"docid": "d9"}, "corpus.jsonl:4: field 'text' must be a string"),
+    ({"docid": "d9"}, "field 'text' must be a string"),
     ({"docid": "d9", "text": "t", "title": 5}, "field 'title' must be a string"),
 ])
-def test_malformed_corpus_lines_raise_errors_naming_file_line_and_field(tmp_path, record, message):
+def test_malformed_corpus_lines_are_skipped_with_file_line_and_field(tmp_path, record, message):
     corpus = write_jsonl(tmp_path / "corpus.jsonl", CORPUS + [record])
-    with pytest.raises(ExternalDataError, match=message):
-        load_external_corpus(corpus)
+    skipped = []
+    loaded = load_external_corpus(corpus, skipped=skipped)
+    assert sorted(d.docid for d in loaded) == ["2", "d1", "d3"]
+    assert [(s.line, message in s.error) for s in skipped] == [(4, True)]
+
+
+def test_a_query_naming_a_skipped_document_is_skipped_too(tmp_path):
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", CORPUS[:1] + [{"docid": 2, "text": 5}] + CORPUS[2:])
+    queries = write_jsonl(tmp_path / "queries.jsonl", QUERIES)
+    with pytest.warns(ExternalDataWarning):
+        dataset = load_external(queries, corpus)
+    assert [t.task_id for t in dataset.tasks] == ["browsecomp_plus-q8"]
+    assert [(s.path.endswith("corpus.jsonl"), s.line) for s in dataset.skipped] == [(True, 2), (False, 1),
+                                                                                    (False, 3)]
+
+
+def test_a_file_with_no_usable_line_is_an_error_that_shows_why(tmp_path):
+    queries = write_jsonl(tmp_path / "queries.jsonl", [{"query": "q"}, [1]])
+    with pytest.raises(ExternalDataError, match="no usable queries: all 2 line\\(s\\) were skipped"):
+        load_external_tasks(queries, skipped=[])
 
 
 def test_missing_and_empty_files_are_reported(tmp_path):
