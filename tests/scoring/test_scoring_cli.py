@@ -378,3 +378,30 @@ def test_thinking_format_renders_reasoning_and_answers_after_an_empty_think_bloc
     assert hybrid["answer_token_ids"] == plain["answer_token_ids"]
     summary = json.loads((tmp_path / "hybrid" / "summary.json").read_text())
     assert summary["settings"]["chat_thinking"] == "hybrid"
+
+
+def test_records_longer_than_the_reference_context_are_reported_and_skipped(reference_dir, sample_run, tmp_path,
+                                                                           capsys):
+    import shutil
+
+    _, results = sample_run
+    # positions the fork pass uses: the trajectory, then answer copy k at b_k .. b_k + m - 2
+    needed = [max(r["num_tokens"], r["boundaries"][-1] + len(r["template_token_ids"]) + len(r["answer_token_ids"])
+                  - 1) for r in results]
+    context = sorted(set(needed))[-2]  # the longest record(s) no longer fit
+    short_dir = tmp_path / "short_context"
+    shutil.copytree(reference_dir, short_dir)
+    config = json.loads((short_dir / "config.json").read_text())
+    (short_dir / "config.json").write_text(json.dumps({**config, "max_position_embeddings": context}))
+    assert _run(short_dir, SAMPLE, tmp_path / "out", "--no-receipts", "--no-plot") == 0
+    err = capsys.readouterr().err
+    too_long = [i + 1 for i, n in enumerate(needed) if n > context]
+    assert too_long
+    for line in too_long:
+        assert f"credit_sample.jsonl:{line}: skipped: the record needs {needed[line - 1]} positions" in err
+    assert f"the reference model's context is {context} (max_position_embeddings)" in err
+    scored = _read_jsonl(tmp_path / "out" / "credit.jsonl")
+    assert [r["line"] for r in scored] == [i + 1 for i, n in enumerate(needed) if n <= context]
+    by_line = {r["line"]: r for r in results}
+    for record in scored:  # the records that fit score as they did under the long context
+        np.testing.assert_allclose(record["answer_scores"], by_line[record["line"]]["answer_scores"], atol=1e-5)
