@@ -1,6 +1,7 @@
 """A hostile fake of an OpenAI-compatible endpoint on 127.0.0.1, for the judge client's failure paths: each request
 gets the next scripted `Reply` (status, headers, body, and optionally a slow drip), so tests can serve error bodies
-of any shape, `Retry-After`, oversized and never-ending replies that `trace-jax serve` would never send."""
+of any shape, `Retry-After`, oversized and never-ending replies that `trace-jax serve` would never send. A script
+entry may also be a function `(method, path, json_body) -> Reply` that answers from the request."""
 
 from __future__ import annotations
 
@@ -50,10 +51,11 @@ class FakeEndpoint:
 
             def _serve(self):
                 length = int(self.headers.get("content-length") or 0)
-                if length:
-                    self.rfile.read(length)
+                raw = self.rfile.read(length) if length else b""
                 owner.requests.append((self.command, self.path, dict(self.headers)))
                 reply = owner.replies[min(len(owner.requests), len(owner.replies)) - 1]
+                if callable(reply):
+                    reply = reply(self.command, self.path, json.loads(raw) if raw else None)
                 body = reply.payload()
                 self.send_response(reply.status)
                 for name, value in reply.headers.items():

@@ -164,3 +164,28 @@ def test_summary_and_outputs_never_hold_the_judge_credentials(judge, tmp_path):
         if written.is_file():
             text = written.read_text(errors="replace")
             assert "s3cret" not in text and "sk-k3y" not in text, written
+
+
+def test_a_record_too_long_for_the_judge_context_is_reported_and_skipped(tmp_path, capsys):
+    from fake_endpoint import FakeEndpoint, Reply, ok
+
+    from trace_jax.abc.judge import case_from_messages, scripted_rubric_reply
+
+    def judge_with_a_short_context(method, path, body):
+        if path.endswith("/models"):
+            return Reply(body={"object": "list", "data": [{"id": "rubric-judge", "object": "model"}]})
+        if len(case_from_messages(body["messages"])["steps"]) > 3:  # vLLM's wording of an over-long prompt
+            return Reply(status=400, body={"error": {"message": "This model's maximum context length is 512 tokens. "
+                                                                "However, you requested 900 tokens.", "code": 400}})
+        return ok(scripted_rubric_reply(body))
+
+    records, cases = _records()
+    with FakeEndpoint([judge_with_a_short_context]) as fake:
+        assert _score(fake.url, _write(tmp_path / "in.jsonl", records), tmp_path / "out") == 0
+    err = capsys.readouterr().err
+    assert "in.jsonl:1: skipped: step 4 of 9: the judge prompt is longer than the judge model's context" in err
+    assert "maximum context length is 512" in err and "--observation-chars" in err
+    results = _read(tmp_path / "out" / "abc.jsonl")
+    assert [r["id"] for r in results] == ["rejected", "cut_off", "guess"] and not any(any(r["flagged"]) for r in results)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (summary["scored"], summary["skipped"], [e["line"] for e in summary["errors"]]) == (3, 1, [1])

@@ -144,3 +144,14 @@ def test_endpoint_errors_never_show_the_password_of_the_url():
         with _client(url) as client, pytest.raises(EndpointError) as caught:
             client.chat(MESSAGES)
     assert "s3cret" not in str(caught.value) and fake.requests[0][2]["Authorization"].startswith("Basic ")
+
+
+@pytest.mark.parametrize("status, body, over_context", [
+    (400, b'{"error": {"message": "This model\'s maximum context length is 4096 tokens."}}', True),
+    (400, b'{"error": {"message": "the prompt is 900 tokens; this model\'s context is 512 tokens"}}', True),
+    (413, b"", True), (400, b'{"error": {"message": "unknown field"}}', False), (500, b"context", False)])
+def test_a_refusal_for_length_is_told_apart_from_other_errors(status, body, over_context):
+    with FakeEndpoint([Reply(status=status, body=body)]) as fake, _client(fake.url) as client:
+        with pytest.raises(EndpointError) as caught:
+            client.chat(MESSAGES)
+    assert caught.value.over_context is over_context

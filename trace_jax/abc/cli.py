@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     judge.add_argument("--max-attempts", type=int, default=3, help="judge calls per step before neutral + flag")
     judge.add_argument("--backoff", type=float, default=0.5, help="first retry delay in seconds (doubles)")
     judge.add_argument("--concurrency", type=int, default=4, help="steps of a trajectory judged at once")
+    judge.add_argument("--observation-chars", type=int, default=None,
+                       help="each observation in a judge prompt is cut to this many characters "
+                            "(default: JudgeConfig.observation_chars)")
     judge.add_argument("--cache-dir", default=None, help="judgement cache (default: OUT/judge_cache)")
     recover = parser.add_argument_group("clue recovery (records without clues)")
     recover.add_argument("--corpus", default=None, help="corpus (JSONL or Parquet) the recovery agent browses")
@@ -147,7 +150,7 @@ def _floats(values) -> list[float]:
 
 # ---------------------------------------------------------------------------------------------------- main
 def run(args: argparse.Namespace) -> int:
-    from trace_jax.abc.judge import JudgeConfig, LLMJudgeStepScorer
+    from trace_jax.abc.judge import JudgeConfig, JudgeContextExceeded, LLMJudgeStepScorer
     from trace_jax.serve.client import ChatClient, EndpointConfig, EndpointError
 
     input_path, out_dir = Path(args.input), Path(args.out)
@@ -164,12 +167,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         endpoint = EndpointConfig.from_env("TRACE_JAX_JUDGE", base_url=args.judge_url, model=args.judge_model,
                                            api_key=args.judge_api_key, timeout_s=args.timeout)
-        deadline = {} if args.deadline is None else {"deadline_s": args.deadline}
+        given = {name: value for name, value in (("deadline_s", args.deadline),
+                                                 ("observation_chars", args.observation_chars)) if value is not None}
         config = JudgeConfig(endpoint=endpoint, max_attempts=args.max_attempts, backoff_s=args.backoff,
                              concurrency=args.concurrency, cache_dir=args.cache_dir or str(out_dir / "judge_cache"),
-                             audit_path=str(out_dir / "judge_audit.jsonl"), **deadline)
+                             audit_path=str(out_dir / "judge_audit.jsonl"), **given)
     except ValueError as error:
-        print(f"abc-score: judge: {error} (--judge-url, --judge-model)", file=sys.stderr)
+        print(f"abc-score: judge: {error} (--judge-url, --judge-model, --timeout, --deadline, --observation-chars)",
+              file=sys.stderr)
         return 2
     client = ChatClient(endpoint)
     try:
@@ -202,11 +207,21 @@ def run(args: argparse.Namespace) -> int:
     prepared = [p for p in prepared if p["clues"] is not None]
 
     scorer = LLMJudgeStepScorer(config, client)
+    judged, counts = [], []
     try:
-        counts = [scorer.score(question=p["question"], gold=p["gold"], clues=p["clues"], steps=p["steps"])
-                  for p in prepared]
+        for p in prepared:
+            try:
+                counts.append(scorer.score(question=p["question"], gold=p["gold"], clues=p["clues"],
+                                           steps=p["steps"]))
+            except JudgeContextExceeded as error:  # too long to judge: reported and skipped, never scored neutral
+                errors.append((p["line"], str(error)))
+                print(f"abc-score: {input_path}:{p['line']}: skipped: {error}", file=sys.stderr)
+                continue
+            judged.append(p)
     finally:
         scorer.close()
+    prepared = judged
+    errors.sort(key=lambda e: e[0])
     results = _write_outputs(prepared, counts, recovered, out_dir, args)
     # never the API key, and the URL without credentials (summary.json is shared with results)
     settings = {"gamma": args.gamma, "normalize": args.normalize, "judge_model": endpoint.model,

@@ -22,6 +22,8 @@ Robustness:
     cached, and a cached judgement is checked again when read (`validate_counts`, the rule of fresh replies): one
     out of range for the clue chain, or an unreadable entry, is judged again and overwritten, never trusted;
   * every HTTP attempt and cache hit is appended to an audit JSONL (request, reply, status, latency);
+  * a step whose prompt the endpoint refuses as longer than its model's context raises `JudgeContextExceeded`:
+    the trajectory is too long to judge, and `abc-score` reports and skips its record rather than scoring it;
   * the cache and the audit are conveniences: when one cannot be written (a full disk, a read-only directory) the
     scorer warns once (`JudgeStorageWarning`) and carries on without it.
 
@@ -256,7 +258,9 @@ class LLMJudgeStepScorer:
 
     def score(self, *, question: str, gold: Sequence[str], clues: Sequence[Any],
               steps: Sequence[Step]) -> list[StepCounts]:
-        """One `StepCounts` per step (see `trace_jax.abc.scorer.StepScorer`)."""
+        """One `StepCounts` per step (see `trace_jax.abc.scorer.StepScorer`).
+
+        Raises `JudgeContextExceeded` when a step's prompt does not fit the judge model's context."""
         gold = [gold] if isinstance(gold, str) else list(gold)
         if not gold:
             raise ValueError("gold must hold the gold answer (and its aliases)")
@@ -302,6 +306,8 @@ class LLMJudgeStepScorer:
                 self._audit({**record, "status": "endpoint_error", "error": str(error),
                              "retry_after_s": error.retry_after,
                              "latency_s": round(time.perf_counter() - started, 4)})
+                if error.over_context:
+                    raise JudgeContextExceeded(k + 1, len(steps), str(error)) from None
                 if not error.retryable:
                     break
                 continue
@@ -394,6 +400,17 @@ class LLMJudgeStepScorer:
                 self.audit_path, problem = None, f"{type(error).__name__}: {error}"
         warnings.warn(f"judge audit {path} cannot be written ({problem}); scoring on without "
                       "an audit. Free space or write --out somewhere writable.", JudgeStorageWarning, stacklevel=3)
+
+
+class JudgeContextExceeded(ValueError):
+    """A step's judge prompt is longer than the judge model's context, so the trajectory cannot be judged: the
+    record is at fault, not the endpoint (`score` raises it rather than scoring the step neutral)."""
+
+    def __init__(self, step: int, num_steps: int, reason: str):
+        super().__init__(f"step {step} of {num_steps}: the judge prompt is longer than the judge model's context "
+                         f"(the endpoint said: {reason}); lower --observation-chars or use a judge with a longer "
+                         "context")
+        self.step = step
 
 
 class JudgeStorageWarning(UserWarning):

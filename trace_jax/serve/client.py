@@ -47,14 +47,17 @@ def redact_url(url: str) -> str:
 
 class EndpointError(RuntimeError):
     """A failed endpoint call; `retryable` says whether a later attempt may succeed, `retry_after` (seconds) is
-    the server's `Retry-After` when it sent one, `status` the HTTP status (None without a reply)."""
+    the server's `Retry-After` when it sent one, `status` the HTTP status (None without a reply), and
+    `over_context` marks a request the server refused as longer than its model's context (HTTP 413, or a 400 whose
+    reason speaks of the context, as vLLM, OpenAI and `trace-jax serve` word it)."""
 
     def __init__(self, message: str, *, retryable: bool, status: int | None = None,
-                 retry_after: float | None = None):
+                 retry_after: float | None = None, over_context: bool = False):
         super().__init__(_USERINFO.sub("//", message))  # a URL echoed by httpx or the server keeps no password
         self.retryable = retryable
         self.status = status
         self.retry_after = retry_after
+        self.over_context = over_context
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
@@ -191,9 +194,10 @@ class ChatClient:
             raise outcome["error"]
         status, headers, body = outcome["status"], outcome["headers"], outcome["body"]
         if status != 200:
-            raise EndpointError(f"{where}: HTTP {status}: {error_detail(body)}",
-                                retryable=status in (408, 429) or status >= 500, status=status,
-                                retry_after=parse_retry_after(headers.get("retry-after")))
+            detail = error_detail(body)
+            raise EndpointError(f"{where}: HTTP {status}: {detail}", retryable=status in (408, 429) or status >= 500,
+                                status=status, retry_after=parse_retry_after(headers.get("retry-after")),
+                                over_context=status == 413 or (status == 400 and "context" in detail.lower()))
         try:
             return json.loads(body)
         except (ValueError, RecursionError):
