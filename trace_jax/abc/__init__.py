@@ -10,6 +10,7 @@ The arithmetic on those counts (`abc_step_rewards`, `abc_sft_weights`, `abc_grpo
     judge     LLMJudgeStepScorer ("judge"): any OpenAI-compatible endpoint applying the rubric
     recover   the clue-recovery agent for external tasks
     replies   the one parser of a JSON object in a model reply (judge and recovery)
+    retry     the retry schedule of both endpoint callers (jittered backoff, Retry-After, deadline)
     cli       `trace-jax abc-score`
 """
 

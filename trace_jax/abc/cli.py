@@ -14,7 +14,9 @@ agent (`trace_jax.abc.recover`) once per (question, answer). The judge (`trace_j
 
 Output (in --out): `abc.jsonl` (one line per scored record), `clues.jsonl` (the clues used per question, recovered
 or given), `receipts/<id>.html`, `judge_audit.jsonl` (every judge call), `judge_cache/` (reused by later runs) and
-`summary.json`. Malformed records are reported on stderr with their line number and skipped. Exit status: 0 when at
+`summary.json` (the judge URL without credentials, never the key). Malformed lines (`trace_jax.jsonl`: not UTF-8,
+not JSON, too deep, wrong types, malformed messages) and records too long for the judge's context are reported on
+stderr with their line number and skipped; every other record is scored. Exit status: 0 when at
 least one record was scored, 1 when none was, 2 for unusable arguments or an unreachable judge.
 
 Host code only: files, HTTP through the judge and the recovery agent, and formatting.
