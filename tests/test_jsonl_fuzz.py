@@ -42,6 +42,7 @@ def bad_lines(seed: int = 0) -> list[bytes]:
               json.dumps({"answer": "x", "messages": [{"role": "user", "content": "q"}],
                           "nested": json.loads("[" * 80 + "]" * 80)}).encode(),
               b'{"answer": "x", "messages": [{"role": "user", "content": "\\ud800"}]}',
+              b'{"answer": "x", "messages": [{"role": "user", "content": "q"}], "n": ' + b"1" * 5000 + b"}",
               b"[1, 2]", b"42", b"null", b'"a string"']
     wrong = [{"answer": ["x"], "messages": [{"role": "user", "content": "q"}]},
              {"answer": "x", "messages": "hello"},

@@ -97,6 +97,8 @@ def parse_line(raw: bytes | str) -> Any:
     except json.JSONDecodeError as error:
         raise LineError(f"invalid JSON ({error.msg} at column {error.colno}); each line must be one JSON "
                         "value") from None
+    except ValueError as error:  # an integer of more digits than Python converts
+        raise LineError(f"invalid JSON ({str(error)[:160]}); write such numbers as strings") from None
     except RecursionError:
         raise LineError(f"JSON nested too deeply to read (over {MAX_DEPTH} levels allowed); a record is a flat "
                         "object of fields, check that the line is not corrupted") from None

@@ -127,7 +127,8 @@ def test_wrong_model_is_not_retried(judge_server, tmp_path):
     '{"n_found": 1, "n_excluded": 0, "n_rejected": 0, "confidence": 0.9}', '{"n_found": -1, "n_excluded": 0, '
     '"n_rejected": 0}', '{"n_found": 1.0, "n_excluded": 0, "n_rejected": 0}', '{"n_found": true, "n_excluded": 0, '
     '"n_rejected": 0}', '{"n_found": 3, "n_excluded": 0, "n_rejected": 0}', '{"n_found": 0, "n_excluded": 2, '
-    '"n_rejected": 0}', 'Sure! {"n_found": 1, "n_excluded": 0, "n_rejected": 0}'])
+    '"n_rejected": 0}', 'Sure! {"n_found": 1, "n_excluded": 0, "n_rejected": 0}', "[" * 100_000,
+    '{"n_found": ' + "1" * 5000 + ', "n_excluded": 0, "n_rejected": 0}', None, ["parts"]])
 def test_parse_counts_rejects_anything_but_the_counts_object(reply):
     with pytest.raises(MalformedJudgement):
         parse_counts(reply, CLUES)

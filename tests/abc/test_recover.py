@@ -65,3 +65,14 @@ def test_verify_clues_checks_page_value_and_kind():
     assert [(c.docid, c.entity, c.value) for c in clues] == [("d1", "Alpha river", "Paris")]
     assert len(dropped) == 4
     assert json.dumps(dropped)  # the reasons are serialisable for clues.jsonl
+
+
+@pytest.mark.parametrize("tool_calls", ["search", {"function": {"name": "search"}}, [5], [{"function": "oops"}]])
+def test_malformed_tool_calls_from_the_agent_are_flagged_not_raised(tool_calls):
+    from fake_endpoint import FakeEndpoint, Reply
+
+    reply = Reply(body={"choices": [{"message": {"role": "assistant", "content": None, "tool_calls": tool_calls}}]})
+    with FakeEndpoint([reply]) as fake:
+        client = ChatClient(EndpointConfig(base_url=fake.url, model="agent", timeout_s=5))
+        result = ClueRecoveryAgent(client, Corpus.from_records(DOCS)).recover("q?", "Paris")
+    assert result.flagged and "tool_calls are not a list" in result.note

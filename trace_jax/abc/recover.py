@@ -153,6 +153,10 @@ class ClueRecoveryAgent:
             except EndpointError as error:
                 return RecoveryResult((), True, f"endpoint error: {error}", transcript=tuple(messages))
             calls = reply.get("tool_calls") or []
+            if not isinstance(calls, list) or not all(isinstance(c, Mapping) and isinstance(c.get("function"), Mapping)
+                                                      for c in calls):
+                return RecoveryResult((), True, f"the agent's tool_calls are not a list of {{'function': {{...}}}} "
+                                      f"objects: {calls!r:.80}", transcript=tuple(messages))
             message = {"role": "assistant", "content": reply.get("content")}
             if calls:
                 message["tool_calls"] = calls

@@ -63,8 +63,10 @@ def parse_json_object(text: Any, what: str = "the reply") -> dict:
     body = json_body(text, what)
     try:
         value = json.loads(body)
-    except ValueError as error:
-        raise MalformedReply(f"{what} is not one JSON object, bare or in a ```json block ({error})") from None
+    except ValueError as error:  # also a number too long to convert
+        raise MalformedReply(f"{what} is not one JSON object, bare or in a ```json block ({str(error)[:200]})") from None
+    except RecursionError:
+        raise MalformedReply(f"{what} is JSON nested too deeply to read; expected one flat JSON object") from None
     if not isinstance(value, dict):
         raise MalformedReply(f"{what} is a JSON {type(value).__name__}, not an object")
     return value
