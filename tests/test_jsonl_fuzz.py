@@ -32,8 +32,9 @@ def _chat(**message_fields):
                                                      {"role": "assistant", **message_fields}]}
 
 
-def bad_lines(seed: int = 0) -> list[bytes]:
-    """Lines no reader may accept: seeded random bytes, deep nesting, wrong types, malformed chat fields."""
+def bad_lines(seed: int = 0, *, readable_chat_records: bool = True) -> list[bytes]:
+    """Lines no reader may accept: seeded random bytes, deep nesting, wrong types, malformed chat fields, and (with
+    `readable_chat_records`) well-formed chat records that each entry point refuses for its own reasons."""
     rng = random.Random(seed)
     lines = [bytes([rng.randrange(0x80, 0x100)]) + rng.randbytes(rng.randrange(8, 64)).replace(b"\n", b"")
              for _ in range(4)]  # a byte >= 0x80 first: not UTF-8, or (when it happens to be) not JSON
@@ -54,6 +55,8 @@ def bad_lines(seed: int = 0) -> list[bytes]:
              _chat(content=None, tool_calls=[{"function": {"name": 5}}]),
              _chat(content=None, tool_calls=[{"function": {"name": "search", "arguments": 7}}]),
              _chat(content="x", reasoning_content=3)]
+    if readable_chat_records:  # credit: a reward that is no float; abc-score: no clues; the importer: no query_id
+        wrong.append({**_chat(content="x"), "reward": 10 ** 400})
     return lines + [json.dumps(record).encode() for record in wrong]
 
 
@@ -73,7 +76,7 @@ def interleave(good: list[bytes], seed: int = 0) -> tuple[bytes, list[int], list
 def test_bad_lines_are_all_rejected_by_the_shared_reader():
     from trace_jax.jsonl import LineError, parse_chat_record
 
-    for line in bad_lines():
+    for line in bad_lines(readable_chat_records=False):
         with pytest.raises(LineError):
             parse_chat_record(line, "answer", error=LineError)
 

@@ -198,6 +198,16 @@ def _observations(messages: list) -> list[str]:
     return out
 
 
+def _finite_number(value: Any) -> bool:
+    """A JSON number that is a finite float (an integer too large for a float is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
 def prepare_record(line_number: int, text: bytes | str, chat, tokenizer, args, config: CreditConfig, *,
                    max_positions: int | None = None) -> Prepared:
     """Parse and tokenise one JSONL line; raises RecordError naming the problem.
@@ -209,9 +219,8 @@ def prepare_record(line_number: int, text: bytes | str, chat, tokenizer, args, c
 
     record, messages, answer = parse_chat_record(text, args.answer_key, error=RecordError)
     reward = record.get(args.reward_key)
-    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
-                               or not math.isfinite(reward)):
-        raise RecordError(f"field {args.reward_key!r} must be a finite number when present, got {reward!r}")
+    if reward is not None and not _finite_number(reward):
+        raise RecordError(f"field {args.reward_key!r} must be a finite number when present, got {reward!r:.40}")
     tools = record.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RecordError("field 'tools' must be a list of tool schemas when present")
