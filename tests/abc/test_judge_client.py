@@ -155,3 +155,11 @@ def test_a_refusal_for_length_is_told_apart_from_other_errors(status, body, over
         with pytest.raises(EndpointError) as caught:
             client.chat(MESSAGES)
     assert caught.value.over_context is over_context
+
+
+@pytest.mark.parametrize("content", ["\ud800 lone surrogate", float("nan")])
+def test_a_payload_json_cannot_carry_is_an_endpoint_error(content):
+    with FakeEndpoint([ok("{}")]) as fake, _client(fake.url) as client:
+        with pytest.raises(EndpointError, match="the request could not be made") as caught:
+            client.chat([{"role": "user", "content": content}])
+    assert not caught.value.retryable and not fake.requests

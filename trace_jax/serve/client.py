@@ -192,6 +192,8 @@ class ChatClient:
             raise EndpointError(f"{where}: no complete reply within {timeout_s:g} s", retryable=True)
         if "error" in outcome:
             raise outcome["error"]
+        if "status" not in outcome:  # the helper ended without a word (cannot happen; never a KeyError here)
+            raise EndpointError(f"{where}: no reply", retryable=True)
         status, headers, body = outcome["status"], outcome["headers"], outcome["body"]
         if status != 200:
             detail = error_detail(body)
@@ -235,9 +237,13 @@ class ChatClient:
                                              retryable=False)
         except httpx.TimeoutException:
             outcome["timeout"] = True
-        except (httpx.HTTPError, OSError, RuntimeError) as error:  # RuntimeError: the client was closed meanwhile
+        except (httpx.HTTPError, OSError) as error:
             message = str(error).replace(self.endpoint.base_url, self.endpoint.public_url)[:300]
             outcome["error"] = EndpointError(f"{where}: {type(error).__name__}: {message}", retryable=True)
+        except Exception as error:  # noqa: BLE001 - a thread boundary: e.g. a payload JSON cannot encode, a closed client
+            message = str(error).replace(self.endpoint.base_url, self.endpoint.public_url)[:300]
+            outcome["error"] = EndpointError(f"{where}: the request could not be made: {type(error).__name__}: "
+                                             f"{message}", retryable=False)
 
     def models(self) -> list[str]:
         """The model ids the endpoint serves (a cheap reachability check)."""
