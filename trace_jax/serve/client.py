@@ -213,7 +213,9 @@ class ChatClient:
         where = f"{self.endpoint.public_url}{path}"
         limit = self.endpoint.max_response_bytes
         try:
-            request = self._http.build_request(method, path, json=payload)
+            # httpx's limits apply per phase and per read: no single wait of an abandoned helper outlasts the deadline
+            request = self._http.build_request(method, path, json=payload,
+                                               timeout=max(0.001, deadline - time.monotonic()))
             response = self._http.send(request, stream=True)
             outcome["response"] = response
             try:
