@@ -125,10 +125,9 @@ def read_jsonl(path: str | os.PathLike, *, error: type[Exception] = ValueError) 
 
 
 def read_jsonl_skipping(path: str | os.PathLike, skipped: list[SkippedLine], *,
-                        error: type[Exception] = ValueError) -> Iterator[tuple[str, Any]]:
-    """Like `read_jsonl`, but a line that cannot be read is appended to `skipped` and the next line is read.
-
-    Raises `error` only when the file is missing or cannot be opened."""
+                        error: type[Exception] = ValueError) -> Iterator[tuple[int, Any]]:
+    """`(line number, record)` of each readable line; a line that cannot be read is appended to `skipped` and the
+    next line is read. Raises `error` only when the file is missing."""
     path = Path(path)
     if not path.is_file():
         raise error(f"{path}: file not found.")
@@ -138,7 +137,7 @@ def read_jsonl_skipping(path: str | os.PathLike, skipped: list[SkippedLine], *,
         except LineError as problem:
             skipped.append(SkippedLine(str(path), number, str(problem)))
             continue
-        yield f"{path}:{number}", record
+        yield number, record
 
 
 # ---------------------------------------------------------------------------------------------------- chat records

@@ -55,25 +55,31 @@ class ExternalDataset(NamedTuple):
 
 def _records(path: Path, skipped: list[SkippedLine]) -> Iterator[tuple[int, str, Mapping[str, Any]]]:
     """`(line, where, record)` of each readable object line; every other line is appended to `skipped`."""
-    for where, record in read_jsonl_skipping(path, skipped, error=ExternalDataError):
-        line = int(where.rpartition(":")[2])
+    for line, record in read_jsonl_skipping(path, skipped, error=ExternalDataError):
         if not isinstance(record, Mapping):
             skipped.append(SkippedLine(str(path), line, f"expected a JSON object, got {type(record).__name__}."))
             continue
-        yield line, where, record
+        yield line, f"{path}:{line}", record
 
 
 def _skip(skipped: list[SkippedLine], path: Path, line: int, where: str, error: ExternalDataError) -> None:
     skipped.append(SkippedLine(str(path), line, str(error).removeprefix(f"{where}: ")))
 
 
-def _announce(path: Path, skipped: list[SkippedLine], mine: list[SkippedLine] | None) -> None:
-    """Warn about the skipped lines of `path` when the caller passed no list of its own to collect them."""
-    if mine is None and skipped:
-        shown = "\n".join(f"  {s}" for s in skipped[:20])
-        more = f"\n  ... and {len(skipped) - 20} more" if len(skipped) > 20 else ""
-        warnings.warn(f"{path}: {len(skipped)} line(s) skipped; the rest was imported:\n{shown}{more}",
-                      ExternalDataWarning, stacklevel=3)
+def _warn(skipped: list[SkippedLine], stacklevel: int) -> None:
+    """One `ExternalDataWarning` listing the skipped lines (the first 20)."""
+    shown = "\n".join(f"  {s}" for s in skipped[:20])
+    more = f"\n  ... and {len(skipped) - 20} more" if len(skipped) > 20 else ""
+    warnings.warn(f"{len(skipped)} line(s) skipped; the rest was imported:\n{shown}{more}", ExternalDataWarning,
+                  stacklevel=stacklevel + 1)
+
+
+def _announce(skipped: list[SkippedLine], mine: list[SkippedLine] | None) -> None:
+    """Hand the skipped lines to the caller's list, or warn about them when it passed none."""
+    if mine is not None:
+        mine.extend(skipped)
+    elif skipped:
+        _warn(skipped, stacklevel=3)
 
 
 def _nothing_usable(path: Path, what: str, skipped: list[SkippedLine]) -> ExternalDataError:
@@ -111,9 +117,7 @@ def load_external_corpus(path: str | os.PathLike, *, skipped: list[SkippedLine] 
             documents.append(_document(record, where, seen))
         except ExternalDataError as error:
             _skip(bad, path, line, where, error)
-    _announce(path, bad, skipped)
-    if skipped is not None:
-        skipped.extend(bad)
+    _announce(bad, skipped)
     if not documents:
         raise _nothing_usable(path, "documents", bad)
     try:
@@ -182,9 +186,7 @@ def load_external_tasks(path: str | os.PathLike, *, corpus: Corpus | None = None
             tasks.append(_task(record, where, seen, corpus, source))
         except ExternalDataError as error:
             _skip(bad, path, line, where, error)
-    _announce(path, bad, skipped)
-    if skipped is not None:
-        skipped.extend(bad)
+    _announce(bad, skipped)
     if not tasks:
         if not bad:
             raise ExternalDataError(f"{path}: no queries found; expected one JSON object per line with fields "
@@ -261,9 +263,7 @@ def corpus_from_queries(path: str | os.PathLike, *, skipped: list[SkippedLine] |
             documents.update((d.docid, d) for d in _embedded(record, where) if d.docid not in documents)
         except ExternalDataError as error:
             _skip(bad, path, line, where, error)
-    _announce(path, bad, skipped)
-    if skipped is not None:
-        skipped.extend(bad)
+    _announce(bad, skipped)
     if not documents:
         raise ExternalDataError(f"{path}: no embedded documents (objects with 'docid' and 'text' in "
                                 f"{list(DOC_LIST_FIELDS) + ['negative_docs']}); pass a corpus JSONL instead.")
@@ -313,8 +313,5 @@ def load_external(queries_path: str | os.PathLike, corpus_path: str | os.PathLik
     unique = list({(s.path, s.line): s for s in reversed(skipped)}.values())[::-1]
     unique.sort(key=lambda s: (s.path != str(corpus_path), s.line))
     if unique:
-        shown = "\n".join(f"  {s}" for s in unique[:20])
-        more = f"\n  ... and {len(unique) - 20} more" if len(unique) > 20 else ""
-        warnings.warn(f"{len(unique)} line(s) skipped; the rest was imported:\n{shown}{more}", ExternalDataWarning,
-                      stacklevel=2)
+        _warn(unique, stacklevel=2)
     return ExternalDataset(tasks=tasks, corpus=corpus, skipped=tuple(unique))
