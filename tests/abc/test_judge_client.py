@@ -58,7 +58,7 @@ def test_one_deadline_bounds_a_reply_that_drips_forever():
         started = time.monotonic()
         with pytest.raises(EndpointError, match="no complete reply within 0.5 s") as caught:
             client.chat(MESSAGES)
-        assert time.monotonic() - started < 2.0  # per-read timeouts alone would wait 50 s
+        assert time.monotonic() - started < 5.0  # per-read timeouts alone would wait 50 s (loose: a loaded CI)
     assert caught.value.retryable
 
 
@@ -108,7 +108,7 @@ def test_a_retry_after_beyond_the_deadline_ends_the_retries_at_once():
         started = time.monotonic()
         (counts,) = _judge(fake.url, backoff_s=0.0, deadline_s=2.0).score(question=QUESTION, gold=GOLD,
                                                                           clues=CLUES, steps=_guess_steps())
-        assert time.monotonic() - started < 1.5
+        assert time.monotonic() - started < 5.0  # the server asked for 120 s
     assert counts.flagged and "pass the 2 s deadline" in counts.note and len(fake.requests) == 1
 
 
@@ -119,7 +119,7 @@ def test_the_step_deadline_bounds_every_attempt_and_wait_together():
                            deadline_s=0.8).score(question=QUESTION, gold=GOLD, clues=CLUES, steps=_guess_steps())
         elapsed = time.monotonic() - started
     assert counts.flagged and "deadline" in counts.note and 1 < len(fake.requests) < 1000
-    assert elapsed < 1.5
+    assert elapsed < 5.0  # 1000 attempts with their waits would take minutes
 
 
 def test_a_request_gets_only_what_is_left_of_the_step_deadline():
@@ -127,7 +127,7 @@ def test_a_request_gets_only_what_is_left_of_the_step_deadline():
         started = time.monotonic()
         (counts,) = _judge(fake.url, timeout_s=30.0, max_attempts=1, deadline_s=0.5).score(
             question=QUESTION, gold=GOLD, clues=CLUES, steps=_guess_steps())
-        assert time.monotonic() - started < 1.5
+        assert time.monotonic() - started < 5.0  # the endpoint's own 30 s would be spent otherwise
     assert counts.flagged and "no complete reply within" in counts.note
 
 
