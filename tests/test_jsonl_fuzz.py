@@ -147,3 +147,54 @@ def test_the_importer_reports_every_bad_line_and_imports_every_good_record(tmp_p
     reported = [(Path(s.path).name, s.line) for s in dataset.skipped]
     assert reported == [("corpus.jsonl", n) for n in corpus_bad] + [("queries.jsonl", n) for n in query_bad]
     assert all(s.error for s in dataset.skipped)
+
+
+def _mutations(line: bytes, count: int, seed: int):
+    """`count` copies of `line`, each with a few seeded random byte flips, insertions or deletions."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        data = bytearray(line)
+        for _ in range(rng.randrange(1, 4)):
+            at = rng.randrange(len(data))
+            action = rng.randrange(3)
+            if action == 0:
+                data[at] = rng.randrange(256)
+            elif action == 1:
+                data.insert(at, rng.choice(b'{}[]",:\\0 \xff\xc3'))
+            else:
+                del data[at]
+        yield bytes(data).replace(b"\n", b" ")
+
+
+def test_mutated_records_are_prepared_or_reported_by_both_clis(reference_dir):
+    """Records one to three random byte edits away from good ones: each is prepared or refused with the CLI's
+    RecordError, never another exception."""
+    import argparse
+
+    from trace_jax.abc import cli as abc_cli
+    from trace_jax.credit.config import CreditConfig
+    from trace_jax.models.chat import ChatFormat
+    from trace_jax.scoring import cli as credit_cli
+
+    credit_args = argparse.ArgumentParser()
+    credit_cli.add_arguments(credit_args)
+    credit_args = credit_args.parse_args(["in.jsonl", "--reference", "r", "--out", "o"])
+    abc_args = argparse.ArgumentParser()
+    abc_cli.add_arguments(abc_args)
+    abc_args = abc_args.parse_args(["in.jsonl", "--out", "o"])
+    tokenizer = load_tokenizer(reference_dir)
+    chat = ChatFormat(tokenizer)
+    good = SAMPLE.read_bytes().splitlines()[0]
+    outcomes = {"prepared": 0, "refused": 0}
+    for number, line in enumerate(_mutations(good, 150, seed=4), start=1):
+        try:
+            credit_cli.prepare_record(number, line, chat, tokenizer, credit_args, CreditConfig(),
+                                      max_positions=4096)
+            outcomes["prepared"] += 1
+        except credit_cli.RecordError:
+            outcomes["refused"] += 1
+        try:
+            abc_cli.prepare_record(number, line, abc_args)
+        except abc_cli.RecordError:
+            pass
+    assert outcomes["prepared"] and outcomes["refused"]  # the edits hit both harmless and fatal places
