@@ -49,7 +49,7 @@ def bad_lines(seed: int = 0, *, readable_chat_records: bool = True) -> list[byte
              {"answer": "x", "messages": "hello"},
              {"answer": "x", "messages": [1, 2]},
              {"answer": "x", "messages": [{"role": 5, "content": "q"}]},
-             _chat(content=7), _chat(content=[{"text": 5}]), _chat(content=[{"type": "image_url", "text": "x"}]),
+             _chat(content=7), _chat(content=[{"text": 5}]), _chat(content=[{"type": "image_url", "image_url": {"url": "x"}}]),
              _chat(content=None, tool_calls={"function": {"name": "search"}}),
              _chat(content=None, tool_calls="search"), _chat(content=None, tool_calls=[{"function": "oops"}]),
              _chat(content=None, tool_calls=[{"function": {"name": 5}}]),
