@@ -45,9 +45,6 @@ class SkippedLine:
     def __str__(self) -> str:
         return f"{self.path}:{self.line}: skipped: {self.error}"
 
-    def to_dict(self) -> dict:
-        return {"line": self.line, "error": self.error}
-
 
 def jsonl_lines(path: str | os.PathLike) -> Iterator[tuple[int, bytes]]:
     """`(line number, raw bytes)` of each non-blank line of `path`, lines counted from 1. Raises OSError when the
