@@ -3,7 +3,16 @@
 A checkpoint of step `s` holds two items: `state` (the whole `TrainState`: step, float32 params, optimizer state,
 RNG key) and `host` (an opaque JSON dict the loop hands in, e.g. the data iterator position and host-side RNG
 seeds). Each step is written to a temporary directory and renamed when complete, so a process killed mid-write
-leaves the previous step as the latest; `latest_step()` only sees complete steps.
+leaves the previous step as the latest. `latest_step()` and `all_steps()` only see complete steps: a step directory
+that lacks one of orbax's metadata files (a copy or a non-atomic rename cut short, e.g. on gcsfuse) is ignored.
+
+`restore_latest(target)` is the trainer's start-up call. It tidies the directory (orbax's temporary directories of an
+interrupted save are deleted, incomplete step directories are moved aside as `<step>.incomplete`) and restores the
+newest step that restores: a step whose files are damaged (truncated, unreadable) is skipped with a
+`CheckpointSkipped` warning naming the step and the error, and moved aside as `<step>.damaged` once an older step
+restored, so the run resumes from that step and later saves of the skipped step numbers do not collide. Nothing is
+moved when no step restores: that raises `CheckpointRestoreError` listing every step's error. Readers (`trace-jax
+eval`, `export_pretrained`) never tidy: a trainer may be writing the same directory.
 
 `restore(target=...)` takes an abstract state (`abstract_train_state`) whose shardings say where every array goes,
 so a checkpoint written on one mesh restores onto another. `PreemptionGuard` turns SIGTERM/SIGINT (TPU preemption,
@@ -16,15 +25,40 @@ This module knows nothing about losses, rollouts or the data pipeline (the host 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
+import warnings
+from typing import NamedTuple
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from trace_jax import models
 from trace_jax.train.config import CheckpointConfig
 from trace_jax.train.state import TrainState, state_shardings
+
+
+# Files every complete step of a `Checkpointer` has (orbax writes them before the step's directory is renamed into
+# place); a step directory without one of them was cut short.
+_STEP_FILES = ("_CHECKPOINT_METADATA", os.path.join("state", "_METADATA"), os.path.join("host", "metadata"))
+
+
+class CheckpointSkipped(UserWarning):
+    """`restore_latest` skipped a step that does not restore (the message names the step and the error)."""
+
+
+class CheckpointRestoreError(RuntimeError):
+    """No step of a checkpoint directory restores (the message lists each step and its error)."""
+
+
+class Restored(NamedTuple):
+    """What `Checkpointer.restore_latest` restored: the train state, the host-state dict and the step."""
+
+    state: "TrainState"
+    host: dict
+    step: int
 
 
 def abstract_train_state(model_config, optimizer, *, mesh=None, rules=None) -> TrainState:
@@ -132,23 +166,31 @@ class Checkpointer:
         return False
 
     # ------------------------------------------------------------------ reading
+    def _complete(self, step: int) -> bool:
+        step_dir = os.path.join(self.directory, str(step))
+        return all(os.path.isfile(os.path.join(step_dir, name)) for name in _STEP_FILES)
+
     def all_steps(self) -> list[int]:
-        return sorted(self.manager.all_steps())
+        """The complete steps on disk, oldest first (incomplete step directories are left out)."""
+        self.manager.reload()
+        return [step for step in sorted(self.manager.all_steps()) if self._complete(step)]
 
     def latest_step(self) -> int | None:
         """The newest complete step, or None when the directory holds none."""
-        self.manager.reload()
-        return self.manager.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def restore(self, target: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
         """`(state, host_state)` of `step` (default: the latest), built as `target` says (an abstract state from
-        `abstract_train_state`, on any mesh, or a concrete state of the same structure)."""
-        step = self.latest_step() if step is None else step
+        `abstract_train_state`, on any mesh, or a concrete state of the same structure). Raises whatever orbax
+        raises on damaged files; `restore_latest` falls back to an older step instead."""
+        steps = self.all_steps()
+        step = (steps[-1] if steps else None) if step is None else step
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}; start from scratch or point "
                                     "CheckpointConfig.directory at a run directory")
-        if step not in self.manager.all_steps():
-            raise FileNotFoundError(f"checkpoint step {step} not in {self.directory}; have {self.all_steps()}")
+        if step not in steps:
+            raise FileNotFoundError(f"checkpoint step {step} not in {self.directory} (or incomplete); have {steps}")
         abstract = jax.tree_util.tree_map(
             lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                                          sharding=x.sharding),
@@ -157,12 +199,80 @@ class Checkpointer:
                                                                       host=ocp.args.JsonRestore()))
         return restored.state, dict(restored.host or {})
 
+    def restore_latest(self, target: TrainState) -> Restored | None:
+        """The trainer's start-up call: `tidy()` the directory, then restore the newest step that restores
+        (see the module doc); None when there is no complete step (a fresh run).
+
+        Every process of a multi-process run calls this together; they agree on the step. Raises
+        `CheckpointRestoreError` when steps exist but none restores (nothing is moved then).
+        """
+        self.tidy()
+        damaged: list[tuple[int, str]] = []
+        for step in reversed(self.all_steps()):
+            reason = "it failed to restore on another process"
+            try:
+                state, host = self.restore(target, step)
+                restored = True
+            except MemoryError:
+                raise
+            except Exception as error:  # noqa: BLE001 - any failure of this step means: try the previous one
+                restored, reason = False, _describe(error)
+            if _on_every_process(restored):
+                for bad_step, _ in damaged:
+                    self._set_aside(bad_step, "damaged")
+                self.manager.reload()
+                return Restored(state, host, step)
+            damaged.append((step, reason))
+            warnings.warn(f"checkpoint step {step} in {self.directory} does not restore ({reason}); skipping it "
+                          "and trying the previous step", CheckpointSkipped, stacklevel=2)
+        if damaged:
+            listed = "; ".join(f"step {step}: {reason}" for step, reason in damaged)
+            raise CheckpointRestoreError(
+                f"no checkpoint in {self.directory} restores ({listed}); move that directory away to start the run "
+                "from scratch, or copy an intact step back")
+        return None
+
+    def tidy(self) -> None:
+        """Delete orbax's temporary directories of saves that never finished and move incomplete step directories
+        aside (as `<step>.incomplete`, with a `CheckpointSkipped` warning). Only for the process that writes this
+        directory, before its first save (process 0 acts, every process waits for it)."""
+        if jax.process_index() == 0 and os.path.isdir(self.directory):
+            for name in sorted(os.listdir(self.directory)):
+                path = os.path.join(self.directory, name)
+                if ocp.path.atomicity.TMP_DIR_SUFFIX in name:
+                    if os.path.isdir(path) and not os.path.islink(path):
+                        shutil.rmtree(path)
+                    else:
+                        os.remove(path)
+                elif name.isdigit() and os.path.isdir(path) and not self._complete(int(name)):
+                    missing = [f for f in _STEP_FILES if not os.path.isfile(os.path.join(path, f))]
+                    aside = self._set_aside(int(name), "incomplete")
+                    warnings.warn(f"checkpoint step {name} in {self.directory} is incomplete (no {', '.join(missing)})"
+                                  f"; ignored and moved to {aside}", CheckpointSkipped, stacklevel=2)
+        _barrier("trace_jax checkpoint tidy")
+        self.manager.reload()
+
+    def _set_aside(self, step: int, label: str) -> str:
+        """Rename a step's directory to `<step>.<label>[-N]` (orbax ignores names that are not step numbers)."""
+        if jax.process_index() != 0:
+            return ""
+        source = os.path.join(self.directory, str(step))
+        target, n = f"{source}.{label}", 1
+        while os.path.exists(target):
+            n += 1
+            target = f"{source}.{label}-{n}"
+        os.rename(source, target)
+        return target
+
     def restore_params(self, step: int | None = None):
         """Only the params of a saved step (no target needed), on this process's first device, whatever mesh and
         however many processes wrote them (e.g. `trace-jax eval` on one host after a multi-host run)."""
-        step = self.latest_step() if step is None else step
+        steps = self.all_steps()
+        step = (steps[-1] if steps else None) if step is None else step
         if step is None:
             raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        if step not in steps:
+            raise FileNotFoundError(f"checkpoint step {step} not in {self.directory} (or incomplete); have {steps}")
         # a target built from the checkpoint's own shapes: without one orbax rebuilds the writer's device mesh,
         # which fails on any other topology
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -170,6 +280,29 @@ class Checkpointer:
         target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)
         raw = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         return raw.state["params"]
+
+
+def _describe(error: BaseException) -> str:
+    """An exception as one short line: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    return f"{type(error).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+
+
+def _on_every_process(ok: bool) -> bool:
+    """True when `ok` holds on every process (a collective in a multi-process run)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def export_pretrained(checkpoint_dir: str, out_dir: str, model_config, *, step: int | None = None,

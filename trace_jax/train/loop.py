@@ -353,7 +353,8 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
 
     with PreemptionGuard() as guard, Checkpointer(checkpoint_config, guard=guard) as checkpointer, \
             _reference_checkpointer(run_dir) as reference_store:
-        latest = checkpointer.latest_step()
+        restored = checkpointer.restore_latest(abstract_train_state(environment.model_config, optimizer, mesh=mesh))
+        latest = None if restored is None else restored.step
         if latest is None:
             writer = RunWriter(run_dir, total_steps=train_config.steps, progress=progress, write_files=primary)
             params = environment.params
@@ -382,8 +383,7 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
             checkpointer.save(state, host, force=True)
             checkpointer.wait_until_finished()
         else:
-            state, host = checkpointer.restore(abstract_train_state(environment.model_config, optimizer, mesh=mesh),
-                                               latest)
+            state, host = restored.state, restored.host
             writer = RunWriter(run_dir, total_steps=train_config.steps, resume_step=latest, progress=progress,
                                write_files=primary)
             log(f"resuming from the checkpoint of step {latest}")

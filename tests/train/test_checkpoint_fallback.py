@@ -1,0 +1,125 @@
+"""Damaged and incomplete checkpoints: resume falls back to the newest step that restores and says what it skipped;
+incomplete step directories are ignored and orbax's temporary directories of an interrupted save are deleted.
+
+Driven through `Checkpointer` directly with a one-layer tiny model's train state (the trainer calls
+`restore_latest` and nothing else on start-up)."""
+
+import os
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trace_jax import models, train
+from trace_jax.train.checkpoint import (CheckpointRestoreError, Checkpointer, CheckpointSkipped,
+                                        abstract_train_state)
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = models.get_preset("tiny-qwen3", num_hidden_layers=1)
+    optimizer = train.make_optimizer(train.OptimizerConfig(learning_rate=1e-3))
+    state = train.init_train_state(config, optimizer, models.init_params(config, jax.random.PRNGKey(0)),
+                                   jax.random.PRNGKey(1))
+    return config, optimizer, state
+
+
+@pytest.fixture(scope="module")
+def saved_steps(model, tmp_path_factory):
+    """A directory with complete steps 1, 2, 3 (params differ per step), written once and copied by each test."""
+    _, _, state = model
+    directory = tmp_path_factory.mktemp("steps") / "ckpt"
+    with Checkpointer(train.CheckpointConfig(directory=str(directory), every_steps=1, async_save=False)) as c:
+        for step in (1, 2, 3):
+            c.save(_state_at(state, step), {"data_position": 10 * step})
+    return directory
+
+
+def _state_at(state, step):
+    return state.replace(step=jnp.int32(step), params=jax.tree_util.tree_map(lambda p: p + step, state.params))
+
+
+@pytest.fixture
+def directory(saved_steps, tmp_path):
+    copy = tmp_path / "ckpt"
+    shutil.copytree(saved_steps, copy)
+    return copy
+
+
+def _checkpointer(directory):
+    return Checkpointer(train.CheckpointConfig(directory=str(directory), every_steps=1, async_save=False))
+
+
+def _truncate_largest_file(step_dir: Path) -> Path:
+    largest = max((p for p in step_dir.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    with open(largest, "r+b") as f:
+        f.truncate(largest.stat().st_size // 2)
+    return largest
+
+
+def test_a_truncated_latest_step_is_skipped_with_a_warning_and_the_previous_step_restores(model, directory):
+    config, optimizer, state = model
+    _truncate_largest_file(directory / "3")
+    with _checkpointer(directory) as checkpointer:
+        with pytest.warns(CheckpointSkipped, match=r"checkpoint step 3 .* does not restore \(\w+"):
+            restored = checkpointer.restore_latest(abstract_train_state(config, optimizer))
+        assert restored.step == 2 and restored.host == {"data_position": 20}
+        for got, want in zip(jax.tree_util.tree_leaves(restored.state), jax.tree_util.tree_leaves(_state_at(state, 2))):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert checkpointer.all_steps() == [1, 2]
+
+
+def test_the_skipped_step_is_moved_aside_so_the_resumed_run_can_save_that_step_again(model, directory):
+    config, optimizer, state = model
+    _truncate_largest_file(directory / "3")
+    with _checkpointer(directory) as checkpointer:
+        with pytest.warns(CheckpointSkipped):
+            checkpointer.restore_latest(abstract_train_state(config, optimizer))
+        assert (directory / "3.damaged").is_dir() and not (directory / "3").exists()
+        assert checkpointer.save(_state_at(state, 3), {"data_position": 30})
+        assert checkpointer.restore_latest(abstract_train_state(config, optimizer)).step == 3
+
+
+def test_when_no_step_restores_the_error_lists_every_step_and_nothing_is_moved(model, directory):
+    config, optimizer, _ = model
+    for step in (1, 2, 3):
+        _truncate_largest_file(directory / str(step))
+    with _checkpointer(directory) as checkpointer:
+        with pytest.warns(CheckpointSkipped), pytest.raises(CheckpointRestoreError,
+                                                            match=r"step 3: .*; step 2: .*; step 1: "):
+            checkpointer.restore_latest(abstract_train_state(config, optimizer))
+    assert sorted(os.listdir(directory)) == ["1", "2", "3"]
+
+
+def test_an_empty_directory_restores_nothing(model, tmp_path):
+    config, optimizer, _ = model
+    with _checkpointer(tmp_path / "fresh") as checkpointer:
+        assert checkpointer.restore_latest(abstract_train_state(config, optimizer)) is None
+
+
+def test_an_incomplete_step_directory_is_ignored_by_every_reader(directory):
+    (directory / "4").mkdir()  # e.g. a rename that gcsfuse cut short
+    shutil.copytree(directory / "3", directory / "5")
+    (directory / "5" / "state" / "_METADATA").unlink()
+    with _checkpointer(directory) as checkpointer:
+        assert checkpointer.all_steps() == [1, 2, 3]
+        assert checkpointer.latest_step() == 3
+        with pytest.raises(FileNotFoundError, match="step 5 not in .* incomplete"):
+            checkpointer.restore_params(5)
+    assert (directory / "4").is_dir()  # a reader never moves anything: a trainer may be writing
+
+
+def test_restore_latest_moves_incomplete_steps_aside_and_deletes_orbax_temporary_directories(model, directory):
+    config, optimizer, _ = model
+    shutil.copytree(directory / "3", directory / "4")
+    (directory / "4" / "_CHECKPOINT_METADATA").unlink()
+    temporary = directory / "5.orbax-checkpoint-tmp-1733222400"
+    shutil.copytree(directory / "3", temporary)
+    with _checkpointer(directory) as checkpointer:
+        with pytest.warns(CheckpointSkipped, match=r"step 4 .* is incomplete \(no _CHECKPOINT_METADATA\)"):
+            restored = checkpointer.restore_latest(abstract_train_state(config, optimizer))
+    assert restored.step == 3
+    assert sorted(os.listdir(directory)) == ["1", "2", "3", "4.incomplete"]
