@@ -3,8 +3,9 @@
 The bash launchers (`launch/tpu_vm/tpu.sh`, `launch/tpu_vm/sweep.sh`, `launch/gpu/*.sh`) call this before they spend
 anything (no VM is created, no job submitted until it passes). It parses the gin config exactly as `trace-jax train`
 does (`trace_jax.train.gin_setup.parse`), resolves `MeshConfig` against the device count of the slice, and prints
-what the launcher needs as bash assignments (`eval "$(python launch/check.py tpu ...)"`); on a bad argument it
-prints one line naming it and the fix to stderr and exits 2.
+what the launcher needs as data: NUL-terminated NAME, VALUE pairs (`NAME[]` appends to an array), which
+`launch/lib.sh`'s `preflight` reads with `read -d ''` into the variables it knows, never through `eval`. On a bad
+argument it prints one line naming it and the fix to stderr and exits 2.
 
     python launch/check.py tpu --topology v5e:4x4 --run_dir /mnt/shared/runs/q4b --gin_file configs/qwen3_4b.gin
     python launch/check.py slice --topology v5p:2x2x2                 # the slice name alone
@@ -194,10 +195,11 @@ def _mesh_fix(bound: dict[str, int], devices: int) -> str:
             if changes else f"the axes must multiply to {devices} (one may be -1 = the rest)")
 
 
-def _assign(name: str, value) -> str:
+def _assign(name: str, value) -> list[tuple[str, str]]:
+    """(name, value) records of one variable; a list becomes one `name[]` record per element."""
     if isinstance(value, (list, tuple)):
-        return f"{name}=({' '.join(shlex.quote(str(v)) for v in value)})"
-    return f"{name}={shlex.quote(str(value))}"
+        return [(f"{name}[]", str(v)) for v in value]
+    return [(name, str(value))]
 
 
 def _mesh_text(sizes: dict[str, int]) -> str:
@@ -209,15 +211,15 @@ def _tpu(args) -> list[str]:
     check_run_dir(args.run_dir, durable=True)
     where = f"{args.topology} ({tpu_slice.chips} chips)"
     sizes = check_config(args.gin_file, args.gin_param, tpu_slice.devices, where, workers_copy=True)
-    return [_assign("ACCELERATOR_TYPE", tpu_slice.accelerator_type),
-            _assign("RUNTIME_VERSION", tpu_slice.generation.runtime_version),
-            _assign("CHIPS", tpu_slice.chips), _assign("MESH", _mesh_text(sizes))]
+    return [*_assign("ACCELERATOR_TYPE", tpu_slice.accelerator_type),
+            *_assign("RUNTIME_VERSION", tpu_slice.generation.runtime_version),
+            *_assign("CHIPS", tpu_slice.chips), *_assign("MESH", _mesh_text(sizes))]
 
 
 def _slice(args) -> list[str]:
     tpu_slice = parse_slice(args.topology)
-    return [_assign("ACCELERATOR_TYPE", tpu_slice.accelerator_type),
-            _assign("RUNTIME_VERSION", tpu_slice.generation.runtime_version), _assign("CHIPS", tpu_slice.chips)]
+    return [*_assign("ACCELERATOR_TYPE", tpu_slice.accelerator_type),
+            *_assign("RUNTIME_VERSION", tpu_slice.generation.runtime_version), *_assign("CHIPS", tpu_slice.chips)]
 
 
 def _gpu(args) -> list[str]:
@@ -225,7 +227,7 @@ def _gpu(args) -> list[str]:
         raise LaunchError(f"the GPU count must be >= 1, got {args.num_devices}")
     check_run_dir(args.run_dir, durable=False)
     sizes = check_config(args.gin_file, args.gin_param, args.num_devices, f"{args.num_devices} GPUs")
-    return [_assign("MESH", _mesh_text(sizes))]
+    return _assign("MESH", _mesh_text(sizes))
 
 
 def _sweep(args) -> list[str]:
@@ -239,14 +241,16 @@ def _sweep(args) -> list[str]:
     except ConfigError as error:
         raise LaunchError(str(error)) from None
     runs = expand(sweep, runs_root=args.runs_root)
-    arguments = []
+    counts, arguments = [], []
     for run in runs:
         check_config(run.gin_files, run.gin_params, tpu_slice.devices,
                      f"{args.topology} ({tpu_slice.chips} chips) in sweep run {run.name!r}", workers_copy=True)
         parts = shlex.split(run.command())[4:]  # the arguments after `python -m trace_jax.cli train`
-        arguments.append(shlex.join(parts))
-    return [_assign("SWEEP_NAME", sweep.name), _assign("RUN_NAMES", [r.name for r in runs]),
-            _assign("RUN_ARGS", arguments)]
+        counts.append(len(parts))
+        arguments.extend(parts)
+    # every run's arguments in one flat array, RUN_ARGC[i] of them for run i (bash has no nested arrays)
+    return [*_assign("SWEEP_NAME", sweep.name), *_assign("RUN_NAMES", [r.name for r in runs]),
+            *_assign("RUN_ARGC", counts), *_assign("RUN_ARGV", arguments)]
 
 
 def _lock(_args) -> list[str]:
@@ -291,13 +295,17 @@ def main(argv=None) -> int:
         from trace_jax.train.cli import DEFAULT_GIN
 
         args.gin_file = [DEFAULT_GIN]  # what `trace-jax train` runs without --gin_file
-    handler = {"tpu": _tpu, "slice": _slice, "gpu": _gpu, "sweep": _sweep, "lock": _lock}[args.command]
+    if args.command == "lock":
+        print("\n".join(_lock(args)))
+        return 0
+    handler = {"tpu": _tpu, "slice": _slice, "gpu": _gpu, "sweep": _sweep}[args.command]
     try:
-        lines = handler(args)
+        records = handler(args)
     except LaunchError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print("\n".join(lines))
+    sys.stdout.write("".join(f"{name}\0{value}\0" for name, value in records))
+    sys.stdout.flush()
     return 0
 
 

@@ -75,6 +75,21 @@ need_int() {
   fi
 }
 
+# need_port VALUE FLAG: die unless VALUE is a TCP port number, 1-65535.
+need_port() {
+  if ! [[ $1 =~ ^[0-9]{1,5}$ ]] || ((10#$1 < 1 || 10#$1 > 65535)); then
+    die "$2 must be a port number from 1 to 65535, got '$1'"
+  fi
+}
+
+# one_line VALUE FLAG: die when VALUE holds a newline or another control character (it would end or corrupt the
+# line of a generated script it is written into).
+one_line() {
+  if [[ $1 == *[[:cntrl:]]* ]]; then
+    die "$2 holds a newline or another control character; give it on one line, got $(quote "$1")"
+  fi
+}
+
 # has_value FLAG "$#": die unless FLAG is followed by a value.
 has_value() {
   (($2 >= 2)) || die "$1 needs a value"
@@ -94,9 +109,29 @@ common_arg() {
   esac
 }
 
-# Run launch/check.py (the config, mesh and run-directory checks) and load its assignments into this shell.
+# Run launch/check.py (the config, mesh and run-directory checks) and read what it prints as data, never as code:
+# NUL-terminated NAME, VALUE pairs. Only the names below are accepted; NAME[] appends VALUE to the array NAME.
+# shellcheck disable=SC2034  # ACCELERATOR_TYPE, ..., RUN_ARGV are the sourcing script's
 preflight() {
-  local out
-  out=$(JAX_PLATFORMS=cpu "$PYTHON" "$LAUNCH_DIR/check.py" "$@") || exit 2
-  eval "$out"
+  local out name value unknown=""
+  out=$(mktemp "${TMPDIR:-/tmp}/trace-jax-check.XXXXXX")
+  if ! JAX_PLATFORMS=cpu "$PYTHON" "$LAUNCH_DIR/check.py" "$@" >"$out"; then
+    rm -f "$out"
+    exit 2
+  fi
+  while IFS= read -r -d '' name && IFS= read -r -d '' value; do
+    case $name in
+      ACCELERATOR_TYPE) ACCELERATOR_TYPE=$value ;;
+      RUNTIME_VERSION) RUNTIME_VERSION=$value ;;
+      CHIPS) CHIPS=$value ;;
+      MESH) MESH=$value ;;
+      SWEEP_NAME) SWEEP_NAME=$value ;;
+      'RUN_NAMES[]') RUN_NAMES+=("$value") ;;
+      'RUN_ARGC[]') RUN_ARGC+=("$value") ;;
+      'RUN_ARGV[]') RUN_ARGV+=("$value") ;;
+      *) unknown=$name && break ;;
+    esac
+  done <"$out"
+  rm -f "$out"
+  [[ -z $unknown ]] || die "launch/check.py printed an unexpected name $(quote "$unknown"); is launch/ one checkout?"
 }

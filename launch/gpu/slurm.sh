@@ -18,6 +18,9 @@
 # gin config and that the MeshConfig axes multiply to N x G. --python: the interpreter of the environment trace-jax
 # is installed in, on every node (default: $PYTHON, else python3, as an absolute path). --dry-run prints the batch
 # script and the sbatch command instead.
+# Values written to #SBATCH lines are quoted for sbatch's own parser, with `%` doubled where sbatch expands filename
+# patterns (DIR in --output), so any DIR, partition or account works; a value holding a newline is refused, and so
+# is a `%` in the checkout's path (--chdir). --sbatch-arg values are written as given (quoted), `%` patterns included.
 set -euo pipefail
 # shellcheck source=SCRIPTDIR/../lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
@@ -53,13 +56,24 @@ need "$GPUS_PER_NODE" --gpus-per-node
 need "$RUN_DIR" --run_dir
 need_int "$NODES" --nodes 1
 need_int "$GPUS_PER_NODE" --gpus-per-node 1
-need_int "$PORT" --port 1
+need_port "$PORT" --port
 need_int "$SIGNAL_SECONDS" --signal-seconds
+one_line "$RUN_DIR" --run_dir
+one_line "$PARTITION" --partition
+one_line "$ACCOUNT" --account
+one_line "$PWD" "the current directory (--chdir of the batch script)"
+[[ $PWD != *%* ]] || die "the current directory $(quote "$PWD") holds a '%', which sbatch may read as a filename" \
+  "pattern in --chdir; run from a checkout whose path has none"
+if [[ -n $TIME_LIMIT && ! $TIME_LIMIT =~ ^(([0-9]+-)?[0-9]+(:[0-9]+){0,2}|UNLIMITED|infinite)$ ]]; then
+  die "--time '$TIME_LIMIT': write MINUTES, HH:MM:SS, D-HH, D-HH:MM:SS or UNLIMITED"
+fi
 [[ $MODE == auto || $MODE == env ]] ||
   die "--mode must be 'auto' (JAX reads SLURM) or 'env' (TRACE_JAX_* variables), got '$MODE'"
 [[ $JOB_NAME =~ ^[A-Za-z0-9_.-]+$ ]] || die "--job-name '$JOB_NAME': letters, digits, _ . - only"
 for arg in "${SBATCH_ARGS[@]}"; do
-  [[ $arg == --* ]] || die "--sbatch-arg '$arg': give a long sbatch option, e.g. --sbatch-arg=--qos=high"
+  one_line "$arg" --sbatch-arg
+  [[ $arg =~ ^--[A-Za-z][A-Za-z0-9-]*(=|$) ]] ||
+    die "--sbatch-arg $(quote "$arg"): give a long sbatch option, e.g. --sbatch-arg=--qos=high"
 done
 if [[ $TRAIN_PYTHON != /* ]]; then
   resolved=$(command -v "$TRAIN_PYTHON") ||
@@ -86,23 +100,48 @@ else
 fi
 train+=(--run_dir "$RUN_DIR" --no_progress)
 
+# sbatch_word VALUE: VALUE as one word of an #SBATCH line. sbatch, not the shell, reads those lines: double quotes
+# group (so spaces and '#' stay in the value) and a backslash escapes the next character. Bare when nothing needs it.
+sbatch_word() {
+  if [[ $1 =~ ^[A-Za-z0-9_./:=@,+%~-]+$ ]]; then
+    printf '%s' "$1"
+    return
+  fi
+  local value=${1//\\/\\\\}
+  value=${value//\"/\\\"}
+  printf '"%s"' "$value"
+}
+
+# literal_pattern VALUE: VALUE inside a filename pattern (--output): '%' doubled, so sbatch and srun keep it as is.
+literal_pattern() {
+  printf '%s' "${1//%/%%}"
+}
+
 batch_script() {
+  local log_dir
+  log_dir=$(literal_pattern "$RUN_DIR/logs")
   echo '#!/bin/bash'
   echo "#SBATCH --job-name=$JOB_NAME"
   echo "#SBATCH --nodes=$NODES"
   echo "#SBATCH --ntasks-per-node=$tasks_per_node"
   echo "#SBATCH --gpus-per-node=$GPUS_PER_NODE"
-  echo "#SBATCH --chdir=$PWD"
-  echo "#SBATCH --output=$RUN_DIR/logs/slurm-%j.out"
+  echo "#SBATCH --chdir=$(sbatch_word "$PWD")"
+  echo "#SBATCH --output=$(sbatch_word "$log_dir/slurm-%j.out")"
   echo "#SBATCH --signal=TERM@$SIGNAL_SECONDS"
-  [[ -z $PARTITION ]] || echo "#SBATCH --partition=$PARTITION"
-  [[ -z $ACCOUNT ]] || echo "#SBATCH --account=$ACCOUNT"
+  [[ -z $PARTITION ]] || echo "#SBATCH --partition=$(sbatch_word "$PARTITION")"
+  [[ -z $ACCOUNT ]] || echo "#SBATCH --account=$(sbatch_word "$ACCOUNT")"
   [[ -z $TIME_LIMIT ]] || echo "#SBATCH --time=$TIME_LIMIT"
   if ((REQUEUE)); then echo "#SBATCH --requeue"; fi
-  for arg in "${SBATCH_ARGS[@]}"; do echo "#SBATCH $arg"; done
+  for arg in "${SBATCH_ARGS[@]}"; do
+    if [[ $arg == *=* ]]; then
+      echo "#SBATCH ${arg%%=*}=$(sbatch_word "${arg#*=}")"
+    else
+      echo "#SBATCH $arg"
+    fi
+  done
   echo 'set -euo pipefail'
   echo "mkdir -p $(quote "$RUN_DIR/logs")"
-  local srun=(srun --kill-on-bad-exit=1 "--output=$RUN_DIR/logs/slurm-%j-%t.log")
+  local srun=(srun --kill-on-bad-exit=1 "--output=$log_dir/slurm-%j-%t.log")
   if [[ $MODE == auto ]]; then
     show "${srun[@]}" "${train[@]}"
   else

@@ -53,15 +53,17 @@ need_int "$PARALLEL" --parallel
 [[ $PREFIX =~ ^[a-z]([-a-z0-9]{0,50}[a-z0-9])?$ ]] ||
   die "--name-prefix '$PREFIX': lowercase letters, digits and hyphens, starting with a letter (<= 52 chars)"
 
-RUN_NAMES=() RUN_ARGS=() SWEEP_NAME="" # set by check.py: each run's name and its `trace-jax train` arguments
+# set by check.py: each run's name, and its `trace-jax train` arguments (RUN_ARGC[i] of the flat RUN_ARGV for run i)
+RUN_NAMES=() RUN_ARGC=() RUN_ARGV=() SWEEP_NAME=""
 preflight sweep "$SWEEP_FILE" --topology "$TOPOLOGY" --runs_root "$RUNS_ROOT"
 total=${#RUN_NAMES[@]}
 ((PARALLEL > 0)) || PARALLEL=$total
 note "sweep $SWEEP_NAME: $total runs on $TOPOLOGY slices $PREFIX-0..$PREFIX-$((total - 1)), $PARALLEL at a time"
 
-failed=0 pids=() run_args=()
+failed=0 pids=() run_args=() offset=0
 for i in "${!RUN_NAMES[@]}"; do
-  eval "run_args=(${RUN_ARGS[$i]})"
+  run_args=("${RUN_ARGV[@]:offset:RUN_ARGC[i]}")
+  offset=$((offset + RUN_ARGC[i]))
   child=("$LAUNCH_DIR/tpu_vm/tpu.sh" babysit --name "$PREFIX-$i" --zone "$ZONE" --topology "$TOPOLOGY"
     --delete-when-done "${PASS[@]}" "${run_args[@]}")
   if ((DRY_RUN)); then

@@ -254,7 +254,7 @@ ship_code() { # once per (re)created slice
 
 setup_workers() {
   ship_code
-  ssh_all "set -e; python3 -m pip install --user --quiet uv; ~/.local/bin/uv venv --allow-existing --python $WORKER_PYTHON ~/trace-jax-venv; ~/.local/bin/uv pip install --python ~/trace-jax-venv/bin/python --constraint ~/trace-jax/launch/constraints.txt --editable \"\$HOME/trace-jax[tpu]\""
+  ssh_all "set -e; python3 -m pip install --user --quiet uv; ~/.local/bin/uv venv --allow-existing --python $(quote "$WORKER_PYTHON") ~/trace-jax-venv; ~/.local/bin/uv pip install --python ~/trace-jax-venv/bin/python --constraint ~/trace-jax/launch/constraints.txt --editable \"\$HOME/trace-jax[tpu]\""
   if [[ -n $MOUNT ]]; then
     local bucket=${MOUNT%%:*} dir=${MOUNT#*:}
     # gcsfuse lets orbax rename a finished checkpoint's directory (its atomic commit on a file system) only up to
@@ -287,14 +287,19 @@ run_training() {
   fi
 }
 
-stop_training() {
+signal_trainer() { # signal_trainer SIGNAL: the worker command that sends SIGNAL to the trainer `run` started there
+  # Only a pid file holding a number, and only while that process is still our trainer (its command line is the
+  # venv's python running trace_jax.cli train): after the trainer exits its pid may belong to anything (gcsfuse).
   # shellcheck disable=SC2016  # expanded by the worker's shell
-  ssh_all 'if [ -f ~/trace-jax-train.pid ]; then kill -TERM "$(cat ~/trace-jax-train.pid)" 2>/dev/null || true; fi'
+  printf 'pid=$(cat ~/trace-jax-train.pid 2>/dev/null) || exit 0; case $pid in "" | *[!0-9]*) echo "trace-jax: ~/trace-jax-train.pid does not hold a process id; nothing signalled" >&2; exit 0 ;; esac; if tr "\\0" " " </proc/"$pid"/cmdline 2>/dev/null | grep -q "trace-jax-venv/bin/python -m trace_jax[.]cli train"; then kill -%s "$pid" 2>/dev/null || true; else echo "trace-jax: process $pid is not the trainer (it has exited); nothing signalled" >&2; fi' "$1"
+}
+
+stop_training() {
+  ssh_all "$(signal_trainer TERM)"
 }
 
 kill_leftovers() { # after a failed run: a trainer still alive on another worker would hold the TPU chips
-  # shellcheck disable=SC2016  # expanded by the worker's shell
-  ssh_all 'if [ -f ~/trace-jax-train.pid ]; then kill -KILL "$(cat ~/trace-jax-train.pid)" 2>/dev/null || true; fi'
+  ssh_all "$(signal_trainer KILL)"
 }
 
 babysit() {

@@ -50,14 +50,15 @@ def fake_gcloud(tmp_path):
 
 @pytest.fixture
 def launch(fake_gcloud, tmp_path):
-    """Run a launch script: launch("tpu_vm/tpu.sh", "create", ...) -> CompletedProcess (text, not checked)."""
+    """Run a launch script: launch("tpu_vm/tpu.sh", "create", ...[, cwd=DIR]) -> CompletedProcess (text, not
+    checked)."""
     env = {**os.environ, "PATH": f"{fake_gcloud.bin}{os.pathsep}{os.environ['PATH']}",
            "FAKE_GCLOUD_LOG": str(fake_gcloud.log), "FAKE_GCLOUD_SCENARIO": str(fake_gcloud.scenario),
            "FAKE_WORKER_HOME": str(fake_gcloud.worker_home), "TMPDIR": str(tmp_path), "PYTHON": sys.executable,
            "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
 
-    def run(script, *args, timeout=120):
-        return subprocess.run([str(LAUNCH / script), *args], cwd=REPO, env=env, capture_output=True, text=True,
+    def run(script, *args, timeout=120, cwd=REPO):
+        return subprocess.run([str(LAUNCH / script), *args], cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=timeout)
 
     return run

@@ -25,6 +25,14 @@ def run_check(capsys, *argv):
     return status, out, err
 
 
+def records(out: str) -> list[tuple[str, str]]:
+    """check.py's output: NUL-terminated NAME, VALUE pairs (what launch/lib.sh's preflight reads)."""
+    assert out == "" or out.endswith("\0"), repr(out)
+    fields = out.split("\0")[:-1]
+    assert len(fields) % 2 == 0, fields
+    return list(zip(fields[0::2], fields[1::2]))
+
+
 @pytest.mark.parametrize("name, chips, accelerator_type, runtime", [
     ("v5e:4x4", 16, "v5litepod-16", "v2-alpha-tpuv5-lite"),
     ("v5litepod-16", 16, "v5litepod-16", "v2-alpha-tpuv5-lite"),
@@ -56,8 +64,8 @@ def test_qwen3_4b_fills_a_v5e_4x4_with_fsdp_16(capsys):
     status, out, _ = run_check(capsys, "tpu", "--topology", "v5e:4x4", "--run_dir", "/mnt/gcs/runs/q4b",
                                "--gin_file", "configs/qwen3_4b.gin", "--gin_param", QWEN3_4B)
     assert status == 0
-    assert out.splitlines() == ["ACCELERATOR_TYPE=v5litepod-16", "RUNTIME_VERSION=v2-alpha-tpuv5-lite", "CHIPS=16",
-                                "MESH='data=1 fsdp=16 tensor=1 expert=1'"]
+    assert records(out) == [("ACCELERATOR_TYPE", "v5litepod-16"), ("RUNTIME_VERSION", "v2-alpha-tpuv5-lite"),
+                            ("CHIPS", "16"), ("MESH", "data=1 fsdp=16 tensor=1 expert=1")]
 
 
 def test_a_batch_the_mesh_cannot_split_is_a_warning_that_names_the_shards(capsys):
@@ -88,7 +96,7 @@ def test_fixed_axes_that_multiply_past_the_chips_are_refused(capsys):
 def test_the_gpu_check_resolves_the_mesh_on_the_gpu_count(capsys):
     status, out, _ = run_check(capsys, "gpu", "--num_devices", "16", "--run_dir", "runs/q30",
                                "--gin_file", "configs/qwen3_30b_a3b.gin")
-    assert status == 0 and out.strip() == "MESH='data=1 fsdp=2 tensor=1 expert=8'"
+    assert status == 0 and records(out) == [("MESH", "data=1 fsdp=2 tensor=1 expert=8")]
 
 
 @pytest.mark.parametrize("run_dir, message", [
@@ -124,9 +132,12 @@ def test_every_run_of_a_sweep_is_checked_and_listed_with_its_train_arguments(cap
     sweep.write_text(sweep.read_text(encoding="utf-8").replace(", 8]", "]"), encoding="utf-8")
     status, out, _ = run_check(capsys, "sweep", str(sweep), "--topology", "v5e:2x2", "--runs_root", "/mnt/s")
     assert status == 0
-    assert "RUN_NAMES=(tensor=1 tensor=2)" in out
-    assert ("'--gin_file configs/tiny.gin --gin_param '\"'\"'MeshConfig.tensor = 2'\"'\"' --run_dir "
-            "/mnt/s/mesh/tensor=2'") in out
+    got = records(out)
+    assert [v for n, v in got if n == "RUN_NAMES[]"] == ["tensor=1", "tensor=2"]
+    counts = [int(v) for n, v in got if n == "RUN_ARGC[]"]
+    argv = [v for n, v in got if n == "RUN_ARGV[]"]
+    assert counts == [6, 6] and argv[6:] == ["--gin_file", "configs/tiny.gin", "--gin_param", "MeshConfig.tensor = 2",
+                                             "--run_dir", "/mnt/s/mesh/tensor=2"]
 
 
 def test_constraints_pin_every_runtime_dependency_exactly_and_libtpu_as_jax_tpu_does():
