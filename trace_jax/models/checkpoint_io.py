@@ -5,7 +5,11 @@ with the `safetensors` package (no torch). Every parameter is built with `jax.ma
 device shard reads only its own rows/columns of each Hugging Face tensor from the file (bf16 through a memory
 map), transposes them into our layout and casts them, so a host never holds two full copies of the model.
 `save_pretrained` writes the Hugging Face layout back (per-expert MoE tensors, `[out, in]` linear weights) so
-transformers, vLLM or SGLang can load it.
+transformers, vLLM or SGLang can load it, atomically: a crash never destroys the previous export.
+
+Files are distrusted before any tensor is read: an index may only name shards inside its directory, and every
+safetensors header is checked (its length against the file, each tensor's `data_offsets` inside the data, in order,
+not overlapping and exactly dtype x shape bytes), with errors naming the file and the tensor.
 
 This module knows the Hugging Face tensor names; the decoder does not.
 """
@@ -13,8 +17,12 @@ This module knows the Hugging Face tensor names; the decoder does not.
 from __future__ import annotations
 
 import json
+import math
 import os
+import secrets
+import shutil
 import struct
+import sys
 from typing import Callable, Iterator
 
 import jax
@@ -110,28 +118,109 @@ def _set(tree, path, value):
 
 
 # ---------------------------------------------------------------------------------------------------- reading
+# Bytes per element of every safetensors dtype (the format's own list), to check each tensor's byte range.
+_ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+                "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+
+
+def _shard_path(directory: str, index_path: str, fname) -> str:
+    """The path of a shard the index names, which must be a relative path inside `directory`."""
+    if not isinstance(fname, str) or not fname or "\0" in fname:
+        raise CheckpointError(f"{index_path}: weight_map names the file {fname!r}; expected a file name such as "
+                              "'model-00001-of-00002.safetensors'")
+    parts = fname.replace("\\", "/").split("/")
+    if os.path.isabs(fname) or fname.startswith(("/", "\\")) or ".." in parts:
+        raise CheckpointError(f"{index_path}: weight_map names the file {fname!r}, which is outside the checkpoint "
+                              "directory (absolute or with '..'); shards must be files inside it")
+    return os.path.join(directory, fname)
+
+
+def _read_header(path: str) -> tuple[int, dict]:
+    """(offset of the data, tensor entries) of a safetensors file, after checking the header length against the
+    file, and every tensor's dtype, shape and `data_offsets` (inside the data, in order, not overlapping, exactly
+    dtype x shape bytes). Raises CheckpointError naming the file and the tensor."""
+    try:
+        size = os.path.getsize(path)
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot read the safetensors file ({error.strerror or error})") from None
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{path}: {size} bytes is too short for a safetensors file (8-byte header length "
+                                  "first); the file is truncated")
+        (n,) = struct.unpack("<Q", prefix)
+        if n > min(size - 8, _MAX_HEADER_BYTES):
+            raise CheckpointError(f"{path}: header length {n} exceeds the file ({size} bytes) or the "
+                                  f"{_MAX_HEADER_BYTES}-byte limit; the file is truncated or not safetensors")
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as error:
+            raise CheckpointError(f"{path}: the header is not UTF-8 JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the header is {type(header).__name__}, expected a JSON object")
+    data_bytes = size - 8 - n
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+            raise CheckpointError(f"{where}: expected an entry with dtype, shape and data_offsets, got {info!r}")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if dtype not in _ST_ITEMSIZE:
+            raise CheckpointError(f"{where}: unknown dtype {dtype!r} (safetensors dtypes: {sorted(_ST_ITEMSIZE)})")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+            raise CheckpointError(f"{where}: data_offsets {offsets!r} is not a pair of integers [start, end]")
+        start, end = offsets
+        if not 0 <= start <= end <= data_bytes:
+            raise CheckpointError(f"{where}: data_offsets [{start}, {end}] is not an ordered range inside the "
+                                  f"file's {data_bytes} data bytes; the file is truncated or damaged")
+        expected = math.prod(shape) * _ST_ITEMSIZE[dtype]
+        if end - start != expected:
+            raise CheckpointError(f"{where}: data_offsets [{start}, {end}] hold {end - start} bytes, but {dtype} x "
+                                  f"{tuple(shape)} needs {expected}")
+        spans.append((start, end, name))
+    spans.sort()
+    for (_, previous_end, previous), (start, _, name) in zip(spans, spans[1:]):
+        if start < previous_end:
+            raise CheckpointError(f"{path}: tensor {name!r}: data_offsets start at {start}, inside tensor "
+                                  f"{previous!r} (which ends at {previous_end}); tensors must not overlap")
+    return 8 + n, {name: info for name, info in header.items() if name != "__metadata__"}
+
+
 class _SafetensorsReader:
-    """Lazy, name-addressed access to one or more safetensors files (memory-mapped; bf16 read via the header)."""
+    """Lazy, name-addressed access to one or more safetensors files (memory-mapped; bf16 read via the header).
+
+    Every header is checked when first read (`_read_header`), and the index's file names must stay inside the
+    directory, before any tensor byte is read."""
 
     def __init__(self, directory: str):
         index_path = os.path.join(directory, "model.safetensors.index.json")
         single_path = os.path.join(directory, "model.safetensors")
+        self._headers: dict[str, tuple[int, dict]] = {}
         if os.path.exists(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
-            self.file_of = {name: os.path.join(directory, fname) for name, fname in weight_map.items()}
+            try:
+                with open(index_path, encoding="utf-8") as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+                raise CheckpointError(f"{index_path}: not an index with a 'weight_map' ({error!r})") from None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index_path}: 'weight_map' is {type(weight_map).__name__}, expected an "
+                                      "object of tensor name -> file name")
+            self.file_of = {name: _shard_path(directory, index_path, fname) for name, fname in weight_map.items()}
         elif os.path.exists(single_path):
-            with safe_open(single_path, framework="numpy") as f:
-                self.file_of = {name: single_path for name in f.keys()}
+            self.file_of = {name: single_path for name in self._header(single_path)[1]}
         else:
             raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json found")
-        self._headers: dict[str, tuple[int, dict]] = {}
 
     def _header(self, path: str):
         if path not in self._headers:
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                self._headers[path] = (8 + n, json.loads(f.read(n)))
+            self._headers[path] = _read_header(path)
         return self._headers[path]
 
     def meta(self, name: str):
@@ -294,29 +383,120 @@ def save_pretrained(path: str | os.PathLike, config: ModelConfig, params: dict, 
     """Write `config.json` and `model.safetensors` (or numbered shards + `model.safetensors.index.json` when the
     model exceeds `max_shard_bytes`) in the Hugging Face layout. `dtype` casts on the way out (default: as stored).
     Only process 0 should call this in a multi-host run.
+
+    Atomic: everything is written into a hidden sibling directory (`.NAME.tmp-PID-XXXX`) that replaces `path` only
+    once complete, so a crash at any point leaves the previous export as it was. The previous directory's other
+    files (a tokenizer, a README) are carried over; its model files are not, so no stale shard or index remains.
+    The replacement is one `renameat2(RENAME_EXCHANGE)` on Linux; elsewhere two renames, and a crash between them
+    leaves the previous export at `.NAME.old-PID-XXXX`.
     """
-    directory = os.fspath(path)
-    os.makedirs(directory, exist_ok=True)
-    for stale in os.listdir(directory):  # an old index would shadow a new single-file checkpoint
-        if stale.startswith("model") and ".safetensors" in stale:
-            os.remove(os.path.join(directory, stale))
+    directory = os.path.abspath(os.fspath(path))
+    parent, name = os.path.split(directory)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise CheckpointError(f"{directory} exists and is not a directory; save_pretrained writes a directory")
+    os.makedirs(parent, exist_ok=True)
+    _remove_dead_staging(parent, name)
+    staging = os.path.join(parent, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    os.mkdir(staging)  # not mkdtemp: the export gets the umask's permissions, not 0700
+    try:
+        _write_model_files(staging, config, params, dtype, max_shard_bytes)
+        if not os.path.isdir(directory):
+            os.rename(staging, directory)
+            return
+        for entry in os.listdir(directory):
+            if not _is_model_file(entry):
+                _link_or_copy(os.path.join(directory, entry), os.path.join(staging, entry))
+        _replace_directory(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _is_model_file(entry: str) -> bool:
+    """A file `save_pretrained` writes (replaced, never carried over from a previous export)."""
+    return entry == "config.json" or (entry.startswith("model") and ".safetensors" in entry)
+
+
+def _remove_dead_staging(parent: str, name: str) -> None:
+    """Delete staging directories of earlier `save_pretrained` calls on `name` whose process is gone (killed
+    mid-write)."""
+    prefix = f".{name}.tmp-"
+    for entry in os.listdir(parent):
+        pid = entry[len(prefix):].split("-")[0] if entry.startswith(prefix) else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    """Carry a file or directory over into the new export: hard links where the file system allows, else copies."""
+    def link(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    if os.path.isdir(source) and not os.path.islink(source):
+        shutil.copytree(source, target, symlinks=True, copy_function=link)
+    elif os.path.islink(source):
+        os.symlink(os.readlink(source), target)
+    else:
+        link(source, target)
+
+
+def _replace_directory(new: str, old: str) -> None:
+    """Put directory `new` at path `old`, atomically where the OS can exchange two paths, and delete the old one."""
+    if _exchange(new, old):
+        shutil.rmtree(new)  # `new` now names the previous directory
+        return
+    aside = os.path.join(os.path.dirname(old), f".{os.path.basename(old)}.old-{os.getpid()}-{secrets.token_hex(4)}")
+    os.rename(old, aside)
+    os.rename(new, old)
+    shutil.rmtree(aside)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths in one step (Linux `renameat2(RENAME_EXCHANGE)`); False where the OS or file system can't."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # glibc < 2.28, or another libc
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _write_model_files(directory: str, config: ModelConfig, params: dict, dtype, max_shard_bytes: int) -> None:
+    """`config.json` and the safetensors file(s) into an empty `directory`; the host holds at most one shard plus
+    one parameter."""
     out_dtype = None if dtype is None else jnp.dtype(dtype)
     stored = out_dtype or jnp.dtype(jax.tree_util.tree_leaves(params)[0].dtype)
     hf_config = config.to_hf_dict()
     hf_config["dtype"] = stored.name
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
-    # Shards are written as soon as they fill, so the host holds at most one shard plus one parameter.
     metadata = {"format": "pt"}
-    partial_files: list[tuple[str, list[str]]] = []
+    shard_names: list[list[str]] = []
     shard: dict[str, np.ndarray] = {}
     shard_bytes = total_bytes = 0
 
     def flush():
         nonlocal shard, shard_bytes
-        fname = f"model-{len(partial_files) + 1:05d}.safetensors.partial"
-        save_file(shard, os.path.join(directory, fname), metadata=metadata)
-        partial_files.append((fname, list(shard)))
+        save_file(shard, os.path.join(directory, f"model-{len(shard_names) + 1:05d}.safetensors.partial"),
+                  metadata=metadata)
+        shard_names.append(list(shard))
         shard, shard_bytes = {}, 0
 
     for name, array in _hf_tensors(config, params, out_dtype):
@@ -326,13 +506,14 @@ def save_pretrained(path: str | os.PathLike, config: ModelConfig, params: dict, 
         shard_bytes += array.nbytes
         total_bytes += array.nbytes
     flush()
-    if len(partial_files) == 1:
-        os.replace(os.path.join(directory, partial_files[0][0]), os.path.join(directory, "model.safetensors"))
+    if len(shard_names) == 1:
+        os.replace(os.path.join(directory, "model-00001.safetensors.partial"),
+                   os.path.join(directory, "model.safetensors"))
         return
     weight_map = {}
-    for i, (partial, names) in enumerate(partial_files):
-        fname = f"model-{i + 1:05d}-of-{len(partial_files):05d}.safetensors"
-        os.replace(os.path.join(directory, partial), os.path.join(directory, fname))
+    for i, names in enumerate(shard_names):
+        fname = f"model-{i + 1:05d}-of-{len(shard_names):05d}.safetensors"
+        os.replace(os.path.join(directory, f"model-{i + 1:05d}.safetensors.partial"), os.path.join(directory, fname))
         weight_map.update({name: fname for name in names})
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": int(total_bytes)}, "weight_map": weight_map}, f, indent=2)
