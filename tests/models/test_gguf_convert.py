@@ -96,9 +96,16 @@ def write_tiny_gguf(path, state, *, architecture="llama", tied=False, quantize_f
 
 
 def read_safetensors(directory):
+    """Every tensor of a converted directory, from `model.safetensors` or the shards its index names."""
     from safetensors.numpy import load_file
 
-    return load_file(str(directory / "model.safetensors"))
+    index = directory / "model.safetensors.index.json"
+    if not index.exists():
+        return load_file(str(directory / "model.safetensors"))
+    tensors = {}
+    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        tensors.update(load_file(str(directory / shard)))
+    return tensors
 
 
 def test_unpermute_inverts_llama_cpp_permutation():
@@ -179,7 +186,62 @@ def test_sharded_output_writes_an_index(tmp_path):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
     assert len(shards) > 1 and all((out / s).is_file() for s in shards)
-    assert not list(out.glob("*.tmp"))
+    assert not list(out.glob("*.partial"))
+
+
+def test_a_stale_index_and_shards_of_an_earlier_conversion_are_removed(tmp_path):
+    source = write_tiny_gguf(tmp_path / "t.gguf", tiny_hf_state())
+    out = convert_gguf(source, tmp_path / "hf", tokenizer=False, max_shard_bytes=40_000)
+    (out / "model-00099.safetensors.partial").write_bytes(b"left by a killed conversion")
+    convert_gguf(source, out, tokenizer=False)  # one file now: the old index would shadow it
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert set(read_safetensors(out)) == set(tiny_hf_state())
+
+
+def test_shards_are_streamed_one_tensor_at_a_time(tmp_path, monkeypatch):
+    import weakref
+
+    from trace_jax.models import gguf as gguf_module
+
+    real = gguf_module.iter_hf_tensors
+    alive_counts = []
+
+    def tracked(*args, **kwargs):
+        refs = []
+        for name, array in real(*args, **kwargs):
+            refs.append(weakref.ref(array))
+            del array
+            # the writer may still hold the tensor it wrote last while it asks for the next one, nothing older
+            alive_counts.append(sum(ref() is not None for ref in refs[:-1]))
+            yield name, refs[-1]()
+
+    monkeypatch.setattr(gguf_module, "iter_hf_tensors", tracked)
+    for max_shard_bytes in (2 << 30, 40_000):  # one file, and several shards
+        alive_counts.clear()
+        out = convert_gguf(write_tiny_gguf(tmp_path / "t.gguf", tiny_hf_state()), tmp_path / f"hf{max_shard_bytes}",
+                           tokenizer=False, max_shard_bytes=max_shard_bytes)
+        assert len(alive_counts) == len(tiny_hf_state()) and max(alive_counts) <= 1, alive_counts
+        converted = read_safetensors(out)
+        for name, weight in tiny_hf_state().items():
+            np.testing.assert_array_equal(converted[name], weight, err_msg=name)
+
+
+def test_a_gguf_lacking_a_layer_is_refused_before_anything_is_written(tmp_path):
+    state = tiny_hf_state()
+    path = write_tiny_gguf(tmp_path / "t.gguf", state)
+    reader_cls = gguf.GGUFReader
+
+    class WithoutLastLayer(reader_cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.tensors = [t for t in self.tensors if not t.name.startswith(f"blk.{LAYERS - 1}.attn_norm")]
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(gguf, "GGUFReader", WithoutLastLayer):
+        with pytest.raises(GGUFConversionError, match=f"lacks tensors .*model.layers.{LAYERS - 1}.input_layernorm"):
+            convert_gguf(path, tmp_path / "hf", tokenizer=False)
+    assert not (tmp_path / "hf").exists()
 
 
 def test_unsupported_architecture_names_the_field(tmp_path):

