@@ -64,7 +64,7 @@ def test_a_truncated_latest_step_is_skipped_with_a_warning_and_the_previous_step
     config, optimizer, state = model
     _truncate_largest_file(directory / "3")
     with _checkpointer(directory) as checkpointer:
-        with pytest.warns(CheckpointSkipped, match=r"checkpoint step 3 .* does not restore \(\w+"):
+        with pytest.warns(CheckpointSkipped, match=r"checkpoint step 3 .* does not restore \(ValueError: OUT_OF_RANGE"):
             restored = checkpointer.restore_latest(abstract_train_state(config, optimizer))
         assert restored.step == 2 and restored.host == {"data_position": 20}
         for got, want in zip(jax.tree_util.tree_leaves(restored.state), jax.tree_util.tree_leaves(_state_at(state, 2))):

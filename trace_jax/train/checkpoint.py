@@ -283,10 +283,15 @@ class Checkpointer:
 
 
 def _describe(error: BaseException) -> str:
-    """An exception as one short line: its type and the first line of its message."""
-    lines = str(error).strip().splitlines()
+    """An exception as one short line: the type and first message line of its root cause (orbax wraps tensorstore's
+    informative `ValueError: OUT_OF_RANGE: Error reading "params.embed/0.0" ...` in a generic `Exception`)."""
+    seen = [error]
+    while (cause := seen[-1].__cause__ or seen[-1].__context__) is not None and cause not in seen:
+        seen.append(cause)
+    root = seen[-1]
+    lines = str(root).strip().splitlines()
     text = lines[0] if lines else ""
-    return f"{type(error).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+    return f"{type(root).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
 
 
 def _on_every_process(ok: bool) -> bool:
