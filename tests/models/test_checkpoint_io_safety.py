@@ -239,3 +239,11 @@ def test_without_an_atomic_exchange_two_renames_replace_the_directory(tiny, sing
     assert sorted(os.listdir(single.parent)) == ["hf"]
     _, loaded = models.load_pretrained(single)
     np.testing.assert_array_equal(np.asarray(loaded["embed"]), 2 * np.asarray(params["embed"]))
+
+
+def test_an_export_through_a_symlink_replaces_the_directory_it_names(tiny, single, tmp_path):
+    config, params = tiny
+    (tmp_path / "link").symlink_to(single, target_is_directory=True)
+    models.save_pretrained(tmp_path / "link", config, params)
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "link" / "model.safetensors").is_file()
+    assert sorted(os.listdir(tmp_path)) == ["hf", "link"]

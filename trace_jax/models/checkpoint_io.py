@@ -390,7 +390,7 @@ def save_pretrained(path: str | os.PathLike, config: ModelConfig, params: dict, 
     The replacement is one `renameat2(RENAME_EXCHANGE)` on Linux; elsewhere two renames, and a crash between them
     leaves the previous export at `.NAME.old-PID-XXXX`.
     """
-    directory = os.path.abspath(os.fspath(path))
+    directory = os.path.realpath(os.fspath(path))  # through a symlink: the directory it names is replaced
     parent, name = os.path.split(directory)
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise CheckpointError(f"{directory} exists and is not a directory; save_pretrained writes a directory")

@@ -220,6 +220,8 @@ class Checkpointer:
             if _on_every_process(restored):
                 for bad_step, _ in damaged:
                     self._set_aside(bad_step, "damaged")
+                if damaged:  # every process has the same list: they agreed on each step
+                    _barrier("trace_jax checkpoint set aside")
                 self.manager.reload()
                 return Restored(state, host, step)
             damaged.append((step, reason))
