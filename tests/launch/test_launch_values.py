@@ -198,3 +198,31 @@ def test_stop_refuses_a_pid_file_that_does_not_hold_a_process_id(launch, worker,
 
 def test_stop_without_a_pid_file_does_nothing(launch, worker):
     assert _stop(launch) == (0, [])
+
+
+# -- launch/lib.sh reads check.py's output as data
+
+
+def _preflight(tmp_path, output: bytes, script: str):
+    """Run lib.sh's preflight against a stand-in check.py that prints `output`, then `script`."""
+    launch_dir = tmp_path / "launch"
+    launch_dir.mkdir()
+    (launch_dir / "lib.sh").write_text((REPO / "launch" / "lib.sh").read_text(encoding="utf-8"), encoding="utf-8")
+    (launch_dir / "check.py").write_text(f"import sys\nsys.stdout.buffer.write({output!r})\n", encoding="utf-8")
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
+    return subprocess.run(["bash", "-c", f'set -euo pipefail; source "{launch_dir}/lib.sh"; RUN_NAMES=(); '
+                                         f"preflight; {script}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_preflight_assigns_values_literally_without_running_them(tmp_path):
+    result = _preflight(tmp_path, b"MESH\0$(touch owned) `touch owned2`\0RUN_NAMES[]\0a b\0RUN_NAMES[]\0c\nd\0",
+                        'printf "%s|" "$MESH" "${#RUN_NAMES[@]}" "${RUN_NAMES[@]}"')
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "$(touch owned) `touch owned2`|2|a b|c\nd|"
+    assert not (tmp_path / "owned").exists() and not (tmp_path / "owned2").exists()
+
+
+def test_preflight_refuses_a_name_it_does_not_know(tmp_path):
+    result = _preflight(tmp_path, b"PATH\0/tmp/evil\0", 'echo "$PATH"')
+    assert result.returncode == 2 and "unexpected name PATH" in result.stderr
