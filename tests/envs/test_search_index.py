@@ -1,4 +1,4 @@
-"""BM25 index: same scores and rankings as bm25s, docid tie-break, determinism, save/load next to the corpus."""
+"""BM25 index: same scores and rankings as bm25s, docid tie-break, determinism, save/load (the cache has its own\ntests in test_index_cache.py)."""
 
 import random
 
@@ -97,36 +97,17 @@ def test_empty_corpus_and_stopword_only_corpus():
     assert SearchIndex.build(corpus).search("the", 5) == []
 
 
-def test_save_next_to_corpus_and_load_if_hash_matches(tmp_path, corpus, index):
-    corpus_path = corpus.write_jsonl(tmp_path / "corpus.jsonl")
-    on_disk = Corpus.from_jsonl(corpus_path)
-    built = SearchIndex.load_or_build(on_disk)
-    assert (tmp_path / "corpus.jsonl.bm25" / "trace_jax_index.json").is_file()
-    loaded = SearchIndex.load(on_disk, tmp_path / "corpus.jsonl.bm25")
-    for query in ("river city", "castle market", "lake"):
-        assert loaded.search(query, 10) == built.search(query, 10) == index.search(query, 10)
-
-
-def test_load_or_build_reuses_matching_index_and_rebuilds_stale_one(tmp_path, monkeypatch):
-    path = procedural_corpus(30).write_jsonl(tmp_path / "c.jsonl")
-    SearchIndex.load_or_build(Corpus.from_jsonl(path))
-    calls = []
-    original = SearchIndex.build.__func__
-    monkeypatch.setattr(SearchIndex, "build", classmethod(lambda cls, *a, **k: calls.append(1) or original(cls, *a, **k)))
-    SearchIndex.load_or_build(Corpus.from_jsonl(path))
-    assert calls == []  # reused
-    changed = procedural_corpus(31).write_jsonl(path)
-    rebuilt = SearchIndex.load_or_build(Corpus.from_jsonl(changed))
-    assert calls == [1] and len(rebuilt) == 31
-    with pytest.raises(ValueError, match="different corpus"):
-        SearchIndex.load(procedural_corpus(30), tmp_path / "c.jsonl.bm25")
-
-
-def test_in_memory_corpus_needs_an_explicit_index_dir(corpus, index, tmp_path):
-    with pytest.raises(ValueError, match="pass index_dir="):
-        index.save()
+def test_save_and_load_give_the_same_rankings(tmp_path, corpus, index):
     index.save(tmp_path / "idx")
-    assert SearchIndex.load(corpus, tmp_path / "idx").search("river", 5) == index.search("river", 5)
+    loaded = SearchIndex.load(corpus, tmp_path / "idx")
+    for query in ("river city", "castle market", "lake"):
+        assert loaded.search(query, 10) == index.search(query, 10)
+
+
+def test_load_refuses_an_index_of_another_corpus(tmp_path, index):
+    index.save(tmp_path / "idx")
+    with pytest.raises(ValueError, match="different corpus"):
+        SearchIndex.load(procedural_corpus(30), tmp_path / "idx")
 
 
 def test_top_candidate_pruning_matches_a_full_sort_for_every_topn():
