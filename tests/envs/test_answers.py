@@ -64,7 +64,7 @@ def test_token_f1_partial_overlap_best_alias():
     assert token_f1("Eiffel", "Eiffel Tower") == pytest.approx(2 / 3)
     assert token_f1("Eiffel Tower", ["Louvre", "the Eiffel Tower"]) == 1.0
     assert token_f1("Louvre", "Eiffel Tower") == 0.0 and token_f1(None, "x") == 0.0
-    assert token_f1("the", "a") == 1.0  # both empty after normalisation
+    assert token_f1("the", "a") == 0.0 and token_f1("A.", "a") == 1.0  # article-only answers compare as words
 
 
 def test_gold_answers_must_be_given():

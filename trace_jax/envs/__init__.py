@@ -1,4 +1,5 @@
-"""Search environment: an offline corpus, BM25 search, gpt-oss-style browser tools and answer checking.
+"""Search environment: an offline corpus, BM25 search (cached on disk), gpt-oss-style browser tools over any corpus
+(``corpus_browser``) and answer checking; a synthetic BrowseComp-Plus-sized corpus for benchmarks (``synthetic``).
 
 Also the procedural task family: seeded worlds (``world``), verified multi-hop questions with gold clue chains
 (``tasks``) and an oracle agent that solves them through the tools (``oracle``). Datasets live in ``trace_jax.data``.
@@ -24,6 +25,7 @@ from trace_jax.envs.browser import (
     tool_schemas,
 )
 from trace_jax.envs.corpus import Corpus, CorpusError, Document
+from trace_jax.envs.corpus_browser import corpus_browser, retrieval_noise_filter
 from trace_jax.envs.oracle import (
     SYSTEM_PROMPT,
     OracleConfig,
@@ -35,7 +37,8 @@ from trace_jax.envs.oracle import (
     solve_rate,
     trajectory_vocabulary,
 )
-from trace_jax.envs.search_index import SearchIndex, tokenize
+from trace_jax.envs.search_index import SearchIndex, default_cache_dir, index_key, tokenize
+from trace_jax.envs.synthetic import SyntheticCorpusConfig, synthetic_corpus, synthetic_documents
 from trace_jax.envs.tasks import (
     QUESTION_TYPES,
     Clue,
@@ -82,13 +85,20 @@ __all__ = [
     "Page",
     "RewardResult",
     "SearchIndex",
+    "SyntheticCorpusConfig",
     "ToolError",
     "answer_reward",
+    "corpus_browser",
+    "default_cache_dir",
     "exact_match",
     "extract_answer",
+    "index_key",
     "normalize_answer",
     "observation_templates",
     "parse_arguments",
+    "retrieval_noise_filter",
+    "synthetic_corpus",
+    "synthetic_documents",
     "token_f1",
     "tokenize",
     "tool_schemas",

@@ -145,24 +145,40 @@ def _as_aliases(gold_answers: str | Sequence[str]) -> list[str]:
     return aliases
 
 
+def _comparison_form(text: str) -> str:
+    """``normalize_answer``, or, where that is empty (an answer that is only an article or punctuation, such as the
+    option letter ``A``), the lower-cased words without punctuation: so ``A`` matches ``a`` but not ``the``."""
+    normalized = normalize_answer(text)
+    if normalized or not isinstance(text, str):
+        return normalized
+    text = unicodedata.normalize("NFKC", text).lower()
+    return " ".join("".join(" " if unicodedata.category(ch)[0] in "PS" else ch for ch in text).split())
+
+
+def _gold_forms(gold_answers: str | Sequence[str]) -> list[str]:
+    # An alias with nothing comparable in it (empty, or only spaces) accepts nothing, rather than every answer that
+    # normalises to the empty string.
+    return [form for form in map(_comparison_form, _as_aliases(gold_answers)) if form]
+
+
 def exact_match(prediction: str | None, gold_answers: str | Sequence[str]) -> bool:
-    """True if the normalised prediction equals the normalised form of any gold alias."""
+    """True if the normalised prediction equals the normalised form of any gold alias (an empty alias matches
+    nothing)."""
     if prediction is None:
         return False
-    normalized = normalize_answer(prediction)
-    return any(normalized == normalize_answer(alias) for alias in _as_aliases(gold_answers))
+    predicted = _comparison_form(prediction)
+    return bool(predicted) and predicted in _gold_forms(gold_answers)
 
 
 def token_f1(prediction: str | None, gold_answers: str | Sequence[str]) -> float:
-    """SQuAD-style token F1 between normalised texts, maximised over gold aliases (two empty texts score 1)."""
+    """SQuAD-style token F1 between normalised texts, maximised over gold aliases (empty aliases are skipped)."""
     if prediction is None:
         return 0.0
-    predicted = normalize_answer(prediction).split()
+    predicted = _comparison_form(prediction).split()
     best = 0.0
-    for alias in _as_aliases(gold_answers):
-        gold = normalize_answer(alias).split()
-        if not predicted or not gold:
-            best = max(best, float(predicted == gold))
+    for form in _gold_forms(gold_answers):
+        gold = form.split()
+        if not predicted:
             continue
         common = sum((Counter(predicted) & Counter(gold)).values())
         if common:

@@ -23,14 +23,16 @@ import dataclasses
 import hashlib
 import inspect
 import json
+import os
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from trace_jax.envs.answers import answer_reward
 from trace_jax.envs.browser import BROWSER_INSTRUCTIONS, Browser, Observation, tool_schemas
 from trace_jax.envs.corpus import Corpus
+from trace_jax.envs.corpus_browser import corpus_browser, retrieval_noise_filter  # noqa: F401 (re-exported)
 from trace_jax.envs.search_index import SearchIndex
 from trace_jax.envs.tasks import IDENTIFY_NP, Clue, Task
 from trace_jax.envs.world import FACT_TEMPLATES, LIST_TEMPLATES, World, join_names, vocabulary, words
@@ -128,45 +130,19 @@ def trajectory_vocabulary() -> list[str]:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def retrieval_noise_filter(docids: Sequence[str], rate: float, seed: int = 0
-                           ) -> Callable[[str, list[tuple[str, float]]], list[tuple[str, float]]]:
-    """A ``Browser.result_filter`` that replaces each result, with probability ``rate``, by a random document.
-
-    Deterministic in (seed, query): the same query always shows the same results.
-    """
-    if not 0.0 <= rate <= 1.0:
-        raise ValueError(f"retrieval noise rate must be in [0, 1], got {rate!r}.")
-    all_docids = list(docids)
-
-    def apply(query: str, results: list[tuple[str, float]]) -> list[tuple[str, float]]:
-        if rate == 0.0 or not results:
-            return results
-        digest = hashlib.sha256(f"{seed}:{query}".encode("utf-8")).digest()
-        rng = random.Random(int.from_bytes(digest[:8], "big"))
-        shown = {docid for docid, _ in results}
-        out = []
-        for docid, score in results:
-            if rng.random() < rate:
-                replacement = all_docids[rng.randrange(len(all_docids))]
-                if replacement not in shown:
-                    shown.add(replacement)
-                    docid = replacement
-            out.append((docid, score))
-        return out
-
-    return apply
-
-
 def make_browser(world_or_corpus: World | Corpus, *, snippet_chars: int = 160, view_lines: int = 30,
                  wrap_width: int = 80, retrieval_noise: float = 0.0, noise_seed: int = 0,
-                 index: SearchIndex | None = None) -> Browser:
-    """A browser over a world's corpus with the environment's difficulty knobs (snippet length, retrieval noise)."""
+                 index: SearchIndex | None = None, cache_dir: str | os.PathLike | None = None) -> Browser:
+    """A browser over a world's corpus (or any corpus) with the environment's difficulty knobs: ``corpus_browser``.
+
+    The index is built in memory unless ``cache_dir`` is given (a procedural world's index takes milliseconds);
+    with ``cache_dir`` it is loaded from / saved to that cache like an external corpus's.
+    """
     corpus = world_or_corpus if isinstance(world_or_corpus, Corpus) else Corpus.from_records(
         world_or_corpus.documents, source="world document")
-    result_filter = (retrieval_noise_filter([d.docid for d in corpus], retrieval_noise, noise_seed)
-                     if retrieval_noise > 0 else None)
-    return Browser(corpus, index if index is not None else SearchIndex.build(corpus), snippet_chars=snippet_chars,
-                   view_lines=view_lines, wrap_width=wrap_width, result_filter=result_filter)
+    return corpus_browser(corpus, cache_dir=False if cache_dir is None else cache_dir, index=index,
+                          snippet_chars=snippet_chars, view_lines=view_lines, wrap_width=wrap_width,
+                          retrieval_noise=retrieval_noise, noise_seed=noise_seed)
 
 
 # ------------------------------------------------------------------------------------------------------------------
