@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import math
+import multiprocessing
 import os
 import re
 import shutil
@@ -37,8 +38,8 @@ import time
 import uuid
 import warnings
 from collections import Counter, defaultdict
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -143,18 +144,53 @@ def _count_terms(documents: Sequence[tuple[str, str]], stopwords: frozenset[str]
     return (list(ids), lengths, offsets, np.array(terms, dtype=np.int32), np.array(counts, dtype=np.int32))
 
 
+# The documents a forked worker counts: set by the parent just before forking, read by the children.
+_FORKED_DOCUMENTS: list[tuple[str, str]] = []
+
+
+def _count_forked_shard(bounds: tuple[int, int], stopwords: frozenset[str]):
+    return _count_terms(_FORKED_DOCUMENTS[bounds[0]:bounds[1]], stopwords)
+
+
+def _count_in_workers(documents: list[tuple[str, str]], bounds: list[tuple[int, int]], stopwords: frozenset[str],
+                      workers: int) -> list | None:
+    """``_count_terms`` of each shard in ``workers`` forked processes (``None`` where that fails).
+
+    Forked children read the documents from the parent's memory instead of receiving a pickled copy, and, unlike
+    spawned ones, do not re-run the caller's ``__main__`` (a script without a ``__main__`` guard would otherwise
+    break). They run only this module's pure-Python counting, never JAX, so the JAX threads a parent may hold do
+    not matter; JAX's and Python's warnings about forking a threaded process are silenced for that reason.
+    """
+    global _FORKED_DOCUMENTS
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return None
+    _FORKED_DOCUMENTS = documents
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*fork\(\).*", category=RuntimeWarning)
+            warnings.filterwarnings("ignore", message=r".*fork\(\).*", category=DeprecationWarning)
+            with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
+                return list(pool.map(functools.partial(_count_forked_shard, stopwords=stopwords), bounds))
+    except (BrokenProcessPool, OSError) as error:
+        warnings.warn(f"BM25 build: worker processes failed ({type(error).__name__}: {error}); counting words in "
+                      "this process instead.", RuntimeWarning, stacklevel=4)
+        return None
+    finally:
+        _FORKED_DOCUMENTS = []
+
+
 def _term_counts(documents: list[tuple[str, str]], workers: int):
     """``_count_terms`` over ``documents`` in shards, merged into one vocabulary (first-occurrence order, whatever the
     number of workers): ``(vocab, lengths, doc_of_entry, term_of_entry, count_of_entry)``."""
-    shards = [documents[start:start + _SHARD_DOCS] for start in range(0, len(documents), _SHARD_DOCS)] or [[]]
+    bounds = [(start, min(start + _SHARD_DOCS, len(documents))) for start in range(0, len(documents), _SHARD_DOCS)]
+    bounds = bounds or [(0, 0)]
     # The stopwords travel with the task, so a worker never imports bm25s (and JAX).
-    count = functools.partial(_count_terms, stopwords=_stopwords())
-    if workers > 1 and len(shards) > 1:
-        # spawn, not fork: the parent may hold JAX's threads, which a forked child must not inherit
-        with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
-            results = list(pool.map(count, shards))
-    else:
-        results = [count(shard) for shard in shards]
+    stopwords = _stopwords()
+    results = None
+    if workers > 1 and len(bounds) > 1:
+        results = _count_in_workers(documents, bounds, stopwords, workers)
+    if results is None:
+        results = [_count_terms(documents[start:stop], stopwords) for start, stop in bounds]
     vocab: defaultdict[bytes, int] = defaultdict()
     vocab.default_factory = vocab.__len__
     num_entries = sum(len(result[3]) for result in results)
@@ -178,7 +214,7 @@ def _term_counts(documents: list[tuple[str, str]], workers: int):
 
 
 def _lucene_scores(lengths: np.ndarray, docs: np.ndarray, terms: np.ndarray, counts: np.ndarray, num_terms: int,
-                   k1: float, b: float) -> np.ndarray:
+                   k1: float, b: float, threads: int = 1) -> np.ndarray:
     """bm25s's Lucene BM25 value of every (document, word) entry, with bm25s's arithmetic: idf in float64 through
     ``math.log`` stored as float32, ``tf / (k1 * ((1 - b) + b * len / avg_len) + tf)`` in float64 from float32 tf,
     the product in float64 stored as float32."""
@@ -189,11 +225,23 @@ def _lucene_scores(lengths: np.ndarray, docs: np.ndarray, terms: np.ndarray, cou
     length_norm = np.array([k1 * ((1 - b) + b * int(length) / average_length) for length in lengths.tolist()],
                            dtype=np.float64)
     scores = np.empty(len(terms), dtype=np.float32)
-    step = 1 << 24  # bounds the float64 temporaries
-    for start in range(0, len(terms), step):
-        stop = start + step
-        tf = counts[start:stop].astype(np.float32).astype(np.float64)
-        scores[start:stop] = idf[terms[start:stop]].astype(np.float64) * (tf / (length_norm[docs[start:stop]] + tf))
+
+    idf64 = idf.astype(np.float64)  # exact widening, done once per word instead of once per entry
+
+    def fill(start: int, stop: int) -> None:
+        tf = counts[start:stop].astype(np.float64)  # small integers: the same value as through float32
+        tf /= length_norm[docs[start:stop]] + tf
+        tf *= idf64[terms[start:stop]]
+        scores[start:stop] = tf
+
+    step = 1 << 22  # bounds the float64 temporaries
+    chunks = [(start, start + step) for start in range(0, len(terms), step)]
+    if threads > 1 and len(chunks) > 1:  # numpy releases the GIL inside these array operations
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            list(pool.map(lambda chunk: fill(*chunk), chunks))
+    else:
+        for chunk in chunks:
+            fill(*chunk)
     return scores
 
 
@@ -211,7 +259,8 @@ class SearchIndex:
 
     Build with ``SearchIndex.build(corpus)``, or ``SearchIndex.load_or_build(corpus, cache_dir)`` to reuse the
     index cached for this corpus and these parameters (see the module docstring). Only documents with a positive
-    score are returned, so a query without any indexed word gives ``[]``.
+    score are returned, so a query without any indexed word gives ``[]``. An index fresh from ``build`` has
+    ``build_seconds`` (wall seconds of its phases: ``count``, ``score``, ``matrix``, ``total``); a loaded one has ``{}``.
     """
 
     def __init__(self, corpus: Corpus, *, data: np.ndarray, indices: np.ndarray, indptr: np.ndarray,
@@ -224,6 +273,7 @@ class SearchIndex:
         self._indices = indices if indices.dtype in (np.int32, np.int64) else indices.astype(np.int64)
         self._indptr = indptr if indptr.dtype == np.int64 else indptr.astype(np.int64)
         self._vocab = vocab
+        self.build_seconds: dict[str, float] = {}
         self._num_docs = len(corpus)
         self._docids = corpus.docids
         # Rank of each document's docid in sorted order: the tie-break key for equal scores.
@@ -240,23 +290,33 @@ class SearchIndex:
         corpora over 50M characters; 1 below that, where starting processes costs more than it saves)."""
         k1, b = _check_parameters(k1, b)
         start = time.perf_counter()
+        seconds = {}
         documents = [(document.title, document.text) for document in corpus]
         if workers is None:
             large = sum(len(text) for _, text in documents) >= _PARALLEL_MIN_CHARS
             workers = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
                           8) if large else 1
-        words, lengths, docs, terms, counts = _term_counts(documents, max(1, int(workers)))
+        workers = max(1, int(workers))
+        words, lengths, docs, terms, counts = _term_counts(documents, workers)
+        seconds["count"] = time.perf_counter() - start
         if not words:
             # Nothing indexable (empty corpus or only stopwords): BM25's mean length would be zero.
-            return cls(corpus, data=np.zeros(0, np.float32), indices=np.zeros(0, np.int32),
-                       indptr=np.zeros(1, np.int64), vocab={}, k1=k1, b=b)
-        scores = _lucene_scores(lengths, docs, terms, counts, len(words), k1, b)
-        del counts
-        data, indices, indptr = _csc(scores, docs, terms, len(corpus), len(words))
+            index = cls(corpus, data=np.zeros(0, np.float32), indices=np.zeros(0, np.int32),
+                        indptr=np.zeros(1, np.int64), vocab={}, k1=k1, b=b)
+        else:
+            scores = _lucene_scores(lengths, docs, terms, counts, len(words), k1, b, threads=workers)
+            del counts
+            seconds["score"] = time.perf_counter() - start - sum(seconds.values())
+            data, indices, indptr = _csc(scores, docs, terms, len(corpus), len(words))
+            del scores, docs, terms
+            seconds["matrix"] = time.perf_counter() - start - sum(seconds.values())
+            index = cls(corpus, data=data, indices=indices, indptr=indptr,
+                        vocab={word: i for i, word in enumerate(words)}, k1=k1, b=b)
+        seconds["total"] = time.perf_counter() - start
+        index.build_seconds = seconds
         log.info("built the BM25 index of %d documents (%d words, %d entries) in %.1f s", len(corpus), len(words),
-                 len(data), time.perf_counter() - start)
-        return cls(corpus, data=data, indices=indices, indptr=indptr,
-                   vocab={word: i for i, word in enumerate(words)}, k1=k1, b=b)
+                 len(index._data), seconds["total"])
+        return index
 
     def _meta(self) -> dict:
         return {"key": index_key(self.corpus, k1=self.k1, b=self.b), "corpus_hash": self.corpus.content_hash,
