@@ -2,6 +2,7 @@
 written atomically in bm25s's own format, rebuilt with a warning when damaged."""
 
 import json
+import os
 import warnings
 
 import numpy as np
@@ -165,3 +166,15 @@ def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 def test_invalid_bm25_parameters_are_refused(corpus, parameters, match):
     with pytest.raises(ValueError, match=match):
         index_key(corpus, **parameters)
+
+
+def _die(bounds, stopwords):
+    os._exit(3)
+
+
+def test_a_failing_worker_falls_back_to_counting_in_process(corpus, queries, monkeypatch):
+    monkeypatch.setattr(search_index, "_SHARD_DOCS", 70)
+    monkeypatch.setattr(search_index, "_count_forked_shard", _die)
+    with pytest.warns(RuntimeWarning, match="worker processes failed.*counting words in this process"):
+        index = SearchIndex.build(corpus, workers=2)
+    assert same_results(index, SearchIndex.build(corpus, workers=1), queries)

@@ -39,7 +39,6 @@ import uuid
 import warnings
 from collections import Counter, defaultdict
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -171,7 +170,7 @@ def _count_in_workers(documents: list[tuple[str, str]], bounds: list[tuple[int, 
             warnings.filterwarnings("ignore", message=r".*fork\(\).*", category=DeprecationWarning)
             with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("fork")) as pool:
                 return list(pool.map(functools.partial(_count_forked_shard, stopwords=stopwords), bounds))
-    except (BrokenProcessPool, OSError) as error:
+    except Exception as error:  # BrokenProcessPool, OSError, pickling; a bug in the counting re-raises in-process
         warnings.warn(f"BM25 build: worker processes failed ({type(error).__name__}: {error}); counting words in "
                       "this process instead.", RuntimeWarning, stacklevel=4)
         return None
