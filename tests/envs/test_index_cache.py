@@ -4,6 +4,7 @@ written atomically in bm25s's own format, rebuilt with a warning when damaged.""
 import json
 import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -54,6 +55,13 @@ def test_second_construction_loads_instead_of_building(tmp_path, corpus, queries
     assert same_results(first, second, queries)
 
 
+def test_concurrent_callers_build_once(tmp_path, corpus, queries, builds):
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        indexes = list(pool.map(lambda _: SearchIndex.load_or_build(corpus, tmp_path), range(3)))
+    assert len(builds) == 1
+    assert all(same_results(index, indexes[0], queries) for index in indexes)
+
+
 def test_an_identical_corpus_read_again_uses_the_same_entry(tmp_path, corpus, builds):
     SearchIndex.load_or_build(corpus, tmp_path)
     reread = Corpus.from_jsonl(corpus.write_jsonl(tmp_path / "corpus.jsonl"))
@@ -77,7 +85,7 @@ def test_changed_bm25_parameters_get_a_new_key(tmp_path, corpus, builds, paramet
     index = SearchIndex.load_or_build(corpus, tmp_path, **parameters)
     assert len(builds) == 2
     assert (index.k1, index.b) == (parameters.get("k1", 1.5), parameters.get("b", 0.75))
-    assert len({p.name for p in tmp_path.iterdir()}) == 2
+    assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2
 
 
 @pytest.mark.parametrize("damage", ["truncate data", "delete vocab", "garbage metadata", "wrong entry count"])
@@ -103,9 +111,10 @@ def test_a_damaged_entry_is_rebuilt_with_a_warning(tmp_path, corpus, queries, bu
     assert len(builds) == 2
 
 
-def test_writes_leave_no_temporary_directories(tmp_path, corpus):
+def test_writes_leave_only_the_entry_and_its_lock_file(tmp_path, corpus):
     SearchIndex.load_or_build(corpus, tmp_path)
-    assert [p.name for p in tmp_path.iterdir()] == [index_key(corpus)]
+    key = index_key(corpus)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{key}.lock", key]
 
 
 def test_saving_over_a_complete_entry_keeps_it(tmp_path, corpus):
@@ -114,7 +123,7 @@ def test_saving_over_a_complete_entry_keeps_it(tmp_path, corpus):
     before = (entry / "data.csc.index.npy").stat().st_mtime_ns
     index.save(entry)  # a second writer finishing later
     assert (entry / "data.csc.index.npy").stat().st_mtime_ns == before
-    assert [p.name for p in tmp_path.iterdir()] == [entry.name]
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == [entry.name]
 
 
 def test_the_cached_index_is_bm25s_own_format(tmp_path, corpus, queries):

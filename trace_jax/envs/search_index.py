@@ -17,7 +17,8 @@ values in the same query-token order as bm25s, so scores are identical; ranking 
 hashes the corpus content, ``k1``, ``b``, the tokenizer and the format: a changed corpus or parameter is a new key,
 an unchanged one is loaded (memory-mapped, so processes share the pages) instead of built. Writes go to a temporary
 directory renamed into place, so a reader sees a whole index or none; an entry that fails to load is rebuilt with a
-warning. ``default_cache_dir()`` is ``$TRACE_JAX_CACHE/bm25``, else ``$XDG_CACHE_HOME/trace_jax/bm25``, else
+warning; concurrent callers on one host take turns on a lock file, so one builds and the others load.
+``default_cache_dir()`` is ``$TRACE_JAX_CACHE/bm25``, else ``$XDG_CACHE_HOME/trace_jax/bm25``, else
 ``~/.cache/trace_jax/bm25``; a run passes ``<run dir>/bm25`` or a shared directory.
 
 It knows about documents and text only: no tools, pages or tasks.
@@ -25,6 +26,7 @@ It knows about documents and text only: no tools, pages or tasks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -40,7 +42,7 @@ import warnings
 from collections import Counter, defaultdict
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -253,6 +255,23 @@ def _csc(scores: np.ndarray, docs: np.ndarray, terms: np.ndarray, num_docs: int,
     return matrix.data, matrix.indices.astype(np.int32, copy=False), matrix.indptr.astype(np.int64, copy=False)
 
 
+@contextlib.contextmanager
+def _entry_lock(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``path`` (``flock``) for the duration; a no-op where ``fcntl`` is missing.
+    Writes stay atomic without it (temp dir + rename); the lock only spares concurrent callers a duplicate build."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    with open(path, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 class SearchIndex:
     """BM25 index over a corpus. ``search(query, topn) -> [(docid, score), ...]``, best first.
 
@@ -379,20 +398,26 @@ class SearchIndex:
     def load_or_build(cls, corpus: Corpus, cache_dir: str | os.PathLike | None = None, *, k1: float = DEFAULT_K1,
                       b: float = DEFAULT_B, workers: int | None = None) -> "SearchIndex":
         """The index of ``corpus`` from ``cache_dir/<index_key>/`` (default ``default_cache_dir()``); built and
-        saved there if absent, rebuilt with a warning if the entry cannot be loaded."""
+        saved there if absent, rebuilt with a warning if the entry cannot be loaded.
+
+        Callers on one host that ask for the same entry at once (the training loop and an evaluation process, say)
+        take turns on a lock file beside it, so one builds and the others load what it saved.
+        """
         k1, b = _check_parameters(k1, b)
         index_dir = Path(cache_dir if cache_dir is not None else default_cache_dir()) / index_key(corpus, k1=k1, b=b)
-        if index_dir.exists():
-            try:
-                return cls.load(corpus, index_dir)
-            except Exception as error:  # any damage (missing file, bad JSON, truncated array): rebuild
-                warnings.warn(f"BM25 index cache entry {index_dir} could not be loaded "
-                              f"({type(error).__name__}: {str(error)[:200]}); rebuilding it.", RuntimeWarning,
-                              stacklevel=2)
-                shutil.rmtree(index_dir, ignore_errors=True)
-        index = cls.build(corpus, k1=k1, b=b, workers=workers)
-        index.save(index_dir)
-        return index
+        index_dir.parent.mkdir(parents=True, exist_ok=True)
+        with _entry_lock(index_dir.with_name(f".{index_dir.name}.lock")):
+            if index_dir.exists():
+                try:
+                    return cls.load(corpus, index_dir)
+                except Exception as error:  # any damage (missing file, bad JSON, truncated array): rebuild
+                    warnings.warn(f"BM25 index cache entry {index_dir} could not be loaded "
+                                  f"({type(error).__name__}: {str(error)[:200]}); rebuilding it.", RuntimeWarning,
+                                  stacklevel=2)
+                    shutil.rmtree(index_dir, ignore_errors=True)
+            index = cls.build(corpus, k1=k1, b=b, workers=workers)
+            index.save(index_dir)
+            return index
 
     # Querying -----------------------------------------------------------------------------------------------------
 
