@@ -169,8 +169,9 @@ def main() -> None:
           f"vocabulary {loaded.vocabulary_size:,} words; generated in {generate_s:.0f} s\n")
     print("| measure | value | target |")
     print("|---|---|---|")
-    print(f"| index build, wall | {build_s:.1f} s | <= {TARGET_BUILD_S:.0f} s on 2 cores: "
-          f"{verdict(build_s <= TARGET_BUILD_S)} |")
+    build_verdict = (verdict(build_s <= TARGET_BUILD_S) if args.docs >= 100_000
+                     else "(the target is for 100,000 documents)")
+    print(f"| index build, wall | {build_s:.1f} s | <= {TARGET_BUILD_S:.0f} s on 2 cores: {build_verdict} |")
     print(f"| index build, CPU (this process + workers) | {build_cpu[0]:.1f} + {build_cpu[1]:.1f} s | |")
     print(f"| index build phases, wall: count words / score / CSC matrix | {phases['count']:.1f} / "
           f"{phases['score']:.1f} / {phases['matrix']:.1f} s | |")
