@@ -18,7 +18,8 @@ FILLER = ("The archive holds letters, ledgers and maps from several centuries. E
           "a short note by the clerk who filed it. ") * 6
 EVIDENCE = [
     {"docid": "e1", "url": "https://archive.example/orlan-bridge", "title": "Orlan Bridge",
-     "text": "Orlan Bridge crosses the Tesk river.\nIt was designed by the engineer Mira Halvorsen in 1891.\n" + FILLER},
+     "text": "Orlan Bridge crosses the Tesk river.\nIt was designed by the engineer Mira Halvorsen in 1891.\n"
+             + FILLER},
     {"docid": "e2", "title": "Mira Halvorsen",
      "text": "Mira Halvorsen was an engineer.\nShe was born in the harbour town of Quellport.\n" + FILLER},
 ]

@@ -25,7 +25,8 @@ def corpus():
 
 @pytest.fixture(scope="module")
 def queries(corpus):
-    words = tokenize(max(corpus, key=lambda d: len(d.text)).text)  # queries with at least one indexed word (bm25s refuses others)
+    # Queries with at least one indexed word (bm25s's get_scores refuses others).
+    words = tokenize(max(corpus, key=lambda d: len(d.text)).text)
     return [f"{words[0]} xylophone", corpus[8].title] + [" ".join(words[i:i + 3]) for i in range(0, 30, 3)]
 
 

@@ -2,11 +2,11 @@
 
 The index is a bm25s Lucene BM25 matrix (``k1``/``b`` as given): documents x words, CSC, float32. It is built here
 rather than by ``bm25s.BM25.index``, which needs every document as a Python list of token ids (8 bytes a token, 4 GB
-for BrowseComp-Plus's 500M words) and counts them twice in Python loops; at that scale it takes ~10 minutes on one
-core. The build here counts each document's words once (ASCII text through ``bytes.translate`` + ``split``, other
-text through the ``\\w+`` regex: the same tokens), optionally in worker processes, and evaluates bm25s's formulas in
-bm25s's float32/float64 order, so the matrix is identical to ``bm25s.BM25.index``'s (tested) and bm25s can load and
-query the saved index.
+for BrowseComp-Plus's 500M words) and counts them twice in Python loops; at that scale it took ~11 minutes under
+load (extrapolated from 1,000 documents). The build here counts each document's words once (ASCII text through
+``bytes.translate`` + ``split``, other text through the ``\\w+`` regex: the same tokens), optionally in worker
+processes, and evaluates bm25s's formulas in bm25s's float32/float64 order, so the matrix is identical to
+``bm25s.BM25.index``'s (tested) and bm25s can load and query the saved index.
 
 Queries are scored here, not through ``bm25s.BM25.retrieve``: the per-call overhead of ``retrieve`` is several times
 the actual work, and the browser calls ``search`` once per tool step. Scoring accumulates the same float32 posting
@@ -278,7 +278,8 @@ class SearchIndex:
     Build with ``SearchIndex.build(corpus)``, or ``SearchIndex.load_or_build(corpus, cache_dir)`` to reuse the
     index cached for this corpus and these parameters (see the module docstring). Only documents with a positive
     score are returned, so a query without any indexed word gives ``[]``. An index fresh from ``build`` has
-    ``build_seconds`` (wall seconds of its phases: ``count``, ``score``, ``matrix``, ``total``); a loaded one has ``{}``.
+    ``build_seconds`` (wall seconds of its phases: ``count``, ``score``, ``matrix``, ``total``); a loaded one has
+    ``{}``.
     """
 
     def __init__(self, corpus: Corpus, *, data: np.ndarray, indices: np.ndarray, indptr: np.ndarray,
