@@ -26,7 +26,7 @@ import itertools
 import re
 import shlex
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import gin
 
@@ -95,15 +95,20 @@ def _sweep(name: str, base: Sequence[str], axes: Mapping[str, Sequence[Any]], pa
                  params=tuple(params))
 
 
-_SWEEP_SCOPE = "trace_jax.sweep"
+_SPEC_SCOPE = "trace_jax.sweep"
 
 
-def load_sweep(path: str) -> Sweep:
-    """Parse a sweep file. Raises `gin_setup.ConfigError` naming the file and the problem."""
+def parse_spec_file(path: str, name: str, build: Callable[..., Any], expected: str) -> Any:
+    """Parse a gin file that configures one function, `name`, on its own (apart from any run's config), and call it.
+
+    The file's bindings are `<name>.<argument> = ...`; `build` receives them and returns the parsed object. Raises
+    `gin_setup.ConfigError` naming the file, the problem and `expected` (what the file should hold). Shared by sweep
+    and study files.
+    """
     try:
-        configurable = gin.get_configurable(f"{_SWEEP_SCOPE}.sweep")
+        configurable = gin.get_configurable(f"{_SPEC_SCOPE}.{name}")
     except ValueError:
-        configurable = gin.external_configurable(_sweep, name="sweep", module=_SWEEP_SCOPE)
+        configurable = gin.external_configurable(build, name=name, module=_SPEC_SCOPE)
     resolved = gin_setup._resolve(path)
     gin_setup._set_include_paths()
     gin.clear_config()
@@ -111,14 +116,19 @@ def load_sweep(path: str) -> Sweep:
         gin.parse_config_files_and_bindings([resolved], [], finalize_config=False)
         return configurable()
     except (ValueError, SyntaxError, TypeError) as error:
-        raise gin_setup.ConfigError(f"sweep file {resolved}: {str(error).splitlines()[0]} (expected sweep.name, "
-                                    "sweep.base, sweep.axes and optionally sweep.params; see "
-                                    "trace_jax/train/sweep.py)") from None
+        raise gin_setup.ConfigError(f"{name} file {resolved}: {str(error).splitlines()[0]} ({expected})") from None
     finally:
         gin.clear_config()
 
 
-def _value_text(value: Any) -> str:
+def load_sweep(path: str) -> Sweep:
+    """Parse a sweep file. Raises `gin_setup.ConfigError` naming the file and the problem."""
+    return parse_spec_file(path, "sweep", _sweep, "expected sweep.name, sweep.base, sweep.axes and optionally "
+                           "sweep.params; see trace_jax/train/sweep.py")
+
+
+def value_text(value: Any) -> str:
+    """A value as a directory-safe piece of a run name (`0.2`, `trace_raw_delta`, `configs_credit_grpo.gin`)."""
     text = value if isinstance(value, str) else repr(value)
     return re.sub(r"[^\w.+-]+", "_", text).strip("_") or "empty"
 
@@ -131,17 +141,17 @@ def expand(sweep: Sweep, runs_root: str = "runs/sweeps") -> list[Run]:
         shorts = [binding.split("/")[-1] for binding in keys]
     runs = []
     for values in itertools.product(*(values for _, values in sweep.axes)):
-        name = ",".join(f"{short}={_value_text(v)}" for short, v in zip(shorts, values))
+        name = ",".join(f"{short}={value_text(v)}" for short, v in zip(shorts, values))
         params = sweep.params + tuple(f"{key} = {value!r}" for key, value in zip(keys, values))
         runs.append(Run(name=name, gin_files=sweep.base, gin_params=params,
                         run_dir=str(Path(runs_root) / sweep.name / name)))
     return runs
 
 
-def validate_runs(runs: Sequence[Run]) -> None:
+def validate_runs(runs: Sequence[Run], what: str = "sweep") -> None:
     """Parse every run's config (no compute) so a bad axis fails before the first run starts."""
     for run in runs:
         try:
             gin_setup.parse(run.gin_files, run.gin_params)
         except gin_setup.ConfigError as error:
-            raise gin_setup.ConfigError(f"sweep run {run.name!r}: {error}") from None
+            raise gin_setup.ConfigError(f"{what} run {run.name!r}: {error}") from None
