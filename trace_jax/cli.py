@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("trace_jax.train.cli", "RL of a search agent on gin configs (no arguments: the embedded default)"),
     "eval": ("trace_jax.train.cli", "held-out evaluation of a saved step of a training run"),
     "sweep": ("trace_jax.train.cli", "expand a sweep gin file into runs; run them in sequence or print commands"),
+    "study": ("trace_jax.train.study", "methods x seeds (+ ablations) as resumable runs; results.json and plots"),
     "plan": ("trace_jax.train.plan", "AOT-compile a config's train/score/decode programs for a TPU topology: HBM fit"),
 }
 
