@@ -164,6 +164,7 @@ def test_results_aggregate_mean_and_std_over_seeds_per_method(tmp_path):
     assert grpo["accuracy"]["mean"] == pytest.approx([0.15, 0.45])
     assert grpo["accuracy"]["std"] == pytest.approx([statistics.stdev([0.1, 0.2]), statistics.stdev([0.3, 0.6])])
     assert grpo["final_accuracy"]["mean"] == pytest.approx(0.45)
+    assert grpo["initial_accuracy"]["per_seed"] == [0.1, 0.2]  # the warm start's spread over seeds
     assert grpo["tool_calls"]["mean"] == pytest.approx([4.5, 6.5])
     assert grpo["tool_calls_per_episode"] == pytest.approx(5.5)
     assert grpo["median_step_seconds"] == pytest.approx(2.5)  # median over seeds of each seed's median (2, 3)

@@ -284,10 +284,11 @@ def _group(arm_figures: Mapping[int, dict]) -> dict:
         out[name] = {"steps": steps, "per_seed": {str(seed): [per_seed[seed][step] for step in steps]
                                                   for seed in seeds},
                      "mean": [m for m, _ in stats], "std": [s for _, s in stats]}
-    finals = [arm_figures[seed]["accuracy"][max(arm_figures[seed]["accuracy"])] for seed in seeds
-              if arm_figures[seed]["accuracy"]]
-    mean, std = _mean_std(finals) if finals else (None, None)
-    out["final_accuracy"] = {"per_seed": finals, "mean": mean, "std": std}
+    for key, pick in (("initial_accuracy", min), ("final_accuracy", max)):  # step 0 (after any warm start), last
+        values = [arm_figures[seed]["accuracy"][pick(arm_figures[seed]["accuracy"])] for seed in seeds
+                  if arm_figures[seed]["accuracy"]]
+        mean, std = _mean_std(values) if values else (None, None)
+        out[key] = {"per_seed": values, "mean": mean, "std": std}
     calls = [statistics.fmean(arm_figures[seed]["tool_calls"].values()) for seed in seeds
              if arm_figures[seed]["tool_calls"]]
     out["tool_calls_per_episode"] = statistics.fmean(calls) if calls else None
