@@ -74,6 +74,23 @@ def test_shipped_study_files_expand_and_every_arm_config_parses():
     validate_runs([main[0].run, main[-1].run, ablations[0].run], what="study")
 
 
+def test_an_arm_with_an_earlier_arms_config_shares_its_run(tmp_path):
+    study = load_study(_write(tmp_path, SMALL.replace("[0, 5]", "[3, 5]")))  # trace.gin's horizon is 3
+    from trace_jax.train.sweep import validate_runs
+
+    arms = expand(study, tmp_path / "out")
+    arms = study_module.mark_repeats(arms, validate_runs([a.run for a in arms], what="study"))
+    assert [a.repeat_of for a in arms] == ["", "", "", "", "trace/seed0", ""]
+    assert arms[4].run.run_dir == arms[1].run.run_dir
+    ran = []
+    done = lambda arm: (ran.append(arm.name), _fake_arm(Path(arm.run.run_dir), {0: 0.1, 2: 0.4}, {1: 1.0},  # noqa
+                                                        [1.0]), 0)[-1]
+    assert run_study(study, tmp_path / "out", done, arms, log=lambda _: None, plots=False) == 0
+    assert "ablation/horizon=3/seed0" not in ran and len(ran) == 5
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["ablations"]["horizon=3"]["final_accuracy"]["mean"] == pytest.approx(0.4)
+
+
 def test_bad_study_file_names_the_file_and_binding(tmp_path):
     path = _write(tmp_path, SMALL.replace("study.seeds = [0, 1]", "study.seeds = [0, 0]"))
     with pytest.raises(ConfigError, match=r"s\.gin.*study\.seeds"):

@@ -25,7 +25,8 @@ task order); the task splits and the world stay fixed, so every arm is evaluated
 
 Arms run in sequence through `trace_jax.train.cli.run_train`, the code path of `trace-jax train`. Resume: an arm
 whose run directory holds `summary.json` is finished and skipped; an unfinished one is rerun in its directory,
-where `train` resumes from its checkpoint. Each arm's directory records its bindings (`study_arm.json`); a rerun
+where `train` resumes from its checkpoint. An arm whose parsed config equals an earlier arm's (`mark_repeats`)
+shares that arm's run instead of repeating it. Each arm's directory records its bindings (`study_arm.json`); a rerun
 whose arm has other bindings stops with an error instead of mixing configs. After every arm, `results.json` and the
 plots are rewritten from the finished arms (`aggregate`), so a partial study has partial results.
 
@@ -146,6 +147,7 @@ class Arm:
     seed: int
     run: Run
     ablation: tuple[str, Any] | None = None
+    repeat_of: str = ""  # an earlier arm with an equal config: this one shares its run directory, not run again
 
     @property
     def name(self) -> str:
@@ -194,6 +196,22 @@ def expand(study: Study, directory: str | Path) -> list[Arm]:
     return arms
 
 
+def mark_repeats(arms: Sequence[Arm], configs: Sequence[Any]) -> list[Arm]:
+    """Arms whose parsed config (`gin_setup.parse`) equals an earlier arm's share that arm's run: `repeat_of` names
+    it and the run directory is its (e.g. the K = 3 and alpha_turn = 0.2 ablations of a method whose defaults they
+    are). `configs[i]` is arm i's config."""
+    if len(configs) != len(arms):
+        raise ValueError(f"mark_repeats: {len(arms)} arms but {len(configs)} configs")
+    out: list[Arm] = []
+    for index, (arm, config) in enumerate(zip(arms, configs)):
+        first = next((out[j] for j in range(index) if configs[j] == config and not out[j].repeat_of), None)
+        if first is not None:
+            arm = dataclasses.replace(arm, repeat_of=first.name,
+                                      run=dataclasses.replace(arm.run, run_dir=first.run.run_dir))
+        out.append(arm)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ running
 def arm_finished(arm: Arm) -> bool:
     return (Path(arm.run.run_dir) / SUMMARY_FILE).exists()
@@ -224,16 +242,19 @@ def _claim_directory(arm: Arm) -> None:
 RunArm = Callable[[Arm], int]
 
 
-def run_study(study: Study, directory: str | Path, run_arm: RunArm, *, log: Callable[[str], None] = print,
-              plots: bool = True) -> int:
-    """Run a study's unfinished arms in sequence with `run_arm` (returns an exit status), writing `results.json`
-    (and plots) after each. Returns 0 when every arm finished, else the first failing status (an arm that returns
-    0 without a `summary.json`, i.e. stopped by a signal, gives 3)."""
+def run_study(study: Study, directory: str | Path, run_arm: RunArm, arms: Sequence[Arm] | None = None, *,
+              log: Callable[[str], None] = print, plots: bool = True) -> int:
+    """Run a study's unfinished arms (default `expand(study, directory)`) in sequence with `run_arm` (returns an
+    exit status), writing `results.json` (and plots) after each. Returns 0 when every arm finished, else the first
+    failing status (an arm that returns 0 without a `summary.json`, i.e. stopped by a signal, gives 3)."""
     directory = Path(directory)
-    arms = expand(study, directory)
+    arms = expand(study, directory) if arms is None else list(arms)
     directory.mkdir(parents=True, exist_ok=True)
     status = 0
     for index, arm in enumerate(arms):
+        if arm.repeat_of:
+            log(f"study arm {index + 1}/{len(arms)}: {arm.name} has the config of {arm.repeat_of}: shares its run")
+            continue
         _claim_directory(arm)
         if arm_finished(arm):
             log(f"study arm {index + 1}/{len(arms)}: {arm.name} finished before, skipped")
@@ -306,7 +327,8 @@ def aggregate(study: Study, directory: str | Path, arms: Sequence[Arm] | None = 
     listing = []
     for arm in arms:
         finished = arm_finished(arm)
-        listing.append({"name": arm.name, "run_dir": arm.run.run_dir, "finished": finished})
+        listing.append({"name": arm.name, "run_dir": arm.run.run_dir, "finished": finished,
+                        **({"repeat_of": arm.repeat_of} if arm.repeat_of else {})})
         if not finished:
             continue
         figures = arm_results(arm.run.run_dir)
@@ -405,13 +427,13 @@ def run(args: argparse.Namespace) -> int:
         study = load_study(args.study_file)
         directory = Path(args.dir or Path("runs/studies") / study.name)
         arms = expand(study, directory)
-        validate_runs([arm.run for arm in arms], what=f"study {args.study_file}")
+        arms = mark_repeats(arms, validate_runs([arm.run for arm in arms], what=f"study {args.study_file}"))
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.print_only:
         for arm in arms:
-            print(arm.run.command())
+            print(f"# {arm.name}: the run of {arm.repeat_of}" if arm.repeat_of else arm.run.command())
         return 0
     if args.results_only:
         write_results(study, directory, arms)
@@ -421,7 +443,7 @@ def run(args: argparse.Namespace) -> int:
         return run_train(arm.run.gin_files, arm.run.gin_params, arm.run.run_dir, progress=not args.no_progress)
 
     try:
-        return run_study(study, directory, run_arm)
+        return run_study(study, directory, run_arm, arms)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -148,10 +148,12 @@ def expand(sweep: Sweep, runs_root: str = "runs/sweeps") -> list[Run]:
     return runs
 
 
-def validate_runs(runs: Sequence[Run], what: str = "sweep") -> None:
-    """Parse every run's config (no compute) so a bad axis fails before the first run starts."""
+def validate_runs(runs: Sequence[Run], what: str = "sweep") -> list[gin_setup.RunConfig]:
+    """Parse every run's config (no compute) so a bad axis fails before the first run starts; returns them."""
+    configs = []
     for run in runs:
         try:
-            gin_setup.parse(run.gin_files, run.gin_params)
+            configs.append(gin_setup.parse(run.gin_files, run.gin_params))
         except gin_setup.ConfigError as error:
             raise gin_setup.ConfigError(f"{what} run {run.name!r}: {error}") from None
+    return configs
