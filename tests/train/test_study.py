@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -100,12 +97,13 @@ def test_bad_study_file_names_the_file_and_binding(tmp_path):
         load_study(path)
 
 
-def test_bad_binding_in_an_arm_names_the_study_file_arm_and_binding(tmp_path):
+def test_bad_binding_in_an_arm_names_the_study_file_arm_and_binding(tmp_path, capsys):
+    from trace_jax.cli import main
+
     path = _write(tmp_path, SMALL.replace("'TrainConfig.steps = 2'", "'TrainConfig.stepz = 2'"))
-    out = subprocess.run([sys.executable, "-m", "trace_jax.cli", "study", path, "--print"], cwd=REPO,
-                         capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert out.returncode == 2
-    assert "s.gin" in out.stderr and "grpo/seed0" in out.stderr and "stepz" in out.stderr
+    assert main(["study", path, "--print"]) == 2
+    err = capsys.readouterr().err
+    assert "s.gin" in err and "grpo/seed0" in err and "stepz" in err
 
 
 def _fake_arm(directory: Path, accuracy: dict[int, float], tool_calls: dict[int, float], seconds: list[float],
@@ -193,6 +191,7 @@ def test_results_aggregate_mean_and_std_over_seeds_per_method(tmp_path):
     assert {p.name for p in (out / "plots").iterdir()} == {"accuracy.png", "tool_calls.png", "ablations.png"}
 
 
+@pytest.mark.slow  # ~15-60 s under load (compiles one rollout, update and evaluation)
 def test_study_command_runs_one_real_arm_end_to_end(tmp_path, capsys):
     path = _write(tmp_path, """
 study.name = 'e2e'

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from trace_jax.train.gin_setup import ConfigError
-from trace_jax.train.metrics import METRICS_FILE, SUMMARY_FILE, read_metrics
+from trace_jax.train.metrics import SUMMARY_FILE, read_metrics
 from trace_jax.train.sweep import Run, parse_spec_file, validate_runs, value_text
 
 # Every config field a study's seed sets: TrainConfig.seed seeds the fresh policy's init, the warm start's batch
