@@ -2,7 +2,7 @@
 
 A study file is gin, parsed on its own like a sweep file (`sweep.parse_spec_file`)::
 
-    # configs/studies/main.gin
+    # a study file (configs/studies/main.gin is one)
     study.name = 'main'                                   # default directory: runs/studies/main
     study.base = ['configs/study.gin']                    # gin files of every arm, in order
     study.params = ['TrainConfig.steps = 20']             # optional bindings every arm adds
