@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trace_jax import credit
@@ -137,6 +137,55 @@ def test_missing_or_float_anchor_keys_are_named():
         credit.compute_advantages("gigpo", inputs._replace(anchor_keys=None), check=True)
     with pytest.raises(ValueError, match="anchor_key_ids"):
         credit.compute_advantages("gigpo", inputs._replace(anchor_keys=inputs.anchor_keys * 1.0), check=True)
+
+
+def random_observations(seed):
+    """GROUPS prompts x G trajectories whose tool calls see one of three pages, so equal current observations are
+    reached through different histories."""
+    rng = np.random.default_rng(seed)
+    n = GROUPS * G
+    num_turns = rng.integers(0, T + 1, size=n)
+    rewards = rng.integers(0, 2, size=n).astype(np.float32)
+    observations = [[f"page {rng.integers(0, 3)}" for _ in range(num_turns[i])] for i in range(n)]
+    return rewards, np.repeat(np.arange(GROUPS), G), num_turns, observations
+
+
+@settings(max_examples=10)
+@given(st.integers(0, 10_000), st.sampled_from(["population", "none"]))
+def test_observation_anchors_equal_a_plain_loop_over_current_observations(seed, step_std):
+    rewards, group_id, num_turns, observations = random_observations(seed)
+    keys = [credit.state_keys(obs, "observation") for obs in observations]
+    result = credit.compute_advantages("gigpo", inputs_for(rewards, group_id, num_turns, keys), check=True,
+                                       step_std=step_std)
+    want = ref.gigpo_current_observation_ref(rewards, group_id, observations, num_turns, step_std=step_std)
+    for i, row in enumerate(want):
+        np.testing.assert_allclose(result.per_turn[i, :len(row)], row, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(result.per_turn[i, len(row):], 0.0)
+
+
+def test_observation_anchors_group_steps_that_reach_one_page_by_different_paths():
+    """Row 0 reads page A then C, row 1 page B then C: by observation their third steps share the anchor C (and
+    compare returns), by history they do not (each is alone: step advantage 0)."""
+    rewards = np.array([1.0, 0.0], np.float32)
+    observations = [["A", "C"], ["B", "C"]]
+    num_turns = np.array([2, 2])
+    per_turn = {}
+    for anchor in ("observation", "history"):
+        keys = [credit.state_keys(obs, anchor) for obs in observations]
+        per_turn[anchor] = np.asarray(credit.compute_advantages(
+            "gigpo", inputs_for(rewards, np.array([0, 0]), num_turns, keys)).per_turn)
+    outcome = np.array([1.0, -1.0])
+    np.testing.assert_allclose(per_turn["history"][:, 2], outcome, atol=1e-6)
+    np.testing.assert_allclose(per_turn["observation"][:, 2], outcome + np.array([1.0, -1.0]), atol=1e-6)
+    np.testing.assert_allclose(per_turn["observation"][:, 1], per_turn["history"][:, 1], atol=1e-6)
+
+
+def test_observation_is_the_default_anchor_and_the_initial_state_is_shared():
+    assert credit.CreditConfig().gigpo_anchor == "observation"
+    a, b = credit.state_keys(["x", "y"]), credit.state_keys(["z", "y"])
+    assert a[0] == b[0] and a[1] != b[1] and a[2] == b[2]
+    with pytest.raises(ValueError, match="CreditConfig.gigpo_anchor"):
+        credit.state_keys(["x"], "page")
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ def random_batch(seed, with_abc=False):
         step_rewards=jnp.asarray(rng.uniform(0, 2, size=(N, T + 1)).astype(np.float32)) if with_abc else None,
         num_steps=jnp.asarray(num_turns + 1) if with_abc else None,
         anchor_keys=jnp.asarray(rng.integers(0, 3, size=(N, T + 1)).astype(np.int32)) if with_abc else None,
+        correct=jnp.asarray(rng.integers(0, 2, size=N).astype(bool)) if with_abc else None,
     )
     return inputs
 

@@ -21,14 +21,16 @@ def _inputs(seed=0):
     mask[:, 0] = 0
     mask[2] = 0  # a row with no trained token
     return dict(logp=logp, behaviour=logp + 0.5 * rs.randn(N, L), advantages=rs.randn(N, L),
-                mask=mask, reference=logp + 0.4 * rs.randn(N, L), entropy=np.abs(rs.randn(N, L)))
+                mask=mask, reference=logp + 0.4 * rs.randn(N, L), entropy=np.abs(rs.randn(N, L)),
+                sampler=logp + 0.5 * rs.randn(N, L) + 0.1 * rs.randn(N, L))
 
 
 def _batch(x):
     f = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
     return train.LossBatch(tokens=jnp.zeros((N, L), jnp.int32), positions=jnp.zeros((N, L), jnp.int32),
                            loss_mask=f(x["mask"]), advantages=f(x["advantages"]),
-                           behaviour_logprobs=f(x["behaviour"]), reference_logprobs=f(x["reference"]))
+                           behaviour_logprobs=f(x["behaviour"]), reference_logprobs=f(x["reference"]),
+                           sampler_logprobs=f(x["sampler"]))
 
 
 def _torch_loss(cfg: train.LossConfig, x, logp, entropy):
@@ -49,6 +51,11 @@ def _torch_loss(cfg: train.LossConfig, x, logp, entropy):
         per = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - cfg.eps_low, 1 + cfg.eps_high))
         if cfg.dual_clip is not None:
             per = torch.where(adv < 0, torch.minimum(per, -adv * cfg.dual_clip), per)
+        if cfg.tis is not None:
+            log_w = (old - t(x["sampler"])) * mask
+            if cfg.tis == "sequence":
+                log_w = log_w.sum(dim=1, keepdim=True).expand(N, L)
+            per = per * torch.exp(log_w).clamp(max=cfg.tis_cap)
         if cfg.kl_coef > 0:
             d = logp - ref
             kl = {"k1": d, "k2": d * d / 2, "k3": torch.exp(-d) + d - 1}[cfg.kl_estimator]
@@ -73,6 +80,8 @@ CASES = (
     + [dict(dual_clip=2.0), dict(dual_clip=1.5, ratio_level="sequence"), dict(aggregation="constant",
                                                                               constant_normaliser=40)]
     + [dict(mode="sft", aggregation=a) for a in ("token-mean", "seq-mean-token-sum")]
+    + [dict(tis="token", tis_cap=1.5), dict(tis="sequence", tis_cap=2.0, ratio_level="sequence",
+                                            aggregation="seq-mean-token-mean"), dict(tis="token", kl_coef=0.1)]
 )
 
 
@@ -166,7 +175,8 @@ def test_policy_logprobs_are_token_aligned_model_logprobs():
 
 @pytest.mark.parametrize("field, value", [("eps_low", 1.0), ("dual_clip", 1.0), ("ratio_level", "turn"),
                                           ("aggregation", "mean"), ("kl_estimator", "k4"), ("micro_batches", 0),
-                                          ("mode", "dpo"), ("kl_clamp", 0.0)])
+                                          ("mode", "dpo"), ("kl_clamp", 0.0), ("tis", "turn"),
+                                          ("tis_cap", 0.5)])
 def test_loss_config_rejects_illegal_values_naming_the_field(field, value):
     with pytest.raises(train.TrainConfigError, match=f"LossConfig.{field}"):
         dataclasses.replace(train.LossConfig(), **{field: value})

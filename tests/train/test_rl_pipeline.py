@@ -68,7 +68,8 @@ def _pipeline(config, environment, credit: CreditConfig, loss: LossConfig, updat
 
 
 ESTIMATORS = {
-    "grpo": {}, "gspo": {"ratio_level": "sequence"}, "trace": {}, "trace_raw_delta": {}, "trace_linear_gap": {},
+    "grpo": {}, "gspo": {"ratio_level": "sequence", "aggregation": "seq-mean-token-mean"}, "trace": {},
+    "trace_raw_delta": {}, "trace_linear_gap": {},
     "gigpo": {}, "abc_grpo": {}, "abc_sft": {"mode": "sft"},
 }
 

@@ -4,8 +4,9 @@
     trace_values / td_deltas / lookahead_credit / trace_turn_credit      TRACE
     token_advantages          per-token advantages from turn credit and outcome advantages
     abc_step_rewards / abc_sft_weights / abc_grpo_advantages             ABC
+    fold_answer_steps         ABC: the answer turn joins the last tool step (credit-spec section 3)
     gspo_sequence_ratio       GSPO's sequence-level ratio
-    gigpo_step_advantages     GiGPO's anchor-state step advantages (history_state_keys, anchor_key_ids on the host)
+    gigpo_step_advantages     GiGPO's anchor-state step advantages (state_keys, anchor_key_ids on the host)
     CreditConfig              the estimator name and every option, with their defaults (one place)
     compute_advantages        any registered estimator by config or name ("grpo", "gspo", "trace", ..., "gigpo")
     validate_*                host-side value checks with clear errors
@@ -13,9 +14,21 @@
 Everything here works on arrays; nothing knows about models, tokenizers or tools.
 """
 
-from trace_jax.credit.abc import abc_grpo_advantages, abc_sft_weights, abc_step_rewards, grouped_abc_grpo_advantages
+from trace_jax.credit.abc import (
+    abc_grpo_advantages,
+    abc_sft_weights,
+    abc_step_rewards,
+    fold_answer_steps,
+    grouped_abc_grpo_advantages,
+)
 from trace_jax.credit.config import CreditConfig
-from trace_jax.credit.gigpo import anchor_key_ids, gigpo_step_advantages, history_state_keys
+from trace_jax.credit.gigpo import (
+    anchor_key_ids,
+    gigpo_step_advantages,
+    history_state_keys,
+    observation_state_keys,
+    state_keys,
+)
 from trace_jax.credit.gspo import gspo_sequence_ratio
 from trace_jax.credit.outcome import grouped_outcome_advantages, outcome_advantages
 from trace_jax.credit.registry import (
@@ -45,7 +58,7 @@ from trace_jax.credit.validate import (
 __all__ = [
     "CreditConfig", "CreditInputs", "CreditResult", "Estimator", "abc_grpo_advantages", "anchor_key_ids",
     "estimator_options", "gigpo_step_advantages", "history_state_keys", "resolve_config", "validate_anchor_keys",
-    "abc_sft_weights", "abc_step_rewards",
+    "abc_sft_weights", "abc_step_rewards", "fold_answer_steps", "observation_state_keys", "state_keys",
     "compute_advantages", "estimator_names", "get_estimator", "grouped_abc_grpo_advantages",
     "grouped_outcome_advantages", "gspo_sequence_ratio", "lookahead_credit", "outcome_advantages",
     "register_estimator", "sequence_advantages_to_tokens", "step_values_to_tokens", "td_deltas", "token_advantages",

@@ -62,6 +62,45 @@ def abc_sft_weights(step_rewards, *, scale: float = 2.0, sharpness: float = 2.0,
     return scale * jax.nn.sigmoid(sharpness * (rewards - neutral))
 
 
+def fold_answer_steps(n_found, n_excluded, n_rejected, answer_outcome, num_steps, num_turns):
+    """Fold each trajectory's final answer turn into its last tool step (credit-spec section 3: a step is
+    reasoning + tool call + tool response, and "the last step includes the answer").
+
+    A scorer returns one count record per generated turn: the `T_g` tool turns, then (when the episode got one) the
+    final turn. For a row whose steps are exactly those (`num_steps == num_turns + 1`) and that made a tool call
+    (`num_turns >= 1`), the final turn's counts are added to step `T_g - 1` (so its `ans` lands there) and the row
+    keeps `T_g` steps. Rows without a final turn and rows with `T_g = 0` (the answer is the only step) are
+    unchanged. `step_values_to_tokens` then gives the answer turn's tokens the last step's value.
+
+    Args:
+      n_found, n_excluded, n_rejected, answer_outcome: `[N, S]` counts per step (zero past `num_steps`).
+      num_steps: `[N]` int steps per row in `[0, S]`.
+      num_turns: `[N]` int tool calls `T_g` per row.
+
+    Returns:
+      `(n_found, n_excluded, n_rejected, answer_outcome, num_steps)`, the counts `[N, S]` (zero past the new
+      `num_steps`) and `num_steps [N]`.
+    """
+    arrays = [jnp.asarray(a) for a in (n_found, n_excluded, n_rejected, answer_outcome)]
+    if len({a.shape for a in arrays}) != 1 or arrays[0].ndim != 2:
+        raise ValueError(f"n_found, n_excluded, n_rejected and answer_outcome must share one [N, S] shape, got "
+                         f"{[a.shape for a in arrays]}")
+    num_steps, num_turns = jnp.asarray(num_steps), jnp.asarray(num_turns)
+    check_int("num_steps", num_steps)
+    check_int("num_turns", num_turns)
+    check_same_batch(counts=arrays[0], num_steps=num_steps, num_turns=num_turns)
+    fold = (num_steps == num_turns + 1) & (num_turns >= 1)
+    column = jnp.arange(arrays[0].shape[1])[None, :]
+    last = column == (num_steps - 1)[:, None]
+    previous = column == (num_steps - 2)[:, None]
+    out = []
+    for a in arrays:
+        answer_step = jnp.sum(jnp.where(last, a, 0), axis=1, keepdims=True)
+        a = jnp.where(fold[:, None] & previous, a + answer_step, a)
+        out.append(jnp.where(fold[:, None] & last, 0, a))
+    return (*out, jnp.where(fold, num_steps - 1, num_steps))
+
+
 _BLOCK = 16
 
 

@@ -20,7 +20,9 @@ import math
 STD_MODES = ("population", "sample", "none")
 FORMS = ("log_ratio", "linear_gap", "raw_delta")
 ABC_NORMALIZE_MODES = ("joint", "per_step")
+ABC_ANSWER_STEPS = ("fold", "separate")
 GIGPO_STEP_STD_MODES = ("population", "none")
+GIGPO_ANCHORS = ("observation", "history")
 
 # Per-form floor for gold-answer scores (mean log-prob per token) when `min_score` is None. A score of -inf (an
 # impossible answer) is clamped to it, which bounds every TD: log_ratio |delta| <= log((1e4 + eps) / eps) = 11.5;
@@ -60,11 +62,21 @@ class CreditConfig:
 
       abc_gamma: ABC-GRPO backward accumulation factor, in [0, 1].
       abc_normalize: ABC-GRPO step-reward statistics, `"joint"` (all steps of the group) or `"per_step"`.
+      abc_answer_step: `"fold"` (default; credit-spec section 3, "the last step includes the answer"): the final
+        answer turn is part of the last tool step, judged with it and trained with its value; `"separate"`: the
+        answer turn is a step of its own. Read where step counts become step rewards (the trainer's pipeline,
+        `fold_answer_steps`).
+      abc_sft_correct_only: ABC-SFT trains only on trajectories whose final answer is verified correct (default;
+        ABC backtracks from a correct answer); False admits every trajectory.
 
       gigpo_gamma: GiGPO discount of step returns, in [0, 1] (paper default 0.95).
       gigpo_omega: GiGPO weight of the step-level advantage, `A = A_episode + omega * A_step` (>= 0).
       gigpo_step_std: `"population"` divides step advantages by their anchor group's std; `"none"` only centres
         (the paper's "w/o std" variant).
+      gigpo_anchor: what makes two steps' anchor states equal: `"observation"` (default; the paper's and
+        verl-agent's `build_step_group`: the identical *current* observation, the prompt for the first step) or
+        `"history"` (the whole observation history so far). Read where anchor keys are built
+        (`gigpo.state_keys`).
     """
 
     estimator: str = "trace"
@@ -80,9 +92,12 @@ class CreditConfig:
     alpha_turn: float = 0.2
     abc_gamma: float = 0.25
     abc_normalize: str = "joint"
+    abc_answer_step: str = "fold"
+    abc_sft_correct_only: bool = True
     gigpo_gamma: float = 0.95
     gigpo_omega: float = 1.0
     gigpo_step_std: str = "population"
+    gigpo_anchor: str = "observation"
 
     def __post_init__(self):
         from trace_jax.credit.registry import estimator_names
@@ -91,7 +106,8 @@ class CreditConfig:
             raise ValueError(f"CreditConfig.estimator={self.estimator!r} is not registered; choose one of "
                              f"{estimator_names()} (or register_estimator your own first)")
         for name, choices in (("std", STD_MODES), ("form", FORMS), ("abc_normalize", ABC_NORMALIZE_MODES),
-                              ("gigpo_step_std", GIGPO_STEP_STD_MODES)):
+                              ("gigpo_step_std", GIGPO_STEP_STD_MODES), ("abc_answer_step", ABC_ANSWER_STEPS),
+                              ("gigpo_anchor", GIGPO_ANCHORS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"CreditConfig.{name}={getattr(self, name)!r} is not one of {list(choices)}")
         for name in ("std_eps", "eps", "gamma", "terminal_fill", "alpha_out", "alpha_turn", "abc_gamma",
@@ -112,6 +128,9 @@ class CreditConfig:
         for name in ("terminal_fill", "alpha_out", "alpha_turn", "gigpo_omega"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CreditConfig.{name} must be >= 0, got {getattr(self, name)!r}")
+        if not isinstance(self.abc_sft_correct_only, bool):
+            raise ValueError(f"CreditConfig.abc_sft_correct_only must be True or False, got "
+                             f"{self.abc_sft_correct_only!r}")
         if self.min_score is not None:
             if isinstance(self.min_score, bool) or not isinstance(self.min_score, (int, float)) \
                     or not math.isfinite(self.min_score) or self.min_score >= 0:

@@ -12,11 +12,19 @@ Two levels of relative advantage inside one prompt's group of G trajectories:
 
 Steps here are assistant turns `k = 0 .. T_i` (tool-call turns and the final answer turn `T_i`); step `k` starts
 from state `S_k`, whose key is `anchor_keys[i, k]`. The initial state `S_0` (the prompt) is shared by every
-trajectory of the group. Keys are compared only within a prompt group (`group_id`), so any integer labelling works
+trajectory of the group. Two keyings (`CreditConfig.gigpo_anchor`, built by `state_keys`):
+
+    observation (default)  S_k is its *current* observation: the prompt for k = 0, tool response k for k >= 1. Steps
+                           that see the same page are one anchor group however they reached it, as the paper's
+                           anchor states and verl-agent's `build_step_group` (identical `anchor_obs`) define them.
+    history                S_k is the whole observation history `observations[:k]`: steps group only when every
+                           earlier observation was the same too (stricter; the previous keying, kept as a variant).
+ Keys are compared only within a prompt group (`group_id`), so any integer labelling works
 as long as equal states get equal keys. An anchor group of one (a state no other trajectory visited) and a group
 whose returns are all equal get step advantage 0 (the same zero-variance guard as the outcome term).
 
-`history_state_keys` builds keys from observation histories on the host; everything else is jittable.
+`state_keys` (and `history_state_keys`, `observation_state_keys`) build keys on the host; everything else is
+jittable.
 Knows nothing about models, tokenizers or tools (observations are plain strings here).
 """
 
@@ -30,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.credit._checks import check_choice, check_float, check_int, check_rank, check_same_batch, compute_dtype
-from trace_jax.credit.config import GIGPO_STEP_STD_MODES
+from trace_jax.credit.config import GIGPO_ANCHORS, GIGPO_STEP_STD_MODES
 
 
 def history_state_keys(observations: Sequence[str]) -> list[str]:
@@ -47,6 +55,26 @@ def history_state_keys(observations: Sequence[str]) -> list[str]:
         digest.update(len(text).to_bytes(8, "little") + text)  # length prefix: histories cannot collide by splitting
         keys.append(digest.hexdigest())
     return keys
+
+
+def observation_state_keys(observations: Sequence[str]) -> list[str]:
+    """Keys of states `S_0 .. S_T` by their current observation: `S_0` is the prompt (one key, shared by a prompt
+    group), `S_k` for `k >= 1` the text of tool response `k` (equal texts, equal keys, whatever came before)."""
+    keys = [hashlib.sha256(b"S0").hexdigest()]
+    for observation in observations:
+        keys.append(hashlib.sha256(b"observation:" + str(observation).encode("utf-8")).hexdigest())
+    return keys
+
+
+def state_keys(observations: Sequence[str], anchor: str = "observation") -> list[str]:
+    """Keys of states `S_0 .. S_T` for one trajectory whose tool calls returned `observations`, by
+    `CreditConfig.gigpo_anchor`: `"observation"` (`observation_state_keys`) or `"history"`
+    (`history_state_keys`)."""
+    if anchor == "observation":
+        return observation_state_keys(observations)
+    if anchor == "history":
+        return history_state_keys(observations)
+    raise ValueError(f"anchor must be one of {GIGPO_ANCHORS} (CreditConfig.gigpo_anchor), got {anchor!r}")
 
 
 def anchor_key_ids(keys_per_row: Sequence[Sequence[Hashable]], num_slots: int | None = None) -> np.ndarray:

@@ -155,3 +155,12 @@ def gigpo_ref(rewards, group_ids, state_keys, num_turns, gamma=0.95, omega=1.0, 
             row.append(episode[i] + omega * step)
         out.append(np.array(row))
     return out
+
+
+def gigpo_current_observation_ref(rewards, group_ids, observations, num_turns, **options):
+    """GiGPO with anchor states compared by their current observation, from raw text: step `k` of trajectory `i`
+    starts from the prompt (k = 0) or from tool response `observations[i][k - 1]`; two steps of one group share an
+    anchor when those are equal. -> per-turn advantages, a list of `[T_i + 1]` arrays (see `gigpo_ref`)."""
+    current = [[("prompt",)] + [("observation", str(o)) for o in observations[i][: int(num_turns[i])]]
+               for i in range(len(rewards))]
+    return gigpo_ref(rewards, group_ids, current, num_turns, **options)

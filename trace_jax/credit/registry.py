@@ -1,7 +1,7 @@
 """Advantage estimators by name: one common input structure in, per-token advantages out.
 
 The trainer and the CLI pick an estimator with a `CreditConfig` (or just its name): `grpo`, `gspo`, `trace`,
-`trace_raw_delta`, `trace_linear_gap`, `abc_grpo`, `gigpo`; research code can register its own. Registering a name
+`trace_raw_delta`, `trace_linear_gap`, `abc_grpo`, `abc_sft`, `gigpo`; research code can register its own. Registering a name
 twice raises: a silent override is how a sweep ends up running the wrong method. Built-in estimators take their
 options from `CreditConfig` (the one place their defaults are written) through `Estimator.options`.
 """
@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 import jax.numpy as jnp
 
 from trace_jax.credit import validate
-from trace_jax.credit.abc import grouped_abc_grpo_advantages
+from trace_jax.credit.abc import abc_sft_weights, grouped_abc_grpo_advantages
 from trace_jax.credit.config import CreditConfig
 from trace_jax.credit.gigpo import gigpo_step_advantages
 from trace_jax.credit.outcome import grouped_outcome_advantages
@@ -35,7 +35,9 @@ class CreditInputs(NamedTuple):
       step_rewards: `[N, S]` float ABC step rewards.
       num_steps: `[N]` int ABC steps per trajectory.
       anchor_keys: `[N, T+1]` int key of the environment state `S_k` each assistant turn `k = 0..T_g` starts from
-        (GiGPO's anchor states; equal states, equal keys; `gigpo.anchor_key_ids` builds them).
+        (GiGPO's anchor states; equal states, equal keys; `gigpo.state_keys` + `gigpo.anchor_key_ids` build them).
+      correct: `[N]` bool, the final answer verified correct (exact match with the gold answer or an alias);
+        ABC-SFT's filter.
     """
 
     rewards: Any
@@ -47,18 +49,22 @@ class CreditInputs(NamedTuple):
     step_rewards: Any = None
     num_steps: Any = None
     anchor_keys: Any = None
+    correct: Any = None
 
 
 class CreditResult(NamedTuple):
     """An estimator's output: `token_advantages [N, L]` for the loss, plus diagnostics.
 
     `outcome_advantages [N]` (None for ABC-GRPO, which has no separate outcome term) and `per_turn [N, T]`
-    (TRACE turn credit or ABC step advantages; None for sequence-level estimators).
+    (TRACE turn credit or ABC step advantages; None for sequence-level estimators). `row_mask [N]` float32, when
+    not None, marks the trajectories the loss trains on (1) and those it drops (0: ABC-SFT's incorrect ones); the
+    trainer zeroes the dropped rows' loss mask, so they count in neither the loss's sum nor its count.
     """
 
     token_advantages: Any
     outcome_advantages: Any = None
     per_turn: Any = None
+    row_mask: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +72,8 @@ class Estimator:
     """A registered estimator: `fn(inputs, num_groups, **options) -> CreditResult`.
 
     `requires` names the optional `CreditInputs` fields it reads; `ratio` says which importance ratio the loss
-    should use with it (`"token"` or `"sequence"`, GSPO). `options` maps each keyword of `fn` to the
+    should use with it (`"token"` or `"sequence"`, GSPO); `aggregation`, when set, the loss aggregation its
+    objective is defined with (GSPO: `"seq-mean-token-mean"`, one term per sequence); None = any. `options` maps each keyword of `fn` to the
     `CreditConfig` field it is read from (built-in estimators); None means `fn` takes whatever keywords
     `compute_advantages` is given and no `CreditConfig` field (estimators registered by research code).
     `fixed` holds options the estimator pins (the TRACE ablations pin `form`), whatever the config says.
@@ -79,13 +86,15 @@ class Estimator:
     description: str = ""
     options: Mapping[str, str] | None = None
     fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    aggregation: str | None = None
 
 
 _REGISTRY: dict[str, Estimator] = {}
 
 
 def register_estimator(name: str, *, requires: tuple[str, ...] = (), ratio: str = "token", description: str = "",
-                       options: Mapping[str, str] | None = None, fixed: Mapping[str, Any] | None = None):
+                       options: Mapping[str, str] | None = None, fixed: Mapping[str, Any] | None = None,
+                       aggregation: str | None = None):
     """Decorator registering `fn(inputs: CreditInputs, num_groups: int, **options) -> CreditResult` under `name`.
 
     `options` (keyword of `fn` -> `CreditConfig` field) makes the estimator read its options from a
@@ -108,7 +117,7 @@ def register_estimator(name: str, *, requires: tuple[str, ...] = (), ratio: str 
             raise ValueError(f"estimator {name!r} is already registered; pick another name or call "
                              f"unregister_estimator({name!r}) first")
         _REGISTRY[name] = Estimator(name, fn, tuple(requires), ratio, description or (fn.__doc__ or "").strip(),
-                                    None if options is None else dict(options), dict(fixed or {}))
+                                    None if options is None else dict(options), dict(fixed or {}), aggregation)
         return fn
 
     return decorator
@@ -148,6 +157,9 @@ def validate_credit_inputs(name: str, inputs: CreditInputs) -> None:
         validate.validate_abc_inputs(inputs.step_rewards, inputs.num_steps)
     if "anchor_keys" in estimator.requires:
         validate.validate_anchor_keys(inputs.anchor_keys, inputs.num_turns)
+    if "correct" in estimator.requires and tuple(inputs.correct.shape) != tuple(inputs.rewards.shape):
+        raise ValueError(f"correct has shape {tuple(inputs.correct.shape)}; expected one flag per trajectory, "
+                         f"{tuple(inputs.rewards.shape)} like rewards")
 
 
 def resolve_config(config_or_name: CreditConfig | str, **options) -> CreditConfig:
@@ -235,8 +247,9 @@ def _grpo(inputs, num_groups, *, std, std_eps):
     return CreditResult(sequence_advantages_to_tokens(outcome, inputs.loss_mask), outcome)
 
 
-@register_estimator("gspo", ratio="sequence", options=_OUTCOME_OPTIONS,
-                    description="GSPO: GRPO advantages with a sequence-level importance ratio in the loss.")
+@register_estimator("gspo", ratio="sequence", aggregation="seq-mean-token-mean", options=_OUTCOME_OPTIONS,
+                    description="GSPO: GRPO advantages with a sequence-level importance ratio, clipped per "
+                                "sequence, one loss term per sequence.")
 def _gspo(inputs, num_groups, *, std, std_eps):
     return _grpo(inputs, num_groups, std=std, std_eps=std_eps)
 
@@ -272,6 +285,19 @@ def _abc_grpo(inputs, num_groups, *, gamma, normalize, std_eps):
                                         eps=std_eps)
     tokens = step_values_to_tokens(steps, inputs.turn_index, inputs.loss_mask, inputs.num_steps)
     return CreditResult(tokens, None, steps)
+
+
+@register_estimator("abc_sft", requires=("step_rewards", "num_steps", "correct"),
+                    options={"correct_only": "abc_sft_correct_only"},
+                    description="ABC-SFT: per-token SFT weights 2 sigmoid(2 (r - 1)) of the ABC step rewards, on "
+                                "trajectories whose answer is verified correct (LossConfig.mode = 'sft').")
+def _abc_sft(inputs, num_groups, *, correct_only):
+    del num_groups
+    weights = abc_sft_weights(jnp.asarray(inputs.step_rewards, jnp.float32))
+    tokens = step_values_to_tokens(weights, inputs.turn_index, inputs.loss_mask, inputs.num_steps)
+    keep = jnp.asarray(inputs.correct).astype(bool) if correct_only else jnp.ones(tokens.shape[0], bool)
+    row_mask = keep.astype(jnp.float32)
+    return CreditResult(tokens * row_mask[:, None], None, weights, row_mask)
 
 
 @register_estimator("gigpo", requires=("anchor_keys",),

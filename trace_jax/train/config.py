@@ -14,6 +14,7 @@ import math
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant")
 RATIO_LEVELS = ("token", "sequence")
+TIS_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_MODES = ("rl", "sft")
 SCHEDULES = ("constant", "cosine", "linear")
@@ -55,6 +56,13 @@ class LossConfig:
       logprob_chunk: sequence chunk of the chunked log-softmax; None (default) sizes it so that one chunk's
         float32 logits on one device stay within `logits_chunk_bytes` (at least 64 tokens, at most the length).
       logits_chunk_bytes: the per-device budget of one logits chunk when `logprob_chunk` is None.
+      tis: rollout correction by truncated importance sampling between the sampler's and the trainer's log-probs
+        of the same tokens (verl's and Tunix's TIS): None (off), "token" (`w_t = min(pi_old(y_t) / pi_sampler(y_t),
+        tis_cap)`) or "sequence" (`w_i = min(prod_t pi_old(y_it) / pi_sampler(y_it), tis_cap)`, one weight per
+        row). The policy-gradient term of each token is multiplied by its weight. With it the pipeline recomputes
+        `pi_old` with the trainer before the step's first update (one more forward pass), so the clipped ratio is
+        `pi / pi_old(trainer)` and the weight carries the sampler/trainer mismatch (rl mode only).
+      tis_cap: the truncation `C >= 1` of the TIS weights.
     """
 
     eps_low: float = 0.2
@@ -73,6 +81,8 @@ class LossConfig:
     router_aux: bool = True
     logprob_chunk: int | None = None
     logits_chunk_bytes: int = 256 * 1024**2
+    tis: str | None = None
+    tis_cap: float = 2.0
 
     def __post_init__(self):
         o = "LossConfig"
@@ -98,11 +108,23 @@ class LossConfig:
         _need(self.logprob_chunk is None or self.logprob_chunk >= 1, o, "logprob_chunk",
               f"must be None (automatic) or >= 1, got {self.logprob_chunk!r}")
         _need(self.logits_chunk_bytes > 0, o, "logits_chunk_bytes", f"must be > 0, got {self.logits_chunk_bytes!r}")
+        _need(self.tis is None or self.tis in TIS_LEVELS, o, "tis", f"must be None (off) or one of {TIS_LEVELS}, "
+              f"got {self.tis!r}")
+        _need(isinstance(self.tis_cap, (int, float)) and not isinstance(self.tis_cap, bool)
+              and math.isfinite(self.tis_cap) and self.tis_cap >= 1, o, "tis_cap",
+              f"must be a finite number >= 1 (the truncation of the importance weights), got {self.tis_cap!r}")
+        _need(self.tis is None or self.mode == "rl", o, "tis", "applies to the rl mode only (sft has no sampler "
+              "policy to correct); set LossConfig.tis = None")
 
     @property
     def needs_reference(self) -> bool:
         """Whether the loss reads `LossBatch.reference_logprobs` (only the KL term does)."""
         return self.mode == "rl" and self.kl_coef > 0
+
+    @property
+    def needs_sampler_logprobs(self) -> bool:
+        """Whether the loss reads `LossBatch.sampler_logprobs` (the TIS weights do)."""
+        return self.mode == "rl" and self.tis is not None
 
     @property
     def needs_entropy(self) -> bool:

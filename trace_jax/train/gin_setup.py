@@ -9,7 +9,8 @@
     trace_jax.train    TrainConfig, DataConfig, EnvConfig (this module), EvalConfig (evaluate.py),
                        WarmStartConfig (warmstart.py)
                        LossConfig, OptimizerConfig, MeshConfig, CheckpointConfig (train/config.py),
-                       UpdateConfig (train/pipeline.py), DistributedConfig (train/distributed.py)
+                       UpdateConfig (train/pipeline.py), ABCScorerConfig (train/abc_scoring.py; bound as
+                       `UpdateConfig.abc = @ABCScorerConfig()`), DistributedConfig (train/distributed.py)
     trace_jax.credit   CreditConfig (credit/config.py)
 
 `parse(gin_files, gin_params)` parses the files then the `--gin_param` bindings and *builds every config*, so an
@@ -184,6 +185,7 @@ LAZY: tuple[tuple[str, str, str], ...] = (
     ("MeshConfig", "trace_jax.train.config", "trace_jax.train"),
     ("CheckpointConfig", "trace_jax.train.config", "trace_jax.train"),
     ("CreditConfig", "trace_jax.credit.config", "trace_jax.credit"),
+    ("ABCScorerConfig", "trace_jax.train.abc_scoring", "trace_jax.train"),
     ("UpdateConfig", "trace_jax.train.pipeline", "trace_jax.train"),
     ("DistributedConfig", "trace_jax.train.distributed", "trace_jax.train"),
 )

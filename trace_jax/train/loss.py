@@ -9,8 +9,10 @@ log pi_old(tokens[n, t] | tokens[n, :t])`, and index 0 is never trained.
     loss_mask           float32 [N, L]  1 on policy-generated tokens (the tokens the loss trains), else 0
     advantages          float32 [N, L]  per-token advantage (rl) or per-token weight (sft: ABC-SFT step weights,
                                         1 for plain SFT)
-    behaviour_logprobs  float32 [N, L]  old-policy log-probs of token t (the sampler's `sampler_logprobs`); unused
-                                        in sft mode
+    behaviour_logprobs  float32 [N, L]  old-policy log-probs of token t: the sampler's `sampler_logprobs`, or with
+                                        `LossConfig.tis` the trainer's recomputation of pi_old; unused in sft mode
+    sampler_logprobs    float32 [N, L]  optional: the sampler's log-probs of token t, for the TIS weights
+                                        (`LossConfig.tis`); None without TIS
     reference_logprobs  float32 [N, L]  frozen reference's log-probs of token t, for the KL term; None when
                                         `kl_coef == 0` (the train step then leaves the reference unused)
     segment_ids         int32   [N, L]  optional packing ids (tokens attend within their segment)
@@ -29,10 +31,16 @@ Formulas (per trained token, `r` the importance ratio, `A` the advantage):
     r_t       = s_i = exp(mean_{t in i} (log pi(y_t) - log pi_old(y_t)))        ratio_level="sequence" (GSPO)
     pg_t      = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))
     pg_t      = min(pg_t, -c A)  where A < 0                                    dual_clip=c
+    pg_t      = w_t pg_t,  w_t = min(pi_old(y_t) / pi_sampler(y_t), C)           tis="token", C = tis_cap
+              = w_i pg_t,  w_i = min(prod_{t in i} pi_old / pi_sampler, C)       tis="sequence"
     kl_t      = k1: log pi - log pi_ref;  k2: (log pi - log pi_ref)^2 / 2;
                 k3: exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1;        then clipped to [-clamp, clamp]
     loss_t    = pg_t + kl_coef * kl_t - entropy_coef * H_t                     mode="rl"
     loss_t    = -w_t log pi(y_t)                                                mode="sft" (w = `advantages`)
+
+GSPO (credit-spec section 4) is `ratio_level="sequence"` with `aggregation="seq-mean-token-mean"`: its advantage is
+constant over a row, so the row's per-token terms are equal and the row mean is the one term per sequence,
+`max(-A_i s_i, -A_i clip(s_i, 1 - eps_low, 1 + eps_high))`; every sequence weighs the same whatever its length.
 
 `aggregate` turns per-token values into `(sum, count)` so that summing sums and counts over micro-batches or data
 shards and dividing once gives exactly the full-batch loss (and gradient: counts never depend on params).
@@ -52,7 +60,7 @@ from flax import struct
 from trace_jax import models
 from trace_jax.credit.gspo import gspo_sequence_ratio
 from trace_jax.models.alignment import to_token_aligned
-from trace_jax.train.config import AGGREGATIONS, KL_ESTIMATORS, LossConfig
+from trace_jax.train.config import AGGREGATIONS, KL_ESTIMATORS, TIS_LEVELS, LossConfig
 
 # Qwen3-MoE's published default, used when the model config does not carry its own coefficient.
 _DEFAULT_ROUTER_AUX_COEF = 0.001
@@ -68,6 +76,7 @@ class LossBatch:
     advantages: jax.Array
     behaviour_logprobs: jax.Array
     reference_logprobs: jax.Array | None = None
+    sampler_logprobs: jax.Array | None = None
     segment_ids: jax.Array | None = None
     token_mask: jax.Array | None = None
     trained_index: jax.Array | None = None
@@ -87,7 +96,7 @@ class LossBatch:
         if len(shape) != 2:
             raise ValueError(f"LossBatch.tokens must be [N, L], got shape {shape}")
         for name in ("positions", "loss_mask", "advantages", "behaviour_logprobs", "reference_logprobs",
-                     "segment_ids", "token_mask"):
+                     "sampler_logprobs", "segment_ids", "token_mask"):
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
                 raise ValueError(f"LossBatch.{name} has shape {tuple(value.shape)}, expected {shape} like tokens")
@@ -101,6 +110,10 @@ class LossBatch:
             raise ValueError(f"LossBatch.reference_logprobs is None but LossConfig.kl_coef={loss_config.kl_coef} "
                              "> 0 needs reference log-probs: fill them, pass reference_params to the train step, "
                              "or set kl_coef=0")
+        if loss_config is not None and loss_config.needs_sampler_logprobs and self.sampler_logprobs is None:
+            raise ValueError(f"LossBatch.sampler_logprobs is None but LossConfig.tis={loss_config.tis!r} weighs each "
+                             "token by pi_old / pi_sampler: fill them with the sampler's log-probs (and "
+                             "behaviour_logprobs with the trainer's), or set LossConfig.tis = None")
         if loss_config is not None and shape[0] % loss_config.micro_batches:
             raise ValueError(f"LossBatch has {shape[0]} rows, not divisible by LossConfig.micro_batches="
                              f"{loss_config.micro_batches}")
@@ -238,6 +251,35 @@ def clipped_surrogate(logp, behaviour_logp, advantages, mask, *, eps_low: float 
     return loss * mask, stats
 
 
+def tis_weights(trainer_logp, sampler_logp, mask, level: str = "token", cap: float = 2.0):
+    """Truncated importance weights of the sampler/trainer mismatch, `[N, L]` float32, and where the cap binds.
+
+    token:     w_t = min(exp(log pi_old(y_t) - log pi_sampler(y_t)), cap)
+    sequence:  w_i = min(exp(sum_{t in i} (log pi_old(y_t) - log pi_sampler(y_t))), cap), broadcast over row i
+
+    Computed in log space (`exp(min(log_ratio, log cap))`), so a large mismatch never overflows. Off the mask the
+    weight is 0 (token) or the row's weight times 0 (sequence): both are 0 off the mask.
+
+    Args:
+      trainer_logp: `[N, L]` the trainer's log-probs of the sampled tokens under the behaviour params.
+      sampler_logp: `[N, L]` the sampler's log-probs of the same tokens.
+      mask: `[N, L]` 1 on trained tokens.
+
+    Returns:
+      `(weights [N, L], capped [N, L])`, both float32 and 0 off the mask; `capped` is 1 where the cap binds.
+    """
+    if level not in TIS_LEVELS:
+        raise ValueError(f"tis level must be one of {TIS_LEVELS}, got {level!r}")
+    m = (mask != 0)
+    log_ratio = jnp.where(m, trainer_logp.astype(jnp.float32) - sampler_logp.astype(jnp.float32), 0.0)
+    if level == "sequence":
+        log_ratio = jnp.broadcast_to(jnp.sum(log_ratio, axis=1, keepdims=True), log_ratio.shape)
+    log_cap = float(np.log(cap))
+    weights = jnp.exp(jnp.minimum(log_ratio, log_cap))
+    capped = (log_ratio > log_cap) & m
+    return jnp.where(m, weights, 0.0), capped.astype(jnp.float32)
+
+
 def kl_penalty(logp, reference_logp, estimator: str = "k3", clamp: float | None = 10.0):
     """Per-token estimate of KL(pi || pi_ref) from log-probs of tokens sampled from pi; `[N, L]` float32.
 
@@ -316,6 +358,12 @@ def objective_from_logprobs(loss_config: LossConfig, logp, entropy, batch: LossB
         per_token, stats = clipped_surrogate(logp, batch.behaviour_logprobs, batch.advantages, mask,
                                              eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip,
                                              ratio_level=cfg.ratio_level)
+        if cfg.tis is not None:
+            weights, capped = tis_weights(batch.behaviour_logprobs, batch.sampler_logprobs, mask, cfg.tis,
+                                          cfg.tis_cap)
+            per_token = per_token * weights
+            sums["tis_weight_mean"] = (jnp.sum(weights), tokens)
+            sums["tis_capped_frac"] = (jnp.sum(capped), tokens)
         sums["pg_loss"] = aggregate(per_token, mask, cfg.aggregation, cfg.constant_normaliser)
         sums["clip_frac_low"] = (jnp.sum(stats.clipped_low), tokens)
         sums["clip_frac_high"] = (jnp.sum(stats.clipped_high), tokens)
@@ -355,6 +403,18 @@ def loss_terms(model_config, loss_config: LossConfig, params, batch: LossBatch, 
         trained_index=batch.trained_index)
     objective_sum, sums = objective_from_logprobs(cfg, logp, entropy, batch)
     return objective_sum, router_aux, sums
+
+
+def batch_logprobs(model_config, loss_config: LossConfig, params, batch: LossBatch, *, batch_shards: int = 1):
+    """`[N, L]` float32 log-probs of the batch's tokens under `params`, on its trained positions (`trained_index`)
+    or everywhere: what the trainer computes for the loss, without gradients (the pipeline's recomputation of
+    pi_old for `LossConfig.tis`)."""
+    rows = batch.tokens.shape[0]
+    logp, _, _ = policy_logprobs(
+        model_config, params, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids,
+        chunk_size=loss_config.chunk_for(max(1, rows // batch_shards), batch.head_width, model_config.vocab_size),
+        trained_index=batch.trained_index)
+    return jax.lax.stop_gradient(logp)
 
 
 def objective_count(loss_config: LossConfig, loss_mask):

@@ -5,8 +5,10 @@
       -> the reference's answer scores after every state (`score_answer_prefixes`,
          one pass; only when the estimator `requires` answer_scores), on the answer
          continuation of `scoring.continuation.build_answer_continuation`              phase "scoring"
-         (the builder `trace-jax credit` uses), ABC step counts from the
-         rule-based scorer (abc_grpo, abc_sft), GiGPO anchor keys (gigpo)
+         (the builder `trace-jax credit` uses), ABC step counts from the step
+         scorer of `UpdateConfig.abc` (rules or the LLM judge; abc_grpo, abc_sft)
+         with the answer turn folded into the last step (`CreditConfig.
+         abc_answer_step`), GiGPO anchor keys (gigpo, `CreditConfig.gigpo_anchor`)
       -> `compute_advantages(CreditConfig, ...)`: per-token advantages              phase "credit"
       -> `LossBatch` (token-aligned: behaviour log-probs are the sampler's
          `sampler_logprobs`; reference log-probs, for the KL term, the scorer's
@@ -17,11 +19,14 @@ Shapes: rows are always `P x G` and the padded length is the longest row rounded
 `UpdateConfig.length_multiple` (at most `RolloutConfig.max_context`), so the train step and the scorer compile once
 per length bucket.
 
-ABC-SFT is the estimator `abc_sft` (registered here): its "advantages" are the per-token SFT weights
-`abc_sft_weights(step rewards)` of the rule-based scorer's steps, and it runs with `LossConfig.mode = 'sft'`.
+ABC-SFT is the estimator `abc_sft`: its "advantages" are the per-token SFT weights `abc_sft_weights(step rewards)`,
+it runs with `LossConfig.mode = 'sft'`, and by default it keeps only trajectories whose answer is verified correct
+(`CreditResult.row_mask`: the dropped rows' loss mask is zeroed, so they count in neither sum nor count; a step
+whose rows are all dropped makes no update).
 
-The sampler-vs-trainer log-prob gap is the train step's `logprob_gap` on the first mini-batch of the first epoch
-(trainer params equal the sampler's there), logged as `sampler_trainer_gap`.
+The sampler-vs-trainer log-prob gap is logged as `sampler_trainer_gap`: the train step's `logprob_gap` on the first
+mini-batch of the first epoch (trainer params equal the sampler's there), or, with `LossConfig.tis`, the mean
+|trainer - sampler| over the whole batch from the trainer's recomputation of pi_old before the first update.
 
 This module knows rollouts, scoring, credit and the train step; it knows nothing about gin, run directories,
 checkpoints or evaluation (`trace_jax.train.loop` owns those).
@@ -39,33 +44,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.abc import counts_to_arrays
-from trace_jax.abc.rules import RuleBasedStepScorer, steps_from_episode
-from trace_jax.credit import abc_sft_weights, abc_step_rewards, compute_advantages, trace_values
+from trace_jax.credit import abc_step_rewards, compute_advantages, fold_answer_steps, trace_values
 from trace_jax.credit.config import CreditConfig
-from trace_jax.credit.registry import CreditResult, estimator_names, get_estimator, register_estimator
-from trace_jax.credit.tokens import step_values_to_tokens
+from trace_jax.credit.gigpo import anchor_key_ids, state_keys
+from trace_jax.credit.registry import CreditResult, get_estimator
 from trace_jax.models.alignment import to_token_aligned
 from trace_jax.rollout.agent import Rollout, RolloutConfig, run_episodes
-from trace_jax.rollout.batch import STATUSES, anchor_keys
+from trace_jax.rollout.batch import STATUSES
 from trace_jax.scoring.continuation import build_answer_continuation
 from trace_jax.scoring.fork import score_answer_prefixes
+from trace_jax.train.abc_scoring import ABCScorerConfig, ABCStepScoring
 from trace_jax.train.config import LossConfig
 from trace_jax.train.evaluate import episode_correct
 from trace_jax.train.flops import flops_per_token
-from trace_jax.train.loss import LossBatch, length_bucket, real_token_mask, trained_positions
+from trace_jax.train.loss import LossBatch, batch_logprobs, length_bucket, real_token_mask, trained_positions
 from trace_jax.train.step import make_train_step
 
 SCORING_METHODS = ("fork", "naive")
-
-if "abc_sft" not in estimator_names():  # the credit package may register it itself one day
-    @register_estimator("abc_sft", requires=("step_rewards", "num_steps"), options={},
-                        description="ABC-SFT: per-token SFT weights 2 sigmoid(2 (r - 1)) of the ABC step rewards "
-                                    "(LossConfig.mode = 'sft').")
-    def _abc_sft(inputs, num_groups):
-        del num_groups
-        weights = abc_sft_weights(jnp.asarray(inputs.step_rewards, jnp.float32))
-        tokens = step_values_to_tokens(weights, inputs.turn_index, inputs.loss_mask, inputs.num_steps)
-        return CreditResult(tokens, None, weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +77,8 @@ class UpdateConfig:
       kl_metric: log `kl_ref`, the k3 estimate of KL(pi_old || pi_ref) on the sampled tokens, from the reference's
         log-probs of the trajectories; costs the reference's LM head over every token (with `LossConfig.kl_coef >
         0` the update computes those anyway and the train step logs `kl`).
+      abc: the ABC step scorer of abc_grpo / abc_sft (`ABCScorerConfig`: `rules` or the LLM `judge`; bind
+        `UpdateConfig.abc = @ABCScorerConfig()`).
     """
 
     epochs: int = 1
@@ -90,6 +87,7 @@ class UpdateConfig:
     scoring: str = "fork"
     scoring_batch: int = 0
     kl_metric: bool = False
+    abc: ABCScorerConfig = ABCScorerConfig()
 
     def __post_init__(self):
         for name in ("epochs", "mini_batches", "length_multiple"):
@@ -100,6 +98,9 @@ class UpdateConfig:
         if not isinstance(self.scoring_batch, int) or self.scoring_batch < 0:
             raise ValueError(f"UpdateConfig.scoring_batch must be an int >= 0 (0 = all rows), got "
                              f"{self.scoring_batch!r}")
+        if not isinstance(self.abc, ABCScorerConfig):
+            raise ValueError(f"UpdateConfig.abc must be an ABCScorerConfig (bind `UpdateConfig.abc = "
+                             f"@ABCScorerConfig()`), got {self.abc!r}")
 
 
 def check_compatible(credit: CreditConfig, loss: LossConfig, update: UpdateConfig, rows: int) -> None:
@@ -116,6 +117,12 @@ def check_compatible(credit: CreditConfig, loss: LossConfig, update: UpdateConfi
         raise ValueError(f"estimator {credit.estimator!r} is meant for LossConfig.ratio_level = "
                          f"{estimator.ratio!r}, got {loss.ratio_level!r}; bind LossConfig.ratio_level = "
                          f"'{estimator.ratio}'")
+    if loss.mode == "rl" and estimator.aggregation is not None and loss.aggregation != estimator.aggregation:
+        raise ValueError(f"estimator {credit.estimator!r} is defined with LossConfig.aggregation = "
+                         f"'{estimator.aggregation}' (one loss term per sequence), got {loss.aggregation!r}; bind "
+                         f"LossConfig.aggregation = '{estimator.aggregation}' (configs/credit/gspo.gin does)")
+    if "step_rewards" in estimator.requires and update.abc.scorer == "judge":
+        update.abc.endpoint()  # a judge without an endpoint fails here, before any compute
     if rows % update.mini_batches:
         raise ValueError(f"UpdateConfig.mini_batches = {update.mini_batches} must divide the rows per step "
                          f"(prompts_per_step x group_size = {rows})")
@@ -172,6 +179,8 @@ class RLPipeline:
         self._credit_fns: dict[int, Any] = {}
         self.step_rewards_needed = "step_rewards" in self.estimator.requires
         self.scores_needed = "answer_scores" in self.estimator.requires
+        self._abc_scoring: ABCStepScoring | None = None
+        self._logprob_fn = None
 
     # ---------------------------------------------------------------------------------------------- pieces
     def continuation(self, gold: str):
@@ -214,15 +223,34 @@ class RLPipeline:
                 token_lp.append(np.asarray(result.token_logprobs))
         return np.concatenate(scores), (np.concatenate(token_lp) if token_logprobs else None)
 
-    def abc_step_rewards(self, rollout: Rollout) -> tuple[np.ndarray, np.ndarray]:
-        """ABC step rewards `[N, T+1]` and step counts `[N]` from the rule-based scorer on each episode."""
-        scorer = RuleBasedStepScorer()
-        counts = [scorer.score(question=e.question, gold=e.gold, clues=e.clues, steps=steps_from_episode(e))
-                  for e in rollout.episodes]
+    @property
+    def abc_scoring(self) -> ABCStepScoring:
+        """The ABC step scorer of `UpdateConfig.abc` (built on first use; the judge's clue recovery browses the
+        rollouts' corpus)."""
+        if self._abc_scoring is None:
+            corpus = getattr(self.browser, "corpus", None)
+            config = self.update_config.abc
+            if config.scorer == "judge" and config.recover_clues and corpus is None:
+                raise ValueError("ABCScorerConfig.recover_clues needs the rollouts' Browser (its corpus) to recover "
+                                 "clue chains; this pipeline has a per-task browser factory: set "
+                                 "ABCScorerConfig.recover_clues = False or give tasks their clue chains")
+            self._abc_scoring = ABCStepScoring(config, corpus)
+        return self._abc_scoring
+
+    def abc_step_rewards(self, rollout: Rollout) -> tuple[np.ndarray, np.ndarray, dict[str, float]]:
+        """ABC step rewards `[N, T+1]`, step counts `[N]` and scoring statistics, from the step scorer of
+        `UpdateConfig.abc` on each episode; with `CreditConfig.abc_answer_step = 'fold'` the answer turn is part of
+        the last tool step (`fold_answer_steps`)."""
+        counts, metrics = self.abc_scoring.score(rollout.episodes)
         arrays = counts_to_arrays(counts, num_steps_max=self.rollout.max_turns + 1)
-        rewards = abc_step_rewards(jnp.asarray(arrays["n_found"]), jnp.asarray(arrays["n_excluded"]),
-                                   jnp.asarray(arrays["n_rejected"]), jnp.asarray(arrays["ans"]))
-        return np.asarray(rewards, np.float32), arrays["num_steps"]
+        found, excluded, rejected, ans = (jnp.asarray(arrays[k]) for k in ("n_found", "n_excluded", "n_rejected",
+                                                                             "ans"))
+        num_steps = jnp.asarray(arrays["num_steps"])
+        if self.credit.abc_answer_step == "fold":
+            found, excluded, rejected, ans, num_steps = fold_answer_steps(
+                found, excluded, rejected, ans, num_steps, jnp.asarray(rollout.batch.num_turns))
+        rewards = abc_step_rewards(found, excluded, rejected, ans)
+        return np.asarray(rewards, np.float32), np.asarray(num_steps, np.int32), metrics
 
     def _credit_fn(self, num_groups: int):
         if num_groups not in self._credit_fns:
@@ -242,8 +270,9 @@ class RLPipeline:
         want_token_lp = self.loss.needs_reference or self.update_config.kl_metric
         if self.scores_needed or want_token_lp:
             answer_scores, ref_token_lp = self.score(reference_params, rollout, width, token_logprobs=want_token_lp)
+        abc_metrics = {}
         if self.step_rewards_needed:
-            step_rewards, num_steps = self.abc_step_rewards(rollout)
+            step_rewards, num_steps, abc_metrics = self.abc_step_rewards(rollout)
         timing["scoring"] = time.perf_counter() - start
 
         start = time.perf_counter()
@@ -253,12 +282,18 @@ class RLPipeline:
         if step_rewards is not None:
             extra["step_rewards"], extra["num_steps"] = jnp.asarray(step_rewards), jnp.asarray(num_steps)
         if "anchor_keys" in self.estimator.requires:
-            extra["anchor_keys"] = jnp.asarray(anchor_keys(rollout.episodes, self.rollout.max_turns + 1))
+            slots = self.rollout.max_turns + 1
+            keys = [state_keys(e.observations, self.credit.gigpo_anchor)[:slots] for e in rollout.episodes]
+            extra["anchor_keys"] = jnp.asarray(anchor_key_ids(keys, slots))
+        if "correct" in self.estimator.requires:
+            extra["correct"] = jnp.asarray([episode_correct(e) for e in rollout.episodes])
         loss_mask = batch.loss_mask[:, :width]
         turn_index = batch.turn_index[:, :width]
         inputs = batch.credit_inputs(**extra)._replace(loss_mask=loss_mask, turn_index=turn_index)
         credit = self._credit_fn(num_prompts)(inputs)
         advantages = np.asarray(credit.token_advantages, np.float32)
+        if credit.row_mask is not None:  # trajectories the estimator drops count in neither the loss nor its count
+            loss_mask = loss_mask * credit.row_mask[:, None].astype(loss_mask.dtype)
         timing["credit"] = time.perf_counter() - start
 
         reference_lp = None
@@ -267,10 +302,16 @@ class RLPipeline:
         loss_batch = LossBatch(tokens=batch.tokens[:, :width], positions=batch.positions[:, :width],
                                loss_mask=loss_mask, advantages=jnp.asarray(advantages),
                                behaviour_logprobs=batch.sampler_logprobs[:, :width],
-                               reference_logprobs=reference_lp, token_mask=real_token_mask(lengths, width),
+                               reference_logprobs=reference_lp,
+                               sampler_logprobs=(batch.sampler_logprobs[:, :width]
+                                                 if self.loss.needs_sampler_logprobs else None),
+                               token_mask=real_token_mask(lengths, width),
                                trained_index=jnp.asarray(trained_positions(loss_mask,
                                                                            self.update_config.length_multiple)))
         metrics = self.step_metrics(rollout, credit, answer_scores, ref_token_lp, width, num_prompts)
+        metrics.update(abc_metrics)
+        if credit.row_mask is not None:
+            metrics["credit/kept_rows"] = float(np.asarray(credit.row_mask).mean())
         return Prepared(rollout, loss_batch, credit, answer_scores, step_rewards, metrics, timing)
 
     def update(self, state, prepared: Prepared, reference_params=None, *, seed: int = 0):
@@ -280,6 +321,11 @@ class RLPipeline:
         n = loss_batch.shape[0]
         per = n // self.update_config.mini_batches
         ref = reference_params if (self.loss.needs_reference and loss_batch.reference_logprobs is None) else None
+        if not float(jnp.sum(loss_batch.loss_mask)):  # every row dropped (ABC-SFT with no correct answer)
+            return state, {"updates": 0.0}
+        gap = None
+        if self.loss.needs_sampler_logprobs:
+            loss_batch, gap = self.with_trainer_behaviour(state.params, loss_batch)
         collected: list[dict] = []
         for epoch in range(self.update_config.epochs):
             order = (np.arange(n) if self.update_config.mini_batches == 1
@@ -292,10 +338,27 @@ class RLPipeline:
                 collected.append(metrics)
         collected = jax.device_get(collected)
         out = {name: float(np.mean([m[name] for m in collected])) for name in collected[0]}
-        if "logprob_gap" in collected[0]:  # rl mode only (sft has no behaviour policy)
+        if gap is not None:
+            out["sampler_trainer_gap"] = gap
+        elif "logprob_gap" in collected[0]:  # rl mode only (sft has no behaviour policy)
             out["sampler_trainer_gap"] = float(collected[0]["logprob_gap"])
         out["updates"] = float(len(collected))
         return state, out
+
+    def with_trainer_behaviour(self, params, loss_batch: LossBatch) -> tuple[LossBatch, float]:
+        """The batch with `behaviour_logprobs` recomputed by the trainer under `params` (pi_old for the clipped
+        ratio, the numerator of the TIS weights; `LossConfig.tis`), and the mean |trainer - sampler| gap over
+        its trained tokens. Runs in chunks of one micro-batch's rows, so it needs no more memory than an update."""
+        if self._logprob_fn is None:
+            self._logprob_fn = jax.jit(functools.partial(batch_logprobs, self.model_config, self.loss))
+        n = loss_batch.shape[0]
+        chunk = max(1, n // (self.update_config.mini_batches * self.loss.micro_batches))
+        parts = [self._logprob_fn(params, jax.tree_util.tree_map(lambda x: x[start:start + chunk], loss_batch))
+                 for start in range(0, n, chunk)]
+        trainer = jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        mask = loss_batch.loss_mask.astype(jnp.float32)
+        gap = float(jnp.sum(jnp.abs(trainer - loss_batch.sampler_logprobs) * mask) / jnp.maximum(jnp.sum(mask), 1))
+        return loss_batch.replace(behaviour_logprobs=trainer), gap
 
     # ---------------------------------------------------------------------------------------------- metrics
     def step_metrics(self, rollout: Rollout, credit: CreditResult, answer_scores, ref_token_lp, width: int,
