@@ -45,6 +45,8 @@ class EvalConfig:
       pass_samples: samples n per task for pass@k (n >= k; more samples lower the estimator's variance).
       temperature: sampling temperature of the pass@k episodes.
       seed: PRNG seed of the sampled episodes (the same at every evaluation, so runs compare like with like).
+      max_turns: tool-calling turns an evaluation episode may make; None = the rollouts' `RolloutConfig.max_turns`
+        (the paper trains with up to 60 and evaluates with up to 80).
     """
 
     num_tasks: int = 128
@@ -54,6 +56,7 @@ class EvalConfig:
     pass_samples: int = 4
     temperature: float = 1.0
     seed: int = 1234
+    max_turns: int | None = None
 
     def __post_init__(self):
         for name in ("num_tasks", "batch_size", "pass_samples"):
@@ -67,6 +70,10 @@ class EvalConfig:
                              f"{self.pass_samples}; raise EvalConfig.pass_samples")
         if not self.temperature > 0:
             raise ValueError(f"EvalConfig.temperature must be > 0, got {self.temperature!r}")
+        if self.max_turns is not None and (isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int)
+                                           or self.max_turns < 0):
+            raise ValueError(f"EvalConfig.max_turns must be None (the rollouts' max_turns) or an int >= 0, got "
+                             f"{self.max_turns!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +166,8 @@ def evaluate(model_config, params, chat, tasks: Sequence[Any], browser, rollout:
       tasks: held-out tasks (`question`, `answer`, optional `aliases`, `task_id`).
       browser: the rollouts' `Browser` (or `task -> Browser` factory).
       rollout: the training rollouts' limits (max_turns, max_context, ...); its group size and sampling are
-        replaced here (1 greedy sample; n sampled ones for pass@k).
+        replaced here (1 greedy sample; n sampled ones for pass@k), and its max_turns by `config.max_turns` when
+        that is set.
       config: the `EvalConfig`.
       mesh, rules, logits_hook: passed to `run_episodes` (`logits_hook`: tests only).
     """
@@ -168,6 +176,8 @@ def evaluate(model_config, params, chat, tasks: Sequence[Any], browser, rollout:
     if not tasks:
         raise ValueError("evaluate needs at least one task")
     rng = jax.random.PRNGKey(config.seed)
+    if config.max_turns is not None:
+        rollout = dataclasses.replace(rollout, max_turns=config.max_turns)
     greedy = dataclasses.replace(rollout, group_size=1, sampling=SamplingConfig(greedy=True))
     episodes, rewards = _run(model_config, params, chat, tasks, browser, greedy, rng, config.batch_size,
                              mesh=mesh, rules=rules, logits_hook=logits_hook)
