@@ -11,7 +11,7 @@ import html
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from trace_jax.scoring.receipts import _STYLE, _bar, excerpt
+from trace_jax.scoring.receipts import RECEIPT_STYLE, credit_bar, excerpt, meta_table_rows
 
 
 def render_abc_receipt(result: Mapping[str, Any], steps: Sequence[Mapping[str, Any]], *, question: str = "",
@@ -40,7 +40,8 @@ def render_abc_receipt(result: Mapping[str, Any], steps: Sequence[Mapping[str, A
             f"<tr><td>{k}</td><td><code>{esc(what)}</code></td><td>{esc(observation)}</td>"
             f"<td>{counts['n_found']}</td><td>{counts['n_excluded']}</td><td>{counts['n_rejected']}</td>"
             f"<td>{counts['ans']:+d}</td><td>{result['step_rewards'][k]:.2f}{mark}</td>"
-            f"<td>{result['sft_weights'][k]:.4f}</td><td>{_bar(advantage, scale)}</td><td>{advantage:+.4f}</td></tr>")
+            f"<td>{result['sft_weights'][k]:.4f}</td><td>{credit_bar(advantage, scale)}</td>"
+            f"<td>{advantage:+.4f}</td></tr>")
     clue_rows = "".join(
         f"<tr><td>{i + 1}</td><td>{esc(c.get('kind', ''))}</td><td>{esc(c.get('docid', ''))}</td>"
         f"<td>{esc(c.get('entity', ''))}</td><td>{esc(c.get('relation', ''))}</td><td>{esc(c.get('value', ''))}</td></tr>"
@@ -49,10 +50,11 @@ def render_abc_receipt(result: Mapping[str, Any], steps: Sequence[Mapping[str, A
             ("gold answer", result.get("answer")), ("group", result.get("group")),
             ("clues from", result.get("clue_source")), ("scorer", result.get("scorer")),
             ("flagged steps", sum(result.get("flagged", [])))]
-    meta_rows = "".join(f"<tr><td><b>{esc(str(k))}</b></td><td>{esc(str(v))}</td></tr>" for k, v in meta)
+    meta_rows = meta_table_rows(meta)
     title = esc(f"ABC receipt: {result.get('id')}")
     return (
-        f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title><style>{_STYLE}</style>"
+        f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title>"
+        f"<style>{RECEIPT_STYLE}</style>"
         f"</head><body><h2>{title}</h2><table class=\"meta\">{meta_rows}</table><h3>Clues</h3>"
         "<table><tr><th>#</th><th>kind</th><th>docid</th><th>entity</th><th>relation</th><th>value</th></tr>"
         f"{clue_rows}</table><h3>Steps</h3>"

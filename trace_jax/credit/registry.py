@@ -1,9 +1,10 @@
 """Advantage estimators by name: one common input structure in, per-token advantages out.
 
 The trainer and the CLI pick an estimator with a `CreditConfig` (or just its name): `grpo`, `gspo`, `trace`,
-`trace_raw_delta`, `trace_linear_gap`, `abc_grpo`, `abc_sft`, `gigpo`; research code can register its own. Registering a name
-twice raises: a silent override is how a sweep ends up running the wrong method. Built-in estimators take their
-options from `CreditConfig` (the one place their defaults are written) through `Estimator.options`.
+`trace_raw_delta`, `trace_linear_gap`, `abc_grpo`, `abc_sft`, `gigpo`; research code can register its own.
+Registering a name twice raises: a silent override is how a sweep ends up running the wrong method. Built-in
+estimators take their options from `CreditConfig` (the one place their defaults are written) through
+`Estimator.options`.
 """
 
 from __future__ import annotations
@@ -73,9 +74,10 @@ class Estimator:
 
     `requires` names the optional `CreditInputs` fields it reads; `ratio` says which importance ratio the loss
     should use with it (`"token"` or `"sequence"`, GSPO); `aggregation`, when set, the loss aggregation its
-    objective is defined with (GSPO: `"seq-mean-token-mean"`, one term per sequence); None = any. `options` maps each keyword of `fn` to the
-    `CreditConfig` field it is read from (built-in estimators); None means `fn` takes whatever keywords
-    `compute_advantages` is given and no `CreditConfig` field (estimators registered by research code).
+    objective is defined with (GSPO: `"seq-mean-token-mean"`, one term per sequence); None = any. `options`
+    maps each keyword of `fn` to the `CreditConfig` field it is read from (built-in estimators); None means `fn`
+    takes whatever keywords `compute_advantages` is given and no `CreditConfig` field (estimators registered by
+    research code).
     `fixed` holds options the estimator pins (the TRACE ablations pin `form`), whatever the config says.
     """
 

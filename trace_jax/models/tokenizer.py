@@ -19,10 +19,23 @@ The tiny tokenizer is a Unigram model over GPT-2 style byte-level pieces:
 
 from __future__ import annotations
 
+import logging
 import os
 import string
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+
+class _NoTorchNotice(logging.Filter):
+    """Drops transformers' import-time notice "PyTorch was not found. Models won't be available ...": this
+    project uses transformers for tokenizers only (its models are JAX), so the line only alarms a new user."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+# Before any `import transformers` below: the notice is logged by the "transformers" logger as the package loads.
+logging.getLogger("transformers").addFilter(_NoTorchNotice())
 
 # Special tokens (Qwen3 marks these `special: true`): control tokens, removed by skip_special_tokens.
 CHAT_SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

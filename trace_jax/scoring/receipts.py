@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-_STYLE = """
+RECEIPT_STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
 table { border-collapse: collapse; width: 100%; }
 th, td { border-bottom: 1px solid #ddd; padding: 4px 8px; vertical-align: top; text-align: left; font-size: 13px; }
@@ -39,7 +39,15 @@ def safe_filename(name: str, suffix: str) -> str:
     return f"{stem[:80]}{suffix}"
 
 
-def _bar(credit: float, scale: float) -> str:
+def meta_table_rows(meta: Sequence[tuple[str, Any]]) -> str:
+    """The `<tr>` rows of a receipt's header table, HTML-escaped; a field whose value is None or empty is left out
+    (a receipt shows what it knows, never "None")."""
+    esc = html.escape
+    return "".join(f"<tr><td><b>{esc(str(k))}</b></td><td>{esc(str(v))}</td></tr>" for k, v in meta
+                   if v is not None and v != "")
+
+
+def credit_bar(credit: float, scale: float) -> str:
     width = 0.0 if scale <= 0 else min(50.0, 50.0 * abs(credit) / scale)
     kind = "pos" if credit >= 0 else "neg"
     return (f'<div class="bar-wrap"><div class="bar {kind}" style="width:{width:.1f}%"></div>'
@@ -51,7 +59,8 @@ def render_receipt(result: Mapping[str, Any], turns: Sequence[Mapping[str, Any]]
 
     Args:
       result: the output record (id, answer, reward, estimator, flags, outcome_advantage, answer_scores, values,
-        td, turn_credit, turn_advantage); any number may be None (shown as "-").
+        td, turn_credit, turn_advantage); any number may be None (shown as "-"); header fields that are missing or
+        None (line, num_turns: then the number of turns given) are left out.
       turns: per tool-calling turn k, {"calls": [str, ...], "observation": str} (already excerpted or not).
       question: the user's question (shown at the top).
     """
@@ -71,7 +80,7 @@ def render_receipt(result: Mapping[str, Any], turns: Sequence[Mapping[str, Any]]
         rows.append(
             f"<tr><td>{k}</td><td>{calls}</td><td>{esc(turn.get('observation', ''))}</td>"
             f"<td>{number(scores, k + 1, '.4f')}</td><td>{number(values, k + 1, '.4f')}</td>"
-            f"<td>{number(tds, k, '+.4f')}</td><td>{_bar(r or 0.0, scale)}</td>"
+            f"<td>{number(tds, k, '+.4f')}</td><td>{credit_bar(r or 0.0, scale)}</td>"
             f"<td>{number(credit, k, '+.4f')}</td></tr>"
         )
     reward = result.get("reward")
@@ -80,13 +89,14 @@ def render_receipt(result: Mapping[str, Any], turns: Sequence[Mapping[str, Any]]
         ("gold answer", result.get("answer")), ("reward", "-" if reward is None else f"{reward:g}"),
         ("estimator", result.get("estimator", "trace")),
         ("outcome advantage", number([result.get("outcome_advantage")], 0, "+.4f")),
-        ("tool calls (T)", result.get("num_turns")), ("score at S_0", number(scores, 0, ".4f")),
+        ("tool calls (T)", result.get("num_turns", len(turns))), ("score at S_0", number(scores, 0, ".4f")),
         ("flags", ", ".join(result.get("flags") or []) or "-"),
     ]
-    meta_rows = "".join(f"<tr><td><b>{esc(str(k))}</b></td><td>{esc(str(v))}</td></tr>" for k, v in meta)
+    meta_rows = meta_table_rows(meta)
     title = esc(f"Credit receipt: {result.get('id')}")
     return (
-        f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title><style>{_STYLE}</style>"
+        f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title>"
+        f"<style>{RECEIPT_STYLE}</style>"
         f"</head><body><h2>{title}</h2><table class=\"meta\">{meta_rows}</table><h3>Turns</h3>"
         "<table><tr><th>k</th><th>tool call</th><th>observation (excerpt)</th><th>score after</th>"
         "<th>V after</th><th>TD</th><th>credit</th><th></th></tr>" + "".join(rows) + "</table></body></html>\n"

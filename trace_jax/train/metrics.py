@@ -17,6 +17,9 @@ Metric names the plots look for (the loop may log more; every name goes to JSONL
 
 `PhaseTimer` measures seconds per phase of a step (`with timer.phase("rollout"): ...`), as `time/<phase>` metrics.
 
+Progress bars: the RL bar starts when the loop calls `RunWriter.start_progress()` (just before the first RL step), so
+its rate and ETA count RL steps only; stages before it (the warm start) show their own bar (`progress_bar`).
+
 Resuming: `RunWriter(run_dir, resume_step=S)` keeps the lines of steps <= S (those the checkpoint of step S covers),
 drops later ones, and continues the wall-time axis from the last kept line.
 
@@ -125,7 +128,8 @@ class RunWriter:
       resume_step: keep the existing lines of steps <= this, drop the rest, continue the wall-time axis; None
         starts a fresh `metrics.jsonl` (an existing one is replaced).
       tensorboard: write TensorBoard event files.
-      progress: show a tqdm progress bar (step, reward, accuracy, seconds per step).
+      progress: show a tqdm progress bar of the RL steps (step, reward, accuracy, seconds per step), from
+        `start_progress()` on (or from the first RL step logged, if the caller never calls it).
       write_files: False keeps the history in memory and writes nothing (no files, events, plots, summary or
         bar): the writer of a multi-process run's non-primary processes, so only process 0 writes the run's record.
     """
@@ -144,6 +148,8 @@ class RunWriter:
         self._latest: dict[str, float] = {}
         self._tb = None
         self._bar = None
+        self._total_steps = total_steps
+        self._progress = progress and write_files
         if not write_files:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -155,11 +161,14 @@ class RunWriter:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(logdir=str(self.run_dir), flush_secs=10)
-        if progress:
-            from tqdm import tqdm
 
-            initial = int(self.history[-1]["step"]) if self.history else 0
-            self._bar = tqdm(total=total_steps, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+    def start_progress(self) -> None:
+        """Show the RL progress bar from now on (its clock, rate and ETA start here); no-op without `progress` or
+        when already shown."""
+        if self._progress and self._bar is None:
+            self._bar = progress_bar(self._total_steps, "train",
+                                     initial=int(self.history[-1]["step"]) if self.history else 0)
+            self._last_step_time = time.perf_counter()
 
     @property
     def wall_time(self) -> float:
@@ -184,6 +193,9 @@ class RunWriter:
                 if name != "step":
                     self._tb.add_scalar(name, value, global_step=int(step), walltime=None)
         self._latest.update({k: v for k, v in record.items() if k != "step"})
+        if self._bar is None and self._progress and step > 0:  # start_progress() was not called: open it here
+            earlier = [r["step"] for r in self.history[:-1]]
+            self._bar = progress_bar(self._total_steps, "train", initial=int(max(earlier, default=0)))
         if self._bar is not None:
             self._update_bar(int(step))
         return record
@@ -242,6 +254,28 @@ class RunWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _NoBar:
+    """What `progress_bar` returns when disabled: the bar's methods, doing nothing."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int | None, desc: str, *, unit: str = "step", initial: int = 0, enabled: bool = True):
+    """A tqdm bar for one stage of a run (`update`, `set_postfix`, `close`), or a silent stand-in when disabled."""
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True)
 
 
 def _series(history: Iterable[Mapping[str, float]], name: str, axis: str = "step") -> tuple[list[float], list[float]]:
