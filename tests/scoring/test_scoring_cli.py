@@ -183,7 +183,7 @@ def _api_inputs(reference_dir, records):
     keys = []
     for r in records:
         observations = [m["content"] for m in r["messages"] if m["role"] == "tool"]  # one tool message per call
-        keys.append(credit.history_state_keys(observations))
+        keys.append(credit.state_keys(observations))  # CreditConfig.gigpo_anchor default: observation
     counts = [RuleBasedStepScorer().score(question=r["question"], gold=[r["answer"], *r["aliases"]],
                                           clues=r["clues"], steps=steps_from_messages(r["messages"]))
               for r in records]

@@ -65,6 +65,7 @@ _CREDIT_FLAGS = {
     "gigpo_gamma": ("GiGPO step-return discount", None),
     "gigpo_omega": ("GiGPO weight of the step-level advantage", None),
     "gigpo_step_std": ("GiGPO step advantage normalisation", ("population", "none")),
+    "gigpo_anchor": ("what makes GiGPO anchor states equal", ("observation", "history")),
 }
 
 
@@ -214,7 +215,8 @@ def prepare_record(line_number: int, text: bytes | str, chat, tokenizer, args, c
 
     With `max_positions` (the reference's `max_position_embeddings`), a record whose scoring pass would use a
     position at or past it is refused: the model was never trained there, so its scores would mean nothing."""
-    from trace_jax.credit.gigpo import history_state_keys
+    from trace_jax.credit import get_estimator
+    from trace_jax.credit.gigpo import state_keys
     from trace_jax.scoring.continuation import build_answer_continuation
 
     record, messages, answer = parse_chat_record(text, args.answer_key, error=RecordError)
@@ -253,12 +255,12 @@ def prepare_record(line_number: int, text: bytes | str, chat, tokenizer, args, c
                           f"is {max_positions} (max_position_embeddings) and nothing past it is scored. Shorten the "
                           "record (fewer turns or shorter observations) or use a reference with a longer context")
     step_counts = None
-    if config.estimator == "abc_grpo":
-        step_counts = _abc_step_counts(record, messages, answer)
+    if "step_rewards" in get_estimator(config.estimator).requires:  # abc_grpo, abc_sft
+        step_counts = _abc_step_counts(record, messages, answer, config.estimator)
     group = record.get(args.group_key)
     record_id = record.get("id", record.get("task_id", f"line-{line_number}"))
     question = next((_content_text(m) for m in messages if m.get("role") == "user"), "")
-    keys = history_state_keys(_observations(messages))[: num_turns + 1]
+    keys = state_keys(_observations(messages), config.gigpo_anchor)[: num_turns + 1]
     return Prepared(line=line_number, record_id=str(record_id), record=record, ids=np.asarray(ids, np.int32),
                     loss_mask=np.asarray(loss_mask, bool), turn_index=np.asarray(turn_index, np.int32),
                     boundaries=np.asarray(boundaries, np.int32), continuation=continuation,
@@ -268,13 +270,13 @@ def prepare_record(line_number: int, text: bytes | str, chat, tokenizer, args, c
                     step_counts=step_counts)
 
 
-def _abc_step_counts(record: dict, messages: list, answer: str) -> list:
+def _abc_step_counts(record: dict, messages: list, answer: str, estimator: str) -> list:
     """ABC rubric counts per step from the record's clue chain (`RuleBasedStepScorer`)."""
     from trace_jax.abc.rules import RuleBasedStepScorer, steps_from_messages
 
     if not isinstance(record.get("clues"), list):
         raise RecordError("field 'clues' (the gold clue chain, a list of {docid, entity, relation, value, kind}) is "
-                          "needed by --estimator abc_grpo; oracle records from `trace-jax make-tasks --oracle` "
+                          f"needed by --estimator {estimator}; oracle records from `trace-jax make-tasks --oracle` "
                           "carry it")
     aliases = record.get("aliases") or []
     gold = [answer] + [str(a) for a in aliases if isinstance(a, str)]
@@ -380,6 +382,8 @@ def credit_inputs_for(prepared: list[Prepared], scores: list[np.ndarray], groups
         extra["step_rewards"] = abc_step_rewards(jnp.asarray(counts["n_found"]), jnp.asarray(counts["n_excluded"]),
                                                  jnp.asarray(counts["n_rejected"]), jnp.asarray(counts["ans"]))
         extra["num_steps"] = jnp.asarray(counts["num_steps"])
+        # ABC-SFT's filter: the answer step's own check (`ans` = +1 on an exact match with the gold answer)
+        extra["correct"] = jnp.asarray([any(c.ans == 1 for c in p.step_counts) for p in prepared])
     return CreditInputs(rewards=jnp.asarray(groups.rewards), group_id=jnp.asarray(groups.group_id),
                         loss_mask=jnp.asarray(loss_mask), turn_index=jnp.asarray(turn_index),
                         num_turns=jnp.asarray([p.num_turns for p in prepared], jnp.int32),
