@@ -113,3 +113,35 @@ def test_a_judge_without_an_endpoint_fails_before_any_compute(monkeypatch):
     with pytest.raises(ValueError, match="ABCScorerConfig.judge_url"):
         check_compatible(CreditConfig(estimator="abc_grpo"), LossConfig(),
                          UpdateConfig(abc=ABCScorerConfig(scorer="judge")), 2)
+
+
+def test_a_task_without_a_clue_chain_is_judged_against_recovered_clues_once_per_question():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "abc"))
+    from judge_cases import DOCS, GOLD, QUESTION, scripted_judge_and_agent, trajectories
+
+    from trace_jax.envs.corpus import Corpus
+    from trace_jax.rollout.batch import EpisodeRecord
+    from trace_jax.train.abc_scoring import ABCStepScoring
+
+    _, steps, expected = next(t for t in trajectories() if t[0] == "rejected")
+    episode = EpisodeRecord(task_id="q", question=QUESTION, gold=tuple(GOLD), status="answered", clues=(),
+                            turn_texts=[s.assistant for s in steps],
+                            tool_calls=[s.tool_call for s in steps if s.observation is not None],
+                            observations=[s.observation for s in steps if s.observation is not None])
+    backend = ScriptedBackend(scripted_judge_and_agent, name="rubric-judge")
+    with ServerThread(create_app(backend, ServeConfig())) as server:
+        scoring = ABCStepScoring(ABCScorerConfig(scorer="judge", judge_url=server.url + "/v1",
+                                                 judge_model="rubric-judge", backoff_s=0.0),
+                                 Corpus.from_records(DOCS))
+        try:
+            counts, metrics = scoring.score([episode, episode])
+        finally:
+            scoring.close()
+    assert [[(c.n_found, c.n_excluded, c.n_rejected, c.ans) for c in row] for row in counts] == [expected] * 2
+    assert metrics == {"abc/flagged_steps": 0.0, "abc/recovered_clues": 1.0, "abc/no_clues": 0.0}
+    # one recovery for the two episodes of the question (the scripted agent's 4 tool turns + its clue list), then
+    # one judge call per step of each episode
+    assert backend.calls == 5 + 2 * len(steps)
