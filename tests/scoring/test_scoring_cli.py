@@ -189,14 +189,17 @@ def _api_inputs(reference_dir, records):
               for r in records]
     from trace_jax.abc import counts_to_arrays
     arrays = counts_to_arrays(counts)
+    # CreditConfig.abc_answer_step default: the answer turn is part of the last tool step
+    *folded, num_steps = credit.fold_answer_steps(*(jnp.asarray(arrays[k]) for k in ("n_found", "n_excluded",
+                                                                                      "n_rejected", "ans")),
+                                                  jnp.asarray(arrays["num_steps"]), jnp.asarray(num_states - 1))
     return credit.CreditInputs(
         rewards=jnp.asarray([r["reward"] for r in records], jnp.float32),
         group_id=jnp.asarray([groups[r["group"]] for r in records], jnp.int32),
         loss_mask=jnp.asarray(loss_mask), turn_index=jnp.asarray(turn_index),
         num_turns=jnp.asarray(num_states - 1), answer_scores=scores.answer_scores,
-        step_rewards=credit.abc_step_rewards(arrays["n_found"], arrays["n_excluded"], arrays["n_rejected"],
-                                             arrays["ans"]),
-        num_steps=jnp.asarray(arrays["num_steps"]), anchor_keys=jnp.asarray(credit.anchor_key_ids(keys, slots)))
+        step_rewards=credit.abc_step_rewards(*folded), num_steps=num_steps,
+        anchor_keys=jnp.asarray(credit.anchor_key_ids(keys, slots)))
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,7 @@ _CREDIT_FLAGS = {
     "gigpo_omega": ("GiGPO weight of the step-level advantage", None),
     "gigpo_step_std": ("GiGPO step advantage normalisation", ("population", "none")),
     "gigpo_anchor": ("what makes GiGPO anchor states equal", ("observation", "history")),
+    "abc_answer_step": ("ABC: the answer turn folds into the last tool step, or is its own", ("fold", "separate")),
 }
 
 
@@ -357,12 +358,14 @@ def group_records(prepared: list[Prepared], incomplete_groups: set[str]) -> Grou
     return GroupInfo(group_id, rewards, size, mean, std, flags)
 
 
-def credit_inputs_for(prepared: list[Prepared], scores: list[np.ndarray], groups: GroupInfo):
+def credit_inputs_for(prepared: list[Prepared], scores: list[np.ndarray], groups: GroupInfo, *,
+                      answer_step: str = "fold"):
     """`CreditInputs` for the whole file, padded to the longest record (non-finite score rows zeroed; they are
-    reported as null afterwards)."""
+    reported as null afterwards). ABC step counts have their answer turn folded into the last tool step unless
+    `answer_step` (`CreditConfig.abc_answer_step`) is "separate"."""
     import jax.numpy as jnp
 
-    from trace_jax.credit import CreditInputs, abc_step_rewards, anchor_key_ids
+    from trace_jax.credit import CreditInputs, abc_step_rewards, anchor_key_ids, fold_answer_steps
     from trace_jax.abc import counts_to_arrays
 
     n = len(prepared)
@@ -379,9 +382,13 @@ def credit_inputs_for(prepared: list[Prepared], scores: list[np.ndarray], groups
     extra = {}
     if prepared[0].step_counts is not None:
         counts = counts_to_arrays([p.step_counts for p in prepared])
-        extra["step_rewards"] = abc_step_rewards(jnp.asarray(counts["n_found"]), jnp.asarray(counts["n_excluded"]),
-                                                 jnp.asarray(counts["n_rejected"]), jnp.asarray(counts["ans"]))
-        extra["num_steps"] = jnp.asarray(counts["num_steps"])
+        arrays = [jnp.asarray(counts[k]) for k in ("n_found", "n_excluded", "n_rejected", "ans")]
+        num_steps = jnp.asarray(counts["num_steps"])
+        if answer_step == "fold":
+            *arrays, num_steps = fold_answer_steps(*arrays, num_steps,
+                                                   jnp.asarray([p.num_turns for p in prepared], jnp.int32))
+        extra["step_rewards"] = abc_step_rewards(*arrays)
+        extra["num_steps"] = num_steps
         # ABC-SFT's filter: the answer step's own check (`ans` = +1 on an exact match with the gold answer)
         extra["correct"] = jnp.asarray([any(c.ans == 1 for c in p.step_counts) for p in prepared])
     return CreditInputs(rewards=jnp.asarray(groups.rewards), group_id=jnp.asarray(groups.group_id),
@@ -456,7 +463,7 @@ def record_results(prepared: list[Prepared], scores: list[np.ndarray], groups: G
         }
         if p.step_counts is not None:
             result_record["step_counts"] = [[c.n_found, c.n_excluded, c.n_rejected, c.ans] for c in p.step_counts]
-            result_record["step_rewards"] = _numbers(np.asarray(inputs.step_rewards)[i, :len(p.step_counts)])
+            result_record["step_rewards"] = _numbers(np.asarray(inputs.step_rewards)[i, :int(inputs.num_steps[i])])
         out.append(result_record)
     return out
 
@@ -523,7 +530,7 @@ def run(args: argparse.Namespace) -> int:
     if prepared:
         scores = score_records(model_config, params, prepared, method=args.method, layout=args.layout,
                                batch_size=args.batch_size)
-        inputs = credit_inputs_for(prepared, scores, groups)
+        inputs = credit_inputs_for(prepared, scores, groups, answer_step=config.abc_answer_step)
         try:
             result = compute_advantages(config, inputs, check=True)
         except ValueError as error:
