@@ -115,7 +115,8 @@ def test_a_judge_without_an_endpoint_fails_before_any_compute(monkeypatch):
                          UpdateConfig(abc=ABCScorerConfig(scorer="judge")), 2)
 
 
-def test_a_task_without_a_clue_chain_is_judged_against_recovered_clues_once_per_question():
+@pytest.mark.parametrize("given", ["none", "evidence_placeholders"])
+def test_a_task_without_a_clue_chain_is_judged_against_recovered_clues_once_per_question(given):
     import sys
     from pathlib import Path
 
@@ -127,7 +128,11 @@ def test_a_task_without_a_clue_chain_is_judged_against_recovered_clues_once_per_
     from trace_jax.train.abc_scoring import ABCStepScoring
 
     _, steps, expected = next(t for t in trajectories() if t[0] == "rejected")
-    episode = EpisodeRecord(task_id="q", question=QUESTION, gold=tuple(GOLD), status="answered", clues=(),
+    from trace_jax.envs.tasks import Clue
+
+    # an external task without a chain: no clues, or (data/external.py) one valueless clue per evidence document
+    clues = () if given == "none" else (Clue("d1", "Alpha river", "evidence_doc", ""),)
+    episode = EpisodeRecord(task_id="q", question=QUESTION, gold=tuple(GOLD), status="answered", clues=clues,
                             turn_texts=[s.assistant for s in steps],
                             tool_calls=[s.tool_call for s in steps if s.observation is not None],
                             observations=[s.observation for s in steps if s.observation is not None])

@@ -7,7 +7,8 @@ clue chain of each episode comes from, and the step counts of a batch of episode
             (generated tasks know it exactly). No network.
     judge   `trace_jax.abc.judge.LLMJudgeStepScorer` at any OpenAI-compatible endpoint (`judge_url`, `judge_model`,
             or `$TRACE_JAX_JUDGE_URL` / `_MODEL`; the key only from `$TRACE_JAX_JUDGE_API_KEY`, never a config file).
-            A task without a clue chain (an external task) gets one from the clue-recovery agent
+            A task without a clue chain (an external task: no clues, or evidence-document placeholders without
+            values) gets one from the clue-recovery agent
             (`trace_jax.abc.recover`) at the same endpoint, over the rollouts' corpus, once per (question, answer).
 
 `ABCStepScoring.score(episodes)` returns one list of `StepCounts` per episode (steps as `steps_from_episode` cuts
@@ -113,9 +114,12 @@ class ABCStepScoring:
 
     def clues(self, episode) -> tuple[tuple, str]:
         """`(clue chain, source)` of an episode: its task's own ("task"), a recovered one ("recovered"), or none
-        ("none": no chain and no recovery, or a recovery that failed)."""
-        if episode.clues:
-            return tuple(episode.clues), "task"
+        ("none": no chain and no recovery, or a recovery that failed). A task whose clues carry no fact (an
+        external task's evidence-document placeholders, `value == ""`) has no chain: it is recovered when the
+        scorer recovers, else scored against what it has."""
+        given = tuple(episode.clues)
+        if any(getattr(clue, "value", "") for clue in given) or (given and not self.recovers):
+            return given, "task"
         if not self.recovers:
             return (), "none"
         key = (episode.question, episode.gold[0])
