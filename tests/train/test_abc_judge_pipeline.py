@@ -150,3 +150,21 @@ def test_a_task_without_a_clue_chain_is_judged_against_recovered_clues_once_per_
     # one recovery for the two episodes of the question (the scripted agent's 4 tool turns + its clue list), then
     # one judge call per step of each episode
     assert backend.calls == 5 + 2 * len(steps)
+
+
+def test_an_episode_too_long_for_the_judge_is_scored_neutral_and_flagged_not_fatal(env):
+    from trace_jax.abc.judge import JudgeContextExceeded
+    from trace_jax.train.abc_scoring import ABCStepScoring
+
+    class TooLong:
+        def score(self, *, question, gold, clues, steps):
+            raise JudgeContextExceeded(2, len(steps), "maximum context length is 8 tokens")
+
+    scoring = ABCStepScoring(ABCScorerConfig(scorer="judge", judge_url="http://127.0.0.1:9/v1", judge_model="m",
+                                             recover_clues=False))
+    scoring.scorer = TooLong()
+    counts, metrics = scoring.score(env[-1].episodes)
+    assert metrics["abc/flagged_steps"] == 1.0
+    assert [[(c.n_found, c.n_excluded, c.n_rejected, c.ans) for c in row] for row in counts] == [
+        [(0, 0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 1)], [(0, 0, 0, 0), (0, 0, 0, 0), (0, 0, 0, -1)]]
+    assert "context" in counts[0][0].note

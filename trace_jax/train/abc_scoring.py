@@ -138,21 +138,40 @@ class ABCStepScoring:
 
     def score(self, episodes: Sequence[Any]) -> tuple[list[list], dict[str, float]]:
         """Step counts of every episode (one per generated turn) and the batch's statistics: `abc/flagged_steps`
-        (share of steps a judge failure left neutral), `abc/recovered_clues` and `abc/no_clues` (shares of
+        (share of steps a judge failure left neutral; a trajectory too long for the judge's context is scored
+        neutral and flagged whole, its answer still checked), `abc/recovered_clues` and `abc/no_clues` (shares of
         episodes scored against a recovered chain, or against none)."""
         from trace_jax.abc.rules import steps_from_episode
+
+        too_long: tuple = ()
+        if self.config.scorer == "judge":
+            from trace_jax.abc.judge import JudgeContextExceeded
+
+            too_long = (JudgeContextExceeded,)
 
         counts, sources = [], []
         for episode in episodes:
             clues, source = self.clues(episode)
             sources.append(source)
-            counts.append(self.scorer.score(question=episode.question, gold=episode.gold, clues=clues,
-                                            steps=steps_from_episode(episode)))
+            steps = steps_from_episode(episode)
+            try:
+                counts.append(self.scorer.score(question=episode.question, gold=episode.gold, clues=clues,
+                                                steps=steps))
+            except too_long as error:  # one episode the judge cannot read must not stop a training run
+                counts.append(self._neutral(episode, steps, str(error)))
         steps = [c for row in counts for c in row]
         n = max(1, len(episodes))
         metrics = {"abc/flagged_steps": sum(c.flagged for c in steps) / max(1, len(steps)),
                    "abc/recovered_clues": sources.count("recovered") / n, "abc/no_clues": sources.count("none") / n}
         return counts, metrics
+
+    @staticmethod
+    def _neutral(episode, steps, note: str) -> list:
+        from trace_jax.abc.judge import answer_outcome
+        from trace_jax.abc.scorer import StepCounts
+
+        gold = list(episode.gold)
+        return [StepCounts(ans=answer_outcome(gold, steps, k), flagged=True, note=note) for k in range(len(steps))]
 
     def close(self) -> None:
         if self._client is not None:
