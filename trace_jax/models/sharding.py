@@ -41,6 +41,11 @@ DEFAULT_RULES: tuple = (
     ("norm", None),
 )
 
+# The rollout layout (sampler, agent loop, evaluation): weights are not split over the batch axes (a decode step
+# would all-gather every FSDP-sharded weight), heads / mlp / vocab stay over `tensor` and experts over `expert`;
+# rows and KV-cache rows are split over the batch axes as in `DEFAULT_RULES`.
+ROLLOUT_RULES: tuple = tuple((name, None if name == "embed" else axes) for name, axes in DEFAULT_RULES)
+
 
 def _mesh_axes_for(name, rules) -> tuple[str, ...]:
     if name is None:
@@ -113,6 +118,16 @@ def param_shardings(config: ModelConfig, mesh: Mesh, rules: Rules | None = None)
 def shard_params(params, config: ModelConfig, mesh: Mesh, rules: Rules | None = None):
     """Place an existing params tree on `mesh` according to the rules."""
     return jax.device_put(params, param_shardings(config, mesh, rules))
+
+
+def placed_on(tree, mesh: Mesh) -> bool:
+    """Whether every array of `tree` is already placed on `mesh` (a `NamedSharding` over its devices), so a program
+    on `mesh` can read it as it is (e.g. the frozen reference in its own layout) instead of re-placing it."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    return bool(leaves) and all(
+        isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+        and x.sharding.mesh.devices.shape == mesh.devices.shape
+        and (x.sharding.mesh.devices == mesh.devices).all() for x in leaves)
 
 
 def cache_logical_axes() -> dict:

@@ -304,15 +304,32 @@ def append(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Se
     return _append_jit(config, params, state, *_padded(chunks, width))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), donate_argnums=2)
+def _layout(state: SamplerState):
+    """The `NamedSharding`s of a state placed on a mesh (hashable: a static argument that pins a program's output
+    to its input's layout), or None for a state on one device."""
+    shardings = jax.tree_util.tree_map(lambda x: getattr(x, "sharding", None), state)
+    leaves = jax.tree_util.tree_leaves(shardings)
+    if not leaves or not all(isinstance(s, jax.sharding.NamedSharding) for s in leaves):
+        return None
+    return shardings
+
+
+def _keep_layout(state: SamplerState, layout) -> SamplerState:
+    """`state` constrained to `layout` (see `_layout`) inside a program: a state built anew there (the grouped
+    prefill's repeated rows) would otherwise come out in whatever layout the compiler picks, e.g. rows replicated
+    on every device of the mesh."""
+    return state if layout is None else jax.lax.with_sharding_constraint(state, layout)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=2)
 def _prefill_groups_jit(config: ModelConfig, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array,
-                        group: int):
+                        group: int, layout=None):
     P = tokens.shape[0]
     small = cache_lib.init_cache(config, P, state.max_len, dtype=state.cache.k.dtype)
     logits, small = cache_lib.extend.__wrapped__(config, params, small, tokens, num_new, return_logits="last")
     cache = cache_lib.KVCache(k=jnp.repeat(small.k, group, axis=1), v=jnp.repeat(small.v, group, axis=1),
                               lengths=jnp.repeat(small.lengths, group))
-    return SamplerState(cache=cache, logits=jnp.repeat(logits, group, axis=0))
+    return _keep_layout(SamplerState(cache=cache, logits=jnp.repeat(logits, group, axis=0)), layout)
 
 
 def prefill_groups(config: ModelConfig, params, state: SamplerState, prompts: Sequence[Sequence[int]],
@@ -333,7 +350,7 @@ def prefill_groups(config: ModelConfig, params, state: SamplerState, prompts: Se
     if longest == 0:
         return state
     width = min(bucket_length(longest), bucket_length(state.max_len))
-    return _prefill_groups_jit(config, params, state, *_padded(prompts, width), group)
+    return _prefill_groups_jit(config, params, state, *_padded(prompts, width), group, _layout(state))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)

@@ -296,7 +296,8 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
       lengths: optional int `[N]` true trajectory lengths; only used to zero `token_logprobs` beyond them and to
         check boundaries.
       mesh, rules: optional mesh; trajectories are split over the mesh axes that the logical "batch" axis maps to
-        (data parallel) and params placed by `rules` (default `models.DEFAULT_RULES`).
+        (data parallel). Params already placed on `mesh` are read in their own layout (the frozen reference is
+        sharded once, in its own dtype); others are placed by `rules` (default `models.DEFAULT_RULES`).
       logprob_chunk: positions per log-softmax chunk (at most float32 `[N, chunk, V]` logits at once).
       query_chunk: query rows per tile of the cached layout's attention (`ModelConfig.attention_query_chunk`:
         the prefill's tiled kernel and `attend_cached_block`); 0 = the model's automatic choice (by head width).
@@ -340,7 +341,8 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
     if n < pn:
         args[4][n:, 0] = 1
     if mesh is not None:
-        params = models.shard_params(params, config, mesh, rules)
+        if not models.placed_on(params, mesh):  # params already on the mesh (e.g. a sharded reference) stay put
+            params = models.shard_params(params, config, mesh, rules)
         args = tuple(jax.device_put(a, _batch_sharding(mesh, rules, a.ndim)) for a in args)
     scores, token_lp = _fork_scores(params, *args, config=config, layout=layout, logprob_chunk=logprob_chunk,
                                     query_chunk=query_chunk, with_token_logprobs=token_logprobs)
