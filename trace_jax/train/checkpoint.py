@@ -266,9 +266,11 @@ class Checkpointer:
         os.rename(source, target)
         return target
 
-    def restore_params(self, step: int | None = None):
+    def restore_params(self, step: int | None = None, *, shardings=None):
         """Only the params of a saved step (no target needed), on this process's first device, whatever mesh and
-        however many processes wrote them (e.g. `trace-jax eval` on one host after a multi-host run)."""
+        however many processes wrote them (e.g. `trace-jax eval` on one host after a multi-host run). With
+        `shardings` (a params pytree of shardings, e.g. `models.param_shardings` on a mesh) each process reads its
+        own shards straight into that layout instead."""
         steps = self.all_steps()
         step = (steps[-1] if steps else None) if step is None else step
         if step is None:
@@ -279,7 +281,16 @@ class Checkpointer:
         # which fails on any other topology
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         saved = self.manager.item_metadata(step).state
-        target = jax.tree_util.tree_map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), saved)
+        by_path = {} if shardings is None else {
+            jax.tree_util.keystr(path): sharding
+            for path, sharding in jax.tree_util.tree_leaves_with_path(shardings)}
+
+        def place(path, m):
+            in_params = path and getattr(path[0], "key", None) == "params"
+            sharding = by_path.get(jax.tree_util.keystr(path[1:]), device) if in_params else device
+            return jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding)
+
+        target = jax.tree_util.tree_map_with_path(place, saved)
         raw = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         return raw.state["params"]
 

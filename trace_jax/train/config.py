@@ -184,12 +184,20 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the mesh axes `data`, `fsdp`, `tensor`, `expert`; exactly one may be -1 (= the remaining devices)."""
+    """The one mesh every phase of a run uses (rollouts, reference scoring, updates), on one process or many.
+
+    Attributes:
+      data, fsdp, tensor, expert: sizes of the mesh axes; at most one may be -1 (= the remaining devices). A
+        one-device run is a 1x1x1x1 mesh.
+      devices: use the first `devices` devices of this process (0 = every device of every process); one process
+        only, e.g. to compare a mesh with one device in the same process.
+    """
 
     data: int = 1
     fsdp: int = -1
     tensor: int = 1
     expert: int = 1
+    devices: int = 0
 
     def __post_init__(self):
         sizes = [getattr(self, a) for a in MESH_AXES]
@@ -198,6 +206,8 @@ class MeshConfig:
                   f"must be a positive int or -1 (the rest of the devices), got {size!r}")
         _need(sizes.count(-1) <= 1, "MeshConfig", "fsdp",
               f"at most one axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
+        _need(isinstance(self.devices, int) and self.devices >= 0, "MeshConfig", "devices",
+              f"must be an int >= 0 (0 = all devices), got {self.devices!r}")
 
     def axis_sizes(self, num_devices: int) -> dict[str, int]:
         """The concrete `{axis: size}` for `num_devices` devices (resolving -1); raises if they do not multiply up."""
@@ -215,11 +225,18 @@ class MeshConfig:
         return sizes
 
     def make_mesh(self, devices=None):
-        """A `jax.sharding.Mesh` over `devices` (default: all) with the four named axes."""
+        """A `jax.sharding.Mesh` over `devices` (default: every device, or the first `self.devices` of this
+        process) with the four named axes."""
         import jax
 
         from trace_jax.models import make_mesh
 
+        if devices is None and self.devices:
+            local = jax.local_devices()
+            _need(jax.process_count() == 1 and self.devices <= len(local), "MeshConfig", "devices",
+                  f"asks for the first {self.devices} devices; this process has {len(local)} of "
+                  f"{jax.process_count()} process(es) (set 0 to use every device; a multi-process run uses all)")
+            devices = local[:self.devices]
         devices = jax.devices() if devices is None else list(devices)
         return make_mesh(self.axis_sizes(len(devices)), devices)
 

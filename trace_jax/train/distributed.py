@@ -17,8 +17,9 @@ What a multi-process run does with it (`trace_jax.train.loop`):
     the config); the train state lives on one mesh over every process's devices (`MeshConfig`);
   * each process runs the rollouts of its contiguous share of the step's prompts (`process_share`), with all `G`
     samples of a prompt on the same process: prompt groups are host-local by construction, so group statistics
-    (GRPO, TRACE, GiGPO) need no gathering; rows of all processes are assembled into one global batch with
-    `jax.make_array_from_process_local_data` (`global_batch`);
+    (GRPO, TRACE, GiGPO) need no gathering; it runs them, and the reference scoring of its rows, on its own block
+    of the mesh (`process_mesh`), from arrays made process-local on device (`to_process_local`); rows of all
+    processes are assembled into one global batch with `jax.make_array_from_process_local_data` (`global_batch`);
   * only the primary process (index 0) writes logs, metrics, plots, receipts and the summary (`is_primary`); every
     process takes part in orbax checkpointing (orbax coordinates the processes itself).
 
@@ -34,6 +35,8 @@ from typing import Callable, Mapping
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 MODES = ("off", "auto", "explicit")
 ENV_COORDINATOR = "TRACE_JAX_COORDINATOR"
@@ -194,6 +197,13 @@ def process_share(count: int, *, what: str = "rows", process_index: int | None =
     return slice(i * per, (i + 1) * per)
 
 
+def process_key(key):
+    """This process's PRNG key for its share of a step drawn from the step's `key`: `fold_in(key, process_index)`
+    when there are several processes (each samples its own rows), the step's key itself with one (so a
+    one-process run draws what it always drew)."""
+    return jax.random.fold_in(key, jax.process_index()) if jax.process_count() > 1 else key
+
+
 def barrier(name: str) -> None:
     """Wait until every process reaches the barrier `name` (nothing to wait for with one process)."""
     if jax.process_count() > 1:
@@ -242,16 +252,112 @@ def check_rows_split_by_process(sharding, global_shape) -> None:
 
 def put_replicated_value(tree, shardings):
     """Place a value every process holds in full (e.g. params initialised from the same seed) onto global
-    `shardings` (each process keeps its own shards). `shardings` is a sharding or a pytree matching `tree`."""
+    `shardings` (each process keeps its own shards). `shardings` is a sharding or a pytree matching `tree`.
+
+    With one process, device arrays move device to device (`jax.device_put`); with several, each process cuts its
+    own shards out of its full copy (`make_array_from_callback`), as a global array cannot be built from one
+    process's device buffers."""
+    def put(x, sharding):
+        if jax.process_count() == 1:
+            return jax.device_put(x, sharding)
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
     if isinstance(shardings, jax.sharding.Sharding):
-        return jax.tree_util.tree_map(lambda x: jax.device_put(np.asarray(x), shardings), tree)
-    return jax.tree_util.tree_map(lambda x, s: jax.device_put(np.asarray(x), s), tree, shardings)
+        return jax.tree_util.tree_map(lambda x: put(x, shardings), tree)
+    return jax.tree_util.tree_map(put, tree, shardings)
+
+
+# ------------------------------------------------------------------------------------------------ process mesh
+def process_mesh(mesh: Mesh) -> Mesh:
+    """This process's block of `mesh`: the same axis names over its own devices only (the whole mesh with one
+    process). Host-driven programs whose rows belong to one process (the agent loop with its tools, the scorer of
+    those rows) run on it.
+
+    Raises ValueError when this process's devices are not one block of the mesh (a mesh built over
+    `jax.devices()`, which lists devices in process order, always gives blocks when the device count of one process
+    is a multiple of the product of the trailing axes it spans)."""
+    me = jax.process_index()
+    devices = mesh.devices
+    mine = np.vectorize(lambda d: d.process_index == me, otypes=[bool])(devices)
+    if mine.all():
+        return mesh
+    coords = np.nonzero(mine)
+    block = devices[np.ix_(*[np.unique(c) for c in coords])]
+    if block.size != int(mine.sum()):
+        raise ValueError(f"process {me}'s {int(mine.sum())} devices are not one block of the mesh "
+                         f"{dict(mesh.shape)}: order the MeshConfig axes so that each process holds whole slices "
+                         "of the outer axes (e.g. MeshConfig.data = the number of processes)")
+    return Mesh(block, mesh.axis_names)
+
+
+def spanning_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The axes of `mesh` that cross process boundaries (shorter in `process_mesh(mesh)`); () with one process."""
+    local = dict(process_mesh(mesh).shape)
+    return tuple(a for a, size in dict(mesh.shape).items() if local[a] != size)
+
+
+def _without_axes(spec: P, dropped: tuple[str, ...]) -> P:
+    def keep(entry):
+        if entry is None:
+            return None
+        names = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in dropped)
+        return None if not names else names[0] if len(names) == 1 else names
+
+    return P(*(keep(e) for e in spec))
+
+
+def to_process_local(tree, shardings):
+    """`tree` (global arrays on a mesh) in the layout `shardings` (a matching pytree of `NamedSharding`s on the same
+    mesh), as arrays on this process's block of the mesh (`process_mesh`), moved on device, never through host
+    memory: a jitted reshard (`out_shardings`) to `shardings` with the process-crossing axes dropped from every
+    spec (those dimensions are gathered over the processes, so each process's devices hold the whole array between
+    them), then each process wraps its own device buffers as arrays of its block (no copy).
+
+    With one process there is nothing to drop or wrap: it is the reshard alone, and nothing at all for leaves
+    already in their target layout. A collective when the mesh spans processes (every process must call it).
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    targets = treedef.flatten_up_to(shardings)
+    if not leaves:
+        return tree
+    mesh = targets[0].mesh
+    dropped = spanning_axes(mesh)
+    targets = [NamedSharding(mesh, _without_axes(t.spec, dropped)) for t in targets]
+    moving = [i for i, (x, t) in enumerate(zip(leaves, targets))
+              if not (isinstance(x.sharding, NamedSharding) and x.sharding.is_equivalent_to(t, x.ndim))]
+    if moving:
+        moved = jax.jit(lambda xs: xs, out_shardings=[targets[i] for i in moving])([leaves[i] for i in moving])
+        for i, x in zip(moving, moved):
+            leaves[i] = x
+    if dropped:
+        local = process_mesh(mesh)
+
+        def wrap(x, target):
+            sharding = NamedSharding(local, target.spec)
+            wanted = sharding.addressable_devices_indices_map(x.shape)
+            held = x.sharding.addressable_devices_indices_map(x.shape)
+            if any(held[d] != index for d, index in wanted.items()):  # the block's coordinates must be the mesh's
+                raise ValueError(f"process {jax.process_index()}'s shards of a {x.shape} array on {x.sharding} are "
+                                 f"not the shards of {sharding} on its block of the mesh")
+            buffers = {shard.device: shard.data for shard in x.addressable_shards}
+            return jax.make_array_from_single_device_arrays(x.shape, sharding, [buffers[d] for d in wanted])
+
+        leaves = [wrap(x, t) for x, t in zip(leaves, targets)]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def describe_mesh(mesh: Mesh) -> dict:
+    """What a run records about its mesh: `{"axes": {axis: size}, "devices": n, "processes": p, "platform": ...}`."""
+    return {"axes": {a: int(s) for a, s in dict(mesh.shape).items()}, "devices": int(mesh.devices.size),
+            "processes": jax.process_count(), "platform": mesh.devices.flat[0].platform}
 
 
 def host_local(tree):
-    """A copy of a pytree of (possibly global) arrays that lives on this process only (its first local device),
-    e.g. the params the host-local rollouts sample from. Arrays this process holds in full are copied from its own
-    shard; arrays sharded across processes are all-gathered (a collective: every process must call this)."""
+    """A copy of a pytree of (possibly global) arrays that lives on this process only (its first local device), to
+    read results on the host (tests, tools). Arrays this process holds in full are copied from its own shard;
+    arrays sharded across processes are all-gathered through host memory (a collective: every process must call
+    this). The training loop never uses it: `to_process_local` moves params on device."""
     from jax.experimental import multihost_utils
 
     device = jax.local_devices()[0]

@@ -123,6 +123,8 @@ class TrainConfig:
         checkpoint's own tokenizer).
       reference_step: the frozen reference for TRACE scoring: -1 = the initial policy (after the warm start), or a
         saved checkpoint step of this run.
+      reference_dtype: the dtype the frozen reference is held and scored in on the mesh, "float32" (the policy's
+        own) or "bfloat16" (half the memory; scores move by bfloat16 round-off).
       log_every: steps between progress-bar / console lines (metrics.jsonl gets every step).
       plot_every: steps between plot refreshes (0 = only at the end).
       receipts: HTML credit receipts of evaluation episodes written at the end.
@@ -135,6 +137,7 @@ class TrainConfig:
     checkpoint: str = ""
     tokenizer: str = "word"
     reference_step: int = -1
+    reference_dtype: str = "float32"
     log_every: int = 1
     plot_every: int = 10
     receipts: int = 4
@@ -161,6 +164,9 @@ class TrainConfig:
         if not isinstance(self.reference_step, int) or self.reference_step < -1:
             raise ValueError(f"TrainConfig.reference_step must be -1 (initial policy) or a checkpoint step >= 0, "
                              f"got {self.reference_step!r}")
+        if self.reference_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"TrainConfig.reference_dtype must be 'float32' or 'bfloat16', got "
+                             f"{self.reference_dtype!r}")
 
 
 # Registered name -> (module gin shows it under, object). Order = the order configs are built in `parse`.

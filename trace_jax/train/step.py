@@ -37,8 +37,15 @@ def batch_sharding(mesh: Mesh, rules=None, shape=None) -> NamedSharding:
 
 
 def shard_batch(batch: LossBatch, mesh: Mesh, rules=None) -> LossBatch:
-    """Place every array of `batch` with rows split over the batch axes of `mesh`."""
-    return jax.tree_util.tree_map(lambda x: jax.device_put(x, batch_sharding(mesh, rules, x.shape)), batch)
+    """Place every array of `batch` with rows split over the batch axes of `mesh`. Device arrays move on device;
+    host arrays are taken as the whole batch, the same on every process (e.g. the warm start's)."""
+    from trace_jax.train.distributed import put_replicated_value
+
+    def place(x):
+        sharding = batch_sharding(mesh, rules, x.shape)
+        return jax.device_put(x, sharding) if isinstance(x, jax.Array) else put_replicated_value(x, sharding)
+
+    return jax.tree_util.tree_map(place, batch)
 
 
 def _split_micro(x, micro_batches: int):
