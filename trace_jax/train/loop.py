@@ -9,7 +9,8 @@ A run, in order (each stage logged, and timed in `summary.json`):
   2. evaluation before anything (`before`), the SFT warm start on oracle trajectories (a clearly labelled stage of
      ours; `WarmStartConfig.steps = 0` skips it, as the paper does), evaluation after it (`initial`);
   3. the frozen reference: the initial policy (after the warm start), or, with `TrainConfig.reference_step = N`,
-     the policy of step N once step N is reached (the initial one before); saved under `reference/`;
+     the policy of step N once step N is reached (the initial one before); saved under `reference/`, held on the
+     mesh in `TrainConfig.reference_dtype`;
   4. `TrainConfig.steps` RL steps of `pipeline.RLPipeline`, with an evaluation every `EvalConfig.every_steps`;
   5. the final evaluation, the comparison with the initial one (difference and paired binomial SE), HTML credit
      receipts of a few held-out episodes, plots and `summary.json`.
@@ -20,6 +21,9 @@ that already holds a checkpoint resumes from it: rollouts draw their key from `(
 checkpointed data position, so the resumed steps equal an uninterrupted run's. A run killed during the warm start
 restarts from scratch (the warm start is deterministic). `TrainState.step` counts RL steps (reset after each step's
 updates; the optimizer's own count drives its schedule).
+
+Every phase runs on one mesh (`MeshConfig`; a 1x1x1x1 mesh on one device): `Placement` says which layout each
+array has there, `rl_step` is one step on it (docs/training.md, "One mesh for the whole step").
 
 This module knows configs, the run directory and the pipeline; the arithmetic lives in the modules it calls.
 """
@@ -57,7 +61,7 @@ from trace_jax.train.loss import LossBatch, real_token_mask, trained_positions
 from trace_jax.train.metrics import PhaseTimer, RunWriter, progress_bar
 from trace_jax.train.optimizer import make_optimizer
 from trace_jax.train.pipeline import RLPipeline, UpdateConfig, check_compatible
-from trace_jax.train.state import init_train_state, state_shardings
+from trace_jax.train.state import init_train_state
 from trace_jax.train.step import batch_sharding, make_train_step
 from trace_jax.train.warmstart import oracle_trajectories, sft_arrays
 
@@ -134,9 +138,10 @@ def build_environment(run_config: RunConfig, run_dir: str | Path, *, load_params
 
 
 def warm_start(run_config: RunConfig, environment: Environment, params, log: Callable[[str], None] = print, *,
-               progress: bool = False):
-    """SFT on oracle trajectories rendered exactly as the rollouts render them; returns `(params, losses)`. With
-    `progress` the steps show on a bar of their own (instead of a log line every fifth of them)."""
+               progress: bool = False, mesh=None):
+    """SFT on oracle trajectories rendered exactly as the rollouts render them, on `mesh` (the run's; None = the
+    params' own device); returns `(params, losses)`. With `progress` the steps show on a bar of their own (instead
+    of a log line every fifth of them)."""
     ws = run_config.warmstart
     results = oracle_trajectories(environment.train_tasks, environment.browser, ws)
     arrays = sft_arrays(environment.chat, ws.render_rollout(run_config.rollout), environment.browser, results,
@@ -146,8 +151,10 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
                                                warmup_steps=ws.warmup_steps,
                                                total_steps=max(ws.steps, ws.warmup_steps + 1), end_lr_ratio=0.1,
                                                weight_decay=0.0))
-    step_fn = make_train_step(environment.model_config, LossConfig(mode="sft", entropy_metric=False), optimizer)
-    state = init_train_state(environment.model_config, optimizer, params, jax.random.PRNGKey(run_config.train.seed))
+    step_fn = make_train_step(environment.model_config, LossConfig(mode="sft", entropy_metric=False), optimizer,
+                              mesh=mesh)
+    state = init_train_state(environment.model_config, optimizer, params, jax.random.PRNGKey(run_config.train.seed),
+                             mesh=mesh)
     log(f"warm start: {len(arrays)} oracle trajectories of {arrays.tokens.shape[1]} tokens, {ws.steps} SFT steps "
         f"of {ws.batch_size}")
     losses, position, epoch, order = [], 0, 0, arrays.epoch_order(run_config.train.seed, 0)
@@ -162,11 +169,13 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
             index += order[position:position + take].tolist()
             position += take
         rows = arrays.batch(np.asarray(index), length_multiple=ws.length_multiple)
-        batch = LossBatch(tokens=jnp.asarray(rows["tokens"]), positions=jnp.asarray(rows["positions"]),
-                          loss_mask=jnp.asarray(rows["loss_mask"]), advantages=jnp.asarray(rows["weights"]),
-                          behaviour_logprobs=jnp.zeros(rows["tokens"].shape, jnp.float32),
-                          token_mask=real_token_mask(arrays.lengths[np.asarray(index)], rows["tokens"].shape[1]),
-                          trained_index=jnp.asarray(trained_positions(rows["loss_mask"], ws.length_multiple)))
+        # host arrays: the train step places them on its mesh (every process holds the same batch)
+        batch = LossBatch(tokens=np.asarray(rows["tokens"]), positions=np.asarray(rows["positions"]),
+                          loss_mask=np.asarray(rows["loss_mask"]), advantages=np.asarray(rows["weights"]),
+                          behaviour_logprobs=np.zeros(rows["tokens"].shape, np.float32),
+                          token_mask=np.asarray(real_token_mask(arrays.lengths[np.asarray(index)],
+                                                                rows["tokens"].shape[1])),
+                          trained_index=np.asarray(trained_positions(rows["loss_mask"], ws.length_multiple)))
         state, metrics = step_fn(state, batch, None)
         losses.append(float(metrics["loss"]))
         bar.update(1)
@@ -191,10 +200,10 @@ def _eval_from_json(data: dict) -> EvalResult:
     return EvalResult(**data)
 
 
-def _evaluate(run_config: RunConfig, environment: Environment, params, label: str, log) -> EvalResult:
+def _evaluate(run_config: RunConfig, environment: Environment, params, label: str, log, mesh=None) -> EvalResult:
     tasks = environment.eval_tasks[:run_config.eval.num_tasks]
     result = evaluate(environment.model_config, params, environment.chat, tasks, environment.browser,
-                      run_config.rollout, run_config.eval)
+                      run_config.rollout, run_config.eval, mesh=mesh)
     log(f"eval ({label}): greedy accuracy {100 * result.accuracy:.1f}% +- {100 * result.accuracy_se:.1f} on "
         f"{result.num_tasks} held-out tasks, reward {result.mean_reward:.3f}, tool calls "
         f"{result.tool_calls_per_episode:.2f}/episode ({result.seconds:.0f}s)")
@@ -269,12 +278,69 @@ def _tasks_at(train_tasks: list, position: int, count: int, shuffle_seed: int) -
     return out
 
 
-# ------------------------------------------------------------------------------------------------ multi-process
+# ------------------------------------------------------------------------------------------------ placement
+class Placement:
+    """Where a run's arrays live: one mesh over every device of every process (`MeshConfig`; a 1x1x1x1 mesh on one
+    device), and this process's block of it (`distributed.process_mesh`, the whole mesh with one process), which
+    runs the host-driven programs of this process's rows (the agent loop and the scorer).
+
+      * the train state: the train layout (`models.DEFAULT_RULES`: FSDP x tensor x expert) on the mesh;
+      * rollouts and evaluation read `rollout_params(params)`: the policy resharded on device to the rollout layout
+        (`models.ROLLOUT_RULES`: weights whole over the batch axes, heads / mlp / vocab over `tensor`, experts over
+        `expert`), on the process block;
+      * the frozen reference: restored once from its checkpoint straight into the train layout, cast to
+        `TrainConfig.reference_dtype` on device (fresh buffers, never the policy's, which the update donates), and
+        held as the process block reads it (`distributed.to_process_local`: as it is with one process).
+
+    Nothing here goes through host memory but the initial params, which every process builds from the seed.
+    """
+
+    def __init__(self, run_config: RunConfig, model_config):
+        self.mesh = run_config.mesh.make_mesh()
+        self.process_mesh = distributed.process_mesh(self.mesh)
+        self.model_config = model_config
+        self.train_shardings = models.param_shardings(model_config, self.mesh)
+        self.rollout_shardings = models.param_shardings(model_config, self.mesh, models.ROLLOUT_RULES)
+        self.reference_dtype = jnp.dtype(run_config.train.reference_dtype)
+
+    def describe(self) -> dict:
+        return distributed.describe_mesh(self.mesh)
+
+    def line(self) -> str:
+        info = self.describe()
+        axes = " ".join(f"{a}={s}" for a, s in info["axes"].items())
+        return (f"mesh {axes} ({info['devices']} {info['platform']} devices, {info['processes']} "
+                f"process{'es' if info['processes'] > 1 else ''})")
+
+    def policy(self, params):
+        """Params every process holds in full (fresh init, loaded checkpoint) -> the train layout on the mesh."""
+        return distributed.put_replicated_value(params, self.train_shardings)
+
+    def rollout_params(self, params):
+        """Train-layout params -> the rollout layout on the process block (on device; a collective with several
+        processes)."""
+        return distributed.to_process_local(params, self.rollout_shardings)
+
+    def reference(self, store: Checkpointer, step: int):
+        """The frozen reference of checkpoint `step` of `store`, as the scorer reads it (a collective with several
+        processes)."""
+        return self.frozen(store.restore_params(step, shardings=self.train_shardings))
+
+    def frozen(self, params):
+        """Train-layout params -> a frozen reference as the scorer reads it: cast to its dtype on device, in fresh
+        buffers (a jitted copy: never an alias of arrays the update donates), on the process block."""
+        dtype = self.reference_dtype
+        reference = jax.jit(lambda tree: jax.tree_util.tree_map(lambda x: x.astype(dtype), tree),
+                            out_shardings=self.train_shardings)(params)
+        return distributed.to_process_local(reference, self.train_shardings)
+
+
+# ------------------------------------------------------------------------------------------------ across processes
 def _combine_process_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """One step's rollout metrics of every process as one: means (every process holds the same number of rows and
     prompts, so a mean of per-process means is the global mean) except `generated_tokens`, a sum. A collective."""
     names = sorted(metrics)
-    values = distributed.gather_to_hosts(np.asarray([metrics[n] for n in names], np.float32)).astype(np.float64)
+    values = distributed.gather_to_hosts(np.asarray([metrics[n] for n in names], np.float64)).astype(np.float64)
     out = dict(zip(names, values.mean(axis=0).tolist()))
     if "generated_tokens" in out:
         out["generated_tokens"] = float(values[:, names.index("generated_tokens")].sum())
@@ -297,6 +363,28 @@ def _stop_requested_anywhere(guard: PreemptionGuard) -> None:
         guard.requested, guard.signal_name = True, "a signal to another process"
 
 
+def rl_step(pipeline: RLPipeline, placement: Placement, state, reference_params, step_tasks: list, key, *,
+            seed: int, timer: PhaseTimer | None = None):
+    """One RL step of the run on its mesh: this process's share of `step_tasks` (whole prompt groups, so group
+    statistics stay on the process) rolled out with the policy in the rollout layout and this process's key,
+    scored by the frozen reference (`Placement.reference`), the rows of every process as one global `LossBatch`,
+    and the update over the whole mesh. Returns `(state, prepared, update_metrics)`; `state` is donated. Every
+    process calls it (collectives).
+    """
+    timer = timer or PhaseTimer()
+    tasks = step_tasks[distributed.process_share(len(step_tasks), what="prompts")]
+    with timer.phase("rollout"):
+        rollout = pipeline.collect(placement.rollout_params(state.params), tasks, distributed.process_key(key))
+    prepared = pipeline.prepare(rollout, reference_params, num_prompts=len(tasks))
+    timer.seconds.update(prepared.timing)
+    prepared.loss_batch = _global_loss_batch(prepared.loss_batch, placement.mesh)
+    prepared.metrics = _combine_process_metrics(prepared.metrics)
+    with timer.phase("update"):
+        state, update_metrics = pipeline.update(state, prepared, reference_params, seed=seed)
+        jax.block_until_ready(state.params)
+    return state, prepared, update_metrics
+
+
 def _reference_checkpointer(run_dir: Path) -> Checkpointer:
     return Checkpointer(CheckpointConfig(directory=str(run_dir / REFERENCE_DIR), every_steps=1, keep_last=None,
                                          async_save=False))
@@ -309,11 +397,12 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
     The gin config in effect must be the one `run_config` was parsed from (`gin_setup.parse`); it is written to
     the run directory. Raises ValueError before any compute when the configs cannot work together.
 
-    Multi-process (after `distributed.initialize`, see `trace_jax.train.distributed`): every process calls this with
-    the same config and run directory; the train state lives on `run_config.mesh` over every process's devices,
-    each process rolls out its share of the step's prompts, and only process 0 writes the run's files and logs
-    (every process writes its shards of the checkpoints). The warm start and the evaluations run on every process
-    (deterministic, so they agree).
+    Every phase runs on one mesh (`run_config.mesh`, see `Placement`): on one process over its devices, on several
+    (after `distributed.initialize`, see `trace_jax.train.distributed`) over every process's devices. Every process
+    calls this with the same config and run directory; each rolls out and scores its share of the step's prompts
+    on its own block of the mesh, the update is one program over the whole mesh, and only process 0 writes the
+    run's files and logs (every process writes its shards of the checkpoints). The warm start and the evaluations
+    run on every process (deterministic, so they agree).
     """
     from trace_jax.train.gin_setup import write_config
 
@@ -324,11 +413,10 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
     update_config = run_config.update or UpdateConfig()
     rows = train_config.prompts_per_step * run_config.rollout.group_size
     check_compatible(run_config.credit, run_config.loss, update_config, rows)
-    multi, primary = distributed.is_multiprocess(), distributed.is_primary()
-    if multi:
-        distributed.process_share(train_config.prompts_per_step, what="prompts per step (TrainConfig."
-                                  "prompts_per_step; each process rolls out an equal share)")
-        log = log if primary else (lambda _line: None)
+    primary = distributed.is_primary()
+    distributed.process_share(train_config.prompts_per_step, what="prompts per step (TrainConfig."
+                              "prompts_per_step; each process rolls out an equal share)")
+    log = log if primary else (lambda _line: None)
     if primary:
         write_config(run_dir)
     stages: dict[str, float] = {}
@@ -337,25 +425,21 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
     environment = build_environment(run_config, run_dir)
     stages["build"] = time.perf_counter() - t0
     optimizer = make_optimizer(run_config.optimizer)
-    # one process: everything on the default device, as ever. Several: the update on a mesh over all of them, the
-    # rollouts and scoring on each process's own device from a host-local copy of the params.
-    mesh = run_config.mesh.make_mesh() if multi else None
-    if multi:  # fail before any compute when the step's rows cannot be one global batch
-        try:
-            distributed.check_rows_split_by_process(batch_sharding(mesh, None, (rows, 1)), (rows, 1))
-        except ValueError as error:
-            raise ValueError(f"TrainConfig.prompts_per_step x RolloutConfig.group_size = {rows} rows per step: "
-                             f"{error}") from None
-    local = distributed.host_local if multi else (lambda params: params)
+    placement = Placement(run_config, environment.model_config)
+    mesh = placement.mesh
+    try:  # fail before any compute when the step's rows cannot be one global batch
+        distributed.check_rows_split_by_process(batch_sharding(mesh, None, (rows, 1)), (rows, 1))
+    except ValueError as error:
+        raise ValueError(f"TrainConfig.prompts_per_step x RolloutConfig.group_size = {rows} rows per step: "
+                         f"{error}") from None
     pipeline = RLPipeline(environment.model_config, environment.chat, environment.browser, run_config.rollout,
-                          run_config.credit, run_config.loss, update_config, optimizer,
-                          train_step=make_train_step(environment.model_config, run_config.loss, optimizer, mesh=mesh)
-                          if multi else None)
+                          run_config.credit, run_config.loss, update_config, optimizer, mesh=placement.process_mesh,
+                          train_step=make_train_step(environment.model_config, run_config.loss, optimizer, mesh=mesh))
     checkpoint_config = dataclasses.replace(run_config.checkpoint,
                                             directory=str(run_dir / run_config.checkpoint.directory))
     log(f"run {run_dir}: {train_config.steps} RL steps of {train_config.prompts_per_step} prompts x "
         f"{run_config.rollout.group_size} samples, credit {run_config.credit.estimator}, "
-        f"{len(environment.train_tasks)} train / {len(environment.eval_tasks)} held-out tasks")
+        f"{len(environment.train_tasks)} train / {len(environment.eval_tasks)} held-out tasks, {placement.line()}")
 
     with PreemptionGuard() as guard, Checkpointer(checkpoint_config, guard=guard) as checkpointer, \
             _reference_checkpointer(run_dir) as reference_store:
@@ -363,25 +447,25 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
         latest = None if restored is None else restored.step
         if latest is None:
             writer = RunWriter(run_dir, total_steps=train_config.steps, progress=progress, write_files=primary)
-            params = environment.params
+            params = placement.policy(environment.params)
             evals: dict[str, dict] = {}
             if run_config.warmstart.steps > 0:
                 t0 = time.perf_counter()
-                evals["before"] = _eval_to_json(_evaluate(run_config, environment, params, "before warm start", log))
+                evals["before"] = _eval_to_json(_evaluate(run_config, environment, placement.rollout_params(params),
+                                                          "before warm start", log, placement.process_mesh))
                 stages["eval_before"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                params, losses = warm_start(run_config, environment, params, log, progress=progress and primary)
+                params, losses = warm_start(run_config, environment, params, log, progress=progress and primary,
+                                            mesh=mesh)
                 stages["warm_start"] = time.perf_counter() - t0
                 writer.log(0, {"warmstart/final_loss": losses[-1] if losses else float("nan")})
             t0 = time.perf_counter()
-            initial = _evaluate(run_config, environment, params,
-                                "after warm start" if run_config.warmstart.steps > 0 else "initial policy", log)
+            initial = _evaluate(run_config, environment, placement.rollout_params(params),
+                                "after warm start" if run_config.warmstart.steps > 0 else "initial policy", log,
+                                placement.process_mesh)
             stages["eval_initial"] = time.perf_counter() - t0
             evals["initial"] = _eval_to_json(initial)
             writer.log(0, initial.metrics())
-            if multi:
-                params = distributed.put_replicated_value(
-                    params, state_shardings(environment.model_config, optimizer, mesh).params)
             state = init_train_state(environment.model_config, optimizer, params,
                                      jax.random.PRNGKey(train_config.seed), mesh=mesh)
             host = {"data_position": 0, "evals": evals, "stages": stages}
@@ -398,7 +482,7 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
         reference_at = 0
         if train_config.reference_step >= 0 and step >= train_config.reference_step:
             reference_at = train_config.reference_step
-        reference_params = local(reference_store.restore_params(reference_at))
+        reference_params = placement.reference(reference_store, reference_at)
         peak = _peak_flops()
         timer = PhaseTimer()
         rl_start = time.perf_counter()
@@ -408,39 +492,25 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
             step_tasks = _tasks_at(environment.train_tasks, int(host["data_position"]),
                                    train_config.prompts_per_step, run_config.data.shuffle_seed)
             key = jax.random.fold_in(jax.random.PRNGKey(train_config.seed), _ROLLOUT_SALT + step)
-            tasks = step_tasks
-            if multi:  # this process's prompts (whole groups: group statistics stay host-local) and its own key
-                tasks = step_tasks[distributed.process_share(len(step_tasks), what="prompts")]
-                key = jax.random.fold_in(key, jax.process_index())
-            with timer.phase("rollout"):
-                rollout = pipeline.collect(local(state.params), tasks, key)
-            prepared = pipeline.prepare(rollout, reference_params, num_prompts=len(tasks))
-            timer.seconds.update(prepared.timing)
-            if multi:
-                prepared.loss_batch = _global_loss_batch(prepared.loss_batch, mesh)
-                prepared.metrics = _combine_process_metrics(prepared.metrics)
-            with timer.phase("update"):
-                state, update_metrics = pipeline.update(state, prepared, reference_params, seed=train_config.seed
-                                                        * 1_000_003 + step)
-                jax.block_until_ready(state.params)
+            state, prepared, update_metrics = rl_step(pipeline, placement, state, reference_params, step_tasks, key,
+                                                      seed=train_config.seed * 1_000_003 + step, timer=timer)
             step += 1
-            state = state.replace(step=jnp.asarray(step, jnp.int32) if mesh is None else
-                                  distributed.put_replicated_value(np.int32(step), NamedSharding(mesh, P())))
+            state = state.replace(step=distributed.put_replicated_value(np.int32(step), NamedSharding(mesh, P())))
             host["data_position"] = int(host["data_position"]) + len(step_tasks)
             metrics = {**prepared.metrics, **update_metrics, **timer.metrics()}
             metrics.update(pipeline.throughput(prepared, timer.seconds["update"], timer.seconds["rollout"],
                                                peak_flops=peak))
             every = run_config.eval.every_steps
             if every and step % every == 0 and step < train_config.steps:
-                result = _evaluate(run_config, environment, local(state.params), f"step {step}", log)
+                result = _evaluate(run_config, environment, placement.rollout_params(state.params), f"step {step}",
+                                   log, placement.process_mesh)
                 metrics.update(result.metrics())
                 host["evals"][f"step{step}"] = _eval_to_json(result)
             writer.log(step, metrics)
             if step == train_config.reference_step:
                 reference_store.save(state, {"step": step}, force=True)
-                reference_params = local(reference_store.restore_params(step))
-            if multi:
-                _stop_requested_anywhere(guard)
+                reference_params = placement.reference(reference_store, step)
+            _stop_requested_anywhere(guard)
             checkpointer.maybe_save(state, host)
             if checkpointer.stop_requested:
                 log(f"stopped by {guard.signal_name} after step {step}; rerun the same command to resume")
@@ -453,8 +523,8 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
         checkpointer.wait_until_finished()
 
         t0 = time.perf_counter()
-        final_params = local(state.params)
-        final = _evaluate(run_config, environment, final_params, "after RL", log)
+        final_params = placement.rollout_params(state.params)
+        final = _evaluate(run_config, environment, final_params, "after RL", log, placement.process_mesh)
         stages["eval_final"] = time.perf_counter() - t0
         writer.log(step, final.metrics())
         initial = _eval_from_json(host["evals"]["initial"])
@@ -470,6 +540,7 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
         history = [r for r in writer.history if "reward" in r]
         summary = {
             "run_dir": str(run_dir), "steps": step, "estimator": run_config.credit.estimator,
+            "mesh": placement.describe(),
             "model": dataclasses.asdict(environment.model_config) if hasattr(environment.model_config,
                                                                              "__dataclass_fields__") else None,
             "evaluations": {name: {k: v for k, v in data.items() if k not in ("correct", "task_ids")}
