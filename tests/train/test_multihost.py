@@ -190,9 +190,10 @@ LOOP_STEPS = 2
 
 @pytest.mark.slow
 def test_two_processes_run_the_rl_loop_and_only_process_0_writes_the_record(tmp_path):
-    """`trace-jax train` on two processes: each rolls out 2 of the step's 4 prompts, the update runs on the mesh
-    over both, process 0 alone logs and writes metrics and summary, and the checkpoint restores in one process
-    (the whole state onto a target, and the params alone as `trace-jax eval` reads them)."""
+    """`trace-jax train` on two processes: each rolls out 2 of the step's 4 prompts on its block of the mesh, the
+    update runs on the mesh over both, process 0 alone logs and writes metrics and summary, the checkpoint restores
+    in one process (the whole state onto a target, and the params alone as `trace-jax eval` reads them), and one
+    process of 8 devices gives the same metrics and params within 1e-5."""
     from tests.train.test_rl_pipeline import SMALL
     from trace_jax.train.checkpoint import Checkpointer, abstract_train_state
     from trace_jax.train.config import CheckpointConfig
@@ -201,13 +202,20 @@ def test_two_processes_run_the_rl_loop_and_only_process_0_writes_the_record(tmp_
     from trace_jax.train.metrics import read_metrics
     from trace_jax.train.optimizer import make_optimizer
 
+    from trace_jax.train.loop import train
+
     gin_file = tmp_path / "two.gin"
+    # mini-batches gather rows across the processes; greedy rollouts are the same tokens whichever process (and
+    # whichever key) samples a row, so one process of 8 devices must train the same
     gin_file.write_text(SMALL + f"TrainConfig.prompts_per_step = 4\nTrainConfig.steps = {LOOP_STEPS}\n"
-                        "UpdateConfig.mini_batches = 2\n")  # mini-batches gather rows across the processes
+                        "UpdateConfig.mini_batches = 2\nSamplingConfig.greedy = True\n")
     run_dir = tmp_path / "run"
     procs = _launch(["-m", "trace_jax.cli", "train", "--gin_file", str(gin_file), "--run_dir", str(run_dir),
                      "--no_progress"], 2, REPO, tmp_path)
-    _wait(procs, tmp_path)
+    try:  # meanwhile: one process, the same 8 devices (conftest)
+        train(parse([str(gin_file)]), tmp_path / "one_process", progress=False, log=lambda _line: None)
+    finally:
+        _wait(procs, tmp_path)
     logs = [(tmp_path / f"process{i}.log").read_text() for i in range(2)]
     assert "run " in logs[0] and "after RL" in logs[0]
     assert "distributed: process 1 of 2" in logs[1] and "eval (" not in logs[1]
@@ -216,6 +224,10 @@ def test_two_processes_run_the_rl_loop_and_only_process_0_writes_the_record(tmp_
     assert [r["step"] for r in records] == list(range(1, LOOP_STEPS + 1))  # one writer: no duplicate lines
     assert all(np.isfinite(r["loss"]) and r["updates"] == 2 for r in records)
     assert (run_dir / "summary.json").exists()
+    single = [r for r in read_metrics(tmp_path / "one_process") if "reward" in r]
+    for name in ("loss", "reward", "length", "credit/mean_abs_token_advantage", "grad_norm"):
+        np.testing.assert_allclose([r[name] for r in records], [r[name] for r in single], atol=1e-5, rtol=1e-5,
+                                   err_msg=name)
 
     config = parse([str(gin_file)])
     model_config = build_environment(config, tmp_path / "env", load_params=False).model_config
@@ -226,5 +238,10 @@ def test_two_processes_run_the_rl_loop_and_only_process_0_writes_the_record(tmp_
     assert int(state.step) == LOOP_STEPS
     for name, value in _flat(params).items():
         np.testing.assert_array_equal(value, _flat(state.params)[name], err_msg=name)
+    with Checkpointer(CheckpointConfig(directory=str(tmp_path / "one_process" / "checkpoints"),
+                                       async_save=False)) as store:
+        single_params = _flat(store.restore_params(LOOP_STEPS))
+    for name, value in _flat(params).items():
+        np.testing.assert_allclose(value, single_params[name], atol=1e-5, rtol=0, err_msg=name)
     assert host["data_position"] == 4 * LOOP_STEPS  # every prompt of every step, across both processes
     assert all(np.isfinite(leaf).all() for leaf in jax.tree_util.tree_leaves(state.params))

@@ -1,0 +1,76 @@
+"""The placement pieces of one mesh for the whole step: `MeshConfig` on one process (all devices, or the first n),
+`distributed.to_process_local` (an on-device reshard; nothing moves for arrays already in their layout), the
+rollout layout's rules and `models.placed_on`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trace_jax import models
+from trace_jax.train import distributed
+from trace_jax.train.config import MeshConfig, TrainConfigError
+
+
+def test_one_device_is_a_one_by_one_by_one_by_one_mesh():
+    mesh = MeshConfig(data=1, fsdp=1, tensor=1, expert=1, devices=1).make_mesh()
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}
+    assert list(mesh.devices.flat) == [jax.devices()[0]]
+
+
+def test_the_default_mesh_spans_every_device():
+    assert MeshConfig().make_mesh().devices.size == jax.device_count()
+
+
+def test_more_devices_than_the_process_has_is_a_clear_error():
+    with pytest.raises(TrainConfigError, match="MeshConfig.devices: asks for the first 64 devices"):
+        MeshConfig(devices=64).make_mesh()
+    with pytest.raises(TrainConfigError, match="MeshConfig.devices: must be an int >= 0"):
+        MeshConfig(devices=-1)
+
+
+def test_the_process_block_of_a_one_process_mesh_is_the_mesh():
+    mesh = MeshConfig(fsdp=4, tensor=2).make_mesh()
+    assert distributed.process_mesh(mesh) is mesh
+    assert distributed.spanning_axes(mesh) == ()
+
+
+def test_to_process_local_reshards_on_device_and_leaves_placed_arrays_alone():
+    mesh = MeshConfig(fsdp=4, tensor=2).make_mesh()
+    fsdp = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("fsdp", "tensor")))
+    tensor = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("tensor")))
+    target = {"w": NamedSharding(mesh, P(None, "tensor")), "b": NamedSharding(mesh, P("tensor"))}
+    moved = distributed.to_process_local({"w": fsdp, "b": tensor}, target)
+    assert moved["b"] is tensor  # already in its layout: nothing runs
+    assert moved["w"].sharding.shard_shape((8, 8)) == (8, 4)
+    np.testing.assert_array_equal(moved["w"], np.arange(64.0).reshape(8, 8))
+    fsdp.delete()  # the reshard made its own buffers
+    assert float(moved["w"].sum()) == float(np.arange(64.0).sum())
+
+
+def test_the_rollout_layout_keeps_weights_whole_over_fsdp_and_split_over_tensor():
+    config = models.get_preset("tiny-qwen3", num_hidden_layers=1)
+    mesh = MeshConfig(fsdp=4, tensor=2).make_mesh()
+    train = models.param_shardings(config, mesh)["layers"]["attn"]["q_proj"]
+    rollout = models.param_shardings(config, mesh, models.ROLLOUT_RULES)["layers"]["attn"]["q_proj"]
+    assert train.spec == P(None, "fsdp", "tensor", None) and rollout.spec == P(None, None, "tensor", None)
+
+
+def test_placed_on_tells_arrays_on_the_mesh_from_others():
+    mesh = MeshConfig(fsdp=8).make_mesh()
+    on_mesh = jax.device_put(jnp.zeros((8, 2)), NamedSharding(mesh, P("fsdp")))
+    assert models.placed_on({"a": on_mesh}, mesh)
+    assert not models.placed_on({"a": on_mesh, "b": jnp.zeros(2)}, mesh)
+    assert not models.placed_on({"a": np.zeros(2)}, mesh)
+    assert not models.placed_on({"a": on_mesh}, MeshConfig(fsdp=4, tensor=2).make_mesh())
+
+
+def test_a_reference_dtype_other_than_float32_or_bfloat16_names_the_field():
+    from trace_jax.train.gin_setup import TrainConfig
+
+    with pytest.raises(ValueError, match="TrainConfig.reference_dtype must be 'float32' or 'bfloat16'"):
+        TrainConfig(model=models.get_preset("tiny-qwen3"), reference_dtype="float16")
