@@ -125,6 +125,11 @@ class TrainConfig:
         saved checkpoint step of this run.
       reference_dtype: the dtype the frozen reference is held and scored in on the mesh, "float32" (the policy's
         own) or "bfloat16" (half the memory; scores move by bfloat16 round-off).
+      init_from: '' (build the initial policy here: init or checkpoint, then this run's warm start), or the run
+        directory of an earlier `trace-jax train` run whose initial policy (after its warm start: the step 0
+        checkpoint under its `reference/`) this run starts from, skipping its own warm start. The model and
+        tokenizer must be the same (checked by shape before any RL step). A study shares one warm start per seed
+        this way.
       log_every: steps between progress-bar / console lines (metrics.jsonl gets every step).
       plot_every: steps between plot refreshes (0 = only at the end).
       receipts: HTML credit receipts of evaluation episodes written at the end.
@@ -138,6 +143,7 @@ class TrainConfig:
     tokenizer: str = "word"
     reference_step: int = -1
     reference_dtype: str = "float32"
+    init_from: str = ""
     log_every: int = 1
     plot_every: int = 10
     receipts: int = 4
@@ -164,6 +170,9 @@ class TrainConfig:
         if not isinstance(self.reference_step, int) or self.reference_step < -1:
             raise ValueError(f"TrainConfig.reference_step must be -1 (initial policy) or a checkpoint step >= 0, "
                              f"got {self.reference_step!r}")
+        if not isinstance(self.init_from, str):
+            raise ValueError(f"TrainConfig.init_from must be a run directory (a string) or '', got "
+                             f"{self.init_from!r}")
         if self.reference_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"TrainConfig.reference_dtype must be 'float32' or 'bfloat16', got "
                              f"{self.reference_dtype!r}")

@@ -385,6 +385,36 @@ def rl_step(pipeline: RLPipeline, placement: Placement, state, reference_params,
     return state, prepared, update_metrics
 
 
+def _init_from_store(init_from: str) -> Checkpointer:
+    """The reference store of the run `TrainConfig.init_from` names, checked to hold its step 0 (the initial policy)."""
+    missing = not (Path(init_from) / REFERENCE_DIR).is_dir()  # checked first: a Checkpointer creates its directory
+    store = None if missing else _reference_checkpointer(Path(init_from))
+    if missing or 0 not in store.all_steps():
+        if store is not None:
+            store.close()
+        raise FileNotFoundError(f"TrainConfig.init_from = {init_from!r}: no initial policy there (no complete step 0 "
+                                f"under {Path(init_from) / REFERENCE_DIR}); point it at the run directory of a "
+                                "`trace-jax train` run that finished its warm start")
+    return store
+
+
+def _initial_policy_of(init_from: str, placement: "Placement"):
+    """The initial policy of the run `init_from` (its step 0 reference checkpoint), in the train layout on the mesh,
+    checked leaf by leaf against this run's model."""
+    with _init_from_store(init_from) as store:
+        params = store.restore_params(0, shardings=placement.train_shardings)
+    expected = jax.eval_shape(lambda: models.init_params(placement.model_config, jax.random.PRNGKey(0),
+                                                         dtype="float32"))
+    want = {jax.tree_util.keystr(p): (x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(expected)}
+    got = {jax.tree_util.keystr(p): (x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    if want != got:
+        differ = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+        raise ValueError(f"TrainConfig.init_from = {init_from!r}: its policy is not this run's model ({len(differ)} "
+                         f"params differ, e.g. {differ[0]}: {got.get(differ[0])} there, {want.get(differ[0])} here); "
+                         "use the same model preset and tokenizer as that run")
+    return params
+
+
 def _reference_checkpointer(run_dir: Path) -> Checkpointer:
     return Checkpointer(CheckpointConfig(directory=str(run_dir / REFERENCE_DIR), every_steps=1, keep_last=None,
                                          async_save=False))
@@ -413,6 +443,8 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
     update_config = run_config.update or UpdateConfig()
     rows = train_config.prompts_per_step * run_config.rollout.group_size
     check_compatible(run_config.credit, run_config.loss, update_config, rows)
+    if train_config.init_from:  # fail before any compute when there is nothing to start from
+        _init_from_store(train_config.init_from).close()
     primary = distributed.is_primary()
     distributed.process_share(train_config.prompts_per_step, what="prompts per step (TrainConfig."
                               "prompts_per_step; each process rolls out an equal share)")
@@ -447,9 +479,15 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
         latest = None if restored is None else restored.step
         if latest is None:
             writer = RunWriter(run_dir, total_steps=train_config.steps, progress=progress, write_files=primary)
-            params = placement.policy(environment.params)
             evals: dict[str, dict] = {}
-            if run_config.warmstart.steps > 0:
+            warm_started = run_config.warmstart.steps > 0 or bool(train_config.init_from)
+            if train_config.init_from:
+                params = _initial_policy_of(train_config.init_from, placement)
+                log(f"initial policy from {train_config.init_from} (its policy after its warm start; no warm start "
+                    "here)")
+            else:
+                params = placement.policy(environment.params)
+            if run_config.warmstart.steps > 0 and not train_config.init_from:
                 t0 = time.perf_counter()
                 evals["before"] = _eval_to_json(_evaluate(run_config, environment, placement.rollout_params(params),
                                                           "before warm start", log, placement.process_mesh))
@@ -461,7 +499,7 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
                 writer.log(0, {"warmstart/final_loss": losses[-1] if losses else float("nan")})
             t0 = time.perf_counter()
             initial = _evaluate(run_config, environment, placement.rollout_params(params),
-                                "after warm start" if run_config.warmstart.steps > 0 else "initial policy", log,
+                                "after warm start" if warm_started else "initial policy", log,
                                 placement.process_mesh)
             stages["eval_initial"] = time.perf_counter() - t0
             evals["initial"] = _eval_to_json(initial)
@@ -528,7 +566,7 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
         stages["eval_final"] = time.perf_counter() - t0
         writer.log(step, final.metrics())
         initial = _eval_from_json(host["evals"]["initial"])
-        label = "after warm start" if run_config.warmstart.steps > 0 else "initial"
+        label = "after warm start" if run_config.warmstart.steps > 0 or train_config.init_from else "initial"
         line = format_comparison(initial, final, before_label=label, after_label="after RL")
         log(line)
         comparison = compare(initial, final)
