@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 from typing import Callable, Sequence
@@ -313,11 +314,11 @@ class Engine:
             self._serve(state)
         except BaseException as error:  # a bug in the loop itself: say so in /health, refuse new requests
             self._death = f"the engine stopped: {type(error).__name__}: {error}"
+            logging.getLogger(__name__).critical(self._death, exc_info=True)
             with self._wake:
                 failed = list(self._pending)
                 self._pending.clear()
             self._fail(failed, error)
-            raise
 
     def _serve(self, state) -> None:
         batch = self.config.max_batch
@@ -332,7 +333,7 @@ class Engine:
                     break
                 running = any(r is not None for r in rows)
                 if not running and not self._pending:
-                    self._wake.wait(0.5)
+                    self._wake.wait(min(0.5, self.config.heartbeat_timeout_s / 4))  # idle, but the heartbeat goes on
                     continue
                 if not running and self.config.batching and self.config.batch_wait_s > 0:
                     deadline = time.monotonic() + self.config.batch_wait_s
