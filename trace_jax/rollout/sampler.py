@@ -321,7 +321,8 @@ def _decode_step(config: ModelConfig, sampling: SamplingConfig | RowSampling, pa
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
 def _decode_jit(config: ModelConfig, sampling: SamplingConfig | None, params, state: SamplerState, active: jax.Array,
-                budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array, logit_bias, rows: RowSampling | None = None):
+                budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array, logit_bias,
+                rows: RowSampling | None = None):
     """One decode step (`_decode_step`) as its own program: the step a logits hook drives, and what `plan` sizes.
     `rows` (traced) replaces the static `sampling` when given (`generate` passes `sampling=None` and `rows`)."""
     return _decode_step(config, sampling if rows is None else rows, params, state, active, budget_left, stop_ids,
