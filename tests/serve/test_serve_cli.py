@@ -1,5 +1,5 @@
-"""`trace-jax serve CHECKPOINT` as a real child process on 127.0.0.1: it answers the official client, and its greedy
-tool call is the one the in-process server gives."""
+"""`trace-jax serve CHECKPOINT` as a real child process on 127.0.0.1, its key in a file: it answers the official
+client, and its greedy tool call is the one the in-process server gives."""
 
 import importlib.util
 import json
@@ -21,8 +21,10 @@ def _bench():
     return bench
 
 
-def test_serve_command_serves_the_checkpoint_to_the_openai_client(tiny_checkpoint):
-    server = _bench().ServeProcess(str(tiny_checkpoint), "--max-context", "512", "--api-key", "k3y")
+def test_serve_command_serves_the_checkpoint_to_the_openai_client(tiny_checkpoint, tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("k3y\n")  # the key from a file (a command line shows in `ps`)
+    server = _bench().ServeProcess(str(tiny_checkpoint), "--max-context", "512", "--api-key-file", str(key_file))
     try:
         server.wait_ready(timeout=120)
         with openai.OpenAI(base_url=server.url + "/v1", api_key="k3y", timeout=120, max_retries=0) as client:

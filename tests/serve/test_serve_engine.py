@@ -2,6 +2,9 @@
 queue into a 429 that says so; on a tiny model, requests admitted into a running batch decode as if alone, and a
 failed prefill fails its requests without taking the server down."""
 
+import dataclasses
+import time
+
 import httpx
 import pytest
 
@@ -78,6 +81,10 @@ class _Collect:
         self.events.append(event)
         if isinstance(event, Failed) or isinstance(event, Finished):
             self.done.set()
+
+
+def _collect():
+    return _Collect()
 
 
 def _submit(engine, prompt, max_tokens, n=1, **fields):
@@ -192,27 +199,30 @@ def test_a_failed_prefill_fails_its_requests_and_the_server_goes_on(tiny_model, 
 
 def test_warmup_compiles_every_prefill_shape_the_requests_then_meet(tiny_model):
     """With `warmup_tokens`, `start` compiles the prefill for every count of distinct prompts and length bucket up
-    to that many tokens and the greedy slice for every cache-read bucket: greedy requests of those shapes then
-    compile neither (and still decode as if alone)."""
+    to that many tokens and the greedy and the sampling slice for every cache-read bucket: greedy and sampled
+    requests of those shapes then compile neither (and greedy ones still decode as if alone)."""
     from trace_jax.rollout import sampler
     from trace_jax.serve.engine import Finished
 
     config, params = tiny_model
     engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=EngineConfig(  # shapes no other test meets
-        max_batch=3, max_context=48, slice_tokens=4, batch_wait_s=0.05, warmup_tokens=20)).start()
+        max_batch=3, max_context=32, slice_tokens=4, batch_wait_s=0.05, warmup_tokens=20)).start()
     try:
         compiled = sampler._prefill_rows_jit._cache_size(), sampler._decode_steps_jit._cache_size()
         jobs = [((3,) * 19, 3, 1), ((4, 5), 3, 1), ((6,) * 9, 3, 2)]  # 3 distinct prompts of 2-19 tokens together
         pending = [_submit(engine, prompt, max_tokens, n) for prompt, max_tokens, n in jobs]
         assert all(collect.done.wait(120) for collect in pending)
         later = _submit(engine, (9,) * 17, 4)
-        assert later.done.wait(120)
+        sampled = _Collect()
+        engine.submit(GenerationRequest(prompt_ids=[9] * 5, max_tokens=6, emit=sampled, seed=3,
+                                        sampling=SamplingConfig(temperature=0.9, top_p=0.9)))
+        assert later.done.wait(120) and sampled.done.wait(120)
     finally:
         engine.close()
     assert (sampler._prefill_rows_jit._cache_size(), sampler._decode_steps_jit._cache_size()) == compiled
     for (prompt, max_tokens, n), collect in zip(jobs + [((9,) * 17, 4, 1)], pending + [later]):
         finished = [e for e in collect.events if isinstance(e, Finished)]
-        assert len(finished) == n and all(e.token_ids == greedy_ids(config, params, prompt, max_tokens, 48)
+        assert len(finished) == n and all(e.token_ids == greedy_ids(config, params, prompt, max_tokens, 32)
                                           for e in finished)
     with pytest.raises(ValueError, match="warmup_tokens"):
         EngineConfig(max_context=64, warmup_tokens=65)
@@ -224,3 +234,139 @@ def test_a_failed_warmup_is_raised_by_start(tiny_model):
                                                                                    warmup_tokens=8))
     with pytest.raises(RuntimeError, match="warm-up failed"):
         engine.start()
+
+
+class _CountingIdsTokenizer(_IdsTokenizer):
+    def __init__(self):
+        self.decoded = 0
+
+    def decode(self, ids, skip_special_tokens=False):
+        self.decoded += len(ids)
+        return super().decode(ids, skip_special_tokens)
+
+
+def test_requests_of_different_sampling_values_share_a_batch_and_draw_as_if_alone(tiny_model):
+    """Per-row sampling values and keys: a seeded request batched with one of another temperature and top-p gives
+    the tokens it gives alone; both were decoded in the same slices."""
+    from trace_jax.serve.engine import Finished
+
+    config, params = tiny_model
+    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=EngineConfig(
+        max_batch=4, max_context=64, slice_tokens=4, batch_wait_s=0.0))
+    cool = dict(sampling=SamplingConfig(temperature=0.7), seed=5)
+    hot = dict(sampling=SamplingConfig(temperature=1.5, top_p=0.8), seed=2 ** 63 - 1)
+    first, second = _collect(), _collect()  # queued before the engine starts: admitted into one batch
+    engine.submit(GenerationRequest(prompt_ids=[5, 9, 17], max_tokens=10, emit=first, **cool))
+    engine.submit(GenerationRequest(prompt_ids=[44, 45], max_tokens=10, emit=second, n=2, **hot))
+    engine.start()
+    try:
+        assert first.done.wait(120) and second.done.wait(120)
+        assert engine.stats["max_rows"] == 3
+        alone = _collect()
+        engine.submit(GenerationRequest(prompt_ids=[5, 9, 17], max_tokens=10, emit=alone, **cool))
+        assert alone.done.wait(120)
+    finally:
+        engine.close()
+    batched = [e for e in first.events if isinstance(e, Finished)]
+    assert batched == [e for e in alone.events if isinstance(e, Finished)]
+    assert batched[0].token_ids != greedy_ids(config, params, (5, 9, 17), 10, 64)  # it really sampled
+    choices = [e.token_ids for e in second.events if isinstance(e, Finished)]
+    assert len(choices) == 2 and choices[0] != choices[1]  # n choices draw from different keys
+
+
+def test_an_error_in_one_request_fails_only_that_request(tiny_model):
+    """A request whose handling raises on the engine's thread (here its event callback) gets `Failed`; the request
+    batched with it finishes with its exact greedy tokens and the engine stays alive."""
+    from trace_jax.serve.engine import Failed, TextDelta
+
+    config, params = tiny_model
+    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=EngineConfig(
+        max_batch=4, max_context=64, slice_tokens=4, batch_wait_s=0.0))
+    broken, healthy = _collect(), _Collect()
+
+    def explode(event):
+        broken(event)
+        if isinstance(event, TextDelta):
+            raise RuntimeError("bug in one request's handling")
+
+    engine.submit(GenerationRequest(prompt_ids=[5, 9, 17], max_tokens=12, emit=explode,
+                                    sampling=SamplingConfig(greedy=True)))
+    engine.submit(GenerationRequest(prompt_ids=[7, 8], max_tokens=12, emit=healthy,
+                                    sampling=SamplingConfig(greedy=True)))
+    engine.start()
+    try:
+        assert healthy.done.wait(120)
+        assert engine.health()["alive"] and engine.stats["failed"] == 1
+    finally:
+        engine.close()
+    assert healthy.events[-1].token_ids == greedy_ids(config, params, (7, 8), 12, 64)
+    assert isinstance(broken.events[-1], Failed) and "bug in one request" in broken.events[-1].message
+
+
+def test_out_of_range_seeds_and_bad_fields_are_refused_before_the_worker(tiny_model):
+    engine = Engine(None, None, None, stop_ids=(0,), engine=EngineConfig(max_context=16))  # not started
+    for fields in (dict(seed=2 ** 63), dict(seed=-(2 ** 63) - 1), dict(max_tokens=0), dict(n=0), dict(stop=("",))):
+        with pytest.raises(ValueError):
+            engine.submit(dataclasses.replace(_request(), **fields))
+    assert not engine._pending
+
+
+def test_health_reports_a_stalled_and_a_dead_engine(tiny_model):
+    """The heartbeat: a loop that has not turned for heartbeat_timeout_s is reported; a worker that stopped is
+    reported at once, and new requests are refused instead of queueing for nobody."""
+    import threading
+
+    from trace_jax.serve.engine import EngineDead
+
+    config, params = tiny_model
+    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=EngineConfig(
+        max_batch=4, max_context=64, slice_tokens=4, batch_wait_s=0.0, heartbeat_timeout_s=0.3))
+    release, prefill = threading.Event(), engine._prefill
+
+    def stuck(state, admitted):
+        release.wait(60)
+        return prefill(state, admitted)
+
+    engine._prefill = stuck
+    engine.start()
+    try:
+        assert engine.health()["alive"]
+        waiting = _submit(engine, (5, 9), 3)
+        time.sleep(0.6)
+        health = engine.health()
+        assert not health["alive"] and "has not turned" in health["reason"]
+        release.set()
+        assert waiting.done.wait(120) and engine.health()["alive"]
+
+        def die(rows):
+            raise SystemExit("simulated bug in the loop")
+
+        engine._admit_locked = die
+        doomed = _submit(engine, (5, 9), 3)
+        assert doomed.done.wait(60)  # failed, not left waiting
+        engine._thread.join(60)
+        health = engine.health()
+        assert not health["alive"] and "SystemExit" in health["reason"]
+        with pytest.raises(EngineDead, match="stopped"):
+            _submit(engine, (5, 9), 3)
+    finally:
+        engine.close()
+
+
+def test_stop_string_scanning_is_linear_in_the_text(tiny_model):
+    """With a stop string to look for every slice, the ids decoded stay a few times those generated (the whole text
+    decoded every slice would be ~300^2 / 2 / 4 = 11k for 300 tokens in slices of 4)."""
+    from trace_jax.serve.engine import Finished
+
+    config, params = tiny_model
+    tokenizer = _CountingIdsTokenizer()
+    engine = Engine(config, params, tokenizer, stop_ids=(), engine=EngineConfig(
+        max_batch=2, max_context=320, slice_tokens=4, batch_wait_s=0.0)).start()
+    try:
+        collect = _submit(engine, (5, 9, 17), 300, stop=("never appears",), stream=True)
+        assert collect.done.wait(300)
+    finally:
+        engine.close()
+    (finished,) = [e for e in collect.events if isinstance(e, Finished)]
+    assert len(finished.token_ids) == 300 and finished.text == _IdsTokenizer().decode(finished.token_ids)
+    assert tokenizer.decoded <= 4 * 300 + 64, tokenizer.decoded

@@ -21,7 +21,8 @@ concatenation of the incremental pieces (`system_ids`, `user_ids`, `generation_p
 ids, `tool_response_ids`, ...). For ordinary content this also equals `tokenizer.encode(rendered_text)`; it can
 differ where a content begins or ends with whitespace that a BPE would merge across a segment boundary.
 
-Content of system, user and tool messages is encoded as plain text: a literal `<|im_end|>` inside a web page
+Content of system, user and tool messages, and the tools block (tool names, descriptions and schemas come from
+whoever wrote the tools), is encoded as plain text: a literal `<|im_end|>` inside a web page or a tool description
 becomes ordinary text tokens, never a control token (`split_special_tokens`). The tool tags are, as in Qwen3,
 added-but-not-special tokens and are recognised anywhere. Assistant text is encoded with all tags recognised
 (it is the model's own output format).
@@ -51,8 +52,10 @@ This module knows nothing about models, sampling, rewards or answer checking.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -230,6 +233,11 @@ def thinking_mode_of(tokenizer) -> str:
 
 # Above this length `ChatFormat._encode` tokenizes with the GIL released (a batch of one).
 _GIL_FREE_CHARS = 4096
+# `ChatFormat` caches the ids of markup texts up to this many characters (headers, tags: the same few strings on
+# every turn), at most this many of them: short assistant contents from clients pass through the same path, and a
+# server must not keep every one.
+_MARKUP_CACHE_CHARS = 64
+_MARKUP_CACHE_SIZE = 512
 
 
 def _fast_encoders(tokenizer):
@@ -288,7 +296,8 @@ class ChatFormat:
         self.thinking = thinking
         self.enable_thinking = thinking != "off"
         self._fast = _fast_encoders(tokenizer)
-        self._short_markup: dict[str, list[int]] = {}
+        self._short_markup: collections.OrderedDict[str, tuple[int, ...]] = collections.OrderedDict()
+        self._cache_lock = threading.Lock()
         self.im_start_id = self._single_token_id(IM_START, required=True)
         self.im_end_id = self._single_token_id(IM_END, required=True)
         self.end_of_text_id = self._single_token_id(END_OF_TEXT, required=False)
@@ -318,10 +327,17 @@ class ChatFormat:
         """Template text and assistant text: special and added tokens are recognised."""
         if not text:
             return []
-        if len(text) <= 64:  # headers and tags: the same few strings on every turn
-            cached = self._short_markup.get(text)
-            if cached is None:
-                cached = self._short_markup[text] = self._encode(text, split_special=False)
+        if len(text) <= _MARKUP_CACHE_CHARS:  # headers and tags: the same few strings on every turn
+            with self._cache_lock:  # a server renders on its event loop and on worker threads
+                cached = self._short_markup.get(text)
+                if cached is not None:
+                    self._short_markup.move_to_end(text)
+                    return list(cached)
+            cached = tuple(self._encode(text, split_special=False))
+            with self._cache_lock:
+                self._short_markup[text] = cached
+                if len(self._short_markup) > _MARKUP_CACHE_SIZE:  # least recently used out
+                    self._short_markup.popitem(last=False)
             return list(cached)
         return self._encode(text, split_special=False)
 
@@ -364,7 +380,8 @@ class ChatFormat:
         if system is not None:
             ids += self._plain(system)
         if tools:  # Qwen3 writes the "\n\n" separator whenever there is a system message, even an empty one
-            ids += self._markup(("\n\n" if system is not None else "") + tools_block(tools))
+            # Plain: the block holds no special token of its own, and a tool's text must not inject one.
+            ids += self._plain(("\n\n" if system is not None else "") + tools_block(tools))
         content_end = len(ids)
         return ids + self._turn_end(), content_start, content_end
 

@@ -29,6 +29,12 @@ Log-probs. For every generated token two values are returned:
 
 Randomness: step `s` of a `generate` call uses `jax.random.fold_in(rng, s)` for the whole batch, so a run is a
 pure function of (params, prompts, rng) and the no-cache reference `generate_without_cache` reproduces it exactly.
+With one key per row (`rng` of shape [B, 2], or [B] typed keys) row b draws from `fold_in(rng[b], s)` alone, so its
+tokens do not depend on the other rows (a server batching unrelated requests).
+
+Sampling values (temperature, top-p, greedy) are traced arrays, one per row (`RowSampling`): a new temperature is new
+data for the same program, never a compile. Only `top_k` (a static size) and two switches that leave out work no row
+needs (the draw when every row is greedy, the vocabulary sort when no row filters by top-p) shape the program.
 
 Rows never left-pad: row b's tokens sit at cache slots 0..length-1 and positions equal slot indices.
 
@@ -59,7 +65,8 @@ MIN_BUCKET = 16
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """How tokens are drawn. Hashable: it is a static argument of the decode step.
+    """How tokens are drawn, one setting for a batch. `generate` passes its values to the decode step as traced
+    per-row arrays (`RowSampling`); only `top_k` and whether any row samples or filters by top-p shape the program.
 
     Attributes:
       temperature: > 0; logits are divided by it before top-k / top-p.
@@ -81,6 +88,55 @@ class SamplingConfig:
             raise ValueError(f"SamplingConfig.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p!r}")
+
+
+@struct.dataclass
+class RowSampling:
+    """Per-row sampling values as traced arrays, so that one compiled program serves every value.
+
+    Attributes:
+      temperature: float32 [B], > 0 (1 on greedy rows; ignored there).
+      top_p: float32 [B] in (0, 1] (1 = off).
+      greedy: bool [B]: argmax of the raw logits.
+      top_k: static, shared by every row (0 = off): `lax.top_k` needs a static size.
+      sample: static; False when every row is greedy (nothing is drawn or filtered).
+      filter_top_p: static; False when no row filters by top-p (no vocabulary sort).
+    """
+
+    temperature: jax.Array
+    top_p: jax.Array
+    greedy: jax.Array
+    top_k: int = struct.field(pytree_node=False, default=0)
+    sample: bool = struct.field(pytree_node=False, default=True)
+    filter_top_p: bool = struct.field(pytree_node=False, default=True)
+
+    @classmethod
+    def of(cls, settings: Sequence[SamplingConfig]) -> "RowSampling":
+        """Host arrays for one `SamplingConfig` per row (they must agree on `top_k`)."""
+        top_ks = {s.top_k for s in settings if not s.greedy} or {0}
+        if len(top_ks) > 1:
+            raise ValueError(f"RowSampling.of: rows disagree on top_k ({sorted(top_ks)}); top_k is a static size "
+                             "shared by the batch")
+        greedy = np.asarray([s.greedy for s in settings], bool)
+        temperature = np.asarray([1.0 if s.greedy else s.temperature for s in settings], np.float32)
+        top_p = np.asarray([1.0 if s.greedy else s.top_p for s in settings], np.float32)
+        return cls(temperature=temperature, top_p=top_p, greedy=greedy, top_k=top_ks.pop(),
+                   sample=not greedy.all(), filter_top_p=bool((top_p < 1.0).any()))
+
+    @classmethod
+    def broadcast(cls, sampling: "SamplingConfig | RowSampling", batch: int) -> "RowSampling":
+        """`sampling` for `batch` rows (a `RowSampling` is returned as it is)."""
+        if isinstance(sampling, RowSampling):
+            return sampling
+        return cls.of([sampling] * batch)
+
+
+def _step_keys(rng: jax.Array, step) -> jax.Array:
+    """The key(s) of decode step `step`: `fold_in(rng, step)` for one batch key, row by row for per-row keys."""
+    typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    if rng.ndim == (1 if typed else 2):
+        return jax.vmap(lambda key: jax.random.fold_in(key, step))(rng)
+    return jax.random.fold_in(rng, step)
 
 
 def bucket_length(n: int, minimum: int = MIN_BUCKET) -> int:
@@ -107,42 +163,53 @@ def _padded(chunks: Sequence[Sequence[int]], width: int, rows: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------------- sampling
-def sampling_logits(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
-    """float32 [B, V] logits of the distribution actually sampled from: tempered, top-k, top-p (-inf = removed)."""
-    logits = logits.astype(jnp.float32) / sampling.temperature
-    if sampling.top_k and sampling.top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+def sampling_logits(logits: jax.Array, sampling: SamplingConfig | RowSampling) -> jax.Array:
+    """float32 [B, V] logits of the distribution actually sampled from: tempered, top-k, top-p (-inf = removed),
+    each row with its own temperature and top-p."""
+    rows = RowSampling.broadcast(sampling, logits.shape[0])
+    logits = logits.astype(jnp.float32) / jnp.asarray(rows.temperature, jnp.float32)[:, None]
+    if rows.top_k and rows.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits, rows.top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if sampling.top_p < 1.0:
+    if rows.filter_top_p:
+        top_p = jnp.asarray(rows.top_p, jnp.float32)[:, None]
         sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
-        keep = mass_before < sampling.top_p  # the first token always stays
+        keep = mass_before < top_p  # the first token always stays
         threshold = jnp.min(jnp.where(keep, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+        logits = jnp.where((logits < threshold) & (top_p < 1.0), -jnp.inf, logits)
     return logits
 
 
-def sample_from_logits(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig):
+def sample_from_logits(logits: jax.Array, rng: jax.Array, sampling: SamplingConfig | RowSampling):
     """Draw one token per row.
 
     Args:
       logits: float [B, V] next-token logits (raw model, or hooked).
-      rng: one key for the whole batch.
+      rng: one key for the whole batch, or one per row ([B, 2] raw keys / [B] typed keys).
+      sampling: one setting for every row, or per-row values (`RowSampling`).
 
     Returns:
       (tokens int32 [B], logprobs float32 [B] under log_softmax(logits), sampling_logprobs float32 [B] under the
-      sampled distribution; 0 for greedy).
+      sampled distribution; 0 for greedy rows).
     """
+    rows = RowSampling.broadcast(sampling, logits.shape[0])
     logits = logits.astype(jnp.float32)
     raw = jax.nn.log_softmax(logits, axis=-1)
-    if sampling.greedy:
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        sampled_lp = jnp.zeros(tokens.shape, jnp.float32)
-    else:
-        filtered = sampling_logits(logits, sampling)
-        tokens = jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
-        sampled_lp = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), tokens[:, None], axis=-1)[:, 0]
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampled_lp = jnp.zeros(tokens.shape, jnp.float32)
+    if rows.sample:
+        filtered = sampling_logits(logits, rows)
+        typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+        if rng.ndim == (1 if typed else 2):  # one key per row
+            drawn = jax.vmap(lambda key, row: jax.random.categorical(key, row))(rng, filtered).astype(jnp.int32)
+        else:
+            drawn = jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
+        greedy = jnp.asarray(rows.greedy, bool)
+        tokens = jnp.where(greedy, tokens, drawn)
+        drawn_lp = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), tokens[:, None], axis=-1)[:, 0]
+        sampled_lp = jnp.where(greedy, sampled_lp, drawn_lp)
     logprobs = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs, sampled_lp
 
@@ -229,8 +296,9 @@ def _decode_model(config: ModelConfig, params, cache: cache_lib.KVCache, tokens:
                             attend_len=attend_len)
 
 
-def _decode_step(config: ModelConfig, sampling: SamplingConfig, params, state: SamplerState, active: jax.Array,
-                 budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array, logit_bias, attend_len=None):
+def _decode_step(config: ModelConfig, sampling: SamplingConfig | RowSampling, params, state: SamplerState,
+                 active: jax.Array, budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array, logit_bias,
+                 attend_len=None):
     """One decode step (traced, not jitted): sample from the pending logits, feed the tokens, update stop states."""
     logits = state.logits if logit_bias is None else state.logits + logit_bias
     tokens, logprobs, sampled_lp = sample_from_logits(logits, rng, sampling)
@@ -252,18 +320,22 @@ def _decode_step(config: ModelConfig, sampling: SamplingConfig, params, state: S
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
-def _decode_jit(config: ModelConfig, sampling: SamplingConfig, params, state: SamplerState, active: jax.Array,
-                budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array, logit_bias):
-    """One decode step (`_decode_step`) as its own program: the step a logits hook drives, and what `plan` sizes."""
-    return _decode_step(config, sampling, params, state, active, budget_left, stop_ids, rng, logit_bias)
+def _decode_jit(config: ModelConfig, sampling: SamplingConfig | None, params, state: SamplerState, active: jax.Array,
+                budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array, logit_bias,
+                rows: RowSampling | None = None):
+    """One decode step (`_decode_step`) as its own program: the step a logits hook drives, and what `plan` sizes.
+    `rows` (traced) replaces the static `sampling` when given (`generate` passes `sampling=None` and `rows`)."""
+    return _decode_step(config, sampling if rows is None else rows, params, state, active, budget_left, stop_ids,
+                        rng, logit_bias)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=5)
-def _decode_steps_jit(config: ModelConfig, sampling: SamplingConfig, num_steps: int, attend_len: int | None, params,
+@functools.partial(jax.jit, static_argnums=(0, 2, 3), donate_argnums=5)
+def _decode_steps_jit(config: ModelConfig, sampling: RowSampling, num_steps: int, attend_len: int | None, params,
                       state: SamplerState, active: jax.Array, budget_left: jax.Array, stop_ids: jax.Array,
                       rng: jax.Array, first_step: jax.Array, reason: jax.Array):
     """`num_steps` decode steps in one program (`lax.scan` over `_decode_step`), step `s` keyed
-    `fold_in(rng, first_step + s)` as the one-step loop keys it, so both give the same tokens.
+    `fold_in(rng, first_step + s)` (row by row for per-row keys) as the one-step loop keys it, so both give the same
+    tokens. `sampling` is traced: its values are data, only its static fields shape the program.
 
     One dispatch instead of `num_steps`: on a small model the host round trip of each step (~0.45 ms of Python and
     dispatch on this CPU) costs more than the step itself. `attend_len` (static): the cache slots attention reads,
@@ -276,8 +348,8 @@ def _decode_steps_jit(config: ModelConfig, sampling: SamplingConfig, num_steps: 
     def body(carry, s):
         state, active, budget_left, reason = carry
         state, tokens, lp, slp, still, step_reason, budget_left = _decode_step(
-            config, sampling, params, state, active, budget_left, stop_ids, jax.random.fold_in(rng, first_step + s),
-            None, attend_len)
+            config, sampling, params, state, active, budget_left, stop_ids, _step_keys(rng, first_step + s), None,
+            attend_len)
         reason = jnp.where(active, step_reason, reason)
         return (state, still, budget_left, reason), (tokens, lp, slp, active)
 
@@ -466,7 +538,7 @@ class StopStrings:
 
 
 def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array, active, max_new_tokens,
-             stop_ids: Sequence[int], sampling: SamplingConfig = SamplingConfig(),
+             stop_ids: Sequence[int], sampling: SamplingConfig | RowSampling = SamplingConfig(),
              stop_strings: StopStrings | None = None,
              logits_hook: Callable[[int, list], np.ndarray | None] | None = None,
              sync_every: int = 8) -> tuple[SamplerState, Generation]:
@@ -474,10 +546,13 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
 
     Args:
       state: rows with valid pending logits (after `append`).
-      rng: key; step s uses `fold_in(rng, s)`.
+      rng: key; step s uses `fold_in(rng, s)`. One key per row ([B, 2] raw or [B] typed keys): row b uses
+        `fold_in(rng[b], s)`, so its tokens do not depend on the other rows.
       active: bool [B], rows that generate (others are untouched).
       max_new_tokens: int or int [B], the per-row token budget of this call.
       stop_ids: token ids that end a row's generation (the stop token is kept and fed to the cache).
+      sampling: one setting for every row, or per-row values (`RowSampling`); either way the values are traced
+        (a new temperature compiles nothing).
       stop_strings: optional host check for multi-token stop tags.
       logits_hook: test hook `(step, generated_so_far: list of per-row id lists) -> float [B, V] bias or None`,
         added to the logits before sampling (a large bias on one id forces it: a scripted policy).
@@ -496,6 +571,7 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
     active_dev = active
     budget_dev = budget
     sync_every = 1 if logits_hook is not None else max(1, sync_every)
+    rows = RowSampling.broadcast(sampling, batch)
 
     # Host copies of the decoded steps, one [steps, B] block per host sync: tokens, logprobs, sampling logprobs and
     # each row's active flag *before* the step (a row's generation is its tokens at the steps it was active).
@@ -512,7 +588,7 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
             attend = bucket_length(int(lengths0.max()) + step + sync_every)
             attend = None if attend >= state.max_len else attend
             state, tokens, lp, slp, was_active, active_dev, reason_dev, budget_dev = _decode_steps_jit(
-                config, sampling, sync_every, attend, params, state, active_dev, budget_dev, stop_arr, rng,
+                config, rows, sync_every, attend, params, state, active_dev, budget_dev, stop_arr, rng,
                 np.uint32(step), reason_dev)
             step += sync_every
         else:
@@ -520,8 +596,7 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
             bias = None if hooked is None else jnp.asarray(hooked, jnp.float32)
             was_active = active_dev
             state, tokens, lp, slp, active_dev, step_reason, budget_dev = _decode_jit(
-                config, sampling, params, state, active_dev, budget_dev, stop_arr, jax.random.fold_in(rng, step),
-                bias)
+                config, None, params, state, active_dev, budget_dev, stop_arr, _step_keys(rng, step), bias, rows)
             reason_dev = jnp.where(was_active, step_reason, reason_dev)
             step += 1
             tok_np, act_np = np.asarray(tokens), np.asarray(was_active)

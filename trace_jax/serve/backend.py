@@ -123,6 +123,10 @@ class ModelBackend:
     def close(self) -> None:
         self.engine.close()
 
+    def health(self) -> dict:
+        """The engine's liveness (`Engine.health`)."""
+        return self.engine.health()
+
     def _submit(self, prompt_ids: list[int], params: GenerationParams, emit, prefix: str) -> Submitted:
         room = self.max_context - len(prompt_ids)
         if room < 1:
@@ -189,6 +193,9 @@ class ScriptedBackend:
 
     def close(self) -> None:
         pass
+
+    def health(self) -> dict:
+        return {"alive": True, "heartbeat_age_s": 0.0, "reason": None}  # answers on the caller's thread
 
     def _answer(self, request: dict, params: GenerationParams, emit, prefix: str):
         self.calls += 1

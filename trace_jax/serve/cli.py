@@ -19,8 +19,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model-name", default=None, help="the id clients pass as `model` (default: the "
                                                             "checkpoint directory's name)")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' (default: $TRACE_JAX_SERVE_API_KEY, else none)")
+    keys = parser.add_mutually_exclusive_group()
+    keys.add_argument("--api-key-file", default=None, metavar="PATH",
+                      help="require 'Authorization: Bearer KEY', KEY read from this file (its first line); the "
+                           "way to pass a key, since other users see command lines in `ps`")
+    keys.add_argument("--api-key", default=None,
+                      help="the key itself (visible in `ps`: prefer --api-key-file or $TRACE_JAX_SERVE_API_KEY; "
+                           "default: $TRACE_JAX_SERVE_API_KEY, else no key)")
+    parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                        help="a Host name a loopback-bound server answers to besides 127.0.0.1, localhost and ::1 "
+                             "(repeatable; other names are refused against DNS rebinding)")
+    parser.add_argument("--max-body-mib", type=float, default=4.0,
+                        help="request bodies larger than this many MiB get a 413")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--max-batch", type=int, default=16, help="rows decoded together (concurrency limit)")
     parser.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
@@ -41,14 +51,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(offline dry runs of `trace-jax abc-score` on tasks with known clue chains)")
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key-file, --api-key or $TRACE_JAX_SERVE_API_KEY (None: no authentication). An empty key
+    from any of them is an error: it would otherwise silently mean "no authentication"."""
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as handle:
+                key = handle.readline().strip()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"--api-key-file {args.api_key_file!r} cannot be read: {error}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file!r} holds no key (its first line is empty); write "
+                             "the key into it")
+        return key
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise ValueError("--api-key is empty: an empty key does not turn authentication off; pass a key (better "
+                             "with --api-key-file) or leave the flag out")
+        return args.api_key
+    key = os.environ.get("TRACE_JAX_SERVE_API_KEY")
+    if key is not None and not key.strip():
+        raise ValueError("$TRACE_JAX_SERVE_API_KEY is set but empty; set a key or unset the variable")
+    return key
+
+
 def run(args: argparse.Namespace) -> int:
     from trace_jax.serve.app import ServeConfig, create_app
     from trace_jax.serve.backend import ModelBackend, ScriptedBackend
     from trace_jax.serve.engine import EngineConfig
 
-    api_key = args.api_key or os.environ.get("TRACE_JAX_SERVE_API_KEY") or None
     try:
-        config = ServeConfig(host=args.host, port=args.port, api_key=api_key)
+        api_key = _api_key(args)
+        config = ServeConfig(host=args.host, port=args.port, api_key=api_key,
+                             max_body_bytes=int(args.max_body_mib * (1 << 20)),
+                             allowed_hosts=tuple(args.allowed_host))
     except ValueError as error:
         print(f"serve: {error}", file=sys.stderr)
         return 2

@@ -6,18 +6,22 @@ rows that finished and admits waiting requests into free rows (`sampler.prefill_
 through the model and are written into their rows), so a long request never holds a short one back for more than
 one slice (continuous batching at slice granularity). A request with `n > 1` takes `n` rows and one prefill.
 
-The sampler's sampling settings are one static configuration per decode step and its random key is one per step
-for the whole batch, so:
-  * requests share the running batch only when their `SamplingConfig` equals the batch's (greedy requests batch
-    with greedy ones, and so on); a request that differs waits until the batch drains (FIFO, no overtaking);
-  * a request with a `seed` runs alone (its `n` rows only), with keys `fold_in(PRNGKey(seed), slice)`, so the
-    same request with the same seed gives the same tokens.
-Greedy output does not depend on the batch: a served greedy request equals the sampler's greedy output for the same
-prompt.
+Sampling values are per row and traced (`sampler.RowSampling`): requests of any temperature, top-p or seed share
+the running batch, and a new temperature compiles nothing. Every row has its own key: choice `c` of a request with
+`seed` uses `fold_in(key(seed), c)` (unseeded requests: a key from the engine's `seed` and the request's serial
+number), and the slice that starts at the row's `t`-th generated token folds in `t`, so a row's tokens do not depend
+on what it was batched with, and the same seeded request gives the same tokens. Greedy output does not depend on
+the batch: a served greedy request equals the sampler's greedy output for the same prompt.
 
 Results stream out as events through the request's `emit` callback (called on the worker thread; the HTTP layer
 hands them to its event loop): `TextDelta` (new text, with stop strings and incomplete UTF-8 held back),
-`Finished` (per choice) and `Failed` (the whole request).
+`Finished` (per choice) and `Failed` (the whole request). Text is decoded incrementally (a window of the last
+tokens per slice) and stop strings are looked for only in the text not yet sent, so a choice costs time linear in
+its length.
+
+Failures stay with their request: an error while admitting, decoding or emitting one request fails that request
+(a device failure fails the rows whose cache it took); the worker thread goes on. It stamps a heartbeat on every
+turn of its loop; `health()` reports whether it is alive (the HTTP layer's `/health`).
 
 This module knows nothing about HTTP, JSON, chat formats or tools: prompts are token ids, results are text.
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 from typing import Callable, Sequence
@@ -56,7 +61,10 @@ class EngineConfig:
       warmup_tokens: at `start`, before serving, compile the prefill of every count of distinct prompts (1, 2, 4,
         .. up to max_batch) at every length bucket up to this many prompt tokens, and the greedy decode slice at
         every cache-read bucket up to max_context, so the first requests of each shape do not stall the batch for
-        a compile (0 = compile on first use; other sampling settings compile their slices on first use).
+        a compile (0 = compile on first use). Both slice programs are compiled: all rows greedy, and any row
+        sampling (every temperature, top-p and seed shares it).
+      heartbeat_timeout_s: `health()` reports the engine dead when its loop has not turned for this long (a
+        compile of a big model's program takes a while; the thread having exited is reported at once).
     """
 
     max_batch: int = 16
@@ -68,6 +76,7 @@ class EngineConfig:
     seed: int = 0
     batch_wait_s: float = 0.005
     warmup_tokens: int = 0
+    heartbeat_timeout_s: float = 300.0
 
     def __post_init__(self):
         if (not isinstance(self.warmup_tokens, int) or isinstance(self.warmup_tokens, bool)
@@ -78,6 +87,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be an int >= 1, got {value!r}")
+        if not 0 < self.heartbeat_timeout_s < float("inf"):
+            raise ValueError(f"EngineConfig.heartbeat_timeout_s must be a positive number of seconds, got "
+                             f"{self.heartbeat_timeout_s!r}")
         if not 0 <= self.batch_wait_s <= 10:
             raise ValueError(f"EngineConfig.batch_wait_s must be in [0, 10] seconds, got {self.batch_wait_s!r}")
         if self.max_context < 2:
@@ -109,13 +121,35 @@ class Failed:
 Event = TextDelta | Finished | Failed
 
 
+_GREEDY = SamplingConfig(greedy=True)
 # `jax.random.fold_in` as one compiled program: called eagerly it dispatches several primitives, each with
-# its own host overhead, and the engine derives a key for every slice.
+# its own host overhead. `_fold_in_rows` derives every row's key of a slice in one dispatch.
 _fold_in = jax.jit(jax.random.fold_in)
+_fold_in_rows = jax.jit(jax.vmap(jax.random.fold_in))
+
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # OpenAI's `seed` is an int64
+# Incremental decoding decodes the tokens since the last stable point; an id sequence that never decodes to
+# complete characters (a random model can write lone UTF-8 continuation bytes) is accepted as it is after this many
+# tokens, so the window stays bounded.
+MAX_DECODE_WINDOW = 64
 
 
 class QueueFull(RuntimeError):
     """The engine's queue holds `max_queue` requests; the client should retry later."""
+
+
+class EngineDead(RuntimeError):
+    """The engine's worker thread is not running (it failed or the server is shutting down)."""
+
+
+def seed_key(seed: int) -> np.ndarray:
+    """The raw key of a request's `seed` (any int64), as a host array: both 32-bit halves folded into a key, so no
+    seed overflows the 32-bit integers JAX uses by default."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {seed!r}")
+    seed %= 1 << 64
+    key = _fold_in(jax.random.PRNGKey(0), np.uint32(seed & 0xFFFFFFFF))
+    return np.asarray(_fold_in(key, np.uint32(seed >> 32)))
 
 
 @dataclasses.dataclass
@@ -128,7 +162,8 @@ class GenerationRequest:
       sampling: how tokens are drawn.
       n: choices.
       stop: stop strings; the text ends before the first one (not included).
-      seed: run alone with this key (reproducible sampling); None shares the batch.
+      seed: any int64; its choices draw from keys derived from it alone (the same tokens whatever the batch);
+        None: keys from the engine's `seed` and the request's arrival.
       emit: called with every `Event` of this request, on the engine's thread.
       stream: send `TextDelta`s as text arrives; False sends only `Finished` (and `Failed`), and the engine then
         decodes a choice's text once, when it finishes, unless stop strings need checking every slice.
@@ -147,11 +182,18 @@ class GenerationRequest:
 
 @dataclasses.dataclass
 class _Row:
+    """A choice in a row. Its text so far is `pieces` (sent) + `pending` (held back: a possible start of a stop
+    string or an incomplete character); `prefix_offset`/`read_offset` delimit the ids decoded last time."""
+
     request: GenerationRequest
     choice: int
     generated: list
     budget_left: int
-    sent: str = ""
+    key: np.ndarray
+    pieces: list = dataclasses.field(default_factory=list)
+    pending: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
@@ -189,7 +231,9 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
-        self.stats = {"slices": 0, "requests": 0, "tokens": 0, "max_rows": 0}
+        self._heartbeat = time.monotonic()
+        self._death: str | None = None
+        self.stats = {"slices": 0, "requests": 0, "tokens": 0, "max_rows": 0, "failed": 0, "cancelled_rows": 0}
 
     # -- public --------------------------------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -205,6 +249,18 @@ class Engine:
                 raise RuntimeError(f"the engine's warm-up failed: {self._startup_error}") from self._startup_error
         return self
 
+    def health(self) -> dict:
+        """`{"alive": bool, "heartbeat_age_s": float, "reason": str | None}`: alive while the worker thread runs
+        and its loop turned within `heartbeat_timeout_s`."""
+        age = time.monotonic() - self._heartbeat
+        reason = None
+        if self._thread is None or not self._thread.is_alive():
+            reason = self._death or "the engine is not running"
+        elif age > self.config.heartbeat_timeout_s:
+            reason = (f"the engine's loop has not turned for {age:.0f} s (more than heartbeat_timeout_s="
+                      f"{self.config.heartbeat_timeout_s:g})")
+        return {"alive": reason is None, "heartbeat_age_s": round(age, 3), "reason": reason}
+
     def close(self, timeout: float = 30.0) -> None:
         with self._wake:
             self._closing = True
@@ -214,7 +270,18 @@ class Engine:
             self._thread = None
 
     def submit(self, request: GenerationRequest) -> None:
-        """Queue a request; its events arrive through `request.emit`. Raises `QueueFull` or `ValueError`."""
+        """Queue a request; its events arrive through `request.emit`. Raises `QueueFull`, `EngineDead` or
+        `ValueError` (a request the engine cannot serve as given)."""
+        for name in ("n", "max_tokens"):
+            value = getattr(request, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if request.seed is not None:
+            seed_key(request.seed)  # raises for a seed out of range, here rather than on the worker thread
+        if not isinstance(request.sampling, SamplingConfig) or request.sampling.top_k:
+            raise ValueError("sampling must be a SamplingConfig without top_k (the served batch shares one top_k)")
+        if any(not isinstance(stop, str) or not stop for stop in request.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {request.stop!r}")
         if request.n > self.config.max_batch:
             raise ValueError(f"n={request.n} is more than the server's batch of {self.config.max_batch} rows; "
                              f"ask for at most {self.config.max_batch} choices")
@@ -223,7 +290,9 @@ class Engine:
                              f"than the context of {self.config.max_context} tokens")
         with self._wake:
             if self._closing:
-                raise QueueFull("the server is shutting down")
+                raise EngineDead("the server is shutting down")
+            if self._death is not None:
+                raise EngineDead(self._death)
             if len(self._pending) >= self.config.max_queue:
                 raise QueueFull(f"{len(self._pending)} requests are already waiting (the queue holds "
                                 f"{self.config.max_queue}); retry later")
@@ -232,7 +301,6 @@ class Engine:
 
     # -- worker --------------------------------------------------------------------------------------------------
     def _run(self) -> None:
-        batch = self.config.max_batch
         try:
             state = self._fresh_state()
             if self.config.warmup_tokens:
@@ -242,32 +310,52 @@ class Engine:
             self._ready.set()
             return
         self._ready.set()
+        try:
+            self._serve(state)
+        except BaseException as error:  # a bug in the loop itself: say so in /health, refuse new requests
+            self._death = f"the engine stopped: {type(error).__name__}: {error}"
+            logging.getLogger(__name__).critical(self._death, exc_info=True)
+            with self._wake:
+                failed = list(self._pending)
+                self._pending.clear()
+            self._fail(failed, error)
+
+    def _serve(self, state) -> None:
+        batch = self.config.max_batch
         rows: list[_Row | None] = [None] * batch
-        sampling: SamplingConfig | None = None
-        seeded = False
         base_key = jax.random.PRNGKey(self.config.seed)
-        key = base_key
-        tick = 0
+        no_key = np.zeros_like(np.asarray(base_key))  # the key of an empty row (it draws nothing)
+        serial = 0  # requests admitted: the key of an unseeded request
         while True:
+            self._heartbeat = time.monotonic()
             with self._wake:
                 if self._closing:
                     break
                 running = any(r is not None for r in rows)
                 if not running and not self._pending:
-                    self._wake.wait(0.5)
+                    self._wake.wait(min(0.5, self.config.heartbeat_timeout_s / 4))  # idle, but the heartbeat goes on
                     continue
                 if not running and self.config.batching and self.config.batch_wait_s > 0:
                     deadline = time.monotonic() + self.config.batch_wait_s
                     while (not self._closing and sum(r.n for r in self._pending) < batch
                            and time.monotonic() < deadline):
                         self._wake.wait(max(0.0, deadline - time.monotonic()))
-                admitted = self._admit_locked(rows, sampling, seeded)
+                requests = self._admit_locked(rows)
+            admitted = []
+            free = [i for i, r in enumerate(rows) if r is None]
+            for request in requests:
+                try:
+                    if request.seed is not None:
+                        key = seed_key(request.seed)
+                    else:
+                        key = np.asarray(_fold_in(base_key, np.uint32(serial & 0xFFFFFFFF)))
+                    serial += 1
+                    choices = [_Row(request, choice, [], request.max_tokens,
+                                    np.asarray(_fold_in(key, np.uint32(choice)))) for choice in range(request.n)]
+                    admitted += [(free.pop(0), row) for row in choices]
+                except Exception as error:  # this request only
+                    self._fail([request], error)
             if admitted:
-                first = admitted[0][1].request
-                if not running:
-                    sampling, seeded = first.sampling, first.seed is not None
-                    if seeded:
-                        key, tick = jax.random.PRNGKey(first.seed), 0
                 try:
                     state = self._prefill(state, admitted)
                 except Exception as error:  # a device failure must fail the requests, not kill the server
@@ -283,66 +371,67 @@ class Engine:
             for index, row in enumerate(rows):
                 if row is not None and row.request.cancelled:
                     rows[index] = None
+                    self.stats["cancelled_rows"] += 1
             if not any(r is not None for r in rows):
                 continue
             active = np.array([r is not None for r in rows])
             budgets = np.array([min(self.config.slice_tokens, r.budget_left) if r else 0 for r in rows], np.int32)
-            if not seeded:
-                key = _fold_in(base_key, self.stats["slices"])
             try:
+                sampling, keys = self._slice_sampling([r.request.sampling if r else _GREEDY for r in rows],
+                                                      [r.key if r else no_key for r in rows],
+                                                      [len(r.generated) if r else 0 for r in rows])
                 # A slice has at most slice_tokens steps: reading the stop flags later than that would dispatch
                 # steps in which every row is already out of budget.
                 state, generation = sampler_lib.generate(
-                    self.model_config, self.params, state, rng=_fold_in(key, tick), active=active,
-                    max_new_tokens=budgets, stop_ids=self.stop_ids, sampling=sampling,
+                    self.model_config, self.params, state, rng=keys, active=active, max_new_tokens=budgets,
+                    stop_ids=self.stop_ids, sampling=sampling,
                     sync_every=min(self.config.sync_every, self.config.slice_tokens))
             except Exception as error:
                 self._fail({id(r.request): r.request for r in rows if r}.values(), error)
                 rows = [None] * batch
                 state = self._fresh_state()
                 continue
-            tick += 1
             self.stats["slices"] += 1
             self.stats["max_rows"] = max(self.stats["max_rows"], int(active.sum()))
             for index, row in enumerate(rows):
                 if row is None:
                     continue
-                tokens = [int(t) for t in generation.tokens[index]]
-                self.stats["tokens"] += len(tokens)
-                row.generated += tokens
-                row.budget_left -= len(tokens)
-                reason = int(generation.stop_reason[index])
-                done = None
-                if reason == sampler_lib.STOP_TOKEN:
-                    done = "stop"
-                elif reason == sampler_lib.CONTEXT_FULL or row.budget_left <= 0:
-                    done = "length"
-                if self._emit_progress(row, done):
+                try:
+                    tokens = [int(t) for t in generation.tokens[index]]
+                    self.stats["tokens"] += len(tokens)
+                    row.generated += tokens
+                    row.budget_left -= len(tokens)
+                    reason = int(generation.stop_reason[index])
+                    done = None
+                    if reason == sampler_lib.STOP_TOKEN:
+                        done = "stop"
+                    elif reason == sampler_lib.CONTEXT_FULL or row.budget_left <= 0:
+                        done = "length"
+                    finished = self._emit_progress(row, done)
+                except Exception as error:  # this request only: its other rows go at the next slice
+                    self._fail([row.request], error)
+                    row.request.cancelled = finished = True
+                if finished:
                     rows[index] = None
 
-    def _admit_locked(self, rows, sampling, seeded) -> list[tuple[int, _Row]]:
-        """Move waiting requests into free rows, in arrival order, while they may share the batch."""
-        admitted: list[tuple[int, _Row]] = []
-        running = any(r is not None for r in rows)
-        free = [i for i, r in enumerate(rows) if r is None]
+    def _admit_locked(self, rows) -> list[GenerationRequest]:
+        """Take waiting requests, in arrival order, while their choices fit the free rows."""
+        admitted: list[GenerationRequest] = []
+        free = sum(r is None for r in rows)
+        running = free < len(rows)
         while self._pending:
             request = self._pending[0]
             if request.cancelled:
                 self._pending.popleft()
                 continue
-            busy = running or bool(admitted)
-            if busy:
-                batch_sampling = sampling if running else admitted[0][1].request.sampling
-                batch_seeded = seeded if running else admitted[0][1].request.seed is not None
-                if (not self.config.batching or batch_seeded or request.seed is not None
-                        or request.sampling != batch_sampling):
-                    break
-            if request.n > len(free):
+            if not self.config.batching and (running or admitted):
+                break
+            if request.n > free:
                 break
             self._pending.popleft()
             self.stats["requests"] += 1
-            for choice in range(request.n):
-                admitted.append((free.pop(0), _Row(request, choice, [], request.max_tokens)))
+            free -= request.n
+            admitted.append(request)
         return admitted
 
     def _fresh_state(self):
@@ -357,8 +446,8 @@ class Engine:
         return state.replace(cache=state.cache.replace(lengths=lengths))
 
     def _warmup(self, state):
-        """Run (and so compile) every prefill shape up to `warmup_tokens` prompt tokens and a greedy slice at every
-        cache-read bucket; returns the state with every row empty again."""
+        """Run (and so compile) every prefill shape up to `warmup_tokens` prompt tokens, and the greedy and the
+        sampling slice at every cache-read bucket; returns the state with every row empty again."""
         batch, context, bucket = self.config.max_batch, self.config.max_context, sampler_lib.bucket_length
         # The shapes `prefill_rows` pads to: prompt widths, and counts of distinct prompts (each count's bucket
         # is met by passing that many prompts, at most the batch).
@@ -377,49 +466,81 @@ class Engine:
         for length in range(1, context - steps + 1):
             lengths.setdefault(min(bucket(length + steps), context), length)
         budgets = np.full(batch, self.config.slice_tokens, np.int32)
+        keys = [np.zeros_like(np.asarray(jax.random.PRNGKey(0)))] * batch
         for length in lengths.values():
-            state = self._set_lengths(state, length)
-            state, _ = sampler_lib.generate(self.model_config, self.params, state, rng=jax.random.PRNGKey(0),
-                                            active=np.ones(batch, bool), max_new_tokens=budgets,
-                                            stop_ids=self.stop_ids, sampling=SamplingConfig(greedy=True),
-                                            sync_every=steps)
+            for setting in (_GREEDY, SamplingConfig()):
+                sampling, rng = self._slice_sampling([setting] * batch, keys, [0] * batch)
+                state = self._set_lengths(state, length)
+                state, _ = sampler_lib.generate(self.model_config, self.params, state, rng=rng,
+                                                active=np.ones(batch, bool), max_new_tokens=budgets,
+                                                stop_ids=self.stop_ids, sampling=sampling, sync_every=steps)
         return self._set_lengths(state, 0)
+
+    @staticmethod
+    def _slice_sampling(settings, keys, generated):
+        """The per-row sampling values and keys of a slice: row b's key folds in its count of generated tokens,
+        so its draws do not depend on the slices it shared. Two programs per cache-read bucket, whatever the
+        values: all rows greedy, or any row sampling (then with the top-p filter)."""
+        sampling = sampler_lib.RowSampling.of(settings)
+        sampling = sampling.replace(filter_top_p=sampling.sample)
+        return sampling, _fold_in_rows(np.stack(keys), np.asarray(generated, np.uint32))
 
     def _prefill(self, state, admitted):
         """Put the admitted rows' prompts into their rows (their old tokens are dropped; other rows are untouched)."""
         return sampler_lib.prefill_rows(self.model_config, self.params, state, [index for index, _ in admitted],
                                         [row.request.prompt_ids for _, row in admitted])
 
+    def _new_text(self, row: _Row, ids: Sequence[int], final: bool) -> str:
+        """The text `ids` (the row's generated ids) add since the last call, decoding only the ids since the
+        previous stable point (incremental detokenization, as in vLLM): the decoded window's text minus the text of
+        the ids already read. Waits while the window ends in an incomplete character, unless `final` or the window
+        is `MAX_DECODE_WINDOW` tokens long."""
+        if len(ids) <= row.read_offset and not final:
+            return ""
+        decode = self.tokenizer.decode
+        window = decode(ids[row.prefix_offset:], skip_special_tokens=False)
+        if window.endswith("\ufffd") and not final and len(ids) - row.prefix_offset < MAX_DECODE_WINDOW:
+            return ""
+        known = decode(ids[row.prefix_offset:row.read_offset], skip_special_tokens=False)
+        row.prefix_offset, row.read_offset = row.read_offset, len(ids)
+        return window[len(known):]
+
     def _emit_progress(self, row: _Row, done: str | None) -> bool:
-        """Send the row's new text; returns True when the choice is finished (its row is free)."""
+        """Send the row's new text; returns True when the choice is finished (its row is free). Stop strings are
+        looked for only in the text not sent yet (what was sent cannot start one: `_held_back`)."""
         stops = row.request.stop
-        if done is None and not row.request.stream and not stops:
+        incremental = row.request.stream or bool(stops)
+        if done is None and not incremental:
             return False  # nothing to send before the end and no stop string to look for
         ids = row.generated
         if done == "stop" and ids and ids[-1] in self.stop_ids:
             ids = ids[:-1]
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
-        if stops:
-            cut = min((text.find(s) for s in stops if s and s in text), default=-1)
-            if cut >= 0:
-                text, done = text[:cut], "stop"
-        if done is None:
-            visible = text[:len(text) - _held_back(text, stops)]
-        else:
-            visible = text
-        try:
-            if row.request.stream and len(visible) > len(row.sent) and visible.startswith(row.sent):
-                row.request.emit(TextDelta(row.choice, visible[len(row.sent):]))
-                row.sent = visible
-            if done is not None:
-                row.request.emit(Finished(row.choice, done, text, tuple(ids)))
-        except Exception:  # the client's side went away; its rows are freed below
-            row.request.cancelled = True
+        if not incremental:  # decoded once, when it finishes
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            row.request.emit(Finished(row.choice, done, text, tuple(ids)))
             return True
+        unsent = row.pending + self._new_text(row, ids, final=done is not None)
+        if stops:
+            cut = min((unsent.find(s) for s in stops if s in unsent), default=-1)
+            if cut >= 0:
+                unsent, done = unsent[:cut], "stop"
+        hold = 0 if done is not None else _held_back(unsent, stops)
+        ready, row.pending = unsent[:len(unsent) - hold], unsent[len(unsent) - hold:]
+        if ready:
+            row.pieces.append(ready)
+            if row.request.stream:
+                row.request.emit(TextDelta(row.choice, ready))
+        if done is not None:
+            row.request.emit(Finished(row.choice, done, "".join(row.pieces), tuple(ids)))
         return done is not None
 
-    def _fail(self, requests, error: Exception) -> None:
+    def _fail(self, requests, error: BaseException) -> None:
+        """Send `Failed` to each request (once) and drop its rows at the next slice."""
         for request in requests:
+            if request.cancelled:
+                continue
+            request.cancelled = True
+            self.stats["failed"] += 1
             try:
                 request.emit(Failed(f"generation failed: {type(error).__name__}: {error}"))
             except Exception:
