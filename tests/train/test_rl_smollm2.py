@@ -1,30 +1,47 @@
-"""`configs/smollm2.gin`: one RL step of SmolLM2-135M-Instruct as policy and as its own frozen TRACE reference."""
+"""`configs/smollm2.gin`: one RL step of SmolLM2-135M-Instruct as policy and as its own frozen TRACE reference.
+
+The step runs through `RLPipeline` (rollout, reference scoring, credit, update) on the config as `trace-jax train`
+parses and checks it. The loop around the step (evaluations, checkpoints, the summary) is model-independent and is
+run end to end on the tiny config (tests/train/test_rl_cli.py, test_rl_resume.py); here it would only add two greedy
+evaluations and three 1.6 GB checkpoint writes of the 135M-parameter state to the real-model check.
+"""
 
 from __future__ import annotations
 
-import json
-
+import jax
 import pytest
 
-from trace_jax.train import cli as train_cli
+from trace_jax.train.gin_setup import parse
+from trace_jax.train.loop import build_environment
+from trace_jax.train.optimizer import make_optimizer
+from trace_jax.train.pipeline import RLPipeline, UpdateConfig, check_compatible
+from trace_jax.train.state import init_train_state
+
+# smollm2.gin as shipped, cut to CPU-test size: one group of 2 samples, one row per micro-batch as shipped
+CPU_SIZE = ["TrainConfig.prompts_per_step = 1", "LossConfig.micro_batches = 2", "TrainConfig.receipts = 0",
+            "RolloutConfig.max_turns = 1", "RolloutConfig.max_context = 1024", "RolloutConfig.turn_token_budget = 32"]
 
 
 @pytest.mark.slow
 def test_smollm2_config_runs_one_trace_step_as_its_own_reference(smollm2_hf_dir, tmp_path):
-    run_dir = tmp_path / "run"
-    # smollm2.gin as shipped, pointed at the fixture's converted checkpoint and cut to CPU-test size
-    params = [f"TrainConfig.checkpoint = '{smollm2_hf_dir}'", "EvalConfig.num_tasks = 1", "TrainConfig.receipts = 0",
-              "RolloutConfig.max_turns = 1", "RolloutConfig.max_context = 1024",
-              "RolloutConfig.turn_token_budget = 32"]
-    assert train_cli.run_train(["configs/smollm2.gin"], params, str(run_dir), progress=False) == 0
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    step = next(line for line in steps if "reward" in line)
-    assert step["step"] == 1
+    config = parse(["configs/smollm2.gin"], [f"TrainConfig.checkpoint = '{smollm2_hf_dir}'", *CPU_SIZE])
+    # what the run's summary.json would report
+    assert config.train.steps == 1 and config.credit.estimator == "trace"
+    prompts, update = config.train.prompts_per_step, config.update or UpdateConfig()
+    check_compatible(config.credit, config.loss, update, prompts * config.rollout.group_size)  # as the CLI does
+    environment = build_environment(config, tmp_path)
+    optimizer = make_optimizer(config.optimizer)
+    pipeline = RLPipeline(environment.model_config, environment.chat, environment.browser, config.rollout,
+                          config.credit, config.loss, update, optimizer)
+    reference = environment.params  # the initial policy: the sampler, the trainer and the frozen reference
+    state = init_train_state(environment.model_config, optimizer, reference, jax.random.PRNGKey(config.train.seed))
+    rollout = pipeline.collect(state.params, environment.train_tasks[:prompts], jax.random.PRNGKey(0))
+    prepared = pipeline.prepare(rollout, reference, num_prompts=prompts)
+    state, metrics = pipeline.update(state, prepared, reference, seed=0)
+    step = {**prepared.metrics, **metrics}
     # the reference is the initial policy, which is also the sampler: its answer scores are real log-probs
     assert -30.0 < step["credit/first_state_score"] < 0.0
     # sampler and trainer see the same SmolLM2 weights before the update
     assert step["sampler_trainer_gap"] < 1e-3
     # a non-zero advantage anywhere moves the weights
     assert (step["grad_norm"] > 0.0) == (step["credit/mean_abs_token_advantage"] > 0.0)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 1 and summary["estimator"] == "trace"
