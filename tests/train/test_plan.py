@@ -153,7 +153,7 @@ def test_splash_kernel_flops_count_the_visited_causal_blocks_and_the_shards(leng
 
 @needs_libtpu
 def test_the_step_time_estimate_matches_compiling_the_whole_step_unrolled(tiny_run):
-    """The estimate extends 1-2 layer variants to the step; for a 3-layer, 2-micro-batch step that is small
+    """The estimate extends 1-2 layer variants to the step; for a 4-layer, 2-micro-batch step that is small
     enough to compile unrolled whole, the compiler's own figures for the whole step agree to within 1%."""
     import dataclasses
 
@@ -168,7 +168,7 @@ def test_the_step_time_estimate_matches_compiling_the_whole_step_unrolled(tiny_r
     run = dataclasses.replace(tiny_run, loss=dataclasses.replace(tiny_run.loss, micro_batches=2),
                               train=dataclasses.replace(tiny_run.train, prompts_per_step=4))
     config, _ = plan.resolve_model(run)
-    config = plan._override_model(config.replace(num_hidden_layers=3), plan.PlanConfig("v5e:2x2"), "tpu")
+    config = plan._override_model(config.replace(num_hidden_layers=4), plan.PlanConfig("v5e:2x2"), "tpu")
     programs = plan._Programs(config, run, mesh, plan.PlanConfig("v5e:2x2"))
     estimate, why = plan.estimate_train_time(programs, mesh.devices.flat[0])
     assert estimate is not None, why
