@@ -2,6 +2,13 @@
 
 Eight fake CPU devices are configured before JAX is imported so that sharding tests can build real meshes;
 unsharded computations still run on device 0.
+
+One persistent XLA compilation cache serves the whole run: a fresh directory made by the first process to import
+this file (pytest itself, or its xdist controller), inherited through the environment by the xdist workers and by
+every `trace-jax` subprocess a test starts, and removed when that process exits. A program that two workers, or a
+test and its subprocesses, compile alike (the same HLO, options and devices) is compiled once and loaded
+thereafter; the executables are the same, so no result changes. A process of a fresh `trace-jax train` spends about
+two thirds of its CPU time compiling. Set JAX_COMPILATION_CACHE_DIR yourself to keep a cache across runs.
 """
 
 import os
@@ -9,6 +16,17 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache_dir = tempfile.mkdtemp(prefix="trace-jax-test-xla-cache-")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    # every program, however quick to compile: the tests' programs are small, and there are thousands
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 from hypothesis import settings  # noqa: E402
 
@@ -56,6 +74,19 @@ def _release_compiled_programs():
 
         jax.clear_caches()
         gc.collect()
+
+
+@pytest.fixture(scope="module")
+def no_persistent_cache_writes():
+    """For modules that compile for TPU topologies on this CPU host: libtpu's compile-only client writes its
+    executables to the persistent cache but cannot load them back (JAX warns and compiles again), so while such a
+    module runs nothing is written (`pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")`)."""
+    import jax
+
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+    yield
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,8 @@ from jax.sharding import SingleDeviceSharding  # noqa: E402
 
 from trace_jax.models import attention  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")  # TPU executables do not load back
+
 
 @pytest.fixture(scope="module")
 def tpu_device():

@@ -10,6 +10,7 @@ from trace_jax import cli
 from trace_jax.train import MeshConfig, plan
 from trace_jax.train.gin_setup import parse
 
+pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")  # TPU executables do not load back
 GIB = 1024**3
 needs_libtpu = pytest.mark.skipif(not plan.libtpu_installed(),
                                   reason="libtpu is not installed: pip install -e '.[tpu]' (the tpu extra) to "
