@@ -49,7 +49,7 @@ def assert_matches(got, expected, atol):
 
 
 @pytest.mark.slow  # every example compiles its own shapes
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=8, deadline=None)  # each example compiles; the float64 reference pins values
 @given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 2), Q=st.integers(1, 40), T=st.integers(1, 50),
        heads=st.sampled_from([(1, 1), (4, 2), (6, 3), (4, 1)]), q_block=st.sampled_from([1, 8, 16, 64]),
        k_block=st.sampled_from([1, 8, 32, 128]))
