@@ -13,6 +13,8 @@ from trace_jax.train.config import CheckpointConfig
 from trace_jax.train.gin_setup import parse
 from trace_jax.train.loop import train
 
+pytestmark = pytest.mark.slow  # two short runs of the small config
+
 WARM = SMALL + ("WarmStartConfig.steps = 2\nWarmStartConfig.num_trajectories = 4\nWarmStartConfig.batch_size = 2\n"
                 "TrainConfig.steps = 0\n")
 
