@@ -24,9 +24,13 @@ This module knows nothing about losses, rollouts or the data pipeline (the host 
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import inspect
 import os
 import shutil
 import signal
+import sys
 import threading
 import warnings
 from typing import NamedTuple
@@ -211,7 +215,8 @@ class Checkpointer:
         for step in reversed(self.all_steps()):
             reason = "it failed to restore on another process"
             try:
-                state, host = self.restore(target, step)
+                with _quiet_abandoned_reads():
+                    state, host = self.restore(target, step)
                 restored = True
             except MemoryError:
                 raise
@@ -293,6 +298,42 @@ class Checkpointer:
         target = jax.tree_util.tree_map_with_path(place, saved)
         raw = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
         return raw.state["params"]
+
+
+@contextlib.contextmanager
+def _quiet_abandoned_reads():
+    """Drop Python's reports of orbax reads abandoned by a failed restore, and nothing else.
+
+    orbax reads a step's arrays as many coroutines; when one read fails (a truncated file), the others are dropped
+    and Python reports each one as it is garbage-collected ("Exception ignored in: <coroutine object
+    _read_array_index_and_device_put ...>", then "Event loop is closed"): about 2,600 lines for a tiny model, all
+    about the failure `restore_latest` already reports once, as a `CheckpointSkipped` warning. While a restore runs
+    (and a garbage collection after it), those reports are dropped; any other unraisable exception still reaches
+    the hook that was there before.
+    """
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _abandoned_read(unraisable):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        try:
+            gc.collect()
+        finally:
+            sys.unraisablehook = previous
+
+
+def _abandoned_read(unraisable) -> bool:
+    """An unraisable exception from an orbax read coroutine, or from its event loop being closed under it."""
+    target = unraisable.object
+    if inspect.iscoroutine(target) and f"{os.sep}orbax{os.sep}" in target.cr_code.co_filename:
+        return True
+    error = unraisable.exc_value
+    return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
 
 
 def _describe(error: BaseException) -> str:
