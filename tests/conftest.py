@@ -17,6 +17,13 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# The suite's time is mostly XLA:CPU compiling small programs that then run for milliseconds, so the tests compile
+# without LLVM's optimisation passes: the same HLO passes and the same programs, with less optimised machine code.
+# Every test compares values, never speed; a test's two sides (and its `trace-jax` subprocesses, which inherit
+# XLA_FLAGS) compile alike. TRACE_JAX_TEST_OPTIMIZED_XLA=1 keeps XLA's default optimisation.
+if (os.environ.get("TRACE_JAX_TEST_OPTIMIZED_XLA") != "1"
+        and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit
     import shutil
