@@ -143,7 +143,7 @@ def check_config(gin_files, gin_params, devices: int, where: str, *, workers_cop
     Raises LaunchError naming the binding (gin errors) or the MeshConfig axes and the slice (mesh errors)."""
     from trace_jax.train.config import MESH_AXES, TrainConfigError
     from trace_jax.train.gin_setup import ConfigError, parse
-    from trace_jax.train.pipeline import UpdateConfig, check_compatible
+    from trace_jax.train.pipeline import check_compatible
 
     for path in gin_files:
         if not Path(path).is_file() and not (REPO_ROOT / path).is_file():
@@ -160,7 +160,7 @@ def check_config(gin_files, gin_params, devices: int, where: str, *, workers_cop
                           "on a mount every worker has and bind it absolutely, e.g. --gin_param "
                           "\"TrainConfig.checkpoint = '/mnt/gcs/models/Qwen3-4B'\"")
     try:
-        check_compatible(config.credit, config.loss, config.update or UpdateConfig(),
+        check_compatible(config.credit, config.loss, config.update,
                          config.train.prompts_per_step * config.rollout.group_size)
     except ValueError as error:
         raise LaunchError(str(error)) from None

@@ -20,7 +20,7 @@ from trace_jax.train.config import MeshConfig
 from trace_jax.train.gin_setup import parse
 from trace_jax.train.loop import Placement, _tasks_at, build_environment, rl_step, train
 from trace_jax.train.optimizer import make_optimizer
-from trace_jax.train.pipeline import RLPipeline, UpdateConfig
+from trace_jax.train.pipeline import RLPipeline
 from trace_jax.train.state import init_train_state
 from trace_jax.train.step import make_train_step
 
@@ -143,7 +143,7 @@ def _two_steps(config, environment) -> dict:
     placement = Placement(config, model_config)
     optimizer = make_optimizer(config.optimizer)
     pipeline = RLPipeline(model_config, environment.chat, environment.browser, config.rollout, config.credit,
-                          config.loss, config.update or UpdateConfig(), optimizer, mesh=placement.process_mesh,
+                          config.loss, config.update, optimizer, mesh=placement.process_mesh,
                           train_step=make_train_step(model_config, config.loss, optimizer, mesh=placement.mesh))
     params = placement.policy(environment.params)
     initial = {k: np.asarray(x) for k, x in _flat(params).items()}

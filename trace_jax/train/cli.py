@@ -67,10 +67,10 @@ def run_train(gin_files, gin_params, run_dir, *, progress: bool = True) -> int:
         config = parse(gin_files, gin_params)
     except ConfigError as error:
         return _fail(str(error))
-    from trace_jax.train.pipeline import UpdateConfig, check_compatible
+    from trace_jax.train.pipeline import check_compatible
 
     try:
-        check_compatible(config.credit, config.loss, config.update or UpdateConfig(),
+        check_compatible(config.credit, config.loss, config.update,
                          config.train.prompts_per_step * config.rollout.group_size)
     except ValueError as error:
         return _fail(str(error))

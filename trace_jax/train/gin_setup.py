@@ -1,17 +1,10 @@
 """gin for trace-jax: every tunable is a frozen, self-validating dataclass; gin only binds their fields.
 
-`register_configurables()` registers (idempotently) with `gin.external_configurable`:
-
-    trace_jax.models   ModelConfig, model_preset (= models.get_preset: `model_preset.name = 'tiny-qwen3'` plus any
-                       ModelConfig field as an override)
-    trace_jax.rollout  RolloutConfig, SamplingConfig
-    trace_jax.envs     WorldConfig, TaskConfig
-    trace_jax.train    TrainConfig, DataConfig, EnvConfig (this module), EvalConfig (evaluate.py),
-                       WarmStartConfig (warmstart.py)
-                       LossConfig, OptimizerConfig, MeshConfig, CheckpointConfig (train/config.py),
-                       UpdateConfig (train/pipeline.py), ABCScorerConfig (train/abc_scoring.py; bound as
-                       `UpdateConfig.abc = @ABCScorerConfig()`), DistributedConfig (train/distributed.py)
-    trace_jax.credit   CreditConfig (credit/config.py)
+`CONFIGURABLES` is the one table of every config gin can bind: its name in gin files, the class (or function) gin
+calls, the module gin shows it under and, for the top-level ones, the `RunConfig` field it becomes (`model_preset`
+is `models.get_preset`: `model_preset.name = 'tiny-qwen3'` plus any ModelConfig field as an override).
+A new config is one row in `CONFIGURABLES` (and, if it is a concern of its own, one `RunConfig` field).
+`register_configurables()` registers the table with `gin.external_configurable` (idempotently).
 
 `parse(gin_files, gin_params)` parses the files then the `--gin_param` bindings and *builds every config*, so an
 unknown name, a misspelt field or a value a dataclass rejects fails here, before any compute, with a message
@@ -29,22 +22,26 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
 import os
 import re
 import tokenize
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import gin
 
+from trace_jax.credit.config import CreditConfig
 from trace_jax.envs.tasks import TaskConfig
 from trace_jax.envs.world import WorldConfig
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.presets import get_preset
 from trace_jax.rollout.agent import RolloutConfig
 from trace_jax.rollout.sampler import SamplingConfig
+from trace_jax.train.abc_scoring import ABCScorerConfig
+from trace_jax.train.config import CheckpointConfig, LossConfig, MeshConfig, OptimizerConfig
+from trace_jax.train.distributed import DistributedConfig
 from trace_jax.train.evaluate import EvalConfig
+from trace_jax.train.pipeline import UpdateConfig
 from trace_jax.train.warmstart import WarmStartConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -178,69 +175,68 @@ class TrainConfig:
                              f"{self.reference_dtype!r}")
 
 
-# Registered name -> (module gin shows it under, object). Order = the order configs are built in `parse`.
-_CORE: tuple[tuple[str, str, Any], ...] = (
-    ("SamplingConfig", "trace_jax.rollout", SamplingConfig),
-    ("RolloutConfig", "trace_jax.rollout", RolloutConfig),
-    ("ModelConfig", "trace_jax.models", ModelConfig),
-    ("model_preset", "trace_jax.models", get_preset),
-    ("WorldConfig", "trace_jax.envs", WorldConfig),
-    ("TaskConfig", "trace_jax.envs", TaskConfig),
-    ("DataConfig", "trace_jax.train", DataConfig),
-    ("EnvConfig", "trace_jax.train", EnvConfig),
-    ("EvalConfig", "trace_jax.train", EvalConfig),
-    ("WarmStartConfig", "trace_jax.train", WarmStartConfig),
-    ("TrainConfig", "trace_jax.train", TrainConfig),
+@dataclasses.dataclass(frozen=True)
+class Configurable:
+    """One config gin can bind: files write `<name>.<field> = value`; gin shows it as `<gin_module>.<name>`.
+
+    Attributes:
+      name: the name bound in gin files (`TrainConfig`, `model_preset`).
+      target: the class (or, for `model_preset`, the function) gin calls to build it.
+      gin_module: the module gin shows it under (in operative configs and qualified bindings).
+      concern: the `RunConfig` field `parse` builds from it; '' for a config only built inside another one through
+        a reference (`DataConfig.world = @WorldConfig()`).
+    """
+
+    name: str
+    target: Callable[..., Any]
+    gin_module: str
+    concern: str = ""
+
+
+# Every config gin knows, in the order `parse` builds the concerns; nested configs sit next to their parent.
+CONFIGURABLES: tuple[Configurable, ...] = (
+    Configurable("TrainConfig", TrainConfig, "trace_jax.train", concern="train"),
+    Configurable("ModelConfig", ModelConfig, "trace_jax.models"),
+    Configurable("model_preset", get_preset, "trace_jax.models"),
+    Configurable("DataConfig", DataConfig, "trace_jax.train", concern="data"),
+    Configurable("WorldConfig", WorldConfig, "trace_jax.envs"),
+    Configurable("TaskConfig", TaskConfig, "trace_jax.envs"),
+    Configurable("EnvConfig", EnvConfig, "trace_jax.train", concern="env"),
+    Configurable("RolloutConfig", RolloutConfig, "trace_jax.rollout", concern="rollout"),
+    Configurable("SamplingConfig", SamplingConfig, "trace_jax.rollout"),
+    Configurable("EvalConfig", EvalConfig, "trace_jax.train", concern="eval"),
+    Configurable("WarmStartConfig", WarmStartConfig, "trace_jax.train", concern="warmstart"),
+    Configurable("LossConfig", LossConfig, "trace_jax.train", concern="loss"),
+    Configurable("OptimizerConfig", OptimizerConfig, "trace_jax.train", concern="optimizer"),
+    Configurable("MeshConfig", MeshConfig, "trace_jax.train", concern="mesh"),
+    Configurable("CheckpointConfig", CheckpointConfig, "trace_jax.train", concern="checkpoint"),
+    Configurable("CreditConfig", CreditConfig, "trace_jax.credit", concern="credit"),
+    Configurable("UpdateConfig", UpdateConfig, "trace_jax.train", concern="update"),
+    Configurable("ABCScorerConfig", ABCScorerConfig, "trace_jax.train"),
+    Configurable("DistributedConfig", DistributedConfig, "trace_jax.train", concern="distributed"),
 )
-# Configs of the training core, the pipeline and the credit API: (name, module that defines it, gin module).
-# Imported when registered rather than at import time, so importing this module stays light.
-LAZY: tuple[tuple[str, str, str], ...] = (
-    ("LossConfig", "trace_jax.train.config", "trace_jax.train"),
-    ("OptimizerConfig", "trace_jax.train.config", "trace_jax.train"),
-    ("MeshConfig", "trace_jax.train.config", "trace_jax.train"),
-    ("CheckpointConfig", "trace_jax.train.config", "trace_jax.train"),
-    ("CreditConfig", "trace_jax.credit.config", "trace_jax.credit"),
-    ("ABCScorerConfig", "trace_jax.train.abc_scoring", "trace_jax.train"),
-    ("UpdateConfig", "trace_jax.train.pipeline", "trace_jax.train"),
-    ("DistributedConfig", "trace_jax.train.distributed", "trace_jax.train"),
-)
-# The concerns `parse` builds, as RunConfig field -> registered name.
-CONCERNS = {"train": "TrainConfig", "data": "DataConfig", "env": "EnvConfig", "rollout": "RolloutConfig",
-            "eval": "EvalConfig", "warmstart": "WarmStartConfig", "loss": "LossConfig",
-            "optimizer": "OptimizerConfig", "mesh": "MeshConfig", "checkpoint": "CheckpointConfig",
-            "credit": "CreditConfig", "update": "UpdateConfig", "distributed": "DistributedConfig"}
 
 _registered: dict[str, Any] = {}  # name -> the gin-wrapped callable
-_targets: dict[str, Any] = {}  # name -> the class or function registered
-
-
-def _register(name: str, module: str, target: Any) -> None:
-    if name in _registered:
-        return
-    _targets[name] = target
-    try:
-        _registered[name] = gin.external_configurable(target, name=name, module=module)
-    except ValueError:  # registered by an earlier import of this module (e.g. a reload in tests)
-        _registered[name] = gin.get_configurable(f"{module}.{name}")
-
-
-def _register_lazy() -> None:
-    for name, source, module in LAZY:
-        if name not in _registered:
-            _register(name, module, getattr(importlib.import_module(source), name))
+_targets = {c.name: c.target for c in CONFIGURABLES}
 
 
 def register_configurables() -> dict[str, Any]:
-    """Register every config with gin (idempotent); returns name -> gin-wrapped constructor."""
-    for name, module, target in _CORE:
-        _register(name, module, target)
-    _register_lazy()
+    """Register every config of `CONFIGURABLES` with gin (idempotent); returns name -> gin-wrapped constructor."""
+    for configurable in CONFIGURABLES:
+        if configurable.name in _registered:
+            continue
+        try:
+            _registered[configurable.name] = gin.external_configurable(
+                configurable.target, name=configurable.name, module=configurable.gin_module)
+        except ValueError:  # registered by an earlier import of this module (e.g. a reload in tests)
+            _registered[configurable.name] = gin.get_configurable(f"{configurable.gin_module}.{configurable.name}")
     return dict(_registered)
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """One instance of every concern's config, as bound by gin."""
+    """One instance of every concern's config, as bound by gin (`parse`); each field is built from the
+    `CONFIGURABLES` entry whose `concern` names it."""
 
     train: TrainConfig
     data: DataConfig
@@ -248,13 +244,19 @@ class RunConfig:
     rollout: RolloutConfig
     eval: EvalConfig
     warmstart: WarmStartConfig
-    loss: Any  # trace_jax.train.config.LossConfig (typed loosely: that module is imported lazily)
-    optimizer: Any  # OptimizerConfig
-    mesh: Any  # MeshConfig
-    checkpoint: Any  # CheckpointConfig
-    credit: Any  # trace_jax.credit.config.CreditConfig
-    update: Any  # trace_jax.train.pipeline.UpdateConfig
-    distributed: Any = None  # trace_jax.train.distributed.DistributedConfig (None = one process)
+    loss: LossConfig
+    optimizer: OptimizerConfig
+    mesh: MeshConfig
+    checkpoint: CheckpointConfig
+    credit: CreditConfig
+    update: UpdateConfig
+    distributed: DistributedConfig
+
+    def __post_init__(self):
+        for configurable in CONFIGURABLES:
+            if configurable.concern and not isinstance(getattr(self, configurable.concern), configurable.target):
+                raise ValueError(f"RunConfig.{configurable.concern} must be a {configurable.name}, got "
+                                 f"{getattr(self, configurable.concern)!r}")
 
 
 class ConfigError(ValueError):
@@ -356,9 +358,12 @@ def parse(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -> RunC
         except _PARSE_ERRORS as error:
             raise ConfigError(_explain(error, f"--gin_param {binding!r}")) from None
     built: dict[str, Any] = {}
-    for field, name in CONCERNS.items():
+    for configurable in CONFIGURABLES:
+        if not configurable.concern:
+            continue
+        name = configurable.name
         try:
-            built[field] = _registered[name]()
+            built[configurable.concern] = _registered[name]()
         except (ValueError, TypeError) as error:
             message = str(error).split("\n  In call to configurable")[0]
             bound = _bindings_of(name)

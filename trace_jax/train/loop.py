@@ -60,7 +60,7 @@ from trace_jax.train.gin_setup import RunConfig
 from trace_jax.train.loss import LossBatch, real_token_mask, trained_positions
 from trace_jax.train.metrics import PhaseTimer, RunWriter, progress_bar
 from trace_jax.train.optimizer import make_optimizer
-from trace_jax.train.pipeline import RLPipeline, UpdateConfig, check_compatible
+from trace_jax.train.pipeline import RLPipeline, check_compatible
 from trace_jax.train.state import init_train_state
 from trace_jax.train.step import batch_sharding, make_train_step
 from trace_jax.train.warmstart import oracle_trajectories, sft_arrays
@@ -440,7 +440,7 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     train_config = run_config.train
-    update_config = run_config.update or UpdateConfig()
+    update_config = run_config.update
     rows = train_config.prompts_per_step * run_config.rollout.group_size
     check_compatible(run_config.credit, run_config.loss, update_config, rows)
     if train_config.init_from:  # fail before any compute when there is nothing to start from
