@@ -53,7 +53,7 @@ from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
 from trace_jax.scoring.receipts import excerpt, safe_filename, write_receipt
 from trace_jax.train import distributed
 from trace_jax.train.checkpoint import Checkpointer, PreemptionGuard, abstract_train_state
-from trace_jax.train.config import CheckpointConfig, LossConfig, OptimizerConfig
+from trace_jax.train.config import CheckpointConfig, LossConfig
 from trace_jax.train.evaluate import EvalResult, compare, evaluate, format_comparison
 from trace_jax.train.flops import PEAK_FLOPS, measure_peak_flops
 from trace_jax.train.gin_setup import RunConfig
@@ -147,10 +147,7 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
     arrays = sft_arrays(environment.chat, ws.render_rollout(run_config.rollout), environment.browser, results,
                         length_multiple=ws.length_multiple, max_length=ws.max_length,
                         answer_weight=ws.answer_weight)
-    optimizer = make_optimizer(OptimizerConfig(learning_rate=ws.learning_rate, schedule="cosine",
-                                               warmup_steps=ws.warmup_steps,
-                                               total_steps=max(ws.steps, ws.warmup_steps + 1), end_lr_ratio=0.1,
-                                               weight_decay=0.0))
+    optimizer = make_optimizer(ws.optimizer)
     step_fn = make_train_step(environment.model_config, LossConfig(mode="sft", entropy_metric=False), optimizer,
                               mesh=mesh)
     state = init_train_state(environment.model_config, optimizer, params, jax.random.PRNGKey(run_config.train.seed),
