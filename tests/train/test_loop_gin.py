@@ -46,9 +46,9 @@ def test_paper_configs_hold_the_paper_settings():
         assert config.rollout.group_size * config.train.prompts_per_step == 128
         assert config.rollout.max_turns == 60 and config.rollout.max_context == 48 * 1024
         assert config.warmstart.steps == 0 and config.train.checkpoint
-    text = (CONFIGS / "qwen3_4b.gin").read_text()
-    assert "OptimizerConfig.learning_rate = 1e-6" in text and "OptimizerConfig.schedule = 'constant'" in text
-    assert "LossConfig.kl_coef = 0.0" in text
+        assert config.optimizer.learning_rate == 1e-6 and config.optimizer.schedule == "constant"
+        assert config.optimizer.warmup_steps == 0 and config.loss.kl_coef == 0.0
+        assert config.rollout.with_tools and config.rollout.sampling.temperature == 1.0
 
 
 def test_gin_params_override_files_in_order():
