@@ -43,7 +43,7 @@ from trace_jax.train.step import make_train_step  # noqa: E402
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gin_file", default="configs/tiny.gin")
+    parser.add_argument("--gin-file", "--gin_file", default="configs/tiny.gin")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the config's)")
     parser.add_argument("--group", type=int, default=None, help="samples per prompt (default: the config's)")
     parser.add_argument("--repeats", type=int, default=5)

@@ -74,7 +74,7 @@ def test_invalid_value_names_the_config_its_rule_and_the_binding():
 
 
 def test_unparsable_value_names_the_binding():
-    with pytest.raises(ConfigError, match=r"--gin_param 'TrainConfig.steps = \('"):
+    with pytest.raises(ConfigError, match=r"--gin-param 'TrainConfig.steps = \('"):
         parse([], ["TrainConfig.steps = ("])
 
 
@@ -113,7 +113,7 @@ def test_a_2x2_sweep_expands_into_4_named_runs_with_launch_commands():
     assert runs[1].gin_params == ("TrainConfig.steps = 20", "CreditConfig.horizon = 1", "CreditConfig.alpha_turn = 0.2")
     argv = shlex.split(runs[1].command())
     assert argv[:4] == ["python", "-m", "trace_jax.cli", "train"]
-    assert argv[argv.index("--gin_file") + 1] == "configs/tiny.gin"
+    assert argv[argv.index("--gin-file") + 1] == "configs/tiny.gin"
     assert "CreditConfig.alpha_turn = 0.2" in argv and argv[-1] == "runs/sweeps/horizon_alpha/horizon=1,alpha_turn=0.2"
 
 

@@ -68,7 +68,7 @@ def test_without_libtpu_a_tpu_plan_names_the_tpu_extra(tiny_run, monkeypatch):
 
 
 def test_cli_errors_exit_2_with_the_message(capsys):
-    assert cli.main(["plan", "--gin_file", "configs/tiny.gin", "--topology", "v5e:3x3x3"]) == 2
+    assert cli.main(["plan", "--gin-file", "configs/tiny.gin", "--topology", "v5e:3x3x3"]) == 2
     assert "2 dimensions" in capsys.readouterr().err
 
 
@@ -84,9 +84,9 @@ def test_a_gpu_target_reports_what_shapes_determine_and_says_the_rest_is_not_che
 @needs_libtpu
 @pytest.mark.slow
 def test_plan_of_the_tiny_config_on_v5e_2x2_compiles_all_three_programs_and_fits(capsys):
-    argv = ["plan", "--gin_file", "configs/tiny.gin", "--topology", "v5e:2x2"]
+    argv = ["plan", "--gin-file", "configs/tiny.gin", "--topology", "v5e:2x2"]
     for binding in SMALL:
-        argv += ["--gin_param", binding]
+        argv += ["--gin-param", binding]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "plan: v5e:2x2 (v5e-4, 4 chips, 16 GiB HBM each), mesh {'data': 1, 'fsdp': 4" in out
@@ -102,9 +102,9 @@ def test_a_kv_cache_larger_than_hbm_does_not_fit_exits_1_and_the_advice_names_th
     # 4096 rollout rows x 16384 tokens of float32 keys and values: 2 layers x 2 kv heads x 16 dims x 8 bytes
     # = 512 B a token (tiny-qwen3), 32 GiB in all, 8 GiB on each of 4 chips; the decode step's temporaries
     # take it over v5e's 16 GiB.
-    argv = ["plan", "--gin_file", "configs/tiny.gin", "--topology", "v5e:2x2", "--programs", "decode",
-            "--model_preset", "tiny-qwen3", "--gin_param", "TrainConfig.prompts_per_step = 64",
-            "--gin_param", "RolloutConfig.group_size = 64", "--gin_param", "RolloutConfig.max_context = 16384"]
+    argv = ["plan", "--gin-file", "configs/tiny.gin", "--topology", "v5e:2x2", "--programs", "decode",
+            "--model-preset", "tiny-qwen3", "--gin-param", "TrainConfig.prompts_per_step = 64",
+            "--gin-param", "RolloutConfig.group_size = 64", "--gin-param", "RolloutConfig.max_context = 16384"]
     assert cli.main(argv) == 1
     out = capsys.readouterr().out
     decode = next(line for line in out.splitlines() if line.startswith("| decode"))

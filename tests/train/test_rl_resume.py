@@ -28,8 +28,8 @@ _VOLATILE = ("wall_time", "time/", "tokens_per_s", "tflops", "mfu", "eval/second
 
 
 def _command(gin_file: Path, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "trace_jax.cli", "train", "--gin_file", str(gin_file), "--run_dir", str(run_dir),
-            "--no_progress"]
+    return [sys.executable, "-m", "trace_jax.cli", "train", "--gin-file", str(gin_file), "--run-dir", str(run_dir),
+            "--no-progress"]
 
 
 def _env(cache: Path) -> dict:

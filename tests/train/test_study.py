@@ -205,11 +205,11 @@ study.seeds = [3]
     out = tmp_path / "study"
     from trace_jax.cli import main
 
-    assert main(["study", path, "--dir", str(out), "--no_progress"]) == 0
+    assert main(["study", path, "--dir", str(out), "--no-progress"]) == 0
     assert (out / "grpo/seed3/summary.json").exists()
     results = json.loads((out / "results.json").read_text())
     assert results["methods"]["grpo"]["accuracy"]["steps"] == [0, 1]
     assert (out / "plots/accuracy.png").exists()
     capsys.readouterr()
-    assert main(["study", path, "--dir", str(out), "--no_progress"]) == 0
+    assert main(["study", path, "--dir", str(out), "--no-progress"]) == 0
     assert "grpo/seed3 finished before, skipped" in capsys.readouterr().out

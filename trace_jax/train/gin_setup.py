@@ -6,7 +6,7 @@ is `models.get_preset`: `model_preset.name = 'tiny-qwen3'` plus any ModelConfig 
 A new config is one row in `CONFIGURABLES` (and, if it is a concern of its own, one `RunConfig` field).
 `register_configurables()` registers the table with `gin.external_configurable` (idempotently).
 
-`parse(gin_files, gin_params)` parses the files then the `--gin_param` bindings and *builds every config*, so an
+`parse(gin_files, gin_params)` parses the files then the `--gin-param` bindings and *builds every config*, so an
 unknown name, a misspelt field or a value a dataclass rejects fails here, before any compute, with a message
 that names the binding and the fix (the closest valid name). It returns a `RunConfig` holding one instance per
 concern. `write_config(run_dir)` writes the bindings (`config.gin`) and gin's operative config
@@ -334,7 +334,7 @@ def parse(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -> RunC
 
     Args:
       gin_files: paths (absolute, relative to the working directory, or to the repository root).
-      gin_params: extra bindings, e.g. `"LossConfig.eps_high = 0.28"` (the CLI's `--gin_param`).
+      gin_params: extra bindings, e.g. `"LossConfig.eps_high = 0.28"` (the CLI's `--gin-param`).
 
     Raises:
       ConfigError: an unknown config or field (with the closest valid names), an unparsable value, or a value the
@@ -356,7 +356,7 @@ def parse(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -> RunC
             gin.parse_config_files_and_bindings([], [binding], skip_unknown=False,
                                                 finalize_config=False)
         except _PARSE_ERRORS as error:
-            raise ConfigError(_explain(error, f"--gin_param {binding!r}")) from None
+            raise ConfigError(_explain(error, f"--gin-param {binding!r}")) from None
     built: dict[str, Any] = {}
     for configurable in CONFIGURABLES:
         if not configurable.concern:
@@ -368,7 +368,7 @@ def parse(gin_files: Sequence[str] = (), gin_params: Sequence[str] = ()) -> RunC
             message = str(error).split("\n  In call to configurable")[0]
             bound = _bindings_of(name)
             shown = "; bindings: " + " | ".join(b.strip() for b in bound) if bound else ""
-            raise ConfigError(f"invalid {name}: {message}{shown}. Fix the binding in the gin file or --gin_param"
+            raise ConfigError(f"invalid {name}: {message}{shown}. Fix the binding in the gin file or --gin-param"
                               ) from None
     return RunConfig(**built)
 

@@ -599,7 +599,7 @@ def evaluate_run(run_dir: str | Path, step: int | None = None, *, log: Callable[
     run_dir = Path(run_dir)
     config_path = run_dir / "config.gin"
     if not config_path.exists():
-        raise FileNotFoundError(f"{config_path} does not exist: --run_dir must be a directory written by "
+        raise FileNotFoundError(f"{config_path} does not exist: --run-dir must be a directory written by "
                                 "`trace-jax train`")
     run_config = parse([str(config_path)])
     environment = build_environment(run_config, run_dir, load_params=False)

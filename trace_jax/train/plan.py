@@ -1,6 +1,6 @@
 """`trace-jax plan`: will this run fit? Compile its device programs ahead of time for a TPU topology on a CPU host.
 
-    trace-jax plan --gin_file configs/qwen3_4b.gin --topology v5e:4x4 [--mesh fsdp=16] [--gin_param ...]
+    trace-jax plan --gin-file configs/qwen3_4b.gin --topology v5e:4x4 [--mesh fsdp=16] [--gin-param ...]
 
 With `libtpu` (the optional `tpu` extra) and `jax.experimental.topologies`, the three device programs of one RL
 step are lowered and compiled for the named TPU slice with the builders the loop uses, given the mesh, on abstract
@@ -189,7 +189,7 @@ class PlanConfig:
         if bad or not self.programs:
             raise PlanError(f"--programs {','.join(self.programs)!r}: choose from {', '.join(PROGRAMS)}")
         if not isinstance(self.answer_tokens, int) or self.answer_tokens < 2:
-            raise PlanError(f"--answer_tokens must be an int >= 2, got {self.answer_tokens!r}")
+            raise PlanError(f"--answer-tokens must be an int >= 2, got {self.answer_tokens!r}")
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -206,8 +206,8 @@ def resolve_model(run_config, *, preset: str = "") -> tuple[Any, str]:
     train = run_config.train
     if preset:
         if preset not in models.preset_names():
-            raise PlanError(f"--model_preset {preset!r}: unknown; presets: {', '.join(models.preset_names())}")
-        return models.get_preset(preset), f"preset {preset} (--model_preset)"
+            raise PlanError(f"--model-preset {preset!r}: unknown; presets: {', '.join(models.preset_names())}")
+        return models.get_preset(preset), f"preset {preset} (--model-preset)"
     if train.model is not None:
         config = train.model
         if train.tokenizer == "word":
@@ -228,7 +228,7 @@ def resolve_model(run_config, *, preset: str = "") -> tuple[Any, str]:
     if name in models.preset_names():
         return models.get_preset(name), f"preset {name} ({source} is not on this host; matched by name)"
     raise PlanError(f"TrainConfig.checkpoint = {source!r} has no config.json on this host and matches no preset; "
-                    f"pass --model_preset NAME ({', '.join(models.preset_names())}) or point the checkpoint at a "
+                    f"pass --model-preset NAME ({', '.join(models.preset_names())}) or point the checkpoint at a "
                     "directory holding its config.json (only config.json is read)")
 
 
@@ -987,7 +987,7 @@ def format_estimate(report: PlanReport) -> list[str]:
     if train is None or not train.model_flops:
         return []
     if e is None:
-        why = report.estimate_missing or "not asked for (--no_time_estimate)"
+        why = report.estimate_missing or "not asked for (--no-time-estimate)"
         if train.out_of_memory:
             why = "the step does not fit"
         return [f"train step: {train.model_flops / 1e12:.1f} model TFLOPs; no time estimate: {why}"]
@@ -1012,20 +1012,23 @@ def format_estimate(report: PlanReport) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------ the command
 def add_arguments(parser) -> None:
-    parser.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
-    parser.add_argument("--gin_param", action="append", default=[], help="extra binding (repeatable; later wins)")
+    parser.add_argument("--gin-file", "--gin_file", action="append", default=[], help="gin config file (repeatable)")
+    parser.add_argument("--gin-param", "--gin_param", action="append", default=[],
+                        help="extra binding (repeatable; later wins)")
     parser.add_argument("--topology", required=True,
                         help="target: v5e:4x4, v5p:2x2x2, a slice name (v5e-16, v5p-8), or a GPU count (h100:8)")
     parser.add_argument("--mesh", default=None, help="mesh axes, e.g. fsdp=8,tensor=2 (default: the MeshConfig "
                                                      "of the gin files)")
     parser.add_argument("--programs", default=",".join(PROGRAMS), help="comma-separated subset of train,score,decode")
-    parser.add_argument("--model_preset", default="", help="model preset when the checkpoint is not on this host")
+    parser.add_argument("--model-preset", "--model_preset", default="",
+                        help="model preset when the checkpoint is not on this host")
     parser.add_argument("--dtype", default="", help="compute dtype override, e.g. bfloat16 (default: the model's)")
     parser.add_argument("--remat", default="", help="rematerialisation override, e.g. full (default: the model's)")
-    parser.add_argument("--answer_tokens", type=int, default=32, help="answer continuation length for scoring")
-    parser.add_argument("--no_time_estimate", action="store_true",
+    parser.add_argument("--answer-tokens", "--answer_tokens", type=int, default=32,
+                        help="answer continuation length for scoring")
+    parser.add_argument("--no-time-estimate", "--no_time_estimate", action="store_true",
                         help="skip the unrolled 1-2 layer variants of the train step behind the step-time estimate")
-    parser.add_argument("--validate_estimate", action="store_true",
+    parser.add_argument("--validate-estimate", "--validate_estimate", action="store_true",
                         help="also compile the 3-layer variant and print it against the estimate's prediction")
 
 
@@ -1035,7 +1038,7 @@ def run(args) -> int:
     from trace_jax.train.gin_setup import ConfigError, parse
 
     if not args.gin_file:
-        print("error: trace-jax plan needs --gin_file (e.g. configs/qwen3_4b.gin)", file=sys.stderr)
+        print("error: trace-jax plan needs --gin-file (e.g. configs/qwen3_4b.gin)", file=sys.stderr)
         return 2
     try:
         run_config = parse(args.gin_file, args.gin_param)

@@ -415,9 +415,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "rerunning with the same directory resumes the study")
     parser.add_argument("--print", dest="print_only", action="store_true",
                         help="print one launch command per arm instead of running them")
-    parser.add_argument("--results_only", action="store_true",
+    parser.add_argument("--results-only", "--results_only", action="store_true",
                         help="rewrite results.json and the plots from the finished arms; run nothing")
-    parser.add_argument("--no_progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-progress", "--no_progress", action="store_true", help="no progress bars")
 
 
 def run(args: argparse.Namespace) -> int:
