@@ -43,6 +43,8 @@ class RecordError(ValueError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from trace_jax.credit.config import ABC_NORMALIZE_MODES, DEFAULTS  # the ABC options' defaults are CreditConfig's
+
     parser.add_argument("input", help="JSONL of trajectories (the `trace-jax credit` record format)")
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     judge = parser.add_argument_group("judge endpoint (any OpenAI-compatible API)")
@@ -78,8 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     fields.add_argument("--group-key", "--group_key", default="group")
     fields.add_argument("--clues-key", "--clues_key", default="clues")
     credit = parser.add_argument_group("ABC (credit-spec section 3)")
-    credit.add_argument("--gamma", type=float, default=0.25, help="ABC-GRPO backward accumulation")
-    credit.add_argument("--normalize", choices=("joint", "per_step"), default="joint")
+    credit.add_argument("--gamma", type=float, default=DEFAULTS["abc_gamma"],
+                        help="ABC-GRPO backward accumulation (CreditConfig.abc_gamma)")
+    credit.add_argument("--normalize", choices=ABC_NORMALIZE_MODES, default=DEFAULTS["abc_normalize"],
+                        help="ABC-GRPO step-reward statistics (CreditConfig.abc_normalize)")
     output = parser.add_argument_group("output")
     output.add_argument("--no-receipts", "--no_receipts", action="store_true")
     output.add_argument("--excerpt-chars", "--excerpt_chars", type=int, default=160)

@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                            help=f"comma-separated question types from {','.join(QUESTION_TYPES)}")
     oracle = parser.add_argument_group("oracle")
     oracle.add_argument("--oracle", action="store_true", help="also solve every task and write trajectories.jsonl")
-    oracle.add_argument("--detour-prob", "--detour_prob", type=float, default=0.0,
+    oracle.add_argument("--detour-prob", "--detour_prob", type=float, default=OracleConfig.detour_prob,
                         help="probability of a wrong click / failed find")
     oracle.add_argument("--snippet-chars", "--snippet_chars", type=int, default=160,
                         help="search result snippet length")
