@@ -6,6 +6,7 @@ import importlib.util
 import shutil
 import typing
 from pathlib import Path
+from typing import Sequence
 
 import gin
 import pytest
@@ -13,6 +14,7 @@ from gin import config_parser as gin_config_parser
 
 from trace_jax.train import gin_setup
 from trace_jax.train.gin_setup import CONFIGURABLES, RunConfig, parse, register_configurables
+from trace_jax.train.sweep import load_sweep
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -69,8 +71,11 @@ def test_no_module_keeps_a_second_list_of_configurables():
 RESTATED_ON_PURPOSE = {
     # the TRACE arm names its method (a study's `methods` maps an arm to this file; the TRACE ablations include it)
     ("configs/credit/trace.gin", "CreditConfig.estimator"),
+    # the sweep's reference steps 5 and 10 need checkpoints at those steps, whatever tiny.gin's frequency
+    ("configs/sweeps/reference_step.gin", "CheckpointConfig.every_steps"),
 }
-BINDING_FILES = sorted(CONFIGS.glob("*.gin")) + sorted((CONFIGS / "credit").glob("*.gin"))  # sweeps/studies: specs
+BINDING_FILES = sorted(CONFIGS.glob("*.gin")) + sorted((CONFIGS / "credit").glob("*.gin"))
+SWEEPS = sorted((CONFIGS / "sweeps").glob("*.gin"))  # their `sweep.params` are bindings too
 
 
 class _Literal(gin_config_parser.ParserDelegate):
@@ -83,8 +88,9 @@ class _Literal(gin_config_parser.ParserDelegate):
         return ("%", macro_name)
 
 
-def _statements(path: Path):
-    parser = gin_config_parser.ConfigParser(path.read_text(encoding="utf-8"), _Literal())
+def _statements(path_or_text: Path | str):
+    text = path_or_text.read_text(encoding="utf-8") if isinstance(path_or_text, Path) else path_or_text
+    parser = gin_config_parser.ConfigParser(text, _Literal())
     while (statement := parser.parse_statement()) is not None:
         yield statement
 
@@ -100,8 +106,8 @@ def _bound_by_includes(path: Path, root: Path) -> dict[str, object]:
     return bound
 
 
-def _bindings(path: Path):
-    for statement in _statements(path):
+def _bindings(path_or_text: Path | str):
+    for statement in _statements(path_or_text):
         if isinstance(statement, gin_config_parser.BindingStatement):
             name = statement.selector.split(".")[-1]
             yield f"{name}.{statement.arg_name}", statement.value, statement.location.line_num
@@ -126,17 +132,26 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def restated_bindings(path: Path, root: Path = CONFIGS.parent) -> list[str]:
-    """`file:line: ...` for each binding of `path` equal to the value in effect before it (includes resolve
-    against `root`)."""
-    in_effect = _bound_by_includes(path, root)
+def restated_bindings(path: Path, root: Path = CONFIGS.parent, *, after: Sequence[str] = (),
+                      text: str | None = None) -> list[str]:
+    """`file:line: ...` for each binding of `path` (or of `text`, said to be `path`'s) equal to the value in effect
+    before it: what the files `after` (then `path`'s includes) bound, else the dataclass default. Includes resolve
+    against `root`."""
+    in_effect: dict[str, object] = {}
+    for earlier in after:
+        in_effect.update(_bound_by_includes(root / earlier, root))
+        in_effect.update({key: value for key, value, _ in _bindings(root / earlier)})
+    if text is None:
+        in_effect.update(_bound_by_includes(path, root))
     relative = str(path.relative_to(root))
     restated = []
-    for key, value, line in _bindings(path):
+    for key, value, line in _bindings(path if text is None else text):
         before = in_effect.get(key, _default(key))
         if before is not dataclasses.MISSING and _same(before, value) and (relative, key) not in RESTATED_ON_PURPOSE:
-            source = "an included file" if key in in_effect else "the dataclass default"
-            restated.append(f"{relative}:{line}: {key} = {value!r} restates {source}; delete the line")
+            source = ("the dataclass default" if key not in in_effect else "an included file" if text is None
+                      else "a base file")
+            where = f"{relative}:{line}" if text is None else f"{relative}: sweep.params[{line - 1}]"
+            restated.append(f"{where}: {key} = {value!r} restates {source}; delete the line")
         in_effect[key] = value
     return restated
 
@@ -144,6 +159,12 @@ def restated_bindings(path: Path, root: Path = CONFIGS.parent) -> list[str]:
 @pytest.mark.parametrize("path", BINDING_FILES, ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_shipped_gin_files_bind_only_what_differs_from_the_defaults(path):
     assert restated_bindings(path) == []
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=lambda p: p.name)
+def test_sweep_params_bind_only_what_differs_from_their_base_files(path):
+    sweep = load_sweep(str(path))
+    assert restated_bindings(path, after=sweep.base, text="\n".join(sweep.params)) == []
 
 
 def test_a_binding_equal_to_its_default_or_to_an_include_is_reported(tmp_path):
