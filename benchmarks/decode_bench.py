@@ -6,7 +6,7 @@ contender is the host loop it replaced: one `_decode_jit` call per step over the
 back every `sync_every` steps. Both decode the same greedy rows from the same prefilled state, so their tokens must
 be equal (checked). Calls are interleaved, best of `--repeats`, compilation excluded.
 
-    python benchmarks/decode_bench.py [--rows 1,16,64] [--cache 512] [--steps 32] [--sync_every 8,16]
+    python benchmarks/decode_bench.py [--rows 1,16,64] [--cache 512] [--steps 32] [--sync-every 8,16]
         [--models tiny,smollm2] [--repeats 5]
 
 `tiny` is the embedded default's policy (configs/tiny.gin's model, the word tokenizer's vocabulary) with random
@@ -89,7 +89,7 @@ def main():
     parser.add_argument("--cache", type=int, default=512)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--sync_every", default="8,16")
+    parser.add_argument("--sync-every", "--sync_every", default="8,16")
     parser.add_argument("--models", default="tiny,smollm2")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
