@@ -48,7 +48,6 @@ def _recorded_eval(run_dir, monkeypatch, mesh=None):
     monkeypatch.setattr(evaluate_lib, "run_episodes", recording)
     lines: list[str] = []
     result = evaluate_run(run_dir, mesh=mesh, log=lines.append)
-    monkeypatch.undo()
     return result, seen, lines
 
 
