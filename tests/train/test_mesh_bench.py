@@ -1,5 +1,6 @@
 """benchmarks/mesh_bench.py keeps running: its --quick table (a whole RL step on one device and on fsdp=4 x tensor=2,
-8 fake CPU devices) holds every category within its target of per-device bytes."""
+8 fake CPU devices) holds the policy, its optimizer state, the reference and the KV cache within 1/N + 10% of one
+device's bytes per device, and the rollout copy of the policy at its designed 1/tensor."""
 
 from __future__ import annotations
 
@@ -24,9 +25,8 @@ def test_quick_bench_prints_every_category_within_its_target(capsys):
     assert set(byte_rows) == set(bench.CATEGORIES)
     for category, row in byte_rows.items():
         ratio, target = float(row[5]), float(row[6])
-        if category == "policy (rollout layout)":  # whole over fsdp, split over tensor = 2
-            own_target = float(row[8].split(":")[0])
-            assert own_target == pytest.approx(1 / 2 + 0.1) and ratio <= own_target, row
+        if category == "policy (rollout layout)":  # whole over fsdp = 4, split over tensor = 2
+            assert 0.45 <= ratio <= 1 / 2 + 0.1 and "by design" in row[8], row
         else:
             assert target == pytest.approx(1 / 8 + 0.1) and ratio <= target and row[7] == "yes", row
     phases = [row for row in rows if row[2] not in bench.CATEGORIES]
