@@ -12,13 +12,13 @@ For each model it measures generated tokens/s at a given context (default 512 pr
   * `recompute`       : the sampler's rule without a cache (`generate_without_cache`: a full forward per step);
 
 (all greedy, compile/warm-up excluded). The four decode contenders are called interleaved, round after round,
-best of `--repeats` each, so all see the same load on a shared machine; prefill = our `append` of the prompts vs a
-one-token `generate`. Each torch setting runs in a worker process of its own (`OMP_WAIT_POLICY` is read once, when
-torch's OpenMP runtime starts), so this process holds no torch threads while ours runs. The table reports the
-three settings of issue 28: (a) `ours / torch` (both at their defaults: the target, >= 1.0x), (b) the sampler with
-`sync_every=16` against torch (the same as (a) now that 16 is the default; `ours sync 8 / torch` beside it shows the
-former default) and (c) `ours / torch passive`. Besides wall seconds, each contender's CPU seconds (all its threads) are
-printed: on a loaded machine they show work that wall time hides in waiting.
+best of `--repeats` each, so all see the same load on a shared machine; prefill = our `append` of the prompts vs
+`generate` up to its first token. Each torch setting runs in a worker process of its own (`OMP_WAIT_POLICY` is
+read once, when torch's OpenMP runtime starts), so this process holds no torch threads while ours runs. The table
+reports the three settings of issue 28: (a) `ours / torch` (both at their defaults: the target, >= 1.0x), (b) the
+sampler with `sync_every=16` against torch (the same as (a) now that 16 is the default; `ours sync 8 / torch`
+beside it shows the former default) and (c) `ours / torch passive`. Besides wall seconds, each contender's CPU
+seconds (all its threads) are printed: on a loaded machine they show work that wall time hides in waiting.
 
 Then the environment's share of rollout time: episodes of procedural tasks whose turns are forced to the oracle's
 tool calls (`ScriptedPolicy`, so every turn really calls search/open/find), plus the model's own free-running
@@ -49,9 +49,20 @@ REPLY = "@reply "  # the worker's result lines (anything else on its stdout is n
 
 def torch_run(hf_dir, prompts, new_tokens):
     """A function running transformers `generate` once (greedy, KV cache): (prefill_s, decode_s, new tokens).
-    Prefill is a one-token `generate`; decode is a full `generate` minus that."""
+    Both from the same call: prefill ends when the first token is out (a stopping criterion that never stops
+    records the time), decode is the rest (the model on the other tokens). Timing a one-token `generate` apart and
+    subtracting it went negative under load."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+    class FirstTokenClock(StoppingCriteria):
+        def __init__(self):
+            self.first = None
+
+        def __call__(self, input_ids, scores, **kwargs):
+            if self.first is None:
+                self.first = time.perf_counter()
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     ids = torch.tensor(prompts)
@@ -59,13 +70,12 @@ def torch_run(hf_dir, prompts, new_tokens):
                   attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens)
 
     def run():
+        clock = FirstTokenClock()
         with torch.no_grad():
             t0 = time.perf_counter()
-            model.generate(ids, **{**kwargs, "max_new_tokens": 1, "min_new_tokens": 1})
+            out = model.generate(ids, stopping_criteria=StoppingCriteriaList([clock]), **kwargs)
             t1 = time.perf_counter()
-            out = model.generate(ids, **kwargs)
-            t2 = time.perf_counter()
-        return t1 - t0, max((t2 - t1) - (t1 - t0), 1e-9), out[:, ids.shape[1]:]
+        return clock.first - t0, t1 - clock.first, out[:, ids.shape[1]:]
 
     return run
 
