@@ -541,7 +541,7 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
              stop_ids: Sequence[int], sampling: SamplingConfig | RowSampling = SamplingConfig(),
              stop_strings: StopStrings | None = None,
              logits_hook: Callable[[int, list], np.ndarray | None] | None = None,
-             sync_every: int = 8) -> tuple[SamplerState, Generation]:
+             sync_every: int = 16) -> tuple[SamplerState, Generation]:
     """Sample until every active row stops; returns the new state (old one donated) and a `Generation`.
 
     Args:
@@ -556,7 +556,12 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
       stop_strings: optional host check for multi-token stop tags.
       logits_hook: test hook `(step, generated_so_far: list of per-row id lists) -> float [B, V] bias or None`,
         added to the logits before sampling (a large bias on one id forces it: a scripted policy).
-      sync_every: decode steps between host reads of the stop flags (1 with a hook).
+      sync_every: decode steps between host reads of the stop flags (1 with a hook), run as one program. Every
+        value runs the same per-step program (a `lax.scan` of that length), so it trades host syncs (each a wait for
+        the device and a wake-up of its threads, costly on a loaded CPU) against the steps that rows which stopped
+        still run until the next sync (at most `sync_every - 1`). 16, as the serving engine's
+        `EngineConfig.sync_every` (docs/rollout.md, "Decode speed at the defaults"); the agent loop passes its own
+        (`RolloutConfig.sync_every`).
 
     A row also stops when its cache is full (`CONTEXT_FULL`).
     """

@@ -273,7 +273,7 @@ class Checkpointer:
 
     def restore_params(self, step: int | None = None, *, shardings=None):
         """Only the params of a saved step (no target needed), on this process's first device, whatever mesh and
-        however many processes wrote them (e.g. `trace-jax eval` on one host after a multi-host run). With
+        however many processes wrote them (e.g. `export_pretrained` on one host after a multi-host run). With
         `shardings` (a params pytree of shardings, e.g. `models.param_shardings` on a mesh) each process reads its
         own shards straight into that layout instead."""
         steps = self.all_steps()

@@ -2,8 +2,9 @@
 
     trace-jax train [--gin-file F ...] [--gin-param 'X.y = z' ...] [--run-dir D]
         no --gin-file: the embedded default, configs/tiny.gin. A run directory that holds a run resumes it.
-    trace-jax eval --run-dir D [--step S]
-        held-out evaluation of a saved step (default: the latest) with the run's own config.
+    trace-jax eval --run-dir D [--step S] [--mesh fsdp=4,tensor=2]
+        held-out evaluation of a saved step (default: the latest) with the run's own config, on the run's mesh
+        (its MeshConfig) or the one --mesh names.
     trace-jax sweep SWEEP.gin [--print] [--runs-root R]
         expands a sweep file into runs; runs them in sequence here, or prints one launch command per run.
 
@@ -48,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--run-dir", "--run_dir", required=True,
                             help="a run directory written by `trace-jax train`")
         parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+        parser.add_argument("--mesh", default=None,
+                            help="evaluate on this mesh instead of the run's recorded MeshConfig, e.g. fsdp=4,tensor=2 "
+                                 "(axes not named are 1, one may be -1; devices=N takes the first N devices)")
     elif command == "sweep":
         parser.add_argument("sweep_file", help="a sweep gin file (configs/sweeps/*.gin)")
         parser.add_argument("--print", dest="print_only", action="store_true",
@@ -101,12 +105,16 @@ def run(args: argparse.Namespace) -> int:
     if command == "train":
         return run_train(args.gin_file, args.gin_param, args.run_dir, progress=not args.no_progress)
     if command == "eval":
+        from trace_jax.train.config import MeshConfig, TrainConfigError
         from trace_jax.train.loop import evaluate_run
 
         try:
-            evaluate_run(args.run_dir, args.step)
+            mesh = None if args.mesh is None else MeshConfig.from_flag(args.mesh)
+            evaluate_run(args.run_dir, args.step, mesh=mesh)
         except FileNotFoundError as error:
             return _fail(str(error))
+        except TrainConfigError as error:  # the recorded mesh does not fit this host's devices, or a bad --mesh
+            return _fail(f"{error} (--mesh sets the mesh of the evaluation, e.g. --mesh fsdp=-1 for every device)")
         return 0
     from trace_jax.train.gin_setup import ConfigError
     from trace_jax.train.sweep import expand, load_sweep, validate_runs

@@ -53,7 +53,7 @@ from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
 from trace_jax.scoring.receipts import excerpt, safe_filename, write_receipt
 from trace_jax.train import distributed
 from trace_jax.train.checkpoint import Checkpointer, PreemptionGuard, abstract_train_state
-from trace_jax.train.config import CheckpointConfig, LossConfig
+from trace_jax.train.config import CheckpointConfig, LossConfig, MeshConfig
 from trace_jax.train.evaluate import EvalResult, compare, evaluate, format_comparison
 from trace_jax.train.flops import PEAK_FLOPS, measure_peak_flops
 from trace_jax.train.gin_setup import RunConfig
@@ -591,9 +591,15 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
     return summary
 
 
-def evaluate_run(run_dir: str | Path, step: int | None = None, *, log: Callable[[str], None] = print) -> EvalResult:
+def evaluate_run(run_dir: str | Path, step: int | None = None, *, mesh: MeshConfig | None = None,
+                 log: Callable[[str], None] = print) -> EvalResult:
     """Evaluate the checkpoint of `step` (default: the latest) of a run on its held-out tasks, with the run's own
-    config (`config.gin`); writes `eval_step<S>.json` into the run directory."""
+    config (`config.gin`); writes `eval_step<S>.json` into the run directory.
+
+    The policy runs on the run's mesh (its recorded `MeshConfig`, or `mesh` instead, e.g. to evaluate on fewer
+    chips than it trained on), placed as `train` places it (`Placement`): each process reads its shards of the
+    checkpoint straight into the train layout, resharded on device into the rollout layout.
+    """
     from trace_jax.train.gin_setup import parse
 
     run_dir = Path(run_dir)
@@ -602,7 +608,10 @@ def evaluate_run(run_dir: str | Path, step: int | None = None, *, log: Callable[
         raise FileNotFoundError(f"{config_path} does not exist: --run-dir must be a directory written by "
                                 "`trace-jax train`")
     run_config = parse([str(config_path)])
+    if mesh is not None:
+        run_config = dataclasses.replace(run_config, mesh=mesh)
     environment = build_environment(run_config, run_dir, load_params=False)
+    placement = Placement(run_config, environment.model_config)
     directory = run_dir / run_config.checkpoint.directory
     store = Checkpointer(CheckpointConfig(directory=str(directory), async_save=False))
     try:
@@ -612,10 +621,12 @@ def evaluate_run(run_dir: str | Path, step: int | None = None, *, log: Callable[
         step = steps[-1] if step is None else step
         if step not in steps:
             raise FileNotFoundError(f"no checkpoint of step {step} in {directory}; have {steps}")
-        params = store.restore_params(step)
+        params = store.restore_params(step, shardings=placement.train_shardings)
     finally:
         store.close()
-    result = _evaluate(run_config, environment, params, f"step {step}", log)
+    log(f"eval of {run_dir} step {step} on {placement.line()}")
+    result = _evaluate(run_config, environment, placement.rollout_params(params), f"step {step}", log,
+                       placement.process_mesh)
     path = run_dir / f"eval_step{step}.json"
     data = _eval_to_json(result)
     path.write_text(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)

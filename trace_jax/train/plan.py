@@ -137,23 +137,16 @@ def parse_topology(text: str) -> Topology:
 
 
 def parse_mesh(text: str | None, default):
-    """`--mesh fsdp=8,tensor=2` (unnamed axes 1, one may be -1) -> a `MeshConfig`; None keeps `default`."""
-    from trace_jax.train.config import MESH_AXES, MeshConfig, TrainConfigError
+    """`--mesh fsdp=8,tensor=2` (`MeshConfig.from_flag`: unnamed axes 1, one may be -1) -> a `MeshConfig`; None keeps
+    `default`."""
+    from trace_jax.train.config import MeshConfig, TrainConfigError
 
     if not text:
         return default
-    sizes = {}
-    for part in text.split(","):
-        name, _, value = part.partition("=")
-        name = name.strip()
-        if name not in MESH_AXES or not re.fullmatch(r"-?\d+", value.strip()):
-            raise PlanError(f"--mesh {text!r}: expected AXIS=SIZE[,AXIS=SIZE] with axes {', '.join(MESH_AXES)} "
-                            f"(one size may be -1), e.g. --mesh fsdp=8,tensor=2")
-        sizes[name] = int(value)
     try:
-        return MeshConfig(**{axis: sizes.get(axis, 1) for axis in MESH_AXES})
+        return MeshConfig.from_flag(text)
     except TrainConfigError as error:
-        raise PlanError(f"--mesh {text!r}: {error}") from None
+        raise PlanError(str(error)) from None
 
 
 @dataclasses.dataclass(frozen=True)
