@@ -241,7 +241,7 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
                                           gold=_gold(task), clues=tuple(getattr(task, "clues", ()) or ())))
             browsers.append(browser.fork() if isinstance(browser, Browser) else browser(task))
 
-    slots = rows_within_budget(config, rollout, mesh=mesh, rows=n, rules=rules)
+    slots = rows_within_budget(config, rollout, mesh=mesh, rows=max(n, 1), rules=rules)
     state = sampler_lib.init_state(config, slots, max_len, mesh=mesh, rules=rules)
     slot_row = np.full(slots, -1, np.int64)  # the row each cache row (slot) holds; -1 = free
     waiting = collections.deque(range(n))
