@@ -16,7 +16,7 @@ from trace_jax.models.chat import ChatFormat
 from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
 from trace_jax.rollout import RolloutConfig, SamplingConfig, ScriptedPolicy, kv_bytes_per_row, rows_within_budget
 from trace_jax.rollout import agent as agent_lib
-from trace_jax.rollout.budget import GIB, batch_shards
+from trace_jax.rollout.budget import GIB, batch_shards, kv_bytes_per_chip
 
 DOCS = [{"docid": "d1", "url": "https://wiki.example/alpha", "title": "Alpha river",
          "text": "The Alpha river flows through Paris."}]
@@ -110,6 +110,10 @@ def test_rows_within_budget_fits_the_budget_in_whole_rows_per_chip(setup):
     # 6 rows would be 2 on some chips; 1 row (held by every chip) fits, so does 4 = one per batch shard
     assert rows_within_budget(config, one_per_chip, mesh=mesh, rows=6) == 4
     assert rows_within_budget(config, one_per_chip, mesh=mesh, rows=3) == 1
+    # what the 4 rows cost a chip (one each), and plan's override of the config's budget
+    assert kv_bytes_per_chip(config, one_per_chip, 4, mesh=mesh) == kv_bytes_per_row(config, 96, mesh=mesh)
+    assert kv_bytes_per_chip(config, one_per_chip, 3, mesh=mesh) == 3 * kv_bytes_per_row(config, 96, mesh=mesh)
+    assert rows_within_budget(config, SAMPLED, mesh=mesh, budget_gib=one_per_chip.kv_budget_gib) == 4
 
 
 def test_a_budget_that_holds_no_row_is_refused_naming_the_field_and_the_row_size(setup):

@@ -8,8 +8,9 @@ row costs a chip `2 x layers x max_len x (kv_heads / tensor) x head_dim x itemsi
 the kv heads, and the full heads otherwise; `S` rows cost each chip `S / batch_shards` rows' bytes when the batch
 shards divide `S`, and all `S` rows' bytes otherwise.
 
-`rows_within_budget` is the one rule for how many rows the agent loop keeps in its cache at once (it admits waiting
-rows as others finish, see `agent.run_episodes`); `trace-jax plan` reports the same number.
+`kv_bytes_per_chip` is what a sampler cache of so many rows takes on one chip. `rows_within_budget` is the one rule
+for how many rows the agent loop keeps in its cache at once (it admits waiting rows as others finish, see
+`agent.run_episodes`); `trace-jax plan` reports the same number.
 
 This module knows nothing about tokens, tools or sampling; only shapes, dtypes and the mesh.
 """
@@ -70,17 +71,17 @@ def kv_bytes_per_row(model_config: ModelConfig, max_len: int, *, mesh=None, dtyp
     return 2 * per_tensor + jnp.dtype(jnp.int32).itemsize
 
 
-def cache_bytes_per_chip(model_config: ModelConfig, rows: int, max_len: int, *, mesh=None, dtype=None,
-                         rules=None) -> int:
-    """Bytes of a `rows`-row sampler cache on each chip: `rows / batch_shards` rows when the shards divide `rows`,
-    every row (replicated) otherwise."""
+def kv_bytes_per_chip(model_config: ModelConfig, rollout_config, rows: int, *, mesh, dtype=None, rules=None) -> int:
+    """Bytes of a `rows`-row sampler cache of `rollout_config.max_context` slots on each chip of `mesh`:
+    `rows / batch_shards` rows when the shards divide `rows`, every row (replicated) otherwise."""
     shards = batch_shards(mesh, rules)
     rows_per_chip = rows // shards if rows % shards == 0 else rows
-    return rows_per_chip * kv_bytes_per_row(model_config, max_len, mesh=mesh, dtype=dtype, rules=rules)
+    return rows_per_chip * kv_bytes_per_row(model_config, rollout_config.max_context, mesh=mesh, dtype=dtype,
+                                            rules=rules)
 
 
-def rows_within_budget(model_config: ModelConfig, rollout_config, *, mesh, rows: int | None = None, dtype=None,
-                       rules=None) -> int:
+def rows_within_budget(model_config: ModelConfig, rollout_config, *, mesh, rows: int | None = None,
+                       budget_gib: float | None = None, dtype=None, rules=None) -> int:
     """How many rollout rows the sampler's cache holds at once under `rollout_config.kv_budget_gib` per chip.
 
     Without `rows`: the most rows that fit, a multiple of the batch shards (so rows split evenly over the chips).
@@ -94,13 +95,14 @@ def rows_within_budget(model_config: ModelConfig, rollout_config, *, mesh, rows:
       rollout_config: a `RolloutConfig` (its `max_context` and `kv_budget_gib`).
       mesh: the rollout's mesh (None: one device).
       rows: the rows wanted (None: the capacity of the budget).
+      budget_gib: a budget in GiB per chip instead of `rollout_config.kv_budget_gib` (`trace-jax plan`'s flag).
       dtype, rules: as for `kv_bytes_per_row`.
 
     Raises:
       ValueError: the budget does not hold one row per chip (the message gives the bytes one row needs), or the
         budget is None and `rows` is not given.
     """
-    budget_gib = rollout_config.kv_budget_gib
+    budget_gib = rollout_config.kv_budget_gib if budget_gib is None else budget_gib
     if rows is not None and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
         raise ValueError(f"rows_within_budget: rows must be an int >= 1, got {rows!r}")
     if budget_gib is None:
@@ -108,10 +110,13 @@ def rows_within_budget(model_config: ModelConfig, rollout_config, *, mesh, rows:
             raise ValueError("rows_within_budget: RolloutConfig.kv_budget_gib is None (unbounded): every row runs at "
                              "once; pass rows=prompts x group_size to get that count")
         return rows
+    if isinstance(budget_gib, bool) or not isinstance(budget_gib, (int, float)) or not 0 < budget_gib < float("inf"):
+        raise ValueError(f"rows_within_budget: budget_gib must be a positive number of GiB per chip, got "
+                         f"{budget_gib!r}")
     budget = budget_gib * GIB
     max_len = rollout_config.max_context
-    if rows is not None and cache_bytes_per_chip(model_config, rows, max_len, mesh=mesh, dtype=dtype,
-                                                 rules=rules) <= budget:
+    if rows is not None and kv_bytes_per_chip(model_config, rollout_config, rows, mesh=mesh, dtype=dtype,
+                                              rules=rules) <= budget:
         return rows
     per_row = kv_bytes_per_row(model_config, max_len, mesh=mesh, dtype=dtype, rules=rules)
     per_chip = int(budget // per_row)
