@@ -36,6 +36,15 @@ def test_estimator_loss_mismatch_fails_before_compute(capsys, tmp_path, monkeypa
     assert status == 2 and "LossConfig.ratio_level" in err
 
 
+def test_a_kv_budget_that_holds_no_row_fails_before_any_rollout(tmp_path, monkeypatch):
+    monkeypatch.setattr("trace_jax.train.loop.RLPipeline", lambda *a, **k: pytest.fail("the pipeline was built"))
+    gin_file = tmp_path / "small.gin"
+    gin_file.write_text(SMALL + "RolloutConfig.kv_budget_gib = 1e-9\n")
+    with pytest.raises(ValueError, match=r"RolloutConfig.kv_budget_gib = 1e-09 GiB holds no row: one row of "
+                                         r"max_context = 512 takes \d+ bytes"):
+        train_cli.run_train([str(gin_file)], [], str(tmp_path / "run"), progress=False)
+
+
 def test_no_arguments_trains_the_embedded_default(monkeypatch, tmp_path):
     seen = {}
 

@@ -50,6 +50,7 @@ from trace_jax.envs.tasks import generate_splits
 from trace_jax.envs.world import build_world
 from trace_jax.models.chat import ChatFormat
 from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
+from trace_jax.rollout.budget import rows_within_budget
 from trace_jax.scoring.receipts import excerpt, safe_filename, write_receipt
 from trace_jax.train import distributed
 from trace_jax.train.checkpoint import Checkpointer, PreemptionGuard, abstract_train_state
@@ -461,6 +462,10 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
     except ValueError as error:
         raise ValueError(f"TrainConfig.prompts_per_step x RolloutConfig.group_size = {rows} rows per step: "
                          f"{error}") from None
+    # fail before any compute when the KV budget holds no row
+    process_rows = rows // jax.process_count()
+    rows_at_once = rows_within_budget(environment.model_config, run_config.rollout, mesh=placement.process_mesh,
+                                      rows=process_rows)
     pipeline = RLPipeline(environment.model_config, environment.chat, environment.browser, run_config.rollout,
                           run_config.credit, run_config.loss, update_config, optimizer, mesh=placement.process_mesh,
                           train_step=make_train_step(environment.model_config, run_config.loss, optimizer, mesh=mesh))
@@ -469,6 +474,9 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
     log(f"run {run_dir}: {train_config.steps} RL steps of {train_config.prompts_per_step} prompts x "
         f"{run_config.rollout.group_size} samples, credit {run_config.credit.estimator}, "
         f"{len(environment.train_tasks)} train / {len(environment.eval_tasks)} held-out tasks, {placement.line()}")
+    if run_config.rollout.kv_budget_gib is not None:
+        log(f"rollout: {rows_at_once} of {process_rows} rows at once per process under the KV budget of "
+            f"{run_config.rollout.kv_budget_gib:g} GiB per chip")
 
     with PreemptionGuard() as guard, Checkpointer(checkpoint_config, guard=guard) as checkpointer, \
             _reference_checkpointer(run_dir) as reference_store:

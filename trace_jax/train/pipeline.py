@@ -51,6 +51,7 @@ from trace_jax.credit.registry import CreditResult, get_estimator
 from trace_jax.models.alignment import to_token_aligned
 from trace_jax.rollout.agent import Rollout, RolloutConfig, run_episodes
 from trace_jax.rollout.batch import STATUSES
+from trace_jax.rollout.budget import GIB
 from trace_jax.scoring.continuation import build_answer_continuation
 from trace_jax.scoring.fork import score_answer_prefixes
 from trace_jax.train.abc_scoring import ABCScorerConfig, ABCStepScoring
@@ -378,6 +379,8 @@ class RLPipeline:
             "length": float(np.asarray(batch.lengths).mean()),
             "length_bucket": float(width),
             "generated_tokens": float(rollout.generated_tokens),
+            "rows_at_once": float(rollout.rows_at_once),
+            "kv_cache_gib": rollout.kv_cache_bytes / GIB,
         }
         for name in STATUSES[1:]:
             out[f"status/{name}"] = float(np.mean([e.status == name for e in episodes]))
