@@ -108,8 +108,10 @@ class TraceJaxSearchTasks(tfds.core.GeneratorBasedBuilder):
         return epath.Path(__file__)
 
     def _info(self) -> tfds.core.DatasetInfo:
+        # generation order kept: the source then lists a split's questions as `generate_splits` made them, so a run
+        # on 'tfds:trace_jax_search_tasks/<config>' trains what the procedural source over the same world does
         return tfds.core.DatasetInfo(builder=self, description=__doc__.split("\n\n")[0], features=task_features(),
-                                     supervised_keys=None)
+                                     supervised_keys=None, disable_shuffling=True)
 
     def _split_generators(self, dl_manager):
         del dl_manager  # nothing is downloaded

@@ -2,8 +2,9 @@
 
     trace-jax train [--gin_file F ...] [--gin_param 'X.y = z' ...] [--run_dir D]
         no --gin_file: the embedded default, configs/tiny.gin. A run directory that holds a run resumes it.
-    trace-jax eval --run_dir D [--step S]
-        held-out evaluation of a saved step (default: the latest) with the run's own config.
+    trace-jax eval --run_dir D [--step S] [--set NAME]
+        evaluation of a saved step (default: the latest) with the run's own config, on every evaluation set
+        (`EvalConfig.sets`) or only NAME.
     trace-jax sweep SWEEP.gin [--print] [--runs_root R]
         expands a sweep file into runs; runs them in sequence here, or prints one launch command per run.
 
@@ -44,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     elif command == "eval":
         parser.add_argument("--run_dir", required=True, help="a run directory written by `trace-jax train`")
         parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+        parser.add_argument("--set", dest="set_name", default=None,
+                            help="evaluate only this set of EvalConfig.sets (default: every set)")
     elif command == "sweep":
         parser.add_argument("sweep_file", help="a sweep gin file (configs/sweeps/*.gin)")
         parser.add_argument("--print", dest="print_only", action="store_true",
@@ -85,9 +88,14 @@ def run_train(gin_files, gin_params, run_dir, *, progress: bool = True) -> int:
             return _fail("a multi-process run needs --run_dir (the same directory on every host, shared storage for "
                          "the checkpoints); the default name has the time in it and would differ between hosts")
         run_dir = Path("runs") / f"{Path(gin_files[0]).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    from trace_jax.data.external import ExternalDataError
+    from trace_jax.data.sources import SourceError
     from trace_jax.train.loop import train
 
-    train(config, run_dir, progress=progress)
+    try:
+        train(config, run_dir, progress=progress)
+    except (SourceError, ExternalDataError) as error:  # the task files: raised before any compute
+        return _fail(str(error))
     return 0
 
 
@@ -99,8 +107,8 @@ def run(args: argparse.Namespace) -> int:
         from trace_jax.train.loop import evaluate_run
 
         try:
-            evaluate_run(args.run_dir, args.step)
-        except FileNotFoundError as error:
+            evaluate_run(args.run_dir, args.step, set_name=args.set_name)
+        except (FileNotFoundError, ValueError) as error:
             return _fail(str(error))
         return 0
     from trace_jax.train.gin_setup import ConfigError
