@@ -103,6 +103,7 @@ def test_external_run_trains_and_reports_both_sets_in_summary(external_run):
             (row["external"]["accuracy"] + row["procedural"]["accuracy"]) / 2)
         assert set(row["external"]["statuses"]) and "tool_calls_per_episode" in row["procedural"]
     assert summary["steps"] == 2
+    assert (external_run["run_dir"] / "plots" / "eval_sets.png").exists()
 
 
 def test_external_corpus_index_is_built_once_for_training_and_evaluation(external_run):

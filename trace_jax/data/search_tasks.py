@@ -96,8 +96,9 @@ def task_to_example(task: Task) -> dict[str, Any]:
 class TraceJaxSearchTasks(tfds.core.GeneratorBasedBuilder):
     """Procedural multi-hop search questions with gold answers and clue chains."""
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "Initial release."}
+    VERSION = tfds.core.Version("1.1.0")
+    RELEASE_NOTES = {"1.0.0": "Initial release.",
+                     "1.1.0": "Examples in generation order (no shuffling), as the procedural source makes them."}
     BUILDER_CONFIGS = BUILDER_CONFIGS
     DEFAULT_CONFIG_NAME = "tiny"
 

@@ -2,10 +2,12 @@
 
 A run, in order (each stage logged, and timed in `summary.json`):
 
-  1. build: the procedural world, disjoint train / held-out task splits (`DataConfig`), the browser
-     (`EnvConfig`), the tokenizer (the word tokenizer over the world's vocabulary, or the checkpoint's own) and
-     the policy (fresh init from `TrainConfig.model` and `seed`, a Hugging Face directory, or `'gguf:smollm2'`
-     converted into the run directory);
+  1. build: the tasks of `DataConfig.source` (`data.sources`: the procedural world's splits, a tfds builder, or an
+     external BrowseComp-Plus-style set, whose files are all read and checked here, before any compute), the
+     browser over their world or corpus (`EnvConfig`; an external corpus's BM25 index from the disk cache, built
+     once), the evaluation sets (`EvalConfig.sets`), the tokenizer (the word tokenizer over the world's
+     vocabulary, or the checkpoint's own) and the policy (fresh init from `TrainConfig.model` and `seed`, a Hugging
+     Face directory, or `'gguf:smollm2'` converted into the run directory);
   2. evaluation before anything (`before`), the SFT warm start on oracle trajectories (a clearly labelled stage of
      ours; `WarmStartConfig.steps = 0` skips it, as the paper does), evaluation after it (`initial`);
   3. the frozen reference: the initial policy (after the warm start), or, with `TrainConfig.reference_step = N`,
@@ -15,12 +17,21 @@ A run, in order (each stage logged, and timed in `summary.json`):
   5. the final evaluation, the comparison with the initial one (difference and paired binomial SE), HTML credit
      receipts of a few held-out episodes, plots and `summary.json`.
 
-Resume: the train state (params, optimizer, PRNG key) and the host state (data position, the evaluations so
-far) are checkpointed together every `CheckpointConfig.every_steps` steps, and on SIGTERM/SIGINT. A run directory
-that already holds a checkpoint resumes from it: rollouts draw their key from `(seed, step)` and tasks from the
-checkpointed data position, so the resumed steps equal an uninterrupted run's. A run killed during the warm start
-restarts from scratch (the warm start is deterministic). `TrainState.step` counts RL steps (reset after each step's
-updates; the optimizer's own count drives its schedule).
+Training prompts come from `prompt_stream`: a grain pipeline (`data.sources.epoch_batches`: seeded per-epoch
+shuffles by `DataConfig.shuffle_seed`, each process its block of every step's prompts); each step's task ids are
+appended to `prompts.jsonl` (process 0's share). The warm start draws its SFT batches through the same pipeline.
+
+Resume: the train state (params, optimizer, PRNG key) and the host state (grain's iterator state of the prompt
+order, the prompts drawn so far, the evaluations so far) are checkpointed together every
+`CheckpointConfig.every_steps` steps, and on SIGTERM/SIGINT. A run directory that already holds a checkpoint
+resumes from it: rollouts draw their key from `(seed, step)` and prompts from the restored iterator, so the resumed
+steps equal an uninterrupted run's. A run killed during the warm start restarts from scratch (the warm start is
+deterministic). `TrainState.step` counts RL steps (reset after each step's updates; the optimizer's own count
+drives its schedule).
+
+Evaluations run on every set of `EvalConfig.sets` (each with its own browser); the first set is the headline
+(`eval/...` metrics, the before/after comparison, `summary.json`'s `evaluations`), and `summary.json`'s
+`eval_sets` is the table of every evaluation x set plus their average.
 
 Every phase runs on one mesh (`MeshConfig`; a 1x1x1x1 mesh on one device): `Placement` says which layout each
 array has there, `rl_step` is one step on it (docs/training.md, "One mesh for the whole step").
