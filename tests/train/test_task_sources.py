@@ -91,6 +91,7 @@ def external_run(tmp_path_factory):
             "queries": queries, "corpus": corpus, "root": root}
 
 
+@pytest.mark.slow
 def test_external_run_trains_and_reports_both_sets_in_summary(external_run):
     assert external_run["status"] == 0
     summary = json.loads((external_run["run_dir"] / "summary.json").read_text())
@@ -106,16 +107,19 @@ def test_external_run_trains_and_reports_both_sets_in_summary(external_run):
     assert (external_run["run_dir"] / "plots" / "eval_sets.png").exists()
 
 
+@pytest.mark.slow
 def test_external_corpus_index_is_built_once_for_training_and_evaluation(external_run):
     assert external_run["eval_status"] == 0
     assert external_run["builds"].count(True) == 1
 
 
+@pytest.mark.slow
 def test_eval_of_one_set_writes_its_own_file(external_run):
     data = json.loads((external_run["run_dir"] / "eval_step2_external.json").read_text())
     assert list(data["sets"]) == ["external"] and data["num_tasks"] == 2
 
 
+@pytest.mark.slow
 def test_each_step_records_its_prompts_from_the_external_training_split(external_run):
     records = [json.loads(line) for line in (external_run["run_dir"] / "prompts.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
@@ -123,8 +127,11 @@ def test_each_step_records_its_prompts_from_the_external_training_split(external
                for r in records)
 
 
-def test_external_tasks_are_checked_against_their_aliases(external_run):
-    config = parse([str(external_run["root"] / "external.gin")])
+def test_external_tasks_are_checked_against_their_aliases(tmp_path):
+    queries, corpus = write_external_set(tmp_path / "set")
+    gin_file = tmp_path / "external.gin"
+    gin_file.write_text(external_gin(queries, corpus, tmp_path / "bm25"))
+    config = parse([str(gin_file)])
     splits, _, eval_sets = build_tasks(config)
     task = eval_sets["external"].tasks[0]
     assert f"keeper {task.answer}" in task.gold_answers
@@ -223,7 +230,8 @@ def test_tfds_source_trains_the_same_tasks_in_the_same_order_as_procedural(tmp_p
     world = "".join(f"WorldConfig.{k} = {v!r}\n" for k, v in tiny.world_config().to_dict().items())
     tasks = "".join(f"TaskConfig.{f.name} = {getattr(tiny.task_config(), f.name)!r}\n"
                     for f in dataclasses.fields(tiny.task_config()))
-    common = SMALL + world + tasks + f"DataConfig.num_train_tasks = {tiny.train_size}\nDataConfig.seed = {tiny.task_seed}\n"
+    common = (SMALL + world + tasks
+              + f"DataConfig.num_train_tasks = {tiny.train_size}\nDataConfig.seed = {tiny.task_seed}\n")
     procedural_gin, tfds_gin = tmp_path / "p.gin", tmp_path / "t.gin"
     procedural_gin.write_text(common)
     tfds_gin.write_text(common + f"DataConfig.source = 'tfds:trace_jax_search_tasks/tiny'\n"
