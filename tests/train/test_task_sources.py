@@ -243,3 +243,12 @@ def test_tfds_source_trains_the_same_tasks_in_the_same_order_as_procedural(tmp_p
     stream_a, stream_b = prompt_stream(procedural, a.train), prompt_stream(tfds_config, b.train)
     for _ in range(20):  # 20 steps of 2 prompts: past the first epoch of 32 tasks
         assert [t.question for t in next(stream_a)] == [t.question for t in next(stream_b)]
+
+
+def test_an_unknown_tfds_builder_is_named_before_compute(tmp_path):
+    from trace_jax.data.sources import SourceError
+
+    gin_file = tmp_path / "t.gin"
+    gin_file.write_text(SMALL + f"DataConfig.source = 'tfds:no_such_builder/x'\nDataConfig.data_dir = '{tmp_path}'\n")
+    with pytest.raises(SourceError, match="tfds:no_such_builder/x"):
+        build_tasks(parse([str(gin_file)]))
