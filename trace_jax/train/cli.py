@@ -2,9 +2,9 @@
 
     trace-jax train [--gin-file F ...] [--gin-param 'X.y = z' ...] [--run-dir D]
         no --gin-file: the embedded default, configs/tiny.gin. A run directory that holds a run resumes it.
-    trace-jax eval --run-dir D [--step S] [--mesh fsdp=4,tensor=2]
-        held-out evaluation of a saved step (default: the latest) with the run's own config, on the run's mesh
-        (its MeshConfig) or the one --mesh names.
+    trace-jax eval --run-dir D [--step S] [--set NAME] [--mesh fsdp=4,tensor=2]
+        evaluation of a saved step (default: the latest) with the run's own config, on every evaluation set
+        (`EvalConfig.sets`) or only NAME, on the run's mesh (its MeshConfig) or the one --mesh names.
     trace-jax sweep SWEEP.gin [--print] [--runs-root R]
         expands a sweep file into runs; runs them in sequence here, or prints one launch command per run.
 
@@ -52,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--mesh", default=None,
                             help="evaluate on this mesh instead of the run's recorded MeshConfig, e.g. fsdp=4,tensor=2 "
                                  "(axes not named are 1, one may be -1; devices=N takes the first N devices)")
+        parser.add_argument("--set", dest="set_name", default=None,
+                            help="evaluate only this set of EvalConfig.sets (default: every set)")
     elif command == "sweep":
         parser.add_argument("sweep_file", help="a sweep gin file (configs/sweeps/*.gin)")
         parser.add_argument("--print", dest="print_only", action="store_true",
@@ -94,9 +96,14 @@ def run_train(gin_files, gin_params, run_dir, *, progress: bool = True) -> int:
             return _fail("a multi-process run needs --run-dir (the same directory on every host, shared storage for "
                          "the checkpoints); the default name has the time in it and would differ between hosts")
         run_dir = Path("runs") / f"{Path(gin_files[0]).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    from trace_jax.data.external import ExternalDataError
+    from trace_jax.data.sources import SourceError
     from trace_jax.train.loop import train
 
-    train(config, run_dir, progress=progress)
+    try:
+        train(config, run_dir, progress=progress)
+    except (SourceError, ExternalDataError) as error:  # the task files: raised before any compute
+        return _fail(str(error))
     return 0
 
 
@@ -110,11 +117,11 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             mesh = None if args.mesh is None else MeshConfig.from_flag(args.mesh)
-            evaluate_run(args.run_dir, args.step, mesh=mesh)
-        except FileNotFoundError as error:
-            return _fail(str(error))
+            evaluate_run(args.run_dir, args.step, set_name=args.set_name, mesh=mesh)
         except TrainConfigError as error:  # the recorded mesh does not fit this host's devices, or a bad --mesh
             return _fail(f"{error} (--mesh sets the mesh of the evaluation, e.g. --mesh fsdp=-1 for every device)")
+        except (FileNotFoundError, ValueError) as error:  # no such run or step; a bad --set or task file
+            return _fail(str(error))
         return 0
     from trace_jax.train.gin_setup import ConfigError
     from trace_jax.train.sweep import expand, load_sweep, validate_runs

@@ -50,25 +50,54 @@ CONFIG_DIR = REPO_ROOT / "configs"
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """The procedural world and its task splits (train for rollouts and warm start, eval held out).
+    """Where the run's tasks come from (`trace_jax.data.sources`): train for rollouts and warm start, held out for
+    evaluation.
 
     Attributes:
-      world: the `WorldConfig` (entity counts, page layout, seed).
-      tasks: the `TaskConfig` (hops, question types).
-      num_train_tasks: training tasks (the loop cycles through them; the warm start draws from them too).
-      num_eval_tasks: held-out tasks generated (the evaluation uses `EvalConfig.num_tasks` of them).
-      seed: seed of question generation (splits are disjoint by question text).
-      shuffle_seed: seed of the order in which training tasks are drawn (checkpointed with the data position).
+      source: 'procedural' (the world below and its generated splits), 'tfds:<builder>[/<config>]' (a tfds
+        builder in the project's features layout, e.g. 'tfds:trace_jax_search_tasks/tiny') or 'external'
+        (BrowseComp-Plus-style JSONL: `queries` and `corpus`).
+      world: the `WorldConfig` of the procedural source (entity counts, page layout, seed).
+      tasks: the `TaskConfig` of the procedural source (hops, question types).
+      num_train_tasks: training tasks (the loop cycles through them; the warm start draws from them too); for
+        tfds and external sources at most this many, in file order.
+      num_eval_tasks: held-out tasks (the evaluation uses `EvalConfig.num_tasks` of them); at most this many for
+        tfds and external sources.
+      seed: seed of question generation (procedural; splits are disjoint by question text) and of the external
+        held-out draw.
+      shuffle_seed: seed of the order in which training tasks are drawn (grain, checkpointed with the run).
+      queries: the external source's queries JSONL (query_id, query, answer, evidence_docs/gold_docs, aliases).
+      corpus: the external source's corpus JSONL (docid, text, optional title/url); '' = the documents embedded in
+        the queries file. For a tfds builder whose tasks carry no world: the corpus they are asked over.
+      train_split, eval_split: the tfds splits trained on and held out.
+      eval_fraction: share of an external set's queries held out (a draw seeded by `seed`; 0 = none).
+      data_dir: the tfds data directory ('' = tfds's default).
+      index_dir: where BM25 indexes of external corpora are cached ('' = `envs.search_index.default_cache_dir()`,
+        shared by every run and process on the host; built once per corpus and BM25 parameters).
+      skip_bad_lines: train on the usable lines of a malformed external set (default: stop before any compute
+        and list every bad line with its file, line, field and fix).
     """
 
+    source: str = "procedural"
     world: WorldConfig = WorldConfig()
     tasks: TaskConfig = TaskConfig()
     num_train_tasks: int = 1000
     num_eval_tasks: int = 128
     seed: int = 0
     shuffle_seed: int = 0
+    queries: str = ""
+    corpus: str = ""
+    train_split: str = "train"
+    eval_split: str = "validation"
+    eval_fraction: float = 0.2
+    data_dir: str = ""
+    index_dir: str = ""
+    skip_bad_lines: bool = False
 
     def __post_init__(self):
+        from trace_jax.data.sources import parse_source
+
+        spec = parse_source(self.source, "DataConfig.source")
         if not isinstance(self.world, WorldConfig):
             raise ValueError(f"DataConfig.world must be a WorldConfig (bind `DataConfig.world = @WorldConfig()`), "
                              f"got {self.world!r}")
@@ -78,6 +107,25 @@ class DataConfig:
         for name in ("num_train_tasks", "num_eval_tasks"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"DataConfig.{name} must be an int >= 1, got {getattr(self, name)!r}")
+        for name in ("queries", "corpus", "train_split", "eval_split", "data_dir", "index_dir"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"DataConfig.{name} must be a string, got {getattr(self, name)!r}")
+        if not (isinstance(self.shuffle_seed, int) and 0 <= self.shuffle_seed < 2**32):
+            raise ValueError(f"DataConfig.shuffle_seed must be an int in [0, 2**32), got {self.shuffle_seed!r}")
+        if spec.kind == "external" and not self.queries:
+            raise ValueError("DataConfig.source = 'external' needs DataConfig.queries (the queries JSONL) and "
+                             "usually DataConfig.corpus (the corpus JSONL)")
+        if spec.kind != "external" and self.queries:
+            raise ValueError(f"DataConfig.queries is set but DataConfig.source = {self.source!r}; set the source to "
+                             "'external' or remove the queries")
+        if spec.kind == "procedural" and self.corpus:
+            raise ValueError("DataConfig.corpus is set but the procedural source browses its own world; remove it "
+                             "or use source = 'external'")
+        if not (isinstance(self.eval_fraction, (int, float)) and 0 <= self.eval_fraction < 1):
+            raise ValueError(f"DataConfig.eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
+        if not self.train_split or not self.eval_split:
+            raise ValueError("DataConfig.train_split and DataConfig.eval_split must name tfds splits, e.g. 'train' "
+                             "and 'validation'")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -166,10 +166,6 @@ class SFTArrays:
         return {"tokens": self.tokens[index, :width], "positions": self.positions[index, :width],
                 "loss_mask": self.loss_mask[index, :width], "weights": self.weights[index, :width]}
 
-    def epoch_order(self, seed: int, epoch: int) -> np.ndarray:
-        """A permutation of the rows, deterministic in (seed, epoch), so a resumed warm start sees the same order."""
-        return np.random.default_rng([seed, epoch]).permutation(len(self))
-
 
 def oracle_assistant_turns(chat: ChatFormat, result: OracleResult) -> list[list[int]]:
     """The oracle's assistant turns as the ids a policy would generate: tool turns end with `</tool_call>` (when the
