@@ -39,15 +39,17 @@ def test_study_file_expands_into_methods_by_seeds_then_ablations(tmp_path):
     assert [a.name for a in arms] == ["grpo/seed0", "trace/seed0", "grpo/seed1", "trace/seed1",
                                       "ablation/horizon=0/seed0", "ablation/horizon=5/seed0"]
     assert arms[2].run.gin_files == ("configs/tiny.gin", "configs/credit/grpo.gin")
-    assert arms[2].run.gin_params == ("TrainConfig.steps = 2", "TrainConfig.seed = 1", "DataConfig.shuffle_seed = 1")
+    assert arms[2].run.gin_params == ("TrainConfig.steps = 2", "TrainConfig.seed = 1", "DataConfig.shuffle_seed = 1",
+                                      "WarmStartConfig.oracle_seed = 1")
     assert arms[5].run.gin_files == ("configs/tiny.gin", "configs/credit/trace.gin")
     assert arms[5].run.gin_params[-1] == "CreditConfig.horizon = 5"
     assert arms[5].run.run_dir == str(tmp_path / "out" / "ablation/horizon=5/seed0")
 
 
-def test_a_seed_binds_init_warm_start_order_rollouts_and_task_order():
-    assert SEED_FIELDS == ("TrainConfig.seed", "DataConfig.shuffle_seed")
-    assert study_module.seed_bindings(7) == ("TrainConfig.seed = 7", "DataConfig.shuffle_seed = 7")
+def test_a_seed_binds_init_warm_start_order_and_detours_rollouts_and_task_order():
+    assert SEED_FIELDS == ("TrainConfig.seed", "DataConfig.shuffle_seed", "WarmStartConfig.oracle_seed")
+    assert study_module.seed_bindings(7) == ("TrainConfig.seed = 7", "DataConfig.shuffle_seed = 7",
+                                             "WarmStartConfig.oracle_seed = 7")
 
 
 def test_shared_warm_start_points_later_arms_of_a_seed_at_its_first_arm(tmp_path):

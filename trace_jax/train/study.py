@@ -20,8 +20,8 @@ A study file is gin, parsed on its own like a sweep file (`sweep.parse_spec_file
 expands into one arm per (seed, method), seed-major (every method of seed 0 first, so a study stopped early has
 comparable arms), then one arm per (ablation seed, binding, value). An arm is a `sweep.Run` named
 `<method>/seed<S>` or `ablation/<field>=<value>/seed<S>`, with run directory `<study dir>/<name>`. The seed binds
-every field a seed must change (`SEED_FIELDS`: the policy's init, the warm start's order, the rollout keys, the RL
-task order); the task splits and the world stay fixed, so every arm is evaluated on the same held-out tasks.
+every field a seed must change (`SEED_FIELDS`: the policy's init, the warm start's order and its demonstrations'
+detours, the rollout keys, the RL task order); the task splits and the world stay fixed, so every arm is evaluated on the same held-out tasks.
 
 Arms run in sequence through `trace_jax.train.cli.run_train`, the code path of `trace-jax train`. Resume: an arm
 whose run directory holds `summary.json` is finished and skipped; an unfinished one is rerun in its directory,
@@ -50,10 +50,10 @@ from trace_jax.train.metrics import SUMMARY_FILE, read_metrics
 from trace_jax.train.sweep import Run, parse_spec_file, validate_runs, value_text
 
 # Every config field a study's seed sets: TrainConfig.seed seeds the fresh policy's init, the warm start's batch
-# order and the rollout keys (loop.py); DataConfig.shuffle_seed the order in which RL draws training tasks.
-# Not seeded: DataConfig.seed and WorldConfig.seed (the tasks and held-out split, kept equal across arms) and the
-# oracle's detour choices (OracleConfig.seed, not a run config field).
-SEED_FIELDS = ("TrainConfig.seed", "DataConfig.shuffle_seed")
+# order and the rollout keys (loop.py); DataConfig.shuffle_seed the order in which RL draws training tasks;
+# WarmStartConfig.oracle_seed the oracle's detour draws in the warm start's demonstrations.
+# Not seeded: DataConfig.seed and WorldConfig.seed (the tasks and held-out split, kept equal across arms).
+SEED_FIELDS = ("TrainConfig.seed", "DataConfig.shuffle_seed", "WarmStartConfig.oracle_seed")
 RESULTS_FILE = "results.json"
 ARM_FILE = "study_arm.json"
 PLOTS_DIR = "plots"

@@ -52,6 +52,9 @@ class WarmStartConfig:
       warmup_steps: linear warmup steps.
       only_solved: keep only trajectories whose oracle answer is correct.
       detour_prob: the oracle's detour probability (wrong result opened, then back), for recovery behaviour.
+      oracle_seed: seed of the oracle's detour draws (which searches get a wrong result opened first, which wrong
+        result, which absent `find` pattern); `OracleConfig.seed`. A study's seed binds it, so seeds differ in
+        their demonstrations, not only in the order the warm start reads them.
       oracle_topn: results the oracle asks `search` for.
       length_multiple: the padded length L is the longest row rounded up to this, and each SFT batch is cut to its
         own longest row rounded up to this (so jit sees few shapes and short batches cost less).
@@ -74,6 +77,7 @@ class WarmStartConfig:
     warmup_steps: int = 20
     only_solved: bool = True
     detour_prob: float = 0.0
+    oracle_seed: int = 0
     oracle_topn: int = 3
     length_multiple: int = 64
     max_length: int = 0
@@ -93,10 +97,12 @@ class WarmStartConfig:
             raise ValueError(f"WarmStartConfig.learning_rate must be > 0, got {self.learning_rate!r}")
         if not 0.0 <= self.detour_prob <= 1.0:
             raise ValueError(f"WarmStartConfig.detour_prob must be in [0, 1], got {self.detour_prob!r}")
+        if not isinstance(self.oracle_seed, int) or isinstance(self.oracle_seed, bool) or self.oracle_seed < 0:
+            raise ValueError(f"WarmStartConfig.oracle_seed must be an int >= 0, got {self.oracle_seed!r}")
 
     @property
     def oracle(self) -> OracleConfig:
-        return OracleConfig(detour_prob=self.detour_prob, topn=self.oracle_topn)
+        return OracleConfig(detour_prob=self.detour_prob, seed=self.oracle_seed, topn=self.oracle_topn)
 
     def render_rollout(self, rollout: RolloutConfig) -> RolloutConfig:
         """The rollout settings the demonstrations are rendered with: the rollouts' own, with `max_turns` when set."""
