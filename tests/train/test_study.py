@@ -109,11 +109,11 @@ def test_bad_binding_in_an_arm_names_the_study_file_arm_and_binding(tmp_path, ca
 
 
 def _fake_arm(directory: Path, accuracy: dict[int, float], tool_calls: dict[int, float], seconds: list[float],
-              finished: bool = True) -> None:
+              finished: bool = True, diagnostics: dict[int, dict[str, float]] | None = None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     lines = []
     for step in sorted(set(accuracy) | set(tool_calls)):
-        metrics = {}
+        metrics = dict((diagnostics or {}).get(step, {}))
         if step in tool_calls:
             metrics["tool_calls"] = tool_calls[step]
             metrics["time/step"] = seconds[step - 1]
@@ -215,3 +215,23 @@ study.seeds = [3]
     capsys.readouterr()
     assert main(["study", path, "--dir", str(out), "--no_progress"]) == 0
     assert "grpo/seed3 finished before, skipped" in capsys.readouterr().out
+
+
+def test_results_hold_each_methods_credit_diagnostics_and_step_time_ratio_to_grpo(tmp_path):
+    study = load_study(_write(tmp_path, SMALL))
+    out = tmp_path / "out"
+    arms = {a.name: a for a in expand(study, out)}
+    detour = "credit/detour_turn_credit"
+    # seed 0 logs the diagnostic at both steps, seed 1 at one (a step without detours leaves it out)
+    _fake_arm(Path(arms["trace/seed0"].run.run_dir), {0: 0.1}, {1: 4.0, 2: 4.0}, [3.0, 3.0],
+              diagnostics={1: {detour: -0.2, "zero_signal_groups": 0.5}, 2: {detour: -0.4, "zero_signal_groups": 0.0}})
+    _fake_arm(Path(arms["trace/seed1"].run.run_dir), {0: 0.1}, {1: 4.0, 2: 4.0}, [3.0, 3.0],
+              diagnostics={2: {detour: 0.1}})
+    _fake_arm(Path(arms["grpo/seed0"].run.run_dir), {0: 0.1}, {1: 4.0, 2: 4.0}, [2.0, 2.0])
+    results = write_results(study, out, plots=False)
+    trace = results["methods"]["trace"]["diagnostics"]
+    assert trace[detour]["per_seed"] == {"0": pytest.approx(-0.3), "1": pytest.approx(0.1)}
+    assert trace[detour]["mean"] == pytest.approx(-0.1)
+    assert trace["zero_signal_groups"]["per_seed"] == {"0": 0.25, "1": None}
+    assert results["methods"]["grpo"]["diagnostics"][detour]["mean"] is None
+    assert results["step_time_ratio_to_grpo"] == {"grpo": 1.0, "trace": 1.5}

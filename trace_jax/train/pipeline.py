@@ -55,6 +55,7 @@ from trace_jax.scoring.continuation import build_answer_continuation
 from trace_jax.scoring.fork import score_answer_prefixes
 from trace_jax.train.abc_scoring import ABCScorerConfig, ABCStepScoring
 from trace_jax.train.config import LossConfig
+from trace_jax.train.credit_diagnostics import credit_diagnostics
 from trace_jax.train.evaluate import episode_correct
 from trace_jax.train.flops import flops_per_token
 from trace_jax.train.loss import LossBatch, batch_logprobs, length_bucket, real_token_mask, trained_positions
@@ -368,7 +369,6 @@ class RLPipeline:
         rewards = np.asarray(batch.reward, np.float64)
         num_turns = np.asarray(batch.num_turns)
         n = len(episodes)
-        group = n // num_prompts
         out: dict[str, float] = {
             "reward": float(rewards.mean()),
             "accuracy": float(np.mean([episode_correct(e) for e in episodes])),
@@ -381,15 +381,17 @@ class RLPipeline:
         }
         for name in STATUSES[1:]:
             out[f"status/{name}"] = float(np.mean([e.status == name for e in episodes]))
-        grouped = rewards.reshape(num_prompts, group)
-        zero = grouped.std(axis=1) <= self.credit.std_eps
-        out["zero_signal_groups"] = float(zero.mean())
+        adv = np.asarray(credit.token_advantages, np.float64)
+        mask = np.asarray(batch.loss_mask, bool)[:, :width]
+        if credit.row_mask is not None:  # rows the estimator drops are not trained
+            mask = mask & np.asarray(credit.row_mask, bool)[:, None]
+        out.update(credit_diagnostics(episodes, adv, mask, np.asarray(batch.turn_index)[:, :width], rewards,
+                                      num_prompts=num_prompts, num_turns_max=self.rollout.max_turns,
+                                      std_eps=self.credit.std_eps))
         per_turn = None if credit.per_turn is None else np.asarray(credit.per_turn, np.float64)
         tool_turn = np.arange(self.rollout.max_turns)[None, :] < num_turns[:, None]
         if per_turn is not None and self.scores_needed:
             per_turn = per_turn[:, :tool_turn.shape[1]]
-            nonzero = (np.abs(per_turn) * tool_turn > 0).reshape(num_prompts, group, -1).any(axis=(1, 2))
-            out["zero_signal_groups_with_turn_credit"] = float((zero & nonzero).sum() / max(1, zero.sum()))
             out["credit/mean_abs_turn_credit"] = float(np.abs(per_turn)[tool_turn].mean()) if tool_turn.any() else 0.0
             k = np.arange(tool_turn.shape[1])[None, :]
             horizon = self.credit.horizon
@@ -408,7 +410,6 @@ class RLPipeline:
             log_ratio = ref_lp - old_lp
             k3 = np.exp(log_ratio) - log_ratio - 1.0
             out["kl_ref"] = float(k3[mask].mean()) if mask.any() else 0.0
-        adv = np.asarray(credit.token_advantages, np.float64)
         mask = np.asarray(batch.loss_mask, bool)[:, :width]
         out["credit/mean_abs_token_advantage"] = float(np.abs(adv[mask]).mean()) if mask.any() else 0.0
         if credit.outcome_advantages is not None:
