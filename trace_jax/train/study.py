@@ -21,7 +21,8 @@ expands into one arm per (seed, method), seed-major (every method of seed 0 firs
 comparable arms), then one arm per (ablation seed, binding, value). An arm is a `sweep.Run` named
 `<method>/seed<S>` or `ablation/<field>=<value>/seed<S>`, with run directory `<study dir>/<name>`. The seed binds
 every field a seed must change (`SEED_FIELDS`: the policy's init, the warm start's order and its demonstrations'
-detours, the rollout keys, the RL task order); the task splits and the world stay fixed, so every arm is evaluated on the same held-out tasks.
+detours, the rollout keys, the RL task order); the task splits and the world stay fixed, so every arm is evaluated
+on the same held-out tasks.
 
 Arms run in sequence through `trace_jax.train.cli.run_train`, the code path of `trace-jax train`. Resume: an arm
 whose run directory holds `summary.json` is finished and skipped; an unfinished one is rerun in its directory,
