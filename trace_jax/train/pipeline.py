@@ -22,7 +22,7 @@ per length bucket.
 ABC-SFT is the estimator `abc_sft`: its "advantages" are the per-token SFT weights `abc_sft_weights(step rewards)`,
 it runs with `LossConfig.mode = 'sft'`, and by default it keeps only trajectories whose answer is verified correct
 (`CreditResult.row_mask`: the dropped rows' loss mask is zeroed, so they count in neither sum nor count; a step
-whose rows are all dropped makes no update).
+or a mini-batch whose rows are all dropped makes no optimizer step, logged as `skipped_mini_batches`).
 
 The sampler-vs-trainer log-prob gap is logged as `sampler_trainer_gap`: the train step's `logprob_gap` on the first
 mini-batch of the first epoch (trainer params equal the sampler's there), or, with `LossConfig.tis`, the mean
@@ -316,8 +316,9 @@ class RLPipeline:
         return Prepared(rollout, loss_batch, credit, answer_scores, step_rewards, metrics, timing)
 
     def update(self, state, prepared: Prepared, reference_params=None, *, seed: int = 0):
-        """`epochs x mini_batches` train steps on the prepared batch; returns `(state, metrics)` (means over the
-        updates, plus `sampler_trainer_gap` from the first one and `updates`)."""
+        """`epochs x mini_batches` train steps on the prepared batch, less the mini-batches whose rows the estimator
+        dropped entirely; returns `(state, metrics)` (means over the updates, plus `sampler_trainer_gap` from the
+        first one, `updates` and, when the estimator drops rows, `skipped_mini_batches`)."""
         loss_batch = prepared.loss_batch
         n = loss_batch.shape[0]
         per = n // self.update_config.mini_batches
@@ -328,6 +329,8 @@ class RLPipeline:
         if self.loss.needs_sampler_logprobs:
             loss_batch, gap = self.with_trainer_behaviour(state.params, loss_batch)
         collected: list[dict] = []
+        skipped = 0
+        may_drop = prepared.credit.row_mask is not None and self.update_config.mini_batches > 1
         for epoch in range(self.update_config.epochs):
             order = (np.arange(n) if self.update_config.mini_batches == 1
                      else np.random.default_rng([seed, epoch]).permutation(n))
@@ -335,10 +338,17 @@ class RLPipeline:
                 index = jnp.asarray(order[k * per:(k + 1) * per])
                 mini = loss_batch if self.update_config.mini_batches == 1 else jax.tree_util.tree_map(
                     lambda x: x[index], loss_batch)
+                # a mini-batch whose rows were all dropped has no loss; an optimizer step on its zero gradient
+                # would still move the params (AdamW's momentum) and advance the schedule
+                if may_drop and not float(jnp.sum(mini.loss_mask)):
+                    skipped += 1
+                    continue
                 state, metrics = self.train_step(state, mini, ref)
                 collected.append(metrics)
         collected = jax.device_get(collected)
         out = {name: float(np.mean([m[name] for m in collected])) for name in collected[0]}
+        if may_drop:
+            out["skipped_mini_batches"] = float(skipped)
         if gap is not None:
             out["sampler_trainer_gap"] = gap
         elif "logprob_gap" in collected[0]:  # rl mode only (sft has no behaviour policy)
