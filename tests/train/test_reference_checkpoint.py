@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from tests.train.test_rl_pipeline import SMALL
+from trace_jax import models
+from trace_jax.train import loop
 from trace_jax.train.checkpoint import Checkpointer, CheckpointRestoreError, CheckpointSkipped
 from trace_jax.train.config import CheckpointConfig
 from trace_jax.train.gin_setup import ConfigError, parse
-from trace_jax.train import loop
 from trace_jax.train.loop import (
     Placement,
     build_environment,
@@ -90,6 +91,17 @@ def test_the_reference_is_the_other_runs_step_and_stays_bit_identical_through_tw
     # the policy did move, so the reference is not the policy's buffers
     final = _leaves(_params_of(tmp_path / "run" / "checkpoints", 2))
     assert any(not np.array_equal(a, b) for a, b in zip(final, initial))
+
+
+def test_a_hugging_face_directory_is_loaded_as_the_reference(source, tmp_path):
+    config = _config(source, str(tmp_path / "hf"))
+    environment = build_environment(config, tmp_path)
+    moved = jax.tree_util.tree_map(lambda p: p + 0.5, environment.params)
+    models.save_pretrained(tmp_path / "hf", environment.model_config, moved)
+    check_reference_checkpoint(config)
+    reference = load_reference_checkpoint(config, Placement(config, environment.model_config))
+    for got, want in zip(_leaves(jax.device_get(reference)), _leaves(moved), strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_a_missing_directory_fails_before_compute_naming_the_path_and_the_fix(source, tmp_path):
