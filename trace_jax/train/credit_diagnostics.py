@@ -36,6 +36,11 @@ import numpy as np
 from trace_jax.abc.rules import RuleBasedStepScorer, clues_from_records, observation_page, steps_from_episode
 
 
+# The metrics `credit_diagnostics` leaves out of a step where they are undefined.
+OPTIONAL_METRICS = ("credit/detour_turn_credit", "credit/on_path_turn_credit", "credit/detour_turn_share",
+                    "credit/progress_spearman", "zero_signal_groups_with_turn_credit")
+
+
 def path_marks(episode: Any) -> tuple[np.ndarray, np.ndarray] | None:
     """`(on_path bool [T], progress_gain float64 [T])` of an episode's `T` tool turns (see the module docstring);
     None when its task has no clue chain with entities to judge against.

@@ -57,6 +57,7 @@ from trace_jax.scoring.receipts import excerpt, safe_filename, write_receipt
 from trace_jax.train import distributed
 from trace_jax.train.checkpoint import Checkpointer, PreemptionGuard, abstract_train_state, restore_params_from_copies
 from trace_jax.train.config import CheckpointConfig, LossConfig, OptimizerConfig
+from trace_jax.train.credit_diagnostics import OPTIONAL_METRICS
 from trace_jax.train.evaluate import EvalResult, compare, evaluate, format_comparison
 from trace_jax.train.flops import PEAK_FLOPS, measure_peak_flops
 from trace_jax.train.gin_setup import RunConfig, reference_checkpoint_parts
@@ -342,10 +343,20 @@ class Placement:
 # ------------------------------------------------------------------------------------------------ across processes
 def _combine_process_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """One step's rollout metrics of every process as one: means (every process holds the same number of rows and
-    prompts, so a mean of per-process means is the global mean) except `generated_tokens`, a sum. A collective."""
-    names = sorted(metrics)
-    values = distributed.gather_to_hosts(np.asarray([metrics[n] for n in names], np.float64)).astype(np.float64)
-    out = dict(zip(names, values.mean(axis=0).tolist()))
+    prompts, so a mean of per-process means is the global mean) except `generated_tokens`, a sum. A credit
+    diagnostic a process left out (undefined on its rows, `credit_diagnostics.OPTIONAL_METRICS`) is the mean over
+    the processes that have it, and left out when none has. A collective."""
+    if jax.process_count() == 1:
+        return dict(metrics)
+    names = sorted(set(metrics) | set(OPTIONAL_METRICS))  # the same names on every process
+    local = np.asarray([metrics.get(n, np.nan) for n in names], np.float64)
+    values = distributed.gather_to_hosts(local).astype(np.float64)
+    out = {}
+    for column, name in enumerate(names):
+        if name not in OPTIONAL_METRICS:
+            out[name] = float(values[:, column].mean())
+        elif np.isfinite(values[:, column]).any():
+            out[name] = float(np.nanmean(values[:, column]))
     if "generated_tokens" in out:
         out["generated_tokens"] = float(values[:, names.index("generated_tokens")].sum())
     return out
