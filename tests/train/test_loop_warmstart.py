@@ -180,3 +180,18 @@ def test_the_loop_warm_starts_with_the_configured_optimizer(env, monkeypatch):
     with pytest.raises(Built) as built:
         loop.warm_start(run_config, environment, params=None)
     assert built.value.args[0] == ws.optimizer
+
+
+def test_the_oracle_seed_changes_where_the_demonstrations_detour(env):
+    world, _, _, browser = env
+    tasks = generate_tasks(world, 6, seed=0, config=TaskConfig(min_hops=1, max_hops=2))
+
+    def demonstrations(oracle_seed):
+        config = WarmStartConfig(num_trajectories=len(tasks), detour_prob=0.5, oracle_seed=oracle_seed)
+        assert config.oracle.seed == oracle_seed
+        return [r.messages for r in oracle_trajectories(tasks, browser, config)]
+
+    assert demonstrations(0) == demonstrations(0)
+    assert demonstrations(0) != demonstrations(1)
+    with pytest.raises(ValueError, match="WarmStartConfig.oracle_seed"):
+        WarmStartConfig(oracle_seed=-1)

@@ -72,7 +72,7 @@ RESTATED_ON_PURPOSE = {
     # the TRACE arm names its method (a study's `methods` maps an arm to this file; the TRACE ablations include it)
     ("configs/credit/trace.gin", "CreditConfig.estimator"),
     # the sweep's reference steps 5 and 10 need checkpoints at those steps, whatever tiny.gin's frequency
-    ("configs/sweeps/reference_step.gin", "CheckpointConfig.every_steps"),
+    ("configs/sweeps/reference_swap_step.gin", "CheckpointConfig.every_steps"),
 }
 BINDING_FILES = sorted(CONFIGS.glob("*.gin")) + sorted((CONFIGS / "credit").glob("*.gin"))
 SWEEPS = sorted((CONFIGS / "sweeps").glob("*.gin"))  # their `sweep.params` are bindings too

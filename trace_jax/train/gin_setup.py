@@ -166,8 +166,14 @@ class TrainConfig:
         package's GGUF, converted into the run directory); '' = initialise `model` from `seed`.
       tokenizer: 'word' (the project's word tokenizer over the procedural world's vocabulary) or 'checkpoint' (the
         checkpoint's own tokenizer).
-      reference_step: the frozen reference for TRACE scoring: -1 = the initial policy (after the warm start), or a
-        saved checkpoint step of this run.
+      reference_checkpoint: the frozen reference for TRACE scoring, held from step 0 to the end: '' = this run's
+        initial policy (after the warm start); `'<run dir>@<step>'` = the params of step `<step>` of an earlier
+        `trace-jax train` run (step 0: its initial policy under `reference/`; a later step: its checkpoint under
+        `CheckpointConfig.directory`); or a Hugging Face directory (config.json + safetensors). The model must
+        be this run's (checked by shape before any compute). The paper's "reference at step 200" is this.
+      reference_swap_step: the mid-run swap variant (ours, not the paper's): -1 = none; N = the reference is the
+        initial policy until step N, then this run's own policy of step N for the remaining steps. Excludes
+        `reference_checkpoint`. (Called `reference_step` before; that name is an error naming this one.)
       reference_dtype: the dtype the frozen reference is held and scored in on the mesh, "float32" (the policy's
         own) or "bfloat16" (half the memory; scores move by bfloat16 round-off).
       init_from: '' (build the initial policy here: init or checkpoint, then this run's warm start), or the run
@@ -186,7 +192,8 @@ class TrainConfig:
     model: ModelConfig | None = None
     checkpoint: str = ""
     tokenizer: str = "word"
-    reference_step: int = -1
+    reference_checkpoint: str = ""
+    reference_swap_step: int = -1
     reference_dtype: str = "float32"
     init_from: str = ""
     log_every: int = 1
@@ -212,15 +219,43 @@ class TrainConfig:
         if self.tokenizer == "checkpoint" and not self.checkpoint:
             raise ValueError("TrainConfig.tokenizer = 'checkpoint' needs TrainConfig.checkpoint; use 'word' for a "
                              "freshly initialised policy")
-        if not isinstance(self.reference_step, int) or self.reference_step < -1:
-            raise ValueError(f"TrainConfig.reference_step must be -1 (initial policy) or a checkpoint step >= 0, "
-                             f"got {self.reference_step!r}")
+        if not isinstance(self.reference_swap_step, int) or self.reference_swap_step < -1:
+            raise ValueError(f"TrainConfig.reference_swap_step must be -1 (no swap) or a step >= 0 of this run, "
+                             f"got {self.reference_swap_step!r}")
+        if not isinstance(self.reference_checkpoint, str):
+            raise ValueError(f"TrainConfig.reference_checkpoint must be '' (this run's initial policy), "
+                             f"'<run dir>@<step>' or a Hugging Face directory, got {self.reference_checkpoint!r}")
+        reference_checkpoint_parts(self.reference_checkpoint)  # a malformed '@<step>' fails here
+        if self.reference_checkpoint and self.reference_swap_step >= 0:
+            raise ValueError(f"TrainConfig.reference_checkpoint = {self.reference_checkpoint!r} (a reference frozen "
+                             f"from step 0) and TrainConfig.reference_swap_step = {self.reference_swap_step} (a "
+                             "mid-run swap to this run's own policy) exclude each other; unbind one")
         if not isinstance(self.init_from, str):
             raise ValueError(f"TrainConfig.init_from must be a run directory (a string) or '', got "
                              f"{self.init_from!r}")
         if self.reference_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"TrainConfig.reference_dtype must be 'float32' or 'bfloat16', got "
                              f"{self.reference_dtype!r}")
+
+
+def reference_checkpoint_parts(value: str) -> tuple[str, int | None]:
+    """`TrainConfig.reference_checkpoint` as `(directory, step)`: `'<run dir>@<step>'` -> (run dir, step); a bare
+    path (a Hugging Face directory) -> (path, None); '' -> ('', None). Raises ValueError on a malformed step."""
+    path, at, step = value.rpartition("@")
+    if not at:
+        return value, None
+    if not path or not step.isdigit():
+        raise ValueError(f"TrainConfig.reference_checkpoint = {value!r}: expected '<run dir>@<step>' with a step "
+                         "number >= 0 (e.g. 'runs/grpo@200') or a Hugging Face directory without '@'")
+    return path, int(step)
+
+
+# Fields renamed in the configs: `Config.old` -> what to bind instead (a binding of the old name is an error saying so).
+RENAMED = {
+    "TrainConfig.reference_step": "TrainConfig.reference_swap_step = N for the mid-run swap to this run's own policy "
+                                  "of step N, or TrainConfig.reference_checkpoint = '<run dir>@<step>' for a "
+                                  "reference taken from another run and frozen from step 0",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,6 +369,8 @@ def _explain(error: Exception, where: str) -> str:
     match = re.search(r"Configurable '([^']+)' doesn't have a parameter named '([^']+)'", message)
     if match:
         config, field = match.group(1), match.group(2)
+        if f"{config}.{field}" in RENAMED:
+            return f"{where}: {config}.{field} was renamed; bind {RENAMED[f'{config}.{field}']}"
         fields = _fields(_targets[config]) if config in _targets else []
         close = difflib.get_close_matches(field, fields, n=3, cutoff=0.5)
         hint = (f"did you mean {config}.{' or '.join(close)}?" if close

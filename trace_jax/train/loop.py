@@ -10,9 +10,12 @@ A run, in order (each stage logged, and timed in `summary.json`):
      Face directory, or `'gguf:smollm2'` converted into the run directory);
   2. evaluation before anything (`before`), the SFT warm start on oracle trajectories (a clearly labelled stage of
      ours; `WarmStartConfig.steps = 0` skips it, as the paper does), evaluation after it (`initial`);
-  3. the frozen reference: the initial policy (after the warm start), or, with `TrainConfig.reference_step = N`,
-     the policy of step N once step N is reached (the initial one before); saved under `reference/`, held on the
-     mesh in `TrainConfig.reference_dtype`;
+  3. the frozen reference, held on the mesh in `TrainConfig.reference_dtype` and never aliased to the policy: the
+     initial policy (after the warm start, saved under `reference/`); or, with `TrainConfig.reference_checkpoint`,
+     a step of another run (`'<run dir>@<step>'`) or a Hugging Face directory, loaded and checked against the model
+     before any compute and frozen from step 0; or, in the mid-run swap variant (`TrainConfig.reference_swap_step =
+     N`), this run's own policy of step N from step N on (the initial one before). A reference step whose files are
+     damaged is read from another copy of the same step (`reference/` or the run's checkpoints), never an older one;
   4. `TrainConfig.steps` RL steps of `pipeline.RLPipeline`, with an evaluation every `EvalConfig.every_steps`;
   5. the final evaluation, the comparison with the initial one (difference and paired binomial SE), HTML credit
      receipts of a few held-out episodes, plots and `summary.json`.
@@ -46,7 +49,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -65,11 +68,12 @@ from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
 from trace_jax.rollout.budget import rows_within_budget
 from trace_jax.scoring.receipts import excerpt, safe_filename, write_receipt
 from trace_jax.train import distributed
-from trace_jax.train.checkpoint import Checkpointer, PreemptionGuard, abstract_train_state
+from trace_jax.train.checkpoint import Checkpointer, PreemptionGuard, abstract_train_state, restore_params_from_copies
 from trace_jax.train.config import CheckpointConfig, LossConfig, MeshConfig
+from trace_jax.train.credit_diagnostics import OPTIONAL_METRICS
 from trace_jax.train.evaluate import EvalResult, compare, evaluate, format_comparison
 from trace_jax.train.flops import PEAK_FLOPS, measure_peak_flops
-from trace_jax.train.gin_setup import RunConfig
+from trace_jax.train.gin_setup import RunConfig, reference_checkpoint_parts
 from trace_jax.train.loss import LossBatch, real_token_mask, trained_positions
 from trace_jax.train.metrics import PhaseTimer, RunWriter, progress_bar
 from trace_jax.train.optimizer import make_optimizer
@@ -487,10 +491,11 @@ class Placement:
         processes)."""
         return distributed.to_process_local(params, self.rollout_shardings)
 
-    def reference(self, store: Checkpointer, step: int):
-        """The frozen reference of checkpoint `step` of `store`, as the scorer reads it (a collective with several
-        processes)."""
-        return self.frozen(store.restore_params(step, shardings=self.train_shardings))
+    def reference(self, copies: Sequence[Checkpointer], step: int, what: str):
+        """The frozen reference of checkpoint `step`, from the first of `copies` holding it that restores
+        (`restore_params_from_copies`; `what` names it in errors), as the scorer reads it (a collective with
+        several processes)."""
+        return self.frozen(restore_params_from_copies(copies, step, shardings=self.train_shardings, what=what))
 
     def frozen(self, params):
         """Train-layout params -> a frozen reference as the scorer reads it: cast to its dtype on device, in fresh
@@ -504,10 +509,20 @@ class Placement:
 # ------------------------------------------------------------------------------------------------ across processes
 def _combine_process_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """One step's rollout metrics of every process as one: means (every process holds the same number of rows and
-    prompts, so a mean of per-process means is the global mean) except `generated_tokens`, a sum. A collective."""
-    names = sorted(metrics)
-    values = distributed.gather_to_hosts(np.asarray([metrics[n] for n in names], np.float64)).astype(np.float64)
-    out = dict(zip(names, values.mean(axis=0).tolist()))
+    prompts, so a mean of per-process means is the global mean) except `generated_tokens`, a sum. A credit
+    diagnostic a process left out (undefined on its rows, `credit_diagnostics.OPTIONAL_METRICS`) is the mean over
+    the processes that have it, and left out when none has. A collective."""
+    if jax.process_count() == 1:
+        return dict(metrics)
+    names = sorted(set(metrics) | set(OPTIONAL_METRICS))  # the same names on every process
+    local = np.asarray([metrics.get(n, np.nan) for n in names], np.float64)
+    values = distributed.gather_to_hosts(local).astype(np.float64)
+    out = {}
+    for column, name in enumerate(names):
+        if name not in OPTIONAL_METRICS:
+            out[name] = float(values[:, column].mean())
+        elif np.isfinite(values[:, column]).any():
+            out[name] = float(np.nanmean(values[:, column]))
     if "generated_tokens" in out:
         out["generated_tokens"] = float(values[:, names.index("generated_tokens")].sum())
     return out
@@ -570,16 +585,80 @@ def _initial_policy_of(init_from: str, placement: "Placement"):
     checked leaf by leaf against this run's model."""
     with _init_from_store(init_from) as store:
         params = store.restore_params(0, shardings=placement.train_shardings)
-    float32 = np.dtype("float32")  # the train state's params
-    want = {jax.tree_util.keystr(p): (tuple(shape), float32) for p, shape in jax.tree_util.tree_leaves_with_path(
-        models.param_shapes(placement.model_config), is_leaf=lambda x: isinstance(x, tuple))}
-    got = {jax.tree_util.keystr(p): (x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    _check_model(params, placement.model_config, f"TrainConfig.init_from = {init_from!r}", dtype=np.dtype("float32"))
+    return params
+
+
+def _check_model(params, model_config, what: str, *, dtype=None) -> None:
+    """Raise ValueError naming `what` when `params` are not `model_config`'s (shapes, and `dtype` when given)."""
+    def spec(shape, array_dtype):
+        return (tuple(shape), array_dtype) if dtype is not None else tuple(shape)
+
+    want = {jax.tree_util.keystr(p): spec(shape, dtype) for p, shape in jax.tree_util.tree_leaves_with_path(
+        models.param_shapes(model_config), is_leaf=lambda x: isinstance(x, tuple))}
+    got = {jax.tree_util.keystr(p): spec(x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(params)}
     if want != got:
         differ = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
-        raise ValueError(f"TrainConfig.init_from = {init_from!r}: its policy is not this run's model ({len(differ)} "
-                         f"params differ, e.g. {differ[0]}: {got.get(differ[0])} there, {want.get(differ[0])} here); "
-                         "use the same model preset and tokenizer as that run")
-    return params
+        raise ValueError(f"{what}: its params are not this run's model ({len(differ)} params differ, e.g. "
+                         f"{differ[0]}: {got.get(differ[0])} there, {want.get(differ[0])} here); use the same model "
+                         "preset and tokenizer as that checkpoint")
+
+
+def _reference_copies(run_dir: Path, checkpoint_directory: str) -> list[Checkpointer]:
+    """Checkpointers of the directories of run `run_dir` that hold policy params by step: `reference/` (its initial
+    policy, step 0, and a swap step) and its checkpoints (`CheckpointConfig.directory`, the name this run uses);
+    only those that exist (a Checkpointer creates its directory)."""
+    directories = [run_dir / REFERENCE_DIR, run_dir / checkpoint_directory]
+    return [Checkpointer(CheckpointConfig(directory=str(d), every_steps=1, keep_last=None, async_save=False))
+            for d in directories if d.is_dir()]
+
+
+def check_reference_checkpoint(run_config: RunConfig) -> None:
+    """Fail before any compute when `TrainConfig.reference_checkpoint` names nothing loadable: a run directory
+    without that complete step, or a directory that is not a Hugging Face checkpoint."""
+    value = run_config.train.reference_checkpoint
+    if not value:
+        return
+    path, step = reference_checkpoint_parts(value)
+    what = f"TrainConfig.reference_checkpoint = {value!r}"
+    if step is None:
+        if not (Path(path) / "config.json").exists():
+            hint = (f"; it looks like a run directory: name a step, '{path}@<step>'"
+                    if (Path(path) / REFERENCE_DIR).is_dir() else "")
+            raise FileNotFoundError(f"{what}: no config.json in {path}{hint}; give '<run dir>@<step>' (a step of a "
+                                    "`trace-jax train` run) or a Hugging Face checkpoint directory")
+        return
+    copies = _reference_copies(Path(path), run_config.checkpoint.directory)
+    try:
+        held = {d.directory: d.all_steps() for d in copies}
+    finally:
+        for copy in copies:
+            copy.close()
+    if not any(step in steps for steps in held.values()):
+        listed = "; ".join(f"{d}: steps {steps}" for d, steps in held.items()) or f"no {REFERENCE_DIR}/ or " \
+            f"{run_config.checkpoint.directory}/ directory in {path}"
+        raise FileNotFoundError(f"{what}: no complete step {step} there ({listed}); name a saved step of a "
+                                "`trace-jax train` run directory")
+
+
+def load_reference_checkpoint(run_config: RunConfig, placement: "Placement"):
+    """The frozen reference `TrainConfig.reference_checkpoint` names (see `TrainConfig`), checked against this run's
+    model and placed as `Placement.frozen` places it: fresh buffers on the mesh, never the policy's."""
+    value = run_config.train.reference_checkpoint
+    path, step = reference_checkpoint_parts(value)
+    what = f"TrainConfig.reference_checkpoint = {value!r}"
+    if step is None:
+        _, params = models.load_pretrained(path)
+        _check_model(params, placement.model_config, what)
+        return placement.frozen(placement.policy(params))
+    copies = _reference_copies(Path(path), run_config.checkpoint.directory)
+    try:
+        params = restore_params_from_copies(copies, step, shardings=placement.train_shardings, what=what)
+    finally:
+        for copy in copies:
+            copy.close()
+    _check_model(params, placement.model_config, what)
+    return placement.frozen(params)
 
 
 def _reference_checkpointer(run_dir: Path) -> Checkpointer:
@@ -612,6 +691,7 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
     check_compatible(run_config.credit, run_config.loss, update_config, rows)
     if train_config.init_from:  # fail before any compute when there is nothing to start from
         _init_from_store(train_config.init_from).close()
+    check_reference_checkpoint(run_config)
     primary = distributed.is_primary()
     distributed.process_share(train_config.prompts_per_step, what="prompts per step (TrainConfig."
                               "prompts_per_step; each process rolls out an equal share)")
@@ -646,6 +726,11 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
     if run_config.rollout.kv_budget_gib is not None:
         log(f"rollout: {rows_at_once} of {process_rows} rows at once per process under the KV budget of "
             f"{run_config.rollout.kv_budget_gib:g} GiB per chip")
+
+    external_reference = None
+    if train_config.reference_checkpoint:  # loaded (and checked against the model) before the warm start
+        external_reference = load_reference_checkpoint(run_config, placement)
+        log(f"reference: {train_config.reference_checkpoint}, frozen from step 0")
 
     with PreemptionGuard() as guard, Checkpointer(checkpoint_config, guard=guard) as checkpointer, \
             _reference_checkpointer(run_dir) as reference_store:
@@ -693,10 +778,13 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
                 _trim_prompts(run_dir, latest)
             stages.update(host.get("stages", {}))
         step = int(state.step)
-        reference_at = 0
-        if train_config.reference_step >= 0 and step >= train_config.reference_step:
-            reference_at = train_config.reference_step
-        reference_params = placement.reference(reference_store, reference_at)
+        swap = train_config.reference_swap_step
+        reference_at = swap if 0 <= swap <= step else 0
+        own_copies = (reference_store, checkpointer)  # a damaged reference/ step is read from the checkpoints' copy
+        if external_reference is not None:
+            reference_params = external_reference
+        else:
+            reference_params = placement.reference(own_copies, reference_at, f"the reference of {run_dir}")
         peak = _peak_flops()
         timer = PhaseTimer()
         rl_start = time.perf_counter()
@@ -725,9 +813,9 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
                 metrics.update(_eval_metrics(result))
                 host["evals"][f"step{step}"] = _sets_to_json(result)
             writer.log(step, metrics)
-            if step == train_config.reference_step:
+            if step == swap:  # the mid-run swap variant: this run's own policy of this step from now on
                 reference_store.save(state, {"step": step}, force=True)
-                reference_params = placement.reference(reference_store, step)
+                reference_params = placement.reference(own_copies, step, f"the reference of {run_dir}")
             _stop_requested_anywhere(guard)
             checkpointer.maybe_save(state, host)
             if checkpointer.stop_requested:
@@ -767,6 +855,9 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
                                    if k not in ("correct", "task_ids")} for name, sets in evals.items()},
             "eval_sets": eval_table(evals),
             "comparison": {**dataclasses.asdict(comparison), "line": line},
+            "reference": {"checkpoint": train_config.reference_checkpoint or None,
+                          "swap_step": swap if swap >= 0 else None,
+                          "frozen_from_step_0": swap < 0},
             "mean_reward_first_step": history[0]["reward"] if history else None,
             "mean_reward_last_step": history[-1]["reward"] if history else None,
             "seconds": {**stages, "total_this_process": time.perf_counter() - started},

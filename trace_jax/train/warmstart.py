@@ -59,6 +59,9 @@ class WarmStartConfig:
       clip_norm: global gradient-norm clip; None = no clipping.
       only_solved: keep only trajectories whose oracle answer is correct.
       detour_prob: the oracle's detour probability (wrong result opened, then back), for recovery behaviour.
+      oracle_seed: seed of the oracle's detour draws (which searches get a wrong result opened first, which wrong
+        result, which absent `find` pattern); `OracleConfig.seed`. A study's seed binds it, so seeds differ in
+        their demonstrations, not only in the order the warm start reads them.
       oracle_topn: results the oracle asks `search` for.
       length_multiple: the padded length L is the longest row rounded up to this, and each SFT batch is cut to its
         own longest row rounded up to this (so jit sees few shapes and short batches cost less).
@@ -85,6 +88,7 @@ class WarmStartConfig:
     clip_norm: float | None = 1.0
     only_solved: bool = True
     detour_prob: float = 0.0
+    oracle_seed: int = 0
     oracle_topn: int = 3
     length_multiple: int = 64
     max_length: int = 0
@@ -117,10 +121,12 @@ class WarmStartConfig:
                                warmup_steps=self.warmup_steps, total_steps=max(self.steps, self.warmup_steps + 1),
                                end_lr_ratio=self.end_lr_ratio, weight_decay=self.weight_decay,
                                clip_norm=self.clip_norm)
+        if not isinstance(self.oracle_seed, int) or isinstance(self.oracle_seed, bool) or self.oracle_seed < 0:
+            raise ValueError(f"WarmStartConfig.oracle_seed must be an int >= 0, got {self.oracle_seed!r}")
 
     @property
     def oracle(self) -> OracleConfig:
-        return OracleConfig(detour_prob=self.detour_prob, topn=self.oracle_topn)
+        return OracleConfig(detour_prob=self.detour_prob, seed=self.oracle_seed, topn=self.oracle_topn)
 
     def render_rollout(self, rollout: RolloutConfig) -> RolloutConfig:
         """The rollout settings the demonstrations are rendered with: the rollouts' own, with `max_turns` when set."""
