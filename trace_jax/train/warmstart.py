@@ -108,6 +108,8 @@ class WarmStartConfig:
             raise ValueError(f"WarmStartConfig.learning_rate must be > 0, got {self.learning_rate!r}")
         if not 0.0 <= self.detour_prob <= 1.0:
             raise ValueError(f"WarmStartConfig.detour_prob must be in [0, 1], got {self.detour_prob!r}")
+        if not isinstance(self.oracle_seed, int) or isinstance(self.oracle_seed, bool) or self.oracle_seed < 0:
+            raise ValueError(f"WarmStartConfig.oracle_seed must be an int >= 0, got {self.oracle_seed!r}")
         try:
             self.optimizer
         except TrainConfigError as error:  # the fields have the same names as OptimizerConfig's
@@ -121,8 +123,6 @@ class WarmStartConfig:
                                warmup_steps=self.warmup_steps, total_steps=max(self.steps, self.warmup_steps + 1),
                                end_lr_ratio=self.end_lr_ratio, weight_decay=self.weight_decay,
                                clip_norm=self.clip_norm)
-        if not isinstance(self.oracle_seed, int) or isinstance(self.oracle_seed, bool) or self.oracle_seed < 0:
-            raise ValueError(f"WarmStartConfig.oracle_seed must be an int >= 0, got {self.oracle_seed!r}")
 
     @property
     def oracle(self) -> OracleConfig:
