@@ -1,6 +1,6 @@
 """Decode throughput of `sampler.generate` vs the one-dispatch-per-step loop it replaced, side by side.
 
-`sampler.generate` runs `sync_every` decode steps per device call (`_decode_steps_jit`, a `lax.scan` over the
+`sampler.generate` runs `sync_every` decode steps per device call (`decode_program`, a `lax.scan` over the
 decode step) and lets attention read only a bucket of cache slots above the longest row (`attend_len`). The
 contender is the host loop it replaced: one `_decode_jit` call per step over the whole cache, the stop flags read
 back every `sync_every` steps. Both decode the same greedy rows from the same prefilled state, so their tokens must
