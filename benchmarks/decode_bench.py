@@ -1,12 +1,12 @@
 """Decode throughput of `sampler.generate` vs the one-dispatch-per-step loop it replaced, side by side.
 
-`sampler.generate` runs `sync_every` decode steps per device call (`_decode_steps_jit`, a `lax.scan` over the
+`sampler.generate` runs `sync_every` decode steps per device call (`decode_program`, a `lax.scan` over the
 decode step) and lets attention read only a bucket of cache slots above the longest row (`attend_len`). The
 contender is the host loop it replaced: one `_decode_jit` call per step over the whole cache, the stop flags read
 back every `sync_every` steps. Both decode the same greedy rows from the same prefilled state, so their tokens must
 be equal (checked). Calls are interleaved, best of `--repeats`, compilation excluded.
 
-    python benchmarks/decode_bench.py [--rows 1,16,64] [--cache 512] [--steps 32] [--sync_every 8,16]
+    python benchmarks/decode_bench.py [--rows 1,16,64] [--cache 512] [--steps 32] [--sync-every 8,16]
         [--models tiny,smollm2] [--repeats 5]
 
 `tiny` is the embedded default's policy (configs/tiny.gin's model, the word tokenizer's vocabulary) with random
@@ -89,7 +89,7 @@ def main():
     parser.add_argument("--cache", type=int, default=512)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--sync_every", default="8,16")
+    parser.add_argument("--sync-every", "--sync_every", default="8,16")
     parser.add_argument("--models", default="tiny,smollm2")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()

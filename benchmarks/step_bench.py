@@ -16,6 +16,13 @@ both run the same update.
 
     .venv/bin/python benchmarks/step_bench.py                  # tiny.gin's batch (8 prompts x 8 samples)
     .venv/bin/python benchmarks/step_bench.py --prompts 2 --group 4 --repeats 2    # a quick smoke run
+    # the study config (6 prompts x 8 samples, 10 turns), from a study arm's warm-started policy:
+    .venv/bin/python benchmarks/step_bench.py --config configs/study.gin --init_from runs/study/grpo/seed0
+
+`--init_from RUN_DIR` starts from that run's initial policy (after its warm start: `reference/` step 0, what
+`TrainConfig.init_from` reads), the policy and reference a study arm starts RL from; without it the policy is freshly
+initialised, whose episodes (random tokens up to the turn budget) are not the ones the loop times on a warm-started
+config. The loop's own figure is `median_step_seconds` / `step_time_ratio_to_grpo` in a study's `results.json`.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from trace_jax.credit.config import CreditConfig  # noqa: E402
+from trace_jax.train.checkpoint import Checkpointer  # noqa: E402
+from trace_jax.train.config import CheckpointConfig  # noqa: E402
 from trace_jax.train.gin_setup import parse  # noqa: E402
 from trace_jax.train.loop import build_environment  # noqa: E402
 from trace_jax.train.optimizer import make_optimizer  # noqa: E402
@@ -43,13 +52,18 @@ from trace_jax.train.step import make_train_step  # noqa: E402
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gin_file", default="configs/tiny.gin")
+    parser.add_argument("--config", "--gin-file", "--gin_file", dest="gin_file", default="configs/tiny.gin",
+                        help="the run's gin file, e.g. configs/study.gin (default configs/tiny.gin)")
+    parser.add_argument("--gin-param", "--gin_param", action="append", default=[],
+                        help="an extra binding (repeatable)")
+    parser.add_argument("--init-from", "--init_from", default="", help="a run directory whose initial policy "
+                        "(reference/ step 0, after its warm start) is the policy and reference (default: a fresh init)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step (default: the config's)")
     parser.add_argument("--group", type=int, default=None, help="samples per prompt (default: the config's)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
 
-    params = []
+    params = list(args.gin_param)
     if args.prompts:
         params.append(f"TrainConfig.prompts_per_step = {args.prompts}")
     if args.group:
@@ -72,6 +86,17 @@ def main(argv=None) -> int:
     }
     tasks = environment.train_tasks[:prompts]
     reference = environment.params
+    if args.init_from:
+        directory = os.path.join(args.init_from, "reference")
+        if not os.path.isdir(directory):
+            parser.error(f"--init_from {args.init_from}: no reference/ directory there; give the run directory of a "
+                         "`trace-jax train` run (a study arm, e.g. runs/study/grpo/seed0)")
+        with Checkpointer(CheckpointConfig(directory=directory, async_save=False)) as store:
+            reference = store.restore_params(0)
+        print(f"policy and reference: the initial policy of {args.init_from}")
+    elif config.warmstart.steps:
+        print(f"note: {args.gin_file} warm-starts before RL; this batch comes from a fresh policy. Pass --init_from "
+              "<a run directory of this config> to time the loop's episodes")
     key = jax.random.PRNGKey(0)
     rollout = contenders["grpo"].collect(reference, tasks, key)
     lengths = np.asarray(rollout.batch.lengths)

@@ -7,10 +7,10 @@ what the launcher needs as data: NUL-terminated NAME, VALUE pairs (`NAME[]` appe
 `launch/lib.sh`'s `preflight` reads with `read -d ''` into the variables it knows, never through `eval`. On a bad
 argument it prints one line naming it and the fix to stderr and exits 2.
 
-    python launch/check.py tpu --topology v5e:4x4 --run_dir /mnt/shared/runs/q4b --gin_file configs/qwen3_4b.gin
+    python launch/check.py tpu --topology v5e:4x4 --run-dir /mnt/shared/runs/q4b --gin-file configs/qwen3_4b.gin
     python launch/check.py slice --topology v5p:2x2x2                 # the slice name alone
-    python launch/check.py gpu --num_devices 16 --run_dir /shared/runs/q4b --gin_file configs/qwen3_4b.gin
-    python launch/check.py sweep configs/sweeps/horizon.gin --topology v5e:2x2 --runs_root /mnt/shared/sweeps
+    python launch/check.py gpu --num-devices 16 --run-dir /shared/runs/q4b --gin-file configs/qwen3_4b.gin
+    python launch/check.py sweep configs/sweeps/horizon.gin --topology v5e:2x2 --runs-root /mnt/shared/sweeps
     python launch/check.py lock           # pins of the runtime dependencies as installed here (constraints.txt)
 
 TPU slices are named like `trace-jax plan --topology` names them (`v5e:4x4`, `v5p:2x2x2`, `v6e:2x4`, `v4:2x2x1`) or
@@ -123,13 +123,13 @@ def check_run_dir(run_dir: str, *, durable: bool) -> None:
     """The trainer resumes from `run_dir`, so it must be a local or mounted path (not a URL); on a TPU VM, which a
     preemption wipes, it must be absolute on storage mounted on every worker (a gcsfuse bucket or an NFS share)."""
     if not run_dir:
-        raise LaunchError("--run_dir is required: the run resumes from it after a preemption or a restart")
+        raise LaunchError("--run-dir is required: the run resumes from it after a preemption or a restart")
     if re.match(r"^[a-z][a-z0-9+.-]*://", run_dir):
-        raise LaunchError(f"--run_dir {run_dir!r}: the trainer writes its run directory with local file I/O, so a "
+        raise LaunchError(f"--run-dir {run_dir!r}: the trainer writes its run directory with local file I/O, so a "
                           "URL does not work; mount the bucket on every host (gcsfuse, e.g. /mnt/gcs) or use a shared "
                           "disk (NFS/Filestore) and pass that absolute path (docs/launch.md, 'Durable storage')")
     if durable and not run_dir.startswith("/"):
-        raise LaunchError(f"--run_dir {run_dir!r} is relative: every host must write the same run directory on "
+        raise LaunchError(f"--run-dir {run_dir!r} is relative: every host must write the same run directory on "
                           "durable storage that survives the VM (a preemption deletes its disk); pass an absolute "
                           "path on a gcsfuse or NFS mount present on every worker, e.g. /mnt/gcs/runs/qwen3_4b")
 
@@ -143,11 +143,11 @@ def check_config(gin_files, gin_params, devices: int, where: str, *, workers_cop
     Raises LaunchError naming the binding (gin errors) or the MeshConfig axes and the slice (mesh errors)."""
     from trace_jax.train.config import MESH_AXES, TrainConfigError
     from trace_jax.train.gin_setup import ConfigError, parse
-    from trace_jax.train.pipeline import UpdateConfig, check_compatible
+    from trace_jax.train.pipeline import check_compatible
 
     for path in gin_files:
         if not Path(path).is_file() and not (REPO_ROOT / path).is_file():
-            raise LaunchError(f"--gin_file {path!r} does not exist (relative paths are from the repository root, "
+            raise LaunchError(f"--gin-file {path!r} does not exist (relative paths are from the repository root, "
                               f"e.g. configs/qwen3_4b.gin)")
     try:
         config = parse(gin_files, gin_params)
@@ -157,10 +157,10 @@ def check_config(gin_files, gin_params, devices: int, where: str, *, workers_cop
     if workers_copy and checkpoint and not checkpoint.startswith(("/", "gguf:")):
         raise LaunchError(f"TrainConfig.checkpoint = {checkpoint!r} is relative: on the workers it would resolve "
                           "inside their copy of the checkout, which setup replaces; put the Hugging Face checkpoint "
-                          "on a mount every worker has and bind it absolutely, e.g. --gin_param "
+                          "on a mount every worker has and bind it absolutely, e.g. --gin-param "
                           "\"TrainConfig.checkpoint = '/mnt/gcs/models/Qwen3-4B'\"")
     try:
-        check_compatible(config.credit, config.loss, config.update or UpdateConfig(),
+        check_compatible(config.credit, config.loss, config.update,
                          config.train.prompts_per_step * config.rollout.group_size)
     except ValueError as error:
         raise LaunchError(str(error)) from None
@@ -190,7 +190,7 @@ def _mesh_fix(bound: dict[str, int], devices: int) -> str:
             remaining //= fixed[axis]
     if -1 not in fixed.values() and remaining > 1:
         fixed["fsdp"] = -1
-    changes = [f"--gin_param 'MeshConfig.{a} = {s}'" for a, s in fixed.items() if s != bound[a]]
+    changes = [f"--gin-param 'MeshConfig.{a} = {s}'" for a, s in fixed.items() if s != bound[a]]
     return (f"the axes must multiply to {devices} (one may be -1 = the rest); e.g. " + " ".join(changes)
             if changes else f"the axes must multiply to {devices} (one may be -1 = the rest)")
 
@@ -272,29 +272,34 @@ def _lock(_args) -> list[str]:
     return lines
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The preflight's command line (`--kebab-case` flags with snake_case aliases, as `trace-jax`'s)."""
     parser = argparse.ArgumentParser(prog="launch/check.py", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     config_args = argparse.ArgumentParser(add_help=False)
-    config_args.add_argument("--gin_file", action="append", default=[])
-    config_args.add_argument("--gin_param", action="append", default=[])
-    config_args.add_argument("--run_dir", default="")
+    config_args.add_argument("--gin-file", "--gin_file", action="append", default=[])
+    config_args.add_argument("--gin-param", "--gin_param", action="append", default=[])
+    config_args.add_argument("--run-dir", "--run_dir", default="")
     tpu = commands.add_parser("tpu", parents=[config_args], help="a TPU slice")
     tpu.add_argument("--topology", required=True)
     only_slice = commands.add_parser("slice", help="a TPU slice name alone")
     only_slice.add_argument("--topology", required=True)
     gpu = commands.add_parser("gpu", parents=[config_args], help="GPUs")
-    gpu.add_argument("--num_devices", type=int, required=True)
+    gpu.add_argument("--num-devices", "--num_devices", type=int, required=True)
     sweep = commands.add_parser("sweep", help="every run of a sweep on a TPU slice")
     sweep.add_argument("sweep_file")
     sweep.add_argument("--topology", required=True)
-    sweep.add_argument("--runs_root", required=True)
+    sweep.add_argument("--runs-root", "--runs_root", required=True)
     commands.add_parser("lock", help="pins of the runtime dependencies installed here")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command in ("tpu", "gpu") and not args.gin_file:
         from trace_jax.train.cli import DEFAULT_GIN
 
-        args.gin_file = [DEFAULT_GIN]  # what `trace-jax train` runs without --gin_file
+        args.gin_file = [DEFAULT_GIN]  # what `trace-jax train` runs without --gin-file
     if args.command == "lock":
         print("\n".join(_lock(args)))
         return 0

@@ -96,13 +96,14 @@ has_value() {
 }
 
 # common_arg "$@": the flags every launcher shares (the gin config, the run directory, --dry-run, --help); sets
-# SHIFT to the words it took. Anything else is an unknown argument. The caller's `usage` prints its own help.
+# SHIFT to the words it took. Anything else is an unknown argument. The caller's `usage` prints its own help. Flags
+# are --kebab-case; the snake_case spellings (--gin_file) are accepted too, as `trace-jax` accepts them.
 # shellcheck disable=SC2034  # GIN_FILES, GIN_PARAMS, RUN_DIR, SHIFT are the sourcing script's
 common_arg() {
   case $1 in
-    --gin_file) has_value "$1" "$#"; GIN_FILES+=("$2"); SHIFT=2 ;;
-    --gin_param) has_value "$1" "$#"; GIN_PARAMS+=("$2"); SHIFT=2 ;;
-    --run_dir) has_value "$1" "$#"; RUN_DIR=$2; SHIFT=2 ;;
+    --gin-file | --gin_file) has_value "$1" "$#"; GIN_FILES+=("$2"); SHIFT=2 ;;
+    --gin-param | --gin_param) has_value "$1" "$#"; GIN_PARAMS+=("$2"); SHIFT=2 ;;
+    --run-dir | --run_dir) has_value "$1" "$#"; RUN_DIR=$2; SHIFT=2 ;;
     --dry-run) DRY_RUN=1; SHIFT=1 ;;
     -h | --help) usage 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;

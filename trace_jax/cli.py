@@ -4,6 +4,9 @@ Each sub-command lives in the module that owns the job and exposes two functions
 `add_arguments(parser: argparse.ArgumentParser) -> None` and `run(args: argparse.Namespace) -> int`.
 This module only dispatches; it imports a sub-command's module when that sub-command is asked for,
 so `trace-jax --help` stays fast and a broken optional part cannot break the others.
+
+Every command's flags are `--kebab-case`; a multi-word flag also takes its snake_case spelling (`--run-dir` and
+`--run_dir`), listed second (`tests/test_cli_flags.py` checks every command).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # trace-jax on the GPUs of one machine: one process drives them all (no jax.distributed needed).
 #
-#   launch/gpu/single_host.sh [--gpus N] [--python PYTHON] [--dry-run] --run_dir DIR [--gin_file F ...]
-#       [--gin_param 'X.y = z' ...]
+#   launch/gpu/single_host.sh [--gpus N] [--python PYTHON] [--dry-run] --run-dir DIR [--gin-file F ...]
+#       [--gin-param 'X.y = z' ...]
 #
 # --gpus N uses GPUs 0..N-1 (CUDA_VISIBLE_DEVICES); default: every GPU `nvidia-smi -L` lists. Before anything runs,
 # launch/check.py parses the gin config as `trace-jax train` does and checks that the MeshConfig axes multiply to N.
@@ -27,7 +27,7 @@ while (($#)); do
   esac
 done
 
-need "$RUN_DIR" --run_dir
+need "$RUN_DIR" --run-dir
 if [[ -z $GPUS ]]; then
   command -v nvidia-smi >/dev/null || die "nvidia-smi not found: pass --gpus N"
   GPUS=$(nvidia-smi -L | grep -c '^GPU ') || true
@@ -35,11 +35,11 @@ if [[ -z $GPUS ]]; then
 fi
 need_int "$GPUS" --gpus 1
 
-check_args=(gpu --num_devices "$GPUS" --run_dir "$RUN_DIR")
+check_args=(gpu --num-devices "$GPUS" --run-dir "$RUN_DIR")
 train=("$TRAIN_PYTHON" -m trace_jax.cli train)
-for f in "${GIN_FILES[@]}"; do check_args+=(--gin_file "$f"); train+=(--gin_file "$f"); done
-for p in "${GIN_PARAMS[@]}"; do check_args+=(--gin_param "$p"); train+=(--gin_param "$p"); done
-train+=(--run_dir "$RUN_DIR")
+for f in "${GIN_FILES[@]}"; do check_args+=(--gin-file "$f"); train+=(--gin-file "$f"); done
+for p in "${GIN_PARAMS[@]}"; do check_args+=(--gin-param "$p"); train+=(--gin-param "$p"); done
+train+=(--run-dir "$RUN_DIR")
 preflight "${check_args[@]}"
 note "$GPUS GPUs; mesh $MESH"
 

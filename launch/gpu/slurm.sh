@@ -2,7 +2,7 @@
 # trace-jax on a SLURM GPU cluster: writes a batch script that starts the trainer on every node with `srun` and
 # jax.distributed, and submits it with `sbatch`.
 #
-#   launch/gpu/slurm.sh --nodes N --gpus-per-node G --run_dir DIR [--gin_file F ...] [--gin_param 'X.y = z' ...]
+#   launch/gpu/slurm.sh --nodes N --gpus-per-node G --run-dir DIR [--gin-file F ...] [--gin-param 'X.y = z' ...]
 #       [--mode auto|env] [--port P] [--partition P] [--account A] [--time T] [--job-name J] [--requeue]
 #       [--signal-seconds S] [--sbatch-arg ARG ...] [--python PYTHON] [--dry-run]
 #
@@ -53,12 +53,12 @@ done
 
 need "$NODES" --nodes
 need "$GPUS_PER_NODE" --gpus-per-node
-need "$RUN_DIR" --run_dir
+need "$RUN_DIR" --run-dir
 need_int "$NODES" --nodes 1
 need_int "$GPUS_PER_NODE" --gpus-per-node 1
 need_port "$PORT" --port
 need_int "$SIGNAL_SECONDS" --signal-seconds
-one_line "$RUN_DIR" --run_dir
+one_line "$RUN_DIR" --run-dir
 one_line "$PARTITION" --partition
 one_line "$ACCOUNT" --account
 one_line "$PWD" "the current directory (--chdir of the batch script)"
@@ -82,23 +82,23 @@ if [[ $TRAIN_PYTHON != /* ]]; then
 fi
 
 DEVICES=$((NODES * GPUS_PER_NODE))
-check_args=(gpu --num_devices "$DEVICES" --run_dir "$RUN_DIR")
-for f in "${GIN_FILES[@]}"; do check_args+=(--gin_file "$f"); done
-for p in "${GIN_PARAMS[@]}"; do check_args+=(--gin_param "$p"); done
+check_args=(gpu --num-devices "$DEVICES" --run-dir "$RUN_DIR")
+for f in "${GIN_FILES[@]}"; do check_args+=(--gin-file "$f"); done
+for p in "${GIN_PARAMS[@]}"; do check_args+=(--gin-param "$p"); done
 preflight "${check_args[@]}"
 note "$NODES nodes x $GPUS_PER_NODE GPUs = $DEVICES devices; mesh $MESH"
 
 [[ $RUN_DIR == /* ]] || RUN_DIR="$PWD/$RUN_DIR"
 train=("$TRAIN_PYTHON" -m trace_jax.cli train)
-for f in "${GIN_FILES[@]}"; do train+=(--gin_file "$f"); done
-for p in "${GIN_PARAMS[@]}"; do train+=(--gin_param "$p"); done
+for f in "${GIN_FILES[@]}"; do train+=(--gin-file "$f"); done
+for p in "${GIN_PARAMS[@]}"; do train+=(--gin-param "$p"); done
 if [[ $MODE == auto ]]; then
-  train+=(--gin_param 'DistributedConfig.mode = "auto"')
+  train+=(--gin-param 'DistributedConfig.mode = "auto"')
   tasks_per_node=$GPUS_PER_NODE
 else
   tasks_per_node=1
 fi
-train+=(--run_dir "$RUN_DIR" --no_progress)
+train+=(--run-dir "$RUN_DIR" --no-progress)
 
 # sbatch_word VALUE: VALUE as one word of an #SBATCH line. sbatch, not the shell, reads those lines: double quotes
 # group (so spaces and '#' stay in the value) and a backslash escapes the next character. Bare when nothing needs it.

@@ -35,7 +35,7 @@ while (($#)); do
     --project | --runtime-version | --mount | --python | --create-attempts | --retry-wait | --poll-seconds | \
       --max-failures | --max-recreates)
       has_value "$1" "$#"; PASS+=("$1" "$2"); shift 2 ;;
-    --gin_file | --gin_param | --run_dir | --name | --delete-when-done)
+    --gin-file | --gin_file | --gin-param | --gin_param | --run-dir | --run_dir | --name | --delete-when-done)
       die "$1 is set per run by the sweep file; edit it (sweep.base, sweep.params, sweep.axes) instead" ;;
     -*) die "unknown argument '$1' (see --help)" ;;
     *)
@@ -55,7 +55,7 @@ need_int "$PARALLEL" --parallel
 
 # set by check.py: each run's name, and its `trace-jax train` arguments (RUN_ARGC[i] of the flat RUN_ARGV for run i)
 RUN_NAMES=() RUN_ARGC=() RUN_ARGV=() SWEEP_NAME=""
-preflight sweep "$SWEEP_FILE" --topology "$TOPOLOGY" --runs_root "$RUNS_ROOT"
+preflight sweep "$SWEEP_FILE" --topology "$TOPOLOGY" --runs-root "$RUNS_ROOT"
 total=${#RUN_NAMES[@]}
 ((PARALLEL > 0)) || PARALLEL=$total
 note "sweep $SWEEP_NAME: $total runs on $TOPOLOGY slices $PREFIX-0..$PREFIX-$((total - 1)), $PARALLEL at a time"

@@ -32,7 +32,7 @@
 #                         --output-directory); the terminal then shows only gcloud's own messages
 #   --plan                run/babysit: first run `trace-jax plan` here (AOT compile for the topology, HBM fit;
 #                         needs the `tpu` extra locally) and stop unless it succeeds; --topology must be a shape
-#   --gin_file F, --gin_param B, --run_dir D   as for `trace-jax train`; RUN_DIR must be an absolute path on storage
+#   --gin-file F, --gin-param B, --run-dir D   as for `trace-jax train`; RUN_DIR must be an absolute path on storage
 #                         every worker mounts (a preemption wipes the VMs' disks)
 #   --dry-run             print the commands (gcloud, git) instead of running them; the checks still run
 #
@@ -101,23 +101,23 @@ if [[ $COMMAND == setup || $COMMAND == run || $COMMAND == babysit ]]; then
   git -C "$REPO_ROOT" rev-parse --git-dir >/dev/null 2>&1 ||
     die "$REPO_ROOT is not a git checkout; the launchers ship the checkout's tree to the workers"
   for f in "${GIN_FILES[@]}"; do
-    [[ $f != /* ]] || die "--gin_file '$f' is absolute; give a path inside the checkout (e.g." \
+    [[ $f != /* ]] || die "--gin-file '$f' is absolute; give a path inside the checkout (e.g." \
       "configs/qwen3_4b.gin): the workers run from their copy of it"
     git -C "$REPO_ROOT" ls-files --error-unmatch -- "$f" >/dev/null 2>&1 ||
-      die "--gin_file '$f' is not in the checkout's git index; git add it (the workers get the tracked files)"
+      die "--gin-file '$f' is not in the checkout's git index; git add it (the workers get the tracked files)"
   done
 fi
 
 case $COMMAND in
   create | run | babysit)
     need "$TOPOLOGY" --topology
-    [[ $COMMAND == create ]] || need "$RUN_DIR" --run_dir
+    [[ $COMMAND == create ]] || need "$RUN_DIR" --run-dir
     check_args=(tpu --topology "$TOPOLOGY")
     # sweep.sh checked every run's config already; the slice name is all that is left to resolve
     if [[ $COMMAND != create && ${LAUNCH_CONFIG_CHECKED:-0} != 1 ]]; then
-      check_args+=(--run_dir "$RUN_DIR")
-      for f in "${GIN_FILES[@]}"; do check_args+=(--gin_file "$f"); done
-      for p in "${GIN_PARAMS[@]}"; do check_args+=(--gin_param "$p"); done
+      check_args+=(--run-dir "$RUN_DIR")
+      for f in "${GIN_FILES[@]}"; do check_args+=(--gin-file "$f"); done
+      for p in "${GIN_PARAMS[@]}"; do check_args+=(--gin-param "$p"); done
     else
       check_args[0]=slice
     fi
@@ -126,8 +126,8 @@ case $COMMAND in
     if ((PLAN)) && [[ $COMMAND != create ]]; then
       [[ $TOPOLOGY == *:* ]] || die "--plan needs --topology as a shape (e.g. v5e:4x4), not '$TOPOLOGY'"
       plan=("$PYTHON" -m trace_jax.cli plan --topology "$TOPOLOGY")
-      for f in "${GIN_FILES[@]}"; do plan+=(--gin_file "$f"); done
-      for p in "${GIN_PARAMS[@]}"; do plan+=(--gin_param "$p"); done
+      for f in "${GIN_FILES[@]}"; do plan+=(--gin-file "$f"); done
+      for p in "${GIN_PARAMS[@]}"; do plan+=(--gin-param "$p"); done
       run "${plan[@]}" || die "trace-jax plan did not pass for $TOPOLOGY (see above); nothing was created"
     fi
     note "slice $TOPOLOGY = $ACCELERATOR_TYPE ($CHIPS chips, runtime $RUNTIME_VERSION); mesh ${MESH:-(not checked here)}"
@@ -267,10 +267,10 @@ setup_workers() {
 train_remote_command() {
   # shellcheck disable=SC2088  # the tilde is for the worker's shell to expand
   local train=('~/trace-jax-venv/bin/python' -m trace_jax.cli train) f p logs
-  for f in "${GIN_FILES[@]}"; do train+=(--gin_file "$f"); done
-  for p in "${GIN_PARAMS[@]}"; do train+=(--gin_param "$p"); done
+  for f in "${GIN_FILES[@]}"; do train+=(--gin-file "$f"); done
+  for p in "${GIN_PARAMS[@]}"; do train+=(--gin-param "$p"); done
   # JAX's own TPU pod detection; every worker runs the same program (the multi-host runtime, DistributedConfig).
-  train+=(--gin_param 'DistributedConfig.mode = "auto"' --run_dir "$RUN_DIR" --no_progress)
+  train+=(--gin-param 'DistributedConfig.mode = "auto"' --run-dir "$RUN_DIR" --no-progress)
   logs="$RUN_DIR/logs"
   # In the subshell $BASHPID becomes the trainer's pid (exec), which `stop` signals. The workers' shell is bash.
   printf '%s' "set -o pipefail; mkdir -p $(quote "$logs") && cd ~/trace-jax && (echo \$BASHPID > ~/trace-jax-train.pid; exec $(show "${train[@]}")) 2>&1 | tee -a $(quote "$logs")/\"\$(hostname)\".log"

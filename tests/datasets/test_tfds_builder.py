@@ -21,7 +21,7 @@ def test_builder_prepares_every_split_in_array_record(data_dir):
     builder = TraceJaxSearchTasks(config="tiny", data_dir=str(data_dir), file_format="array_record")
     assert {name: info.num_examples for name, info in builder.info.splits.items()} == {
         "train": 32, "validation": 8, "test": 8}
-    assert list((data_dir / "trace_jax_search_tasks" / "tiny" / "1.0.0").glob("*.array_record*"))
+    assert list((data_dir / "trace_jax_search_tasks" / "tiny" / "1.1.0").glob("*.array_record*"))
 
 
 @pytest.mark.parametrize("split, size", [("train", 32), ("validation", 8), ("test", 8)])

@@ -61,8 +61,8 @@ def test_a_bad_slice_name_is_refused_with_the_accepted_forms(name, message):
 
 
 def test_qwen3_4b_fills_a_v5e_4x4_with_fsdp_16(capsys):
-    status, out, _ = run_check(capsys, "tpu", "--topology", "v5e:4x4", "--run_dir", "/mnt/gcs/runs/q4b",
-                               "--gin_file", "configs/qwen3_4b.gin", "--gin_param", QWEN3_4B)
+    status, out, _ = run_check(capsys, "tpu", "--topology", "v5e:4x4", "--run-dir", "/mnt/gcs/runs/q4b",
+                               "--gin-file", "configs/qwen3_4b.gin", "--gin-param", QWEN3_4B)
     assert status == 0
     assert records(out) == [("ACCELERATOR_TYPE", "v5litepod-16"), ("RUNTIME_VERSION", "v2-alpha-tpuv5-lite"),
                             ("CHIPS", "16"), ("MESH", "data=1 fsdp=16 tensor=1 expert=1")]
@@ -70,74 +70,74 @@ def test_qwen3_4b_fills_a_v5e_4x4_with_fsdp_16(capsys):
 
 def test_a_batch_the_mesh_cannot_split_is_a_warning_that_names_the_shards(capsys):
     # Qwen3-4B: 16 prompts x 8 samples in 16 micro-batches = 8 rows per micro-batch, over 16 batch shards.
-    status, _, err = run_check(capsys, "tpu", "--topology", "v5e:4x4", "--run_dir", "/mnt/gcs/runs/q4b",
-                               "--gin_file", "configs/qwen3_4b.gin", "--gin_param", QWEN3_4B)
+    status, _, err = run_check(capsys, "tpu", "--topology", "v5e:4x4", "--run-dir", "/mnt/gcs/runs/q4b",
+                               "--gin-file", "configs/qwen3_4b.gin", "--gin-param", QWEN3_4B)
     assert status == 0
     assert "a micro-batch holds 8 rows, not divisible by the 16 batch shards" in err
 
 
 def test_qwen3_30b_a3b_expert_axis_8_does_not_fit_a_v5p_8_and_the_fix_is_named(capsys):
-    status, out, err = run_check(capsys, "tpu", "--topology", "v5p-8", "--run_dir", "/mnt/gcs/runs/q30",
-                                 "--gin_file", "configs/qwen3_30b_a3b.gin", "--gin_param", QWEN3_30B)
+    status, out, err = run_check(capsys, "tpu", "--topology", "v5p-8", "--run-dir", "/mnt/gcs/runs/q30",
+                                 "--gin-file", "configs/qwen3_30b_a3b.gin", "--gin-param", QWEN3_30B)
     assert status == 2 and out == ""
     assert err.startswith("error: the mesh does not fit v5p-8 (4 chips): MeshConfig.fsdp: -1 cannot fill 4 devices")
     assert "bound: MeshConfig data=1 fsdp=-1 tensor=1 expert=8" in err
-    assert "--gin_param 'MeshConfig.expert = 4'" in err
+    assert "--gin-param 'MeshConfig.expert = 4'" in err
 
 
 def test_fixed_axes_that_multiply_past_the_chips_are_refused(capsys):
-    status, _, err = run_check(capsys, "tpu", "--topology", "v5e:2x2", "--run_dir", "/mnt/gcs/runs/t",
-                               "--gin_param", "MeshConfig.fsdp = 2", "--gin_param", "MeshConfig.tensor = 4")
+    status, _, err = run_check(capsys, "tpu", "--topology", "v5e:2x2", "--run-dir", "/mnt/gcs/runs/t",
+                               "--gin-param", "MeshConfig.fsdp = 2", "--gin-param", "MeshConfig.tensor = 4")
     assert status == 2
     assert "multiply to 8 but there are 4 devices" in err and "v5e:2x2 (4 chips)" in err
-    assert "--gin_param 'MeshConfig.tensor = 2'" in err
+    assert "--gin-param 'MeshConfig.tensor = 2'" in err
 
 
 def test_the_gpu_check_resolves_the_mesh_on_the_gpu_count(capsys):
-    status, out, _ = run_check(capsys, "gpu", "--num_devices", "16", "--run_dir", "runs/q30",
-                               "--gin_file", "configs/qwen3_30b_a3b.gin")
+    status, out, _ = run_check(capsys, "gpu", "--num-devices", "16", "--run-dir", "runs/q30",
+                               "--gin-file", "configs/qwen3_30b_a3b.gin")
     assert status == 0 and records(out) == [("MESH", "data=1 fsdp=2 tensor=1 expert=8")]
 
 
 @pytest.mark.parametrize("run_dir, message", [
     ("gs://bucket/runs/q4b", "a URL does not work; mount the bucket on every host"),
     ("runs/q4b", "is relative: every host must write the same run directory on durable storage"),
-    ("", "--run_dir is required"),
+    ("", "--run-dir is required"),
 ])
 def test_a_tpu_run_dir_must_be_an_absolute_mounted_path(capsys, run_dir, message):
-    status, _, err = run_check(capsys, "tpu", "--topology", "v5e:2x2", "--run_dir", run_dir)
+    status, _, err = run_check(capsys, "tpu", "--topology", "v5e:2x2", "--run-dir", run_dir)
     assert status == 2 and message in err
 
 
 def test_a_relative_pretrained_checkpoint_is_refused_on_tpu_workers(capsys):
-    status, _, err = run_check(capsys, "tpu", "--topology", "v5e:4x4", "--run_dir", "/mnt/gcs/runs/q4b",
-                               "--gin_file", "configs/qwen3_4b.gin")
+    status, _, err = run_check(capsys, "tpu", "--topology", "v5e:4x4", "--run-dir", "/mnt/gcs/runs/q4b",
+                               "--gin-file", "configs/qwen3_4b.gin")
     assert status == 2
     assert "TrainConfig.checkpoint = 'checkpoints/Qwen3-4B' is relative" in err
 
 
 def test_a_misspelt_binding_is_named_before_anything_is_spent(capsys):
-    status, _, err = run_check(capsys, "tpu", "--topology", "v5e:2x2", "--run_dir", "/mnt/gcs/runs/t",
-                               "--gin_param", "MeshConfg.fsdp = 4")
+    status, _, err = run_check(capsys, "tpu", "--topology", "v5e:2x2", "--run-dir", "/mnt/gcs/runs/t",
+                               "--gin-param", "MeshConfg.fsdp = 4")
     assert status == 2
-    assert "--gin_param 'MeshConfg.fsdp = 4': unknown config 'MeshConfg'" in err and "did you mean MeshConfig" in err
+    assert "--gin-param 'MeshConfg.fsdp = 4': unknown config 'MeshConfg'" in err and "did you mean MeshConfig" in err
 
 
 def test_every_run_of_a_sweep_is_checked_and_listed_with_its_train_arguments(capsys, tmp_path):
     sweep = tmp_path / "mesh.gin"
     sweep.write_text("sweep.name = 'mesh'\nsweep.base = ['configs/tiny.gin']\n"
                      "sweep.axes = {'MeshConfig.tensor': [1, 2, 8]}\n", encoding="utf-8")
-    status, _, err = run_check(capsys, "sweep", str(sweep), "--topology", "v5e:2x2", "--runs_root", "/mnt/s")
+    status, _, err = run_check(capsys, "sweep", str(sweep), "--topology", "v5e:2x2", "--runs-root", "/mnt/s")
     assert status == 2 and "in sweep run 'tensor=8'" in err
     sweep.write_text(sweep.read_text(encoding="utf-8").replace(", 8]", "]"), encoding="utf-8")
-    status, out, _ = run_check(capsys, "sweep", str(sweep), "--topology", "v5e:2x2", "--runs_root", "/mnt/s")
+    status, out, _ = run_check(capsys, "sweep", str(sweep), "--topology", "v5e:2x2", "--runs-root", "/mnt/s")
     assert status == 0
     got = records(out)
     assert [v for n, v in got if n == "RUN_NAMES[]"] == ["tensor=1", "tensor=2"]
     counts = [int(v) for n, v in got if n == "RUN_ARGC[]"]
     argv = [v for n, v in got if n == "RUN_ARGV[]"]
-    assert counts == [6, 6] and argv[6:] == ["--gin_file", "configs/tiny.gin", "--gin_param", "MeshConfig.tensor = 2",
-                                             "--run_dir", "/mnt/s/mesh/tensor=2"]
+    assert counts == [6, 6] and argv[6:] == ["--gin-file", "configs/tiny.gin", "--gin-param", "MeshConfig.tensor = 2",
+                                             "--run-dir", "/mnt/s/mesh/tensor=2"]
 
 
 def test_constraints_pin_every_runtime_dependency_exactly_and_libtpu_as_jax_tpu_does():

@@ -10,29 +10,29 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-QWEN3_4B = ["--gin_file", "configs/qwen3_4b.gin", "--gin_param", "TrainConfig.checkpoint = '/shared/models/Qwen3-4B'"]
+QWEN3_4B = ["--gin-file", "configs/qwen3_4b.gin", "--gin-param", "TrainConfig.checkpoint = '/shared/models/Qwen3-4B'"]
 
 
 def test_single_host_dry_run_runs_one_process_on_the_named_gpus(launch):
-    result = launch("gpu/single_host.sh", "--gpus", "4", "--python", "python3", *QWEN3_4B, "--run_dir", "runs/q4b",
+    result = launch("gpu/single_host.sh", "--gpus", "4", "--python", "python3", *QWEN3_4B, "--run-dir", "runs/q4b",
                     "--dry-run")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
-        "env CUDA_VISIBLE_DEVICES=0,1,2,3 python3 -m trace_jax.cli train --gin_file configs/qwen3_4b.gin --gin_param "
-        "\"TrainConfig.checkpoint = '/shared/models/Qwen3-4B'\" --run_dir runs/q4b"]
+        "env CUDA_VISIBLE_DEVICES=0,1,2,3 python3 -m trace_jax.cli train --gin-file configs/qwen3_4b.gin --gin-param "
+        "\"TrainConfig.checkpoint = '/shared/models/Qwen3-4B'\" --run-dir runs/q4b"]
     assert "mesh data=1 fsdp=4 tensor=1 expert=1" in result.stderr
 
 
 def test_single_host_refuses_a_mesh_that_does_not_fit_its_gpus(launch):
-    result = launch("gpu/single_host.sh", "--gpus", "6", "--gin_file", "configs/qwen3_30b_a3b.gin",
-                    "--run_dir", "runs/q30", "--dry-run")
+    result = launch("gpu/single_host.sh", "--gpus", "6", "--gin-file", "configs/qwen3_30b_a3b.gin",
+                    "--run-dir", "runs/q30", "--dry-run")
     assert result.returncode == 2 and result.stdout == ""
     assert "the mesh does not fit 6 GPUs" in result.stderr and "MeshConfig.expert = 2" in result.stderr
 
 
 def slurm_dry_run(launch, *args):
     result = launch("gpu/slurm.sh", "--nodes", "2", "--gpus-per-node", "8", "--python", "/opt/venv/bin/python",
-                    *QWEN3_4B, "--run_dir", "/shared/runs/q4b", "--partition", "gpu", "--time", "24:00:00",
+                    *QWEN3_4B, "--run-dir", "/shared/runs/q4b", "--partition", "gpu", "--time", "24:00:00",
                     *args, "--dry-run")
     assert result.returncode == 0, result.stderr
     return re.sub(r"slurm-\d{8}-\d{6}\.sbatch", "slurm-TIME.sbatch", result.stdout).splitlines()
@@ -40,7 +40,7 @@ def slurm_dry_run(launch, *args):
 
 HEADER = ["# the batch script (/shared/runs/q4b/launch/slurm-TIME.sbatch):", "#!/bin/bash",
           "#SBATCH --job-name=trace-jax", "#SBATCH --nodes=2"]
-TRAIN = ("/opt/venv/bin/python -m trace_jax.cli train --gin_file configs/qwen3_4b.gin --gin_param \"TrainConfig."
+TRAIN = ("/opt/venv/bin/python -m trace_jax.cli train --gin-file configs/qwen3_4b.gin --gin-param \"TrainConfig."
          "checkpoint = '/shared/models/Qwen3-4B'\"")
 
 
@@ -49,8 +49,8 @@ def test_slurm_auto_mode_runs_one_task_per_gpu_and_lets_jax_read_slurm(launch):
         "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8", f"#SBATCH --chdir={REPO}",
         "#SBATCH --output=/shared/runs/q4b/logs/slurm-%j.out", "#SBATCH --signal=TERM@300",
         "#SBATCH --partition=gpu", "#SBATCH --time=24:00:00", "set -euo pipefail", "mkdir -p /shared/runs/q4b/logs",
-        f"srun --kill-on-bad-exit=1 --output=/shared/runs/q4b/logs/slurm-%j-%t.log {TRAIN} --gin_param "
-        "'DistributedConfig.mode = \"auto\"' --run_dir /shared/runs/q4b --no_progress",
+        f"srun --kill-on-bad-exit=1 --output=/shared/runs/q4b/logs/slurm-%j-%t.log {TRAIN} --gin-param "
+        "'DistributedConfig.mode = \"auto\"' --run-dir /shared/runs/q4b --no-progress",
         "# submitted with:", "sbatch /shared/runs/q4b/launch/slurm-TIME.sbatch"]
 
 
@@ -63,8 +63,8 @@ def test_slurm_env_mode_runs_one_task_per_node_with_the_trace_jax_coordinator_va
         'TRACE_JAX_COORDINATOR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p):1234"',
         "export TRACE_JAX_COORDINATOR TRACE_JAX_NUM_PROCESSES=2",
         "srun --kill-on-bad-exit=1 --output=/shared/runs/q4b/logs/slurm-%j-%t.log bash -c "
-        "'TRACE_JAX_PROCESS_ID=$SLURM_PROCID exec \"$@\"' trace-jax " + TRAIN + " --run_dir /shared/runs/q4b "
-        "--no_progress",
+        "'TRACE_JAX_PROCESS_ID=$SLURM_PROCID exec \"$@\"' trace-jax " + TRAIN + " --run-dir /shared/runs/q4b "
+        "--no-progress",
         "# submitted with:", "sbatch /shared/runs/q4b/launch/slurm-TIME.sbatch"]
 
 
@@ -75,10 +75,10 @@ def test_slurm_env_mode_runs_one_task_per_node_with_the_trace_jax_coordinator_va
     (["--gpus-per-node", "3"], "the mesh does not fit 6 GPUs"),
 ])
 def test_slurm_bad_arguments_are_named_before_anything_is_submitted(launch, fake_gcloud, args, message):
-    base = {"--nodes": "2", "--gpus-per-node": "8", "--run_dir": "/shared/r"}
+    base = {"--nodes": "2", "--gpus-per-node": "8", "--run-dir": "/shared/r"}
     for flag in args[::2]:
         base.pop(flag, None)
-    argv = [x for kv in base.items() for x in kv] + ["--gin_file", "configs/qwen3_30b_a3b.gin"] + args
+    argv = [x for kv in base.items() for x in kv] + ["--gin-file", "configs/qwen3_30b_a3b.gin"] + args
     result = launch("gpu/slurm.sh", *argv)
     assert result.returncode == 2 and message in result.stderr
     assert fake_gcloud.calls() == []  # sbatch (the fake) never called
@@ -102,7 +102,7 @@ def test_an_env_mode_batch_script_gives_each_task_its_process_id_and_the_same_tr
     trainer.chmod(0o755)
     run_dir = tmp_path / "shared" / "run"
     result = launch("gpu/slurm.sh", "--nodes", "2", "--gpus-per-node", "1", "--mode", "env", "--python", str(trainer),
-                    "--gin_param", "TrainConfig.steps = 3", "--run_dir", str(run_dir))
+                    "--gin-param", "TrainConfig.steps = 3", "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
     (sbatch_call,) = fake_gcloud.calls()
     script = Path(sbatch_call[0])
@@ -115,8 +115,8 @@ def test_an_env_mode_batch_script_gives_each_task_its_process_id_and_the_same_tr
     subprocess.run(["bash", str(script)], check=True, env=env, cwd=tmp_path, timeout=60)
     for task in (0, 1):
         lines = (run_dir / "logs" / f"slurm-%j-{task}.log").read_text(encoding="utf-8").splitlines()
-        assert lines == [f"node-a:29500 2 {task}", "-m", "trace_jax.cli", "train", "--gin_param",
-                         "TrainConfig.steps = 3", "--run_dir", str(run_dir), "--no_progress"]
+        assert lines == [f"node-a:29500 2 {task}", "-m", "trace_jax.cli", "train", "--gin-param",
+                         "TrainConfig.steps = 3", "--run-dir", str(run_dir), "--no-progress"]
 
 
 def test_single_host_counts_the_gpus_nvidia_smi_lists_when_not_told(launch, fake_gcloud):
@@ -124,6 +124,17 @@ def test_single_host_counts_the_gpus_nvidia_smi_lists_when_not_told(launch, fake
     smi.write_text("#!/usr/bin/env bash\necho 'GPU 0: NVIDIA H100 (UUID: a)'\necho 'GPU 1: NVIDIA H100 (UUID: b)'\n",
                    encoding="utf-8")
     smi.chmod(0o755)
-    result = launch("gpu/single_host.sh", "--python", "python3", "--run_dir", "runs/t", "--dry-run")
+    result = launch("gpu/single_host.sh", "--python", "python3", "--run-dir", "runs/t", "--dry-run")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == ["env CUDA_VISIBLE_DEVICES=0,1 python3 -m trace_jax.cli train --run_dir runs/t"]
+    assert result.stdout.splitlines() == ["env CUDA_VISIBLE_DEVICES=0,1 python3 -m trace_jax.cli train --run-dir runs/t"]
+
+
+@pytest.mark.parametrize("spelling", [("--run_dir", "--gin_file", "--gin_param"), ("--run-dir", "--gin-file",
+                                                                                   "--gin-param")])
+def test_launchers_take_both_flag_spellings_and_pass_kebab_case_on(launch, spelling):
+    run_dir, gin_file, gin_param = spelling
+    result = launch("gpu/single_host.sh", "--gpus", "1", "--python", "python3", run_dir, "runs/t", gin_file,
+                    "configs/tiny.gin", gin_param, "TrainConfig.steps = 1", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["env CUDA_VISIBLE_DEVICES=0 python3 -m trace_jax.cli train --gin-file "
+                                          "configs/tiny.gin --gin-param 'TrainConfig.steps = 1' --run-dir runs/t"]

@@ -15,8 +15,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(str(p.relative_to(REPO)) for p in (REPO / "launch").rglob("*.sh"))
 LOCATION = ["--zone", "us-east5-b", "--project", "my-proj"]
-QWEN3_4B = ["--topology", "v5e:4x4", "--gin_file", "configs/qwen3_4b.gin",
-            "--gin_param", "TrainConfig.checkpoint = '/mnt/gcs/models/Qwen3-4B'", "--run_dir", "/mnt/gcs/runs/q4b"]
+QWEN3_4B = ["--topology", "v5e:4x4", "--gin-file", "configs/qwen3_4b.gin",
+            "--gin-param", "TrainConfig.checkpoint = '/mnt/gcs/models/Qwen3-4B'", "--run-dir", "/mnt/gcs/runs/q4b"]
 GC = "gcloud compute tpus"
 AT = "--zone us-east5-b --project my-proj"
 
@@ -59,9 +59,9 @@ def test_babysit_dry_run_prints_the_exact_commands_of_a_queued_qwen3_4b_run(laun
         "apt-get install -y -qq gcsfuse; fi; sudo mkdir -p /mnt/gcs; sudo chown \"$USER\" /mnt/gcs; mountpoint -q "
         "/mnt/gcs || gcsfuse --implicit-dirs --rename-dir-limit=200000 my-bucket /mnt/gcs'",
         f"{ssh} 'set -o pipefail; mkdir -p /mnt/gcs/runs/q4b/logs && cd ~/trace-jax && (echo $BASHPID > "
-        "~/trace-jax-train.pid; exec ~/trace-jax-venv/bin/python -m trace_jax.cli train --gin_file "
-        "configs/qwen3_4b.gin --gin_param \"TrainConfig.checkpoint = '\\''/mnt/gcs/models/Qwen3-4B'\\''\" "
-        "--gin_param '\\''DistributedConfig.mode = \"auto\"'\\'' --run_dir /mnt/gcs/runs/q4b --no_progress) 2>&1 | "
+        "~/trace-jax-train.pid; exec ~/trace-jax-venv/bin/python -m trace_jax.cli train --gin-file "
+        "configs/qwen3_4b.gin --gin-param \"TrainConfig.checkpoint = '\\''/mnt/gcs/models/Qwen3-4B'\\''\" "
+        "--gin-param '\\''DistributedConfig.mode = \"auto\"'\\'' --run-dir /mnt/gcs/runs/q4b --no-progress) 2>&1 | "
         "tee -a /mnt/gcs/runs/q4b/logs/\"$(hostname)\".log'",
         f"{qr} delete q4b {AT} --force --quiet",
     ]
@@ -102,9 +102,9 @@ def test_bad_arguments_are_named_and_nothing_is_called(launch, fake_gcloud, args
 
 def test_a_mesh_that_does_not_fit_the_slice_stops_run_before_any_gcloud_call(launch, fake_gcloud):
     result = launch("tpu_vm/tpu.sh", "run", "--name", "q30", *LOCATION, "--topology", "v5p-8",
-                    "--gin_file", "configs/qwen3_30b_a3b.gin",
-                    "--gin_param", "TrainConfig.checkpoint = '/mnt/gcs/models/Qwen3-30B-A3B'",
-                    "--run_dir", "/mnt/gcs/runs/q30")
+                    "--gin-file", "configs/qwen3_30b_a3b.gin",
+                    "--gin-param", "TrainConfig.checkpoint = '/mnt/gcs/models/Qwen3-30B-A3B'",
+                    "--run-dir", "/mnt/gcs/runs/q30")
     assert result.returncode == 2
     assert "error: the mesh does not fit v5p-8 (4 chips)" in result.stderr
     assert "MeshConfig.expert = 4" in result.stderr
@@ -113,7 +113,7 @@ def test_a_mesh_that_does_not_fit_the_slice_stops_run_before_any_gcloud_call(lau
 
 def test_a_gin_file_outside_the_git_index_is_refused(launch, tmp_path):
     result = launch("tpu_vm/tpu.sh", "run", "--name", "t", *LOCATION, "--topology", "v5e:2x2",
-                    "--gin_file", "configs/tiny.gin", "--gin_file", "configs/not_tracked.gin", "--run_dir", "/mnt/r")
+                    "--gin-file", "configs/tiny.gin", "--gin-file", "configs/not_tracked.gin", "--run-dir", "/mnt/r")
     assert result.returncode == 2 and "configs/not_tracked.gin" in result.stderr
 
 
@@ -158,8 +158,8 @@ def test_babysit_recreates_a_preempted_slice_and_reruns_the_same_command_which_r
         ("--command set -o pipefail", [{"rc": 255, "stderr": "Connection closed by remote host\n"}, {"exec": True}]),
     ])
     result = launch("tpu_vm/tpu.sh", "babysit", "--name", "t", *LOCATION, "--topology", "v5e:2x2",
-                    "--gin_file", "configs/tiny.gin", "--gin_param", "TrainConfig.steps = 3",
-                    "--run_dir", str(run_dir), "--poll-seconds", "0")
+                    "--gin-file", "configs/tiny.gin", "--gin-param", "TrainConfig.steps = 3",
+                    "--run-dir", str(run_dir), "--poll-seconds", "0")
     assert result.returncode == 0, result.stderr
     verbs = [" ".join(c[2:4]) + (" " + c[c.index("--command") + 1].split(";")[0][:10] if "--command" in c else "")
              for c in fake_gcloud.calls()]
@@ -176,8 +176,8 @@ def test_babysit_recreates_a_preempted_slice_and_reruns_the_same_command_which_r
     assert first_run == second_run  # the same command: the trainer resumes the run directory
     assert (home / "trace-jax" / "trace_jax" / "cli.py").is_file()  # the checkout was shipped and unpacked
     assert (home / "train-args.txt").read_text(encoding="utf-8").splitlines() == [
-        "-m", "trace_jax.cli", "train", "--gin_file", "configs/tiny.gin", "--gin_param", "TrainConfig.steps = 3",
-        "--gin_param", 'DistributedConfig.mode = "auto"', "--run_dir", str(run_dir), "--no_progress"]
+        "-m", "trace_jax.cli", "train", "--gin-file", "configs/tiny.gin", "--gin-param", "TrainConfig.steps = 3",
+        "--gin-param", 'DistributedConfig.mode = "auto"', "--run-dir", str(run_dir), "--no-progress"]
     host_log = run_dir / "logs" / f"{socket.gethostname()}.log"
     assert host_log.read_text(encoding="utf-8") == "step 3 done\n"
     assert (home / "trace-jax-train.pid").read_text(encoding="utf-8").strip().isdigit()
@@ -187,7 +187,7 @@ def test_babysit_gives_up_after_repeated_failures_on_a_healthy_slice(launch, fak
     fake_gcloud.answer([("tpu-vm describe", [{"stdout": "READY\n"}]),
                         ("--command set -o pipefail", [{"rc": 1}])])
     result = launch("tpu_vm/tpu.sh", "babysit", "--name", "t", *LOCATION, "--topology", "v5e:2x2",
-                    "--run_dir", str(tmp_path / "run"), "--poll-seconds", "0", "--max-failures", "1")
+                    "--run-dir", str(tmp_path / "run"), "--poll-seconds", "0", "--max-failures", "1")
     assert result.returncode == 2
     assert "the run failed on a healthy slice 2 time(s)" in result.stderr
     runs = [c for c in fake_gcloud.calls() if "--command" in c and "pipefail" in " ".join(c)]
@@ -208,33 +208,33 @@ def test_sweep_dry_run_babysits_each_run_on_its_own_slice(launch, tmp_path):
     tpu = REPO / "launch" / "tpu_vm" / "tpu.sh"
     assert headers == [
         f"# run {i + 1}/2 horizon={k}: {tpu} babysit --name hz-{i} --zone us-east5-b --topology v5e:2x2 "
-        f"--delete-when-done --project my-proj --spot --gin_file configs/tiny.gin --gin_param "
-        f"'CreditConfig.horizon = {k}' --run_dir /mnt/gcs/sweeps/h/horizon={k}"
+        f"--delete-when-done --project my-proj --spot --gin-file configs/tiny.gin --gin-param "
+        f"'CreditConfig.horizon = {k}' --run-dir /mnt/gcs/sweeps/h/horizon={k}"
         for i, k in enumerate((1, 3))]
     creates = [line for line in lines if " tpu-vm create " in line]
     assert creates == [f"{GC} tpu-vm create hz-{i} {AT} --accelerator-type v5litepod-4 --version v2-alpha-tpuv5-lite "
                        "--spot" for i in range(2)]
-    assert sum("--run_dir /mnt/gcs/sweeps/h/horizon=3 --no_progress" in line for line in lines) == 1
+    assert sum("--run-dir /mnt/gcs/sweeps/h/horizon=3 --no-progress" in line for line in lines) == 1
     assert [line for line in lines if " tpu-vm delete " in line] == [f"{GC} tpu-vm delete hz-{i} {AT} --quiet"
                                                                      for i in range(2)]
 
 
 def test_sweep_refuses_per_run_flags(launch):
     result = launch("tpu_vm/sweep.sh", "configs/sweeps/horizon.gin", "--name-prefix", "hz", "--zone", "z",
-                    "--topology", "v5e:2x2", "--runs-root", "/mnt/s", "--run_dir", "/x")
-    assert result.returncode == 2 and "--run_dir is set per run by the sweep file" in result.stderr
+                    "--topology", "v5e:2x2", "--runs-root", "/mnt/s", "--run-dir", "/x")
+    assert result.returncode == 2 and "--run-dir is set per run by the sweep file" in result.stderr
 
 
 def test_plan_runs_trace_jax_plan_for_the_topology_before_anything_else(launch, tmp_path):
-    result = launch("tpu_vm/tpu.sh", "run", "--name", "t", *LOCATION, "--topology", "v5e:2x2", "--gin_file",
-                    "configs/tiny.gin", "--gin_param", "TrainConfig.steps = 3", "--run_dir", "/mnt/r", "--plan",
+    result = launch("tpu_vm/tpu.sh", "run", "--name", "t", *LOCATION, "--topology", "v5e:2x2", "--gin-file",
+                    "configs/tiny.gin", "--gin-param", "TrainConfig.steps = 3", "--run-dir", "/mnt/r", "--plan",
                     "--log-dir", "logs/t", "--dry-run")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1].endswith("--output-directory logs/t")  # one local log per worker
-    assert result.stdout.splitlines()[0] == (f"{sys.executable} -m trace_jax.cli plan --topology v5e:2x2 --gin_file "
-                                             "configs/tiny.gin --gin_param 'TrainConfig.steps = 3'")
+    assert result.stdout.splitlines()[0] == (f"{sys.executable} -m trace_jax.cli plan --topology v5e:2x2 --gin-file "
+                                             "configs/tiny.gin --gin-param 'TrainConfig.steps = 3'")
     refused = launch("tpu_vm/tpu.sh", "run", "--name", "t", *LOCATION, "--topology", "v5litepod-4",
-                     "--run_dir", "/mnt/r", "--plan", "--dry-run")
+                     "--run-dir", "/mnt/r", "--plan", "--dry-run")
     assert refused.returncode == 2 and "--plan needs --topology as a shape" in refused.stderr
 
 
@@ -245,7 +245,7 @@ def test_babysit_waits_out_a_failing_describe_and_creates_only_a_slice_that_is_n
                                                                  "found\n"},
                                              {"stdout": "READY\n"}])])
     result = launch("tpu_vm/tpu.sh", "babysit", "--name", "t", *LOCATION, "--topology", "v5e:2x2",
-                    "--run_dir", str(tmp_path / "run"), "--poll-seconds", "0")
+                    "--run-dir", str(tmp_path / "run"), "--poll-seconds", "0")
     assert result.returncode == 0, result.stderr
     verbs = [c[3] for c in fake_gcloud.calls()]
     assert verbs[:4] == ["describe", "describe", "create", "describe"]

@@ -69,7 +69,7 @@ def expand_pattern(value: str, job: str = "123", task: str = "0") -> str:
 
 def slurm(launch, *args, cwd=REPO):
     return launch("gpu/slurm.sh", "--nodes", "1", "--gpus-per-node", "1", "--python", "/opt/venv/bin/python",
-                  "--gin_file", TINY, *args, "--dry-run", cwd=cwd)
+                  "--gin-file", TINY, *args, "--dry-run", cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def hostile_run(tmp_path_factory):
 def test_every_value_written_to_sbatch_lines_reads_back_exactly(launch, hostile_run):
     checkout, run_dir = hostile_run
     checkout.mkdir(exist_ok=True)
-    result = slurm(launch, "--run_dir", run_dir, "--partition", HOSTILE, "--account", HOSTILE,
+    result = slurm(launch, "--run-dir", run_dir, "--partition", HOSTILE, "--account", HOSTILE,
                    "--sbatch-arg", f"--comment={HOSTILE}", cwd=checkout)
     assert result.returncode == 0, result.stderr
     script = result.stdout.splitlines()
@@ -93,13 +93,13 @@ def test_every_value_written_to_sbatch_lines_reads_back_exactly(launch, hostile_
     srun = next(line for line in script if line.startswith("srun "))
     srun_output = next(w for w in shlex.split(srun) if w.startswith("--output="))[len("--output="):]
     assert expand_pattern(srun_output, task="1") == f"{run_dir}/logs/slurm-123-1.log"
-    assert shlex.split(srun)[-3:] == ["--run_dir", run_dir, "--no_progress"]
+    assert shlex.split(srun)[-3:] == ["--run-dir", run_dir, "--no-progress"]
 
 
-@pytest.mark.parametrize("flag", ["--run_dir", "--partition", "--account", "--job-name", "--time", "--sbatch-arg"])
+@pytest.mark.parametrize("flag", ["--run-dir", "--partition", "--account", "--job-name", "--time", "--sbatch-arg"])
 def test_a_newline_in_any_value_for_an_sbatch_line_is_refused(launch, fake_gcloud, flag):
     value = "--comment=a\n#SBATCH --exclusive" if flag == "--sbatch-arg" else "gpu\n#SBATCH --exclusive"
-    args = ["--run_dir", "/shared/r"] if flag != "--run_dir" else []
+    args = ["--run-dir", "/shared/r"] if flag != "--run-dir" else []
     result = slurm(launch, *args, flag, value)
     assert result.returncode == 2 and result.stdout == ""
     assert flag in result.stderr
@@ -108,27 +108,27 @@ def test_a_newline_in_any_value_for_an_sbatch_line_is_refused(launch, fake_gclou
 
 @pytest.mark.parametrize("value", ["trace jax", "trace%j", "run#1"])
 def test_a_job_name_outside_letters_digits_and_dot_dash_underscore_is_refused(launch, value):
-    result = slurm(launch, "--run_dir", "/shared/r", "--job-name", value)
+    result = slurm(launch, "--run-dir", "/shared/r", "--job-name", value)
     assert result.returncode == 2 and "--job-name" in result.stderr
 
 
 @pytest.mark.parametrize("value", ["1 day", "10%", "24:00:00 --exclusive"])
 def test_a_time_limit_not_in_a_slurm_form_is_refused(launch, value):
-    result = slurm(launch, "--run_dir", "/shared/r", "--time", value)
+    result = slurm(launch, "--run-dir", "/shared/r", "--time", value)
     assert result.returncode == 2 and "--time" in result.stderr and "HH:MM:SS" in result.stderr
 
 
 def test_a_percent_sign_in_the_checkout_path_is_refused_as_an_sbatch_chdir(launch, tmp_path):
     checkout = tmp_path / "100%"
     checkout.mkdir()
-    result = slurm(launch, "--run_dir", "/shared/r", cwd=checkout)
+    result = slurm(launch, "--run-dir", "/shared/r", cwd=checkout)
     assert result.returncode == 2 and "holds a '%'" in result.stderr
 
 
 @pytest.mark.parametrize("port, ok", [("1", True), ("65535", True), ("0", False), ("65536", False),
                                       ("99999", False), ("-1", False), ("80a", False), ("", False)])
 def test_the_coordinator_port_must_be_from_1_to_65535(launch, port, ok):
-    result = slurm(launch, "--run_dir", "/shared/r", "--mode", "env", "--port", port)
+    result = slurm(launch, "--run-dir", "/shared/r", "--mode", "env", "--port", port)
     if ok:
         assert result.returncode == 0, result.stderr
         assert f'1p):{port}"' in result.stdout
@@ -169,7 +169,7 @@ def _sleeper(*argv):
 
 
 def test_stop_signals_the_trainer_its_pid_file_names(launch, worker):
-    trainer = _sleeper(f"{worker}/trace-jax-venv/bin/python", "-m", "trace_jax.cli", "train", "--run_dir", "/r")
+    trainer = _sleeper(f"{worker}/trace-jax-venv/bin/python", "-m", "trace_jax.cli", "train", "--run-dir", "/r")
     try:
         (worker / "trace-jax-train.pid").write_text(f"{trainer.pid}\n", encoding="utf-8")
         assert _stop(launch) == (0, [])

@@ -53,10 +53,10 @@ def test_an_unseen_temperature_or_top_p_compiles_no_new_decode_program(model):
     config, params = model
     rng = jax.random.PRNGKey(0)
     _generate(config, params, S.SamplingConfig(temperature=0.7, top_p=0.95), rng)
-    compiled = S._decode_steps_jit._cache_size()
+    compiled = S.compiled_programs("decode")
     for temperature, top_p in [(0.7013, 0.95), (1.9, 0.5), (0.05, 0.999)]:
         _generate(config, params, S.SamplingConfig(temperature=temperature, top_p=top_p), rng)
-    assert S._decode_steps_jit._cache_size() == compiled
+    assert S.compiled_programs("decode") == compiled
 
 
 def test_rows_that_disagree_on_top_k_are_refused():

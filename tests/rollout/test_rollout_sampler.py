@@ -241,6 +241,20 @@ def test_prefill_rows_equals_resetting_the_rows_and_appending(model):
         S.prefill_rows(config, params, state, [2], [[-1]])
 
 
+def test_prefill_rows_on_a_mesh_keeps_the_caches_layout(model):
+    """The server's admission program is pinned to the cache's layout (rows over `data`, kv heads over `tensor`),
+    as the rollout's prefill is: no leaf of the state comes back replicated or re-laid out."""
+    config, params = model
+    mesh = models.make_mesh({"data": 4, "tensor": 2})
+    state = S.append(config, models.shard_params(params, config, mesh), S.init_state(config, 4, MAX_LEN, mesh=mesh),
+                     PROMPTS)
+    layout = jax.tree_util.tree_map(lambda x: x.sharding, state)
+    admitted = S.prefill_rows(config, models.shard_params(params, config, mesh), state, [2, 0], [[3, 4], [5]])
+    for leaf, sharding in zip(jax.tree_util.tree_leaves(admitted), jax.tree_util.tree_leaves(layout)):
+        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.shape, leaf.sharding, sharding)
+    assert admitted.lengths.tolist() == [1, len(PROMPTS[1]), 2, len(PROMPTS[3])]
+
+
 def test_decode_step_writes_the_cache_once_outside_loops_and_conditionals(model):
     """The compiled decode step writes the donated KV cache once, in place, at top level: no scatter into the whole
     cache inside the layer loop (a per-layer scatter into the cache carry was copied each step on CPU) and no

@@ -81,10 +81,10 @@ def test_an_unseen_temperature_or_top_p_compiles_no_program(http):
     from trace_jax.rollout import sampler
 
     assert chat(http, temperature=0.7, seed=1).status_code == 200
-    compiled = sampler._decode_steps_jit._cache_size(), sampler._prefill_rows_jit._cache_size()
+    compiled = sampler.compiled_programs("decode"), sampler.compiled_programs("prefill_rows")
     for temperature, top_p in [(0.7013, None), (1.37, 0.9123), (0.01, 0.5)]:
         assert chat(http, temperature=temperature, top_p=top_p, seed=1).status_code == 200
-    assert (sampler._decode_steps_jit._cache_size(), sampler._prefill_rows_jit._cache_size()) == compiled
+    assert (sampler.compiled_programs("decode"), sampler.compiled_programs("prefill_rows")) == compiled
 
 
 def test_a_seeded_request_gives_the_same_text_alone_and_batched_with_other_values(http):

@@ -208,7 +208,7 @@ def test_warmup_compiles_every_prefill_shape_the_requests_then_meet(tiny_model):
     engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=EngineConfig(  # shapes no other test meets
         max_batch=3, max_context=32, slice_tokens=4, batch_wait_s=0.05, warmup_tokens=20)).start()
     try:
-        compiled = sampler._prefill_rows_jit._cache_size(), sampler._decode_steps_jit._cache_size()
+        compiled = sampler.compiled_programs("prefill_rows"), sampler.compiled_programs("decode")
         jobs = [((3,) * 19, 3, 1), ((4, 5), 3, 1), ((6,) * 9, 3, 2)]  # 3 distinct prompts of 2-19 tokens together
         pending = [_submit(engine, prompt, max_tokens, n) for prompt, max_tokens, n in jobs]
         assert all(collect.done.wait(120) for collect in pending)
@@ -219,7 +219,7 @@ def test_warmup_compiles_every_prefill_shape_the_requests_then_meet(tiny_model):
         assert later.done.wait(120) and sampled.done.wait(120)
     finally:
         engine.close()
-    assert (sampler._prefill_rows_jit._cache_size(), sampler._decode_steps_jit._cache_size()) == compiled
+    assert (sampler.compiled_programs("prefill_rows"), sampler.compiled_programs("decode")) == compiled
     for (prompt, max_tokens, n), collect in zip(jobs + [((9,) * 17, 4, 1)], pending + [later]):
         finished = [e for e in collect.events if isinstance(e, Finished)]
         assert len(finished) == n and all(e.token_ids == greedy_ids(config, params, prompt, max_tokens, 32)

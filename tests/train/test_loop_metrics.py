@@ -100,6 +100,16 @@ def test_plots_are_written_for_the_logged_metric_families(tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
 
 
+def test_several_evaluation_sets_get_a_plot_of_their_own(tmp_path):
+    history = [{"step": s, "wall_time": float(s), "eval/accuracy": 0.1 * s, "eval/bcp/accuracy": 0.1 * s,
+                "eval/bcp/accuracy_se": 0.02, "eval/procedural/accuracy": 0.2, "eval/procedural/accuracy_se": 0.03,
+                "eval/average/accuracy": 0.05 * s + 0.1, "eval/average/accuracy_se": 0.02,
+                "eval/status/answered": 1.0} for s in (0, 2, 4)]
+    paths = write_plots(history, tmp_path)
+    assert "eval_sets.png" in [p.name for p in paths]
+    assert (tmp_path / "eval_sets.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_plots_skip_families_that_were_never_logged(tmp_path):
     paths = write_plots([{"step": 1, "wall_time": 1.0, "reward": 0.5}], tmp_path)
     assert [p.name for p in paths] == ["reward_accuracy.png"]

@@ -1,6 +1,7 @@
 """Warm start: oracle trajectories rendered for SFT are exactly what the agent loop produces for the same turns."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -13,6 +14,7 @@ from trace_jax.envs.world import WorldConfig, build_world
 from trace_jax.models.chat import ChatFormat
 from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
 from trace_jax.rollout import RolloutConfig, ScriptedPolicy, SamplingConfig, run_episodes
+from trace_jax.train.config import OptimizerConfig
 from trace_jax.train.warmstart import (
     WarmStartConfig,
     oracle_assistant_turns,
@@ -138,3 +140,58 @@ def test_warm_start_config_names_the_bad_field():
         WarmStartConfig(batch_size=0)
     with pytest.raises(ValueError, match="WarmStartConfig.detour_prob"):
         WarmStartConfig(detour_prob=2.0)
+
+
+def test_warm_start_optimizer_is_built_from_its_config_fields():
+    optimizer = WarmStartConfig(steps=100, learning_rate=1e-3, warmup_steps=5, schedule="linear", end_lr_ratio=0.2,
+                                weight_decay=0.05, clip_norm=None).optimizer
+    assert optimizer == OptimizerConfig(learning_rate=1e-3, schedule="linear", warmup_steps=5, total_steps=100,
+                                        end_lr_ratio=0.2, weight_decay=0.05, clip_norm=None)
+
+
+def test_warm_start_optimizer_defaults_are_adamw_cosine_to_a_tenth_without_weight_decay():
+    optimizer = WarmStartConfig(steps=450).optimizer
+    assert (optimizer.learning_rate, optimizer.schedule, optimizer.warmup_steps, optimizer.total_steps) == \
+        (3e-3, "cosine", 20, 450)
+    assert (optimizer.end_lr_ratio, optimizer.weight_decay, optimizer.clip_norm) == (0.1, 0.0, 1.0)
+
+
+def test_warm_start_optimizer_field_errors_name_the_warm_start_field():
+    with pytest.raises(ValueError, match=r"WarmStartConfig\.schedule"):
+        WarmStartConfig(schedule="step")
+    with pytest.raises(ValueError, match=r"WarmStartConfig\.end_lr_ratio"):
+        WarmStartConfig(end_lr_ratio=2.0)
+
+
+def test_the_loop_warm_starts_with_the_configured_optimizer(env, monkeypatch):
+    from trace_jax.train import loop
+
+    class Built(Exception):
+        pass
+
+    def record(config):
+        raise Built(config)
+
+    monkeypatch.setattr(loop, "make_optimizer", record)
+    ws = WarmStartConfig(steps=3, num_trajectories=2, batch_size=2, oracle_topn=2, weight_decay=0.3)
+    _, tasks, chat, browser = env
+    run_config = SimpleNamespace(warmstart=ws, rollout=ROLLOUT, train=SimpleNamespace(seed=0))
+    environment = SimpleNamespace(train_tasks=tasks, browser=browser, chat=chat, model_config=None)
+    with pytest.raises(Built) as built:
+        loop.warm_start(run_config, environment, params=None)
+    assert built.value.args[0] == ws.optimizer
+
+
+def test_the_oracle_seed_changes_where_the_demonstrations_detour(env):
+    world, _, _, browser = env
+    tasks = generate_tasks(world, 6, seed=0, config=TaskConfig(min_hops=1, max_hops=2))
+
+    def demonstrations(oracle_seed):
+        config = WarmStartConfig(num_trajectories=len(tasks), detour_prob=0.5, oracle_seed=oracle_seed)
+        assert config.oracle.seed == oracle_seed
+        return [r.messages for r in oracle_trajectories(tasks, browser, config)]
+
+    assert demonstrations(0) == demonstrations(0)
+    assert demonstrations(0) != demonstrations(1)
+    with pytest.raises(ValueError, match="WarmStartConfig.oracle_seed"):
+        WarmStartConfig(oracle_seed=-1)

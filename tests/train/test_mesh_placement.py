@@ -52,6 +52,17 @@ def test_to_process_local_reshards_on_device_and_leaves_placed_arrays_alone():
     assert float(moved["w"].sum()) == float(np.arange(64.0).sum())
 
 
+def test_the_reshard_is_one_program_per_target_layout_the_loop_and_plan_share():
+    mesh = MeshConfig(fsdp=4, tensor=2).make_mesh()
+    config = models.get_preset("tiny-qwen3", num_hidden_layers=1)
+    rollout = models.param_shardings(config, mesh, models.ROLLOUT_RULES)
+    assert models.reshard_program(rollout) is models.reshard_program(
+        models.param_shardings(config, mesh, models.ROLLOUT_RULES))
+    assert models.reshard_program(rollout) is not models.reshard_program(models.param_shardings(config, mesh))
+    with pytest.raises(TypeError, match="pytree of NamedShardings"):
+        models.reshard_program({"w": P("fsdp")})
+
+
 def test_the_rollout_layout_keeps_weights_whole_over_fsdp_and_split_over_tensor():
     config = models.get_preset("tiny-qwen3", num_hidden_layers=1)
     mesh = MeshConfig(fsdp=4, tensor=2).make_mesh()

@@ -18,9 +18,9 @@ from trace_jax.rollout import agent as agent_lib
 from trace_jax.train import distributed
 from trace_jax.train.config import MeshConfig
 from trace_jax.train.gin_setup import parse
-from trace_jax.train.loop import Placement, _tasks_at, build_environment, rl_step, train
+from trace_jax.train.loop import Placement, build_environment, prompt_stream, rl_step, train
 from trace_jax.train.optimizer import make_optimizer
-from trace_jax.train.pipeline import RLPipeline, UpdateConfig
+from trace_jax.train.pipeline import RLPipeline
 from trace_jax.train.state import init_train_state
 from trace_jax.train.step import make_train_step
 
@@ -143,7 +143,7 @@ def _two_steps(config, environment) -> dict:
     placement = Placement(config, model_config)
     optimizer = make_optimizer(config.optimizer)
     pipeline = RLPipeline(model_config, environment.chat, environment.browser, config.rollout, config.credit,
-                          config.loss, config.update or UpdateConfig(), optimizer, mesh=placement.process_mesh,
+                          config.loss, config.update, optimizer, mesh=placement.process_mesh,
                           train_step=make_train_step(model_config, config.loss, optimizer, mesh=placement.mesh))
     params = placement.policy(environment.params)
     initial = {k: np.asarray(x) for k, x in _flat(params).items()}
@@ -163,8 +163,9 @@ def _two_steps(config, environment) -> dict:
 
     with guard.active(), pytest.MonkeyPatch.context() as patch:
         patch.setattr(agent_lib.sampler_lib, "generate", recording_generate)
+        prompts = prompt_stream(config, environment.train_tasks)  # the run's order, 4 prompts a step
         for step in range(STEPS):
-            tasks = _tasks_at(environment.train_tasks, step * 4, 4, config.data.shuffle_seed)
+            tasks = next(prompts)
             state, prepared, metrics = rl_step(pipeline, placement, state, reference, tasks,
                                                jax.random.PRNGKey(100 + step), seed=step)
             record.setdefault("rollouts", []).append(prepared.rollout)

@@ -144,7 +144,7 @@ def test_a_multi_process_train_without_run_dir_is_a_clear_error(monkeypatch, cap
 
     monkeypatch.setattr(distributed, "initialize", lambda config: (0, 2))
     assert run_train(["configs/tiny.gin"], [], None) == 2
-    assert "a multi-process run needs --run_dir" in capsys.readouterr().err
+    assert "a multi-process run needs --run-dir" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------ two processes
@@ -210,8 +210,8 @@ def test_two_processes_run_the_rl_loop_and_only_process_0_writes_the_record(tmp_
     gin_file.write_text(SMALL + f"TrainConfig.prompts_per_step = 4\nTrainConfig.steps = {LOOP_STEPS}\n"
                         "UpdateConfig.mini_batches = 2\nSamplingConfig.greedy = True\n")
     run_dir = tmp_path / "run"
-    procs = _launch(["-m", "trace_jax.cli", "train", "--gin_file", str(gin_file), "--run_dir", str(run_dir),
-                     "--no_progress"], 2, REPO, tmp_path)
+    procs = _launch(["-m", "trace_jax.cli", "train", "--gin-file", str(gin_file), "--run-dir", str(run_dir),
+                     "--no-progress"], 2, REPO, tmp_path)
     try:  # meanwhile: one process, the same 8 devices (conftest)
         train(parse([str(gin_file)]), tmp_path / "one_process", progress=False, log=lambda _line: None)
     finally:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from trace_jax.credit.config import CreditConfig
+from trace_jax.rollout import kv_bytes_per_row
+from trace_jax.rollout.budget import GIB
 from trace_jax.train.config import LossConfig
 from trace_jax.train.gin_setup import parse
 from trace_jax.train.loop import build_environment
@@ -56,13 +59,13 @@ def setup(tmp_path_factory):
 _STEPS: dict = {}  # LossConfig -> (optimizer, train step): one compile per loss across the tests
 
 
-def _pipeline(config, environment, credit: CreditConfig, loss: LossConfig, update=UpdateConfig()):
+def _pipeline(config, environment, credit: CreditConfig, loss: LossConfig, update=UpdateConfig(), rollout=None):
     if loss not in _STEPS:
         optimizer = make_optimizer(config.optimizer)
         _STEPS[loss] = optimizer, make_train_step(environment.model_config, loss, optimizer)
     optimizer, train_step = _STEPS[loss]
-    pipeline = RLPipeline(environment.model_config, environment.chat, environment.browser, config.rollout, credit,
-                          loss, update, optimizer, train_step=train_step)
+    pipeline = RLPipeline(environment.model_config, environment.chat, environment.browser,
+                          rollout or config.rollout, credit, loss, update, optimizer, train_step=train_step)
     state = init_train_state(environment.model_config, optimizer, environment.params, jax.random.PRNGKey(0))
     return pipeline, state
 
@@ -135,6 +138,41 @@ def test_mini_batches_and_epochs_count_updates_and_gap_starts_near_zero(setup):
     assert metrics["updates"] == 4
     # the sampler's log-probs are the trainer's up to float noise before the first update
     assert metrics["sampler_trainer_gap"] < 1e-3
+
+
+def test_a_kv_budget_of_one_row_runs_the_step_one_row_at_a_time_and_says_so_in_its_metrics(setup):
+    config, environment = setup
+    row_gib = kv_bytes_per_row(environment.model_config, config.rollout.max_context) / GIB
+    rollout = dataclasses.replace(config.rollout, kv_budget_gib=1.5 * row_gib)
+    pipeline, state = _pipeline(config, environment, CreditConfig(estimator="grpo"), config.loss, rollout=rollout)
+    collected = pipeline.collect(state.params, environment.train_tasks[:PROMPTS], jax.random.PRNGKey(3))
+    metrics = pipeline.prepare(collected, environment.params, num_prompts=PROMPTS).metrics
+    assert metrics["rows_at_once"] == 1 and collected.batch.tokens.shape[0] == PROMPTS * rollout.group_size
+    assert metrics["kv_cache_gib"] == pytest.approx(row_gib) and metrics["kv_cache_gib"] <= rollout.kv_budget_gib
+
+
+def test_an_abc_sft_mini_batch_whose_rows_are_all_dropped_takes_no_optimizer_step(setup):
+    config, environment = setup
+    update = UpdateConfig(mini_batches=2)
+    loss = dataclasses.replace(config.loss, mode="sft")
+    pipeline, state = _pipeline(config, environment, CreditConfig(estimator="abc_sft"), loss, update)
+    rollout = pipeline.collect(state.params, environment.train_tasks[:PROMPTS], jax.random.PRNGKey(5))
+    prepared = pipeline.prepare(rollout, environment.params, num_prompts=PROMPTS)
+    rows = prepared.loss_batch.shape[0]
+    order = np.random.default_rng([0, 0]).permutation(rows)  # `update`'s mini-batch order for seed 0, epoch 0
+    kept, dropped = order[:rows // 2], order[rows // 2:]
+    mask = np.asarray(rollout.batch.loss_mask)[:, :prepared.loss_batch.shape[1]].astype(np.float32)
+    mask[dropped] = 0.0  # the second mini-batch's rows all dropped (as ABC-SFT drops wrong answers)
+    prepared.loss_batch = prepared.loss_batch.replace(loss_mask=jnp.asarray(mask))
+    prepared.credit = prepared.credit._replace(row_mask=jnp.asarray(mask.any(axis=1)))
+    _, alone = _pipeline(config, environment, CreditConfig(estimator="abc_sft"), loss, update)
+    mini = jax.tree_util.tree_map(lambda x: x[jnp.asarray(kept)], prepared.loss_batch)
+    alone, _ = pipeline.train_step(alone, mini, None)  # one optimizer step on the kept mini-batch
+    state, metrics = pipeline.update(state, prepared, seed=0)
+    assert metrics["updates"] == 1 and metrics["skipped_mini_batches"] == 1
+    for got, want in zip(jax.tree_util.tree_leaves(jax.device_get(state)), jax.tree_util.tree_leaves(
+            jax.device_get(alone)), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_incompatible_estimator_and_loss_fail_naming_the_binding():

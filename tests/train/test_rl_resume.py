@@ -1,5 +1,6 @@
-"""`trace-jax train` killed with SIGKILL resumes from its run directory to the same metrics and params as an
-uninterrupted run (data position, rollout keys and the train state's PRNG key are checkpointed).
+"""`trace-jax train` killed with SIGKILL after step 2 resumes from its run directory to the same prompts (steps 3-4),
+metrics and params as an uninterrupted run (the grain iterator state of the prompt order, rollout keys and the
+train state's PRNG key are checkpointed).
 
 The three processes (uninterrupted, killed, resumed) run one after another and share a persistent XLA compilation
 cache in the test's directory, so only the first compiles: the rest load its programs (bit-identical executables,
@@ -22,14 +23,14 @@ import pytest
 from tests.train.test_rl_pipeline import SMALL
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = 3
-KILL_AFTER = 1  # the victim dies once this step's checkpoint is complete
+STEPS = 4
+KILL_AFTER = 2  # the victim dies once this step's checkpoint is complete
 _VOLATILE = ("wall_time", "time/", "tokens_per_s", "tflops", "mfu", "eval/seconds")
 
 
 def _command(gin_file: Path, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "trace_jax.cli", "train", "--gin_file", str(gin_file), "--run_dir", str(run_dir),
-            "--no_progress"]
+    return [sys.executable, "-m", "trace_jax.cli", "train", "--gin-file", str(gin_file), "--run-dir", str(run_dir),
+            "--no-progress"]
 
 
 def _env(cache: Path) -> dict:
@@ -46,6 +47,11 @@ def _step_metrics(run_dir: Path) -> dict[int, dict]:
     return out
 
 
+def _step_prompts(run_dir: Path) -> dict[int, list[str]]:
+    records = [json.loads(line) for line in (run_dir / "prompts.jsonl").read_text().splitlines()]
+    return {r["step"]: r["task_ids"] for r in records}
+
+
 def _final_params(run_dir: Path):
     from trace_jax.train.checkpoint import Checkpointer
     from trace_jax.train.config import CheckpointConfig
@@ -59,12 +65,14 @@ def _final_params(run_dir: Path):
 
 
 @pytest.mark.slow
-def test_sigkilled_run_resumes_to_the_same_metrics_and_params(tmp_path):
+def test_sigkilled_run_resumes_to_the_same_prompts_metrics_and_params(tmp_path):
     import jax
 
     gin_file = tmp_path / "small.gin"
-    # an evaluation at step 2, after the kill: the resumed run must restore the initial one from the host state
-    gin_file.write_text(SMALL + f"TrainConfig.steps = {STEPS}\nEvalConfig.every_steps = 2\n")
+    # an evaluation at step 3, after the kill: the resumed run must restore the initial one from the host state;
+    # 4 training tasks, 2 a step: steps 3-4 are the second epoch, which the resumed order must reshuffle alike
+    gin_file.write_text(SMALL + f"TrainConfig.steps = {STEPS}\nEvalConfig.every_steps = 3\n"
+                        "DataConfig.num_train_tasks = 4\n")
     straight, killed, env = tmp_path / "straight", tmp_path / "killed", _env(tmp_path / "xla_cache")
     uninterrupted = subprocess.run(_command(gin_file, straight), env=env, cwd=REPO, capture_output=True, text=True,
                                    timeout=900)
@@ -72,7 +80,7 @@ def test_sigkilled_run_resumes_to_the_same_metrics_and_params(tmp_path):
     victim = subprocess.Popen(_command(gin_file, killed), env=env, cwd=REPO, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     deadline = time.time() + 900
-    # kill once step 1's checkpoint is complete (orbax renames a finished step's directory into place)
+    # kill once step 2's checkpoint is complete (orbax renames a finished step's directory into place)
     while not (killed / "checkpoints" / str(KILL_AFTER)).is_dir() and victim.poll() is None \
             and time.time() < deadline:
         time.sleep(0.05)
@@ -85,6 +93,10 @@ def test_sigkilled_run_resumes_to_the_same_metrics_and_params(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from the checkpoint of step" in resumed.stdout
 
+    prompts = _step_prompts(killed)
+    assert sorted(prompts) == list(range(1, STEPS + 1))
+    assert [prompts[s] for s in (3, 4)] == [_step_prompts(straight)[s] for s in (3, 4)]
+    assert prompts[3] + prompts[4] != prompts[1] + prompts[2]  # a new epoch, shuffled anew
     a, b = _step_metrics(straight), _step_metrics(killed)
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     for step in a:

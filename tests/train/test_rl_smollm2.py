@@ -14,7 +14,7 @@ import pytest
 from trace_jax.train.gin_setup import parse
 from trace_jax.train.loop import build_environment
 from trace_jax.train.optimizer import make_optimizer
-from trace_jax.train.pipeline import RLPipeline, UpdateConfig, check_compatible
+from trace_jax.train.pipeline import RLPipeline, check_compatible
 from trace_jax.train.state import init_train_state
 
 # smollm2.gin as shipped, cut to CPU-test size: one group of 2 samples, one row per micro-batch as shipped
@@ -27,7 +27,7 @@ def test_smollm2_config_runs_one_trace_step_as_its_own_reference(smollm2_hf_dir,
     config = parse(["configs/smollm2.gin"], [f"TrainConfig.checkpoint = '{smollm2_hf_dir}'", *CPU_SIZE])
     # what the run's summary.json would report
     assert config.train.steps == 1 and config.credit.estimator == "trace"
-    prompts, update = config.train.prompts_per_step, config.update or UpdateConfig()
+    prompts, update = config.train.prompts_per_step, config.update
     check_compatible(config.credit, config.loss, update, prompts * config.rollout.group_size)  # as the CLI does
     environment = build_environment(config, tmp_path)
     optimizer = make_optimizer(config.optimizer)

@@ -39,15 +39,17 @@ def test_study_file_expands_into_methods_by_seeds_then_ablations(tmp_path):
     assert [a.name for a in arms] == ["grpo/seed0", "trace/seed0", "grpo/seed1", "trace/seed1",
                                       "ablation/horizon=0/seed0", "ablation/horizon=5/seed0"]
     assert arms[2].run.gin_files == ("configs/tiny.gin", "configs/credit/grpo.gin")
-    assert arms[2].run.gin_params == ("TrainConfig.steps = 2", "TrainConfig.seed = 1", "DataConfig.shuffle_seed = 1")
+    assert arms[2].run.gin_params == ("TrainConfig.steps = 2", "TrainConfig.seed = 1", "DataConfig.shuffle_seed = 1",
+                                      "WarmStartConfig.oracle_seed = 1")
     assert arms[5].run.gin_files == ("configs/tiny.gin", "configs/credit/trace.gin")
     assert arms[5].run.gin_params[-1] == "CreditConfig.horizon = 5"
     assert arms[5].run.run_dir == str(tmp_path / "out" / "ablation/horizon=5/seed0")
 
 
-def test_a_seed_binds_init_warm_start_order_rollouts_and_task_order():
-    assert SEED_FIELDS == ("TrainConfig.seed", "DataConfig.shuffle_seed")
-    assert study_module.seed_bindings(7) == ("TrainConfig.seed = 7", "DataConfig.shuffle_seed = 7")
+def test_a_seed_binds_init_warm_start_order_and_detours_rollouts_and_task_order():
+    assert SEED_FIELDS == ("TrainConfig.seed", "DataConfig.shuffle_seed", "WarmStartConfig.oracle_seed")
+    assert study_module.seed_bindings(7) == ("TrainConfig.seed = 7", "DataConfig.shuffle_seed = 7",
+                                             "WarmStartConfig.oracle_seed = 7")
 
 
 def test_shared_warm_start_points_later_arms_of_a_seed_at_its_first_arm(tmp_path):
@@ -107,11 +109,11 @@ def test_bad_binding_in_an_arm_names_the_study_file_arm_and_binding(tmp_path, ca
 
 
 def _fake_arm(directory: Path, accuracy: dict[int, float], tool_calls: dict[int, float], seconds: list[float],
-              finished: bool = True) -> None:
+              finished: bool = True, diagnostics: dict[int, dict[str, float]] | None = None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     lines = []
     for step in sorted(set(accuracy) | set(tool_calls)):
-        metrics = {}
+        metrics = dict((diagnostics or {}).get(step, {}))
         if step in tool_calls:
             metrics["tool_calls"] = tool_calls[step]
             metrics["time/step"] = seconds[step - 1]
@@ -205,11 +207,31 @@ study.seeds = [3]
     out = tmp_path / "study"
     from trace_jax.cli import main
 
-    assert main(["study", path, "--dir", str(out), "--no_progress"]) == 0
+    assert main(["study", path, "--dir", str(out), "--no-progress"]) == 0
     assert (out / "grpo/seed3/summary.json").exists()
     results = json.loads((out / "results.json").read_text())
     assert results["methods"]["grpo"]["accuracy"]["steps"] == [0, 1]
     assert (out / "plots/accuracy.png").exists()
     capsys.readouterr()
-    assert main(["study", path, "--dir", str(out), "--no_progress"]) == 0
+    assert main(["study", path, "--dir", str(out), "--no-progress"]) == 0
     assert "grpo/seed3 finished before, skipped" in capsys.readouterr().out
+
+
+def test_results_hold_each_methods_credit_diagnostics_and_step_time_ratio_to_grpo(tmp_path):
+    study = load_study(_write(tmp_path, SMALL))
+    out = tmp_path / "out"
+    arms = {a.name: a for a in expand(study, out)}
+    detour = "credit/detour_turn_credit"
+    # seed 0 logs the diagnostic at both steps, seed 1 at one (a step without detours leaves it out)
+    _fake_arm(Path(arms["trace/seed0"].run.run_dir), {0: 0.1}, {1: 4.0, 2: 4.0}, [3.0, 3.0],
+              diagnostics={1: {detour: -0.2, "zero_signal_groups": 0.5}, 2: {detour: -0.4, "zero_signal_groups": 0.0}})
+    _fake_arm(Path(arms["trace/seed1"].run.run_dir), {0: 0.1}, {1: 4.0, 2: 4.0}, [3.0, 3.0],
+              diagnostics={2: {detour: 0.1}})
+    _fake_arm(Path(arms["grpo/seed0"].run.run_dir), {0: 0.1}, {1: 4.0, 2: 4.0}, [2.0, 2.0])
+    results = write_results(study, out, plots=False)
+    trace = results["methods"]["trace"]["diagnostics"]
+    assert trace[detour]["per_seed"] == {"0": pytest.approx(-0.3), "1": pytest.approx(0.1)}
+    assert trace[detour]["mean"] == pytest.approx(-0.1)
+    assert trace["zero_signal_groups"]["per_seed"] == {"0": 0.25, "1": None}
+    assert results["methods"]["grpo"]["diagnostics"][detour]["mean"] is None
+    assert results["step_time_ratio_to_grpo"] == {"grpo": 1.0, "trace": 1.5}

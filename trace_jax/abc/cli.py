@@ -43,41 +43,50 @@ class RecordError(ValueError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from trace_jax.credit.config import ABC_NORMALIZE_MODES, DEFAULTS  # the ABC options' defaults are CreditConfig's
+
     parser.add_argument("input", help="JSONL of trajectories (the `trace-jax credit` record format)")
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     judge = parser.add_argument_group("judge endpoint (any OpenAI-compatible API)")
-    judge.add_argument("--judge-url", default=None, help="API root, e.g. http://127.0.0.1:8000/v1 "
+    judge.add_argument("--judge-url", "--judge_url", default=None, help="API root, e.g. http://127.0.0.1:8000/v1 "
                                                          "(default: $TRACE_JAX_JUDGE_URL)")
-    judge.add_argument("--judge-model", default=None, help="model id (default: $TRACE_JAX_JUDGE_MODEL)")
-    judge.add_argument("--judge-api-key", default=None, help="bearer key (default: $TRACE_JAX_JUDGE_API_KEY)")
+    judge.add_argument("--judge-model", "--judge_model", default=None,
+                       help="model id (default: $TRACE_JAX_JUDGE_MODEL)")
+    judge.add_argument("--judge-api-key", "--judge_api_key", default=None,
+                       help="bearer key (default: $TRACE_JAX_JUDGE_API_KEY)")
     judge.add_argument("--timeout", type=float, default=60.0,
                        help="seconds one judge request may take in all (connect, send, the whole reply)")
     judge.add_argument("--deadline", type=float, default=None,
                        help="seconds for one step's judgement, every attempt and wait together "
                             "(default: JudgeConfig.deadline_s)")
-    judge.add_argument("--max-attempts", type=int, default=3, help="judge calls per step before neutral + flag")
+    judge.add_argument("--max-attempts", "--max_attempts", type=int, default=3,
+                       help="judge calls per step before neutral + flag")
     judge.add_argument("--backoff", type=float, default=0.5, help="first retry delay in seconds (doubles)")
     judge.add_argument("--concurrency", type=int, default=4, help="steps of a trajectory judged at once")
-    judge.add_argument("--observation-chars", type=int, default=None,
+    judge.add_argument("--observation-chars", "--observation_chars", type=int, default=None,
                        help="each observation in a judge prompt is cut to this many characters "
                             "(default: JudgeConfig.observation_chars)")
-    judge.add_argument("--cache-dir", default=None, help="judgement cache (default: OUT/judge_cache)")
+    judge.add_argument("--cache-dir", "--cache_dir", default=None, help="judgement cache (default: OUT/judge_cache)")
     recover = parser.add_argument_group("clue recovery (records without clues)")
     recover.add_argument("--corpus", default=None, help="corpus (JSONL or Parquet) the recovery agent browses")
-    recover.add_argument("--recover-url", default=None, help="endpoint of the recovery agent (default: judge's)")
-    recover.add_argument("--recover-model", default=None, help="its model id (default: the judge model)")
-    recover.add_argument("--recover-max-turns", type=int, default=16)
+    recover.add_argument("--recover-url", "--recover_url", default=None,
+                         help="endpoint of the recovery agent (default: judge's)")
+    recover.add_argument("--recover-model", "--recover_model", default=None,
+                         help="its model id (default: the judge model)")
+    recover.add_argument("--recover-max-turns", "--recover_max_turns", type=int, default=16)
     fields = parser.add_argument_group("record fields")
-    fields.add_argument("--answer-key", default="answer")
-    fields.add_argument("--aliases-key", default="aliases")
-    fields.add_argument("--group-key", default="group")
-    fields.add_argument("--clues-key", default="clues")
+    fields.add_argument("--answer-key", "--answer_key", default="answer")
+    fields.add_argument("--aliases-key", "--aliases_key", default="aliases")
+    fields.add_argument("--group-key", "--group_key", default="group")
+    fields.add_argument("--clues-key", "--clues_key", default="clues")
     credit = parser.add_argument_group("ABC (credit-spec section 3)")
-    credit.add_argument("--gamma", type=float, default=0.25, help="ABC-GRPO backward accumulation")
-    credit.add_argument("--normalize", choices=("joint", "per_step"), default="joint")
+    credit.add_argument("--gamma", type=float, default=DEFAULTS["abc_gamma"],
+                        help="ABC-GRPO backward accumulation (CreditConfig.abc_gamma)")
+    credit.add_argument("--normalize", choices=ABC_NORMALIZE_MODES, default=DEFAULTS["abc_normalize"],
+                        help="ABC-GRPO step-reward statistics (CreditConfig.abc_normalize)")
     output = parser.add_argument_group("output")
-    output.add_argument("--no-receipts", action="store_true")
-    output.add_argument("--excerpt-chars", type=int, default=160)
+    output.add_argument("--no-receipts", "--no_receipts", action="store_true")
+    output.add_argument("--excerpt-chars", "--excerpt_chars", type=int, default=160)
 
 
 # ---------------------------------------------------------------------------------------------------- records

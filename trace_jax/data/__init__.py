@@ -1,4 +1,5 @@
-"""Datasets: the procedural search-task tfds builder, loaders (tfds data source, grain), external QA import.
+"""Datasets: the procedural search-task tfds builder, loaders (tfds data source, grain), external QA import, and the
+task sources a run trains and evaluates on (``sources``: procedural, tfds, external; the grain training order).
 
 Exports resolve lazily, so ``import trace_jax.data.external`` does not import tensorflow-datasets or grain.
 """
@@ -24,6 +25,15 @@ _EXPORTS = {
     "load_external_corpus": "trace_jax.data.external",
     "load_external_tasks": "trace_jax.data.external",
     "corpus_from_queries": "trace_jax.data.external",
+    "BatchStream": "trace_jax.data.sources",
+    "SourceError": "trace_jax.data.sources",
+    "SourceSpec": "trace_jax.data.sources",
+    "TaskSplits": "trace_jax.data.sources",
+    "epoch_batches": "trace_jax.data.sources",
+    "external_splits": "trace_jax.data.sources",
+    "parse_source": "trace_jax.data.sources",
+    "procedural_splits": "trace_jax.data.sources",
+    "tfds_splits": "trace_jax.data.sources",
 }
 
 __all__ = sorted(_EXPORTS)

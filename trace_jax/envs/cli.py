@@ -27,37 +27,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--num", type=int, default=1000, help="number of questions")
     parser.add_argument("--seed", type=int, default=0, help="question seed (and world seed unless --world-seed)")
-    parser.add_argument("--world-seed", type=int, default=None, help="world seed (default: --seed)")
+    parser.add_argument("--world-seed", "--world_seed", type=int, default=None, help="world seed (default: --seed)")
     world = parser.add_argument_group("world knobs")
-    world.add_argument("--corpus-size", type=int, default=None,
+    world.add_argument("--corpus-size", "--corpus_size", type=int, default=None,
                        help="about this many entity documents, in fixed type proportions (default: WorldConfig's)")
     world.add_argument("--distractors", type=int, default=WorldConfig.distractors_per_doc,
                        help="distractor sentences per document")
     world.add_argument("--filler", type=int, default=WorldConfig.filler_per_doc, help="filler sentences per document")
-    world.add_argument("--deep-fact-prob", type=float, default=WorldConfig.deep_fact_prob,
+    world.add_argument("--deep-fact-prob", "--deep_fact_prob", type=float, default=WorldConfig.deep_fact_prob,
                        help="probability that a fact is placed beyond the first view")
-    world.add_argument("--deep-offset", type=int, default=WorldConfig.deep_offset,
+    world.add_argument("--deep-offset", "--deep_offset", type=int, default=WorldConfig.deep_offset,
                        help="filler sentences before deep facts")
-    world.add_argument("--lookalike-rate", type=float, default=WorldConfig.lookalike_rate,
+    world.add_argument("--lookalike-rate", "--lookalike_rate", type=float, default=WorldConfig.lookalike_rate,
                        help="probability of a name one syllable away from an existing one")
-    world.add_argument("--noise-docs", type=int, default=WorldConfig.noise_docs,
+    world.add_argument("--noise-docs", "--noise_docs", type=int, default=WorldConfig.noise_docs,
                        help="extra pages that mention many entities (retrieval noise)")
     questions = parser.add_argument_group("question knobs")
-    questions.add_argument("--min-hops", type=int, default=1)
-    questions.add_argument("--max-hops", type=int, default=4)
+    questions.add_argument("--min-hops", "--min_hops", type=int, default=1)
+    questions.add_argument("--max-hops", "--max_hops", type=int, default=4)
     questions.add_argument("--types", default=",".join(QUESTION_TYPES),
                            help=f"comma-separated question types from {','.join(QUESTION_TYPES)}")
     oracle = parser.add_argument_group("oracle")
     oracle.add_argument("--oracle", action="store_true", help="also solve every task and write trajectories.jsonl")
-    oracle.add_argument("--detour-prob", type=float, default=0.0, help="probability of a wrong click / failed find")
-    oracle.add_argument("--snippet-chars", type=int, default=160, help="search result snippet length")
-    oracle.add_argument("--view-lines", type=int, default=30, help="lines per browser view")
-    oracle.add_argument("--retrieval-noise", type=float, default=0.0,
+    oracle.add_argument("--detour-prob", "--detour_prob", type=float, default=OracleConfig.detour_prob,
+                        help="probability of a wrong click / failed find")
+    oracle.add_argument("--snippet-chars", "--snippet_chars", type=int, default=160,
+                        help="search result snippet length")
+    oracle.add_argument("--view-lines", "--view_lines", type=int, default=30, help="lines per browser view")
+    oracle.add_argument("--retrieval-noise", "--retrieval_noise", type=float, default=0.0,
                         help="probability that a search result is replaced by a random page")
-    oracle.add_argument("--group-size", type=int, default=1,
+    oracle.add_argument("--group-size", "--group_size", type=int, default=1,
                         help="oracle runs per task, each with its own detour and retrieval-noise seed; records of one "
                              "task share a 'group' (for group-relative credit)")
-    oracle.add_argument("--max-steps", type=int, default=OracleConfig.max_steps,
+    oracle.add_argument("--max-steps", "--max_steps", type=int, default=OracleConfig.max_steps,
                         help="tool calls after which the oracle gives up (answers 'unknown')")
 
 

@@ -5,7 +5,7 @@ Public API (see docs/models.md):
   forward, forward_hidden, token_logprobs, hidden_logprobs,
   KVCache, init_cache, extend, prefill, attend_cached_block,
   param_logical_axes, param_shapes, logical_to_sharding, param_shardings, shard_params, constrain, make_mesh,
-  DEFAULT_RULES, ROLLOUT_RULES, placed_on.
+  DEFAULT_RULES, ROLLOUT_RULES, placed_on, reshard_program.
 
 Tokenizer, chat format and GGUF conversion live in sibling modules and are imported from there directly.
 """
@@ -36,6 +36,7 @@ from trace_jax.models.sharding import (
     make_mesh,
     param_shardings,
     placed_on,
+    reshard_program,
     shard_params,
 )
 
@@ -44,5 +45,5 @@ __all__ = [
     "attend_cached_block", "build_attention_mask", "cache_logical_axes", "constrain", "extend", "forward", "forward_hidden",
     "get_preset", "hidden_logprobs", "init_cache", "init_params", "load_pretrained", "logical_to_mesh_spec",
     "logical_to_sharding", "logits_from_hidden", "make_mesh", "param_logical_axes", "param_shapes",
-    "param_shardings", "placed_on", "prefill", "preset_names", "save_pretrained", "shard_params", "token_logprobs",
+    "param_shardings", "placed_on", "prefill", "preset_names", "reshard_program", "save_pretrained", "shard_params", "token_logprobs",
 ]

@@ -119,7 +119,7 @@ def extend(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
 
     k_read, v_read = (cache.k, cache.v) if read == T else (cache.k[:, :, :read], cache.v[:, :, :read])
     h, (k_new, v_new) = jax.lax.scan(layer, dec.embed_tokens(config, params, tokens),
-                                     (params["layers"], k_read, v_read))
+                                     (params["layers"], k_read, v_read), unroll=config.scan_unroll)
     rows = jnp.arange(B)[:, None]
     new_k = cache.k.at[:, rows, write_slot].set(k_new, mode="drop")  # k_new [layers, B, n, K, Dh]
     new_v = cache.v.at[:, rows, write_slot].set(v_new, mode="drop")
@@ -171,5 +171,5 @@ def attend_cached_block(config: ModelConfig, params: dict, cache: KVCache, token
         return dec.decoder_layer(config, lp, h, positions, attend)[0], None
 
     h, _ = jax.lax.scan(dec.remat_wrap(config, layer), dec.embed_tokens(config, params, tokens),
-                        (params["layers"], cache.k, cache.v))
+                        (params["layers"], cache.k, cache.v), unroll=config.scan_unroll)
     return dec.final_norm(config, params, h)

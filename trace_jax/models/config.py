@@ -54,6 +54,8 @@ class ModelConfig:
     `jax.set_mesh` has an `expert` axis > 1 dividing `num_experts`); `moe_capacity_factor`: rows the all_to_all
     dispatch reserves per destination shard, as a multiple of a balanced share (0 = dropless). See
     `trace_jax.models.expert_parallel`.
+    `scan_unroll`: unroll the scans over layers and log-prob chunks (same values). Only for ahead-of-time cost
+    analysis, which counts a loop body once (`trace-jax plan`'s step-time variants); never for running.
     """
 
     model_type: str
@@ -97,6 +99,7 @@ class ModelConfig:
     attention_impl: str = "auto"
     attention_q_block: int = 0
     attention_k_block: int = 128
+    scan_unroll: bool = False
 
     def __post_init__(self):
         def need(cond, field, msg):
@@ -128,6 +131,7 @@ class ModelConfig:
         need(self.attention_impl in ATTENTION_IMPLS, "attention_impl",
              f"must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         need(self.attention_q_block >= 0, "attention_q_block", "must be >= 0 (0 = automatic)")
+        need(isinstance(self.scan_unroll, bool), "scan_unroll", f"must be a bool, got {self.scan_unroll!r}")
         need(self.attention_k_block > 0, "attention_k_block", f"must be > 0, got {self.attention_k_block}")
         need(self.router_aux_loss_coef >= 0, "router_aux_loss_coef", f"must be >= 0, got {self.router_aux_loss_coef}")
         need(self.moe_dispatch in MOE_DISPATCHES, "moe_dispatch",

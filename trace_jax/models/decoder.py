@@ -442,7 +442,7 @@ def _forward_hidden(config, params, tokens, positions, segment_ids, attention_ma
         return h, (kv, stats)
 
     h = constrain(embed_tokens(config, params, tokens), _RESIDUAL_AXES)
-    h, (kv, stats) = jax.lax.scan(remat_wrap(config, layer), h, params["layers"])
+    h, (kv, stats) = jax.lax.scan(remat_wrap(config, layer), h, params["layers"], unroll=config.scan_unroll)
     out = (final_norm(config, params, h),)
     if return_kv:
         out += (kv,)
@@ -545,7 +545,7 @@ def hidden_logprobs(config: ModelConfig, params: dict, hidden: jax.Array, target
 
     if n > 1:
         chunk = jax.checkpoint(chunk)
-    _, out = jax.lax.scan(lambda carry, ht: (carry, chunk(*ht)), None, (hs, ts))
+    _, out = jax.lax.scan(lambda carry, ht: (carry, chunk(*ht)), None, (hs, ts), unroll=config.scan_unroll)
     unchunk = lambda x: jnp.moveaxis(x, 0, 1).reshape(B, n * c)[:, :S]  # noqa: E731
     return jax.tree_util.tree_map(unchunk, out)
 

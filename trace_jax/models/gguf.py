@@ -404,7 +404,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("dst", metavar="DST", help="output directory (created)")
     parser.add_argument("--dtype", choices=sorted(_OUTPUT_DTYPES), default="float32", help="weights dtype")
-    parser.add_argument("--no-tokenizer", action="store_true", help="do not write the tokenizer files")
+    parser.add_argument("--no-tokenizer", "--no_tokenizer", action="store_true",
+                        help="do not write the tokenizer files")
 
 
 def run(args: argparse.Namespace) -> int:

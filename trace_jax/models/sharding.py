@@ -15,6 +15,7 @@ This module knows nothing about Hugging Face names or the decoder math.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -118,6 +119,24 @@ def param_shardings(config: ModelConfig, mesh: Mesh, rules: Rules | None = None)
 def shard_params(params, config: ModelConfig, mesh: Mesh, rules: Rules | None = None):
     """Place an existing params tree on `mesh` according to the rules."""
     return jax.device_put(params, param_shardings(config, mesh, rules))
+
+
+def reshard_program(shardings):
+    """The program that moves a params tree on device to the layout `shardings` (a matching pytree of
+    `NamedSharding`s): `program(tree) -> tree` with `out_shardings=shardings`, the collectives the compiler picks
+    (all-gathers from the train layout to the rollout layout), never through host memory. Nothing is donated: the
+    train state keeps its params. One program object per target layout: the loop (`distributed.to_process_local`,
+    the policy's train -> rollout reshard) and `trace-jax plan` call the same one."""
+    leaves, treedef = jax.tree_util.tree_flatten(shardings)
+    if not all(isinstance(s, NamedSharding) for s in leaves):
+        raise TypeError("reshard_program takes a pytree of NamedShardings (e.g. models.param_shardings(config, "
+                        f"mesh, ROLLOUT_RULES)); got leaves of types {sorted({type(s).__name__ for s in leaves})}")
+    return _reshard_jit(treedef, tuple(leaves))
+
+
+@functools.lru_cache(maxsize=64)
+def _reshard_jit(treedef, leaves: tuple):
+    return jax.jit(lambda tree: tree, out_shardings=jax.tree_util.tree_unflatten(treedef, list(leaves)))
 
 
 def placed_on(tree, mesh: Mesh) -> bool:

@@ -5,12 +5,15 @@ Public API (see docs/rollout.md):
   SamplingConfig, SamplerState, init_state, append, generate, Generation,
   generate_without_cache, sample_from_logits, StopStrings                     (sampler)
   RolloutConfig, Rollout, run_episodes, ScriptedPolicy                        (agent)
+  kv_bytes_per_row, kv_bytes_per_chip, rows_within_budget, cache_bytes_per_device (budget)
 
 This package knows nothing about credit assignment or training; it only produces their input.
 """
 
 from trace_jax.rollout.agent import DEFAULT_SYSTEM_PROMPT, Rollout, RolloutConfig, ScriptedPolicy, run_episodes
 from trace_jax.rollout.batch import STATUS_CODES, STATUSES, EpisodeRecord, TrajectoryBatch, build_batch
+from trace_jax.rollout.budget import (cache_bytes_per_device, kv_bytes_per_chip, kv_bytes_per_row,
+                                     rows_within_budget)
 from trace_jax.rollout.sampler import (
     STOP_REASONS,
     Generation,
@@ -27,5 +30,6 @@ from trace_jax.rollout.sampler import (
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT", "EpisodeRecord", "Generation", "Rollout", "RolloutConfig", "STATUSES", "STATUS_CODES",
     "STOP_REASONS", "SamplerState", "SamplingConfig", "ScriptedPolicy", "StopStrings", "TrajectoryBatch", "append",
-    "build_batch", "generate", "generate_without_cache", "init_state", "run_episodes", "sample_from_logits",
+    "build_batch", "cache_bytes_per_device", "generate", "generate_without_cache", "init_state", "kv_bytes_per_chip",
+    "kv_bytes_per_row", "rows_within_budget", "run_episodes", "sample_from_logits",
 ]

@@ -1,6 +1,12 @@
-"""Batched multi-turn ReAct loop: `B` prompts x `G` samples in lockstep, token-in/token-out.
+"""Batched multi-turn ReAct loop: `B` prompts x `G` samples, token-in/token-out, under a KV-cache budget.
 
-One round = one assistant turn for every running row:
+The sampler's cache holds `S` rows at once (`budget.rows_within_budget`: all `B x G` rows when
+`RolloutConfig.kv_budget_gib` is None or they fit under it). Rows wait in order for a free cache row (a *slot*):
+at the start of every round the waiting rows are admitted into the free slots (`sampler.prefill_rows`: only the new
+prompts run through the model, identical prompts once), so when not every row fits, rows run as others finish
+(continuous batching at turn granularity).
+
+One round = one assistant turn for every row in a slot (rows may be at different turns):
 
   1. `sampler.generate` until each row stops (`</tool_call>`, `<|im_end|>`, eos, the turn's token budget, or a full
      context);
@@ -15,6 +21,11 @@ One round = one assistant turn for every running row:
   3. the observation is appended as ids (`ChatFormat.tool_response_ids`: closes the turn, the tool turn, opens the
      next generation) to the row's token list and to its KV cache (`sampler.append`, only the rows that called a
      tool). The offset after it is the next state boundary S_k. If it does not fit -> context_overflow.
+     A row whose episode ended frees its slot.
+
+Randomness belongs to the row, not to its slot or wave: turn `k` of row `r` samples with the per-row key
+`fold_in(fold_in(rng, k), r)` (step `s` of the turn folds in `s`, see `sampler.generate`), so a budgeted run gives
+the tokens of an unbounded one with the same `rng`, greedy or sampled.
 
 Bookkeeping per token (see `batch.TrajectoryBatch`): loss mask on generated tokens, turn index = number of
 observations before the turn (the final turn's index is `num_turns`), boundaries S_0..S_T. Reward: the environment's
@@ -23,13 +34,15 @@ observations before the turn (the final turn's index is `num_turns`), boundaries
 Tasks are anything with `question` and `answer` (optional `aliases`, `task_id`): procedural `Task`s or external
 ones. Tools: one `Browser` (forked per row, so any corpus works) or a `task -> Browser` factory.
 
-Test hook: `logits_hook(turn_of_row, step, generated)` returns a logit bias [N, V] (see `ScriptedPolicy`).
+Test hook: `logits_hook(turn_of_row, step, generated)` returns a logit bias [N, V] (see `ScriptedPolicy`); its
+arguments and result are indexed by row, whatever slot the row runs in.
 
 This module knows nothing about the model's internals, credit assignment or training.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Any, Callable, Sequence
@@ -43,6 +56,7 @@ from trace_jax.models.chat import TOOL_CALL_OPEN, ChatFormat, ToolCall, parse_to
 from trace_jax.models.config import ModelConfig
 from trace_jax.rollout import sampler as sampler_lib
 from trace_jax.rollout.batch import EpisodeRecord, TrajectoryBatch, build_batch
+from trace_jax.rollout.budget import cache_bytes_per_device, rows_within_budget
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a research agent. Answer the question by searching and reading documents with the browser tools. "
@@ -66,6 +80,9 @@ class RolloutConfig:
       max_observation_chars: observations are cut to this many characters (0 = no limit).
       format_weight: passed to `answer_reward`.
       sync_every: decode steps between host checks of the stop flags.
+      kv_budget_gib: KV-cache memory per chip for the rollout's rows, in GiB (None = unbounded: every row of a
+        call at once). Rows beyond what fits wait and are admitted as others finish (`budget.rows_within_budget`);
+        the tokens do not depend on it. It must hold at least one row of `max_context` tokens.
     """
 
     group_size: int = 1
@@ -78,6 +95,7 @@ class RolloutConfig:
     max_observation_chars: int = 2000
     format_weight: float = 0.0
     sync_every: int = 8
+    kv_budget_gib: float | None = None
 
     def __post_init__(self):
         for name in ("group_size", "max_context", "turn_token_budget", "sync_every"):
@@ -87,6 +105,11 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.max_turns must be >= 0, got {self.max_turns!r}")
         if self.max_observation_chars < 0:
             raise ValueError("RolloutConfig.max_observation_chars must be >= 0 (0 = no limit)")
+        budget = self.kv_budget_gib
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or not 0 < budget < float("inf")):
+            raise ValueError(f"RolloutConfig.kv_budget_gib must be a positive number of GiB per chip or None "
+                             f"(unbounded), got {budget!r}")
 
     def cut_observation(self, observation: str) -> str:
         """The observation as the policy is shown it: cut to `max_observation_chars` (then " ..." marks the cut)."""
@@ -97,12 +120,20 @@ class RolloutConfig:
 
 @dataclasses.dataclass
 class Rollout:
-    """What `run_episodes` returns: the device batch, one `EpisodeRecord` per row, and phase timings (seconds)."""
+    """What `run_episodes` returns: the device batch, one `EpisodeRecord` per row, and phase timings (seconds).
+
+    Attributes:
+      rows_at_once: rows the sampler's cache held (its batch size; fewer than the rows under a KV budget).
+      kv_cache_bytes: the largest bytes of the sampler's cache arrays (k, v, lengths) on any one device, read
+        from the arrays themselves after every admission.
+    """
 
     batch: TrajectoryBatch
     episodes: list[EpisodeRecord]
     timing: dict[str, float]
     generated_tokens: int
+    rows_at_once: int
+    kv_cache_bytes: int
 
 
 class ScriptedPolicy:
@@ -138,11 +169,37 @@ def _gold(task) -> tuple[str, ...]:
     return (str(task.answer),) + tuple(str(a) for a in aliases)
 
 
+# Turn `turn` of row `row` samples with `fold_in(fold_in(rng, turn), row)`: its draws depend on the row's identity
+# and turn, never on the slot it runs in or on the rows batched with it. One program for every slot's key.
+_row_keys = jax.jit(jax.vmap(lambda rng, row, turn: jax.random.fold_in(jax.random.fold_in(rng, turn), row),
+                             in_axes=(None, 0, 0)))
+
+
+def _row_hook(logits_hook, slot_row: np.ndarray, episodes: list[EpisodeRecord], n: int):
+    """The sampler's slot-indexed hook `(step, generated) -> bias [S, V]` around a row-indexed `logits_hook`."""
+    slot_row = slot_row.copy()
+    turn_of_row = np.asarray([len(e.turn_texts) for e in episodes], np.int64)
+
+    def hook(step: int, generated: list) -> np.ndarray | None:
+        by_row: list[list[int]] = [[] for _ in range(n)]
+        for s, r in enumerate(slot_row):
+            if r >= 0:
+                by_row[r] = generated[s]
+        bias = logits_hook(turn_of_row, step, by_row)
+        if bias is None:
+            return None
+        bias = np.asarray(bias, np.float32)
+        return np.where((slot_row >= 0)[:, None], bias[np.maximum(slot_row, 0)], 0.0).astype(np.float32)
+
+    return hook
+
+
 def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[Any],
                  browser: Browser | Callable[[Any], Browser], rollout: RolloutConfig, rng: jax.Array, *,
                  mesh=None, rules=None,
                  logits_hook: Callable[[np.ndarray, int, list], np.ndarray | None] | None = None) -> Rollout:
-    """Run `len(tasks) x rollout.group_size` episodes in lockstep and pack them into a `TrajectoryBatch`.
+    """Run `len(tasks) x rollout.group_size` episodes and pack them into a `TrajectoryBatch`: all at once, or under
+    `rollout.kv_budget_gib` as many at once as fit, the others admitted as rows finish (the module doc).
 
     Args:
       config, params: the policy (params already placed/sharded on `mesh` when one is given).
@@ -150,12 +207,13 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
       tasks: objects with `question`, `answer` (and optional `aliases`, `task_id`).
       browser: a `Browser` (each row gets `browser.fork()`) or a factory `task -> Browser`.
       rollout: limits and sampling.
-      rng: PRNG key; turn k samples with `fold_in(rng, k)`.
+      rng: PRNG key; turn k of row r samples with `fold_in(fold_in(rng, k), r)`.
       mesh, rules: shard rows (and kv heads) of the sampler state on this mesh.
       logits_hook: test hook (see `ScriptedPolicy`).
 
     Raises:
-      ValueError: a prompt does not fit in `max_context` (the message gives the length).
+      ValueError: a prompt does not fit in `max_context` (the message gives the length), or the KV budget holds
+        no row.
     """
     start = time.perf_counter()
     timing = {"prefill": 0.0, "generate": 0.0, "env": 0.0, "agent_host": 0.0, "append": 0.0, "pack": 0.0}
@@ -183,40 +241,53 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
                                           gold=_gold(task), clues=tuple(getattr(task, "clues", ()) or ())))
             browsers.append(browser.fork() if isinstance(browser, Browser) else browser(task))
 
-    t0 = time.perf_counter()
-    state = sampler_lib.init_state(config, n, max_len, mesh=mesh, rules=rules)
-    # The G samples of a prompt share one prefill (one pass per prompt, keys/values copied to its G rows).
-    state = sampler_lib.prefill_groups(config, params, state, [r["tokens"] for r in rows[::group]], group)
-    jax.block_until_ready(state.logits)
-    timing["prefill"] += time.perf_counter() - t0
-
+    slots = rows_within_budget(config, rollout, mesh=mesh, rows=max(n, 1), rules=rules)
+    state = sampler_lib.init_state(config, slots, max_len, mesh=mesh, rules=rules)
+    slot_row = np.full(slots, -1, np.int64)  # the row each cache row (slot) holds; -1 = free
+    waiting = collections.deque(range(n))
+    kv_cache_bytes = 0
     generated_tokens = 0
-    turn = 0
-    running = np.ones(n, bool)
-    while running.any():
-        turn_of_row = np.full(n, turn, np.int64)
-        hook = None if logits_hook is None else (lambda step, gen: logits_hook(turn_of_row, step, gen))
-        budget = np.asarray([min(rollout.turn_token_budget, max_len - len(r["tokens"])) for r in rows], np.int32)
+    while waiting or (slot_row >= 0).any():
+        free = np.nonzero(slot_row < 0)[0][:len(waiting)]
+        if len(free):
+            # Admission: the G samples of a prompt admitted together share one prefill (identical prompts run once).
+            admitted = [waiting.popleft() for _ in free]
+            t0 = time.perf_counter()
+            state = sampler_lib.prefill_rows(config, params, state, free.tolist(),
+                                             [rows[r]["tokens"] for r in admitted])
+            jax.block_until_ready(state.logits)
+            timing["prefill"] += time.perf_counter() - t0
+            slot_row[free] = admitted
+            kv_cache_bytes = max(kv_cache_bytes, cache_bytes_per_device(state.cache))
+
+        running = slot_row >= 0
+        held = np.where(running, slot_row, 0)
+        turn_of_slot = np.asarray([len(episodes[r].turn_texts) for r in held], np.int32)
+        keys = _row_keys(rng, held.astype(np.int32), turn_of_slot)
+        hook = None if logits_hook is None else _row_hook(logits_hook, slot_row, episodes, n)
+        budget = np.asarray([min(rollout.turn_token_budget, max_len - len(rows[r]["tokens"])) for r in held],
+                            np.int32)
         t0 = time.perf_counter()
         state, gen = sampler_lib.generate(
-            config, params, state, rng=jax.random.fold_in(rng, turn), active=running, max_new_tokens=budget,
+            config, params, state, rng=keys, active=running, max_new_tokens=budget,
             stop_ids=chat.assistant_stop_ids, sampling=rollout.sampling, stop_strings=stop_strings,
             logits_hook=hook, sync_every=rollout.sync_every)
         timing["generate"] += time.perf_counter() - t0
 
         t0 = time.perf_counter()
         env_time = 0.0
-        appends: list[list[int]] = [[] for _ in range(n)]
-        for r in np.nonzero(running)[0]:
+        appends: list[list[int]] = [[] for _ in range(slots)]
+        for s in np.nonzero(running)[0]:
+            r = slot_row[s]
             row, episode = rows[r], episodes[r]
-            ids = gen.tokens[r]
+            ids = gen.tokens[s]
             generated_tokens += len(ids)
             tool_turn = len(row["boundaries"]) - 1
             row["tokens"] += ids.tolist()
             row["loss_mask"] += [1.0] * len(ids)
             row["turn_index"] += [tool_turn] * len(ids)
-            row["logprobs"] += gen.logprobs[r].tolist()
-            row["sampling_logprobs"] += gen.sampling_logprobs[r].tolist()
+            row["logprobs"] += gen.logprobs[s].tolist()
+            row["sampling_logprobs"] += gen.sampling_logprobs[s].tolist()
             text = tokenizer.decode(ids.tolist(), skip_special_tokens=False)
             episode.turn_texts.append(text)
             episode.final_text = text
@@ -228,13 +299,13 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
                     row["reward"] = result.reward
                     episode.answer = result.answer
             if row["status"] == "running":
-                if gen.stop_reason[r] == sampler_lib.CONTEXT_FULL:
+                if gen.stop_reason[s] == sampler_lib.CONTEXT_FULL:
                     row["status"] = "context_overflow"
                 elif tool_turn >= rollout.max_turns:
                     row["status"] = "max_turns"
             if row["status"] != "running":
                 episode.status = row["status"]
-                running[r] = False
+                slot_row[s] = -1
                 continue
 
             call = parse_tool_call(text)
@@ -253,7 +324,7 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
             response = chat.tool_response_ids(observation, previous_ids=ids.tolist())
             if len(row["tokens"]) + len(response) >= max_len:  # no room for the observation and one more token
                 row["status"] = episode.status = "context_overflow"
-                running[r] = False
+                slot_row[s] = -1
                 continue
             row["tokens"] += response
             row["loss_mask"] += [0.0] * len(response)
@@ -261,15 +332,13 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
             row["logprobs"] += [0.0] * len(response)
             row["sampling_logprobs"] += [0.0] * len(response)
             row["boundaries"].append(len(row["tokens"]))
-            appends[r] = response
+            appends[s] = response
         timing["env"] += env_time
         timing["agent_host"] += time.perf_counter() - t0 - env_time
 
         t0 = time.perf_counter()
-        if running.any():
-            state = sampler_lib.append(config, params, state, appends)
+        state = sampler_lib.append(config, params, state, appends)
         timing["append"] += time.perf_counter() - t0
-        turn += 1
 
     t0 = time.perf_counter()
     pad_id = chat.end_of_text_id if chat.end_of_text_id is not None else 0
@@ -277,4 +346,5 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
                         group_id=np.repeat(np.arange(len(tasks)), group), pad_id=pad_id)
     timing["pack"] = time.perf_counter() - t0
     timing["total"] = time.perf_counter() - start
-    return Rollout(batch=batch, episodes=episodes, timing=timing, generated_tokens=generated_tokens)
+    return Rollout(batch=batch, episodes=episodes, timing=timing, generated_tokens=generated_tokens,
+                   rows_at_once=slots, kv_cache_bytes=kv_cache_bytes)

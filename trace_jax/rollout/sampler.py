@@ -9,11 +9,17 @@ The device side is jitted functions with the cache donated:
   * `_decode_step` samples one token per active row from the pending logits, feeds it to the model
     (`_decode_model`: `models.extend` with n = 1, which updates the cache in place) and updates each row's stop
     state (stop token, per-row token budget, cache full). The model runs every step, also for rows that stopped
-    (their cache is left unchanged). `_decode_steps_jit` runs `sync_every` of these steps in one program (a
-    `lax.scan`); `_decode_jit` runs one (the step a logits hook drives, and the program `plan` sizes). One compile
-    per batch shape (and step count).
-  * `_prefill_rows_jit` replaces some rows of a running batch by new prompts (a server admitting requests): only
+    (their cache is left unchanged). `decode_program` runs `sync_every` of these steps in one program (a
+    `lax.scan`); `_decode_jit` runs one (the step a logits hook drives). One compile per batch shape (and step
+    count).
+  * `prefill_program` prefills a fresh batch whose rows are G samples of each prompt (each prompt runs once).
+  * `prefill_rows_program` replaces some rows of a running batch by new prompts (a server admitting requests): only
     those prompts run through the model, on a small cache, and their keys/values are written into their rows.
+
+The public builders (`decode_program`, `prefill_program`, `prefill_rows_program`) return one jitted program object
+per set of static arguments; the host loop below and `trace-jax plan` call the same objects, so what `plan`
+compiles for a TPU topology is what a rollout runs. On a mesh, the prefills pin their output to the cache's layout
+(`state_layout`).
 
 `generate` is the host loop around them. It reads the stop flags back every `sync_every` steps (every step when a
 logits hook is set), checks stop *strings* (tags that are not single tokens, e.g. `</tool_call>` for SmolLM2) on the
@@ -256,12 +262,13 @@ def init_state(config: ModelConfig, batch_size: int, max_len: int, *, mesh=None,
     state = SamplerState(cache=cache_lib.init_cache(config, batch_size, max_len, dtype=cache_dtype),
                          logits=jnp.zeros((batch_size, config.vocab_size), jnp.float32))
     if mesh is not None:
-        state = jax.device_put(state, _divisible_shardings(state, state_shardings(mesh, rules)))
+        state = jax.device_put(state, divisible_shardings(state, state_shardings(mesh, rules)))
     return state
 
 
-def _divisible_shardings(tree, shardings):
-    """Replicate any dimension whose size is not divisible by its mesh axes (e.g. 2 kv heads on tensor=4)."""
+def divisible_shardings(tree, shardings):
+    """`shardings` (a matching tree of `NamedSharding`s) for the arrays of `tree` (arrays or `ShapeDtypeStruct`s),
+    with any dimension whose size is not divisible by its mesh axes replicated (e.g. 2 kv heads on tensor=4)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -278,6 +285,25 @@ def _divisible_shardings(tree, shardings):
 
 
 # ---------------------------------------------------------------------------------------------------- device steps
+_PROGRAMS: dict[tuple, Callable] = {}  # (builder, its arguments) -> the jitted program: one object per program
+
+
+def _program(kind: str, key: tuple, build: Callable) -> Callable:
+    program = _PROGRAMS.get((kind, *key))
+    if program is None:
+        program = _PROGRAMS[(kind, *key)] = build()
+    return program
+
+
+def compiled_programs(kind: str) -> int:
+    """Executables compiled so far by the programs of one builder: "decode" (`decode_program`), "prefill"
+    (`prefill_program`) or "prefill_rows" (`prefill_rows_program`). Tests use it to check that new sampling values
+    or row counts compile nothing."""
+    if kind not in ("decode", "prefill", "prefill_rows"):
+        raise ValueError(f"compiled_programs: kind must be 'decode', 'prefill' or 'prefill_rows', got {kind!r}")
+    return sum(program._cache_size() for key, program in _PROGRAMS.items() if key[0] == kind)
+
+
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
 def _append_jit(config: ModelConfig, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array):
     logits, cache = cache_lib.extend.__wrapped__(config, params, state.cache, tokens, num_new, return_logits="last")
@@ -323,28 +349,15 @@ def _decode_step(config: ModelConfig, sampling: SamplingConfig | RowSampling, pa
 def _decode_jit(config: ModelConfig, sampling: SamplingConfig | None, params, state: SamplerState, active: jax.Array,
                 budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array, logit_bias,
                 rows: RowSampling | None = None):
-    """One decode step (`_decode_step`) as its own program: the step a logits hook drives, and what `plan` sizes.
+    """One decode step (`_decode_step`) as its own program: the step a logits hook drives.
     `rows` (traced) replaces the static `sampling` when given (`generate` passes `sampling=None` and `rows`)."""
     return _decode_step(config, sampling if rows is None else rows, params, state, active, budget_left, stop_ids,
                         rng, logit_bias)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 3), donate_argnums=5)
-def _decode_steps_jit(config: ModelConfig, sampling: RowSampling, num_steps: int, attend_len: int | None, params,
-                      state: SamplerState, active: jax.Array, budget_left: jax.Array, stop_ids: jax.Array,
-                      rng: jax.Array, first_step: jax.Array, reason: jax.Array):
-    """`num_steps` decode steps in one program (`lax.scan` over `_decode_step`), step `s` keyed
-    `fold_in(rng, first_step + s)` (row by row for per-row keys) as the one-step loop keys it, so both give the same
-    tokens. `sampling` is traced: its values are data, only its static fields shape the program.
-
-    One dispatch instead of `num_steps`: on a small model the host round trip of each step (~0.45 ms of Python and
-    dispatch on this CPU) costs more than the step itself. `attend_len` (static): the cache slots attention reads,
-    at least every row's length after the last step (`generate` passes a `bucket_length` above it; None = all).
-    Returns the state, per-step `[num_steps, B]` tokens,
-    logprobs, sampling logprobs and the active mask *before* each step, the active mask after the last step, each
-    row's stop reason (rows that did not stop keep `reason`) and the budgets left.
-    """
-
+def _decode_steps(config: ModelConfig, num_steps: int, attend_len: int | None, sampling: RowSampling, params,
+                  state: SamplerState, active: jax.Array, budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array,
+                  first_step: jax.Array, reason: jax.Array):
     def body(carry, s):
         state, active, budget_left, reason = carry
         state, tokens, lp, slp, still, step_reason, budget_left = _decode_step(
@@ -354,8 +367,29 @@ def _decode_steps_jit(config: ModelConfig, sampling: RowSampling, num_steps: int
         return (state, still, budget_left, reason), (tokens, lp, slp, active)
 
     (state, active, budget_left, reason), (tokens, lp, slp, was_active) = jax.lax.scan(
-        body, (state, active, budget_left, reason), jnp.arange(num_steps, dtype=jnp.uint32))
+        body, (state, active, budget_left, reason), jnp.arange(num_steps, dtype=jnp.uint32),
+        unroll=config.scan_unroll)
     return state, tokens, lp, slp, was_active, active, reason, budget_left
+
+
+def decode_program(config: ModelConfig, num_steps: int, attend_len: int | None = None):
+    """The rollout's decode program: `num_steps` decode steps in one dispatch (a `lax.scan` over `_decode_step`).
+
+        program(sampling: RowSampling, params, state, active bool [B], budget_left int32 [B], stop_ids int32 [S],
+                rng, first_step uint32 [], reason int32 [B])
+          -> (state, tokens [num_steps, B], logprobs [num_steps, B], sampling_logprobs [num_steps, B],
+              active before each step [num_steps, B], active after the last step [B], reason [B], budget_left [B])
+
+    Step `s` is keyed `fold_in(rng, first_step + s)` (row by row for per-row keys), as the one-step loop keys it,
+    so both give the same tokens. `sampling` is traced: its values are data, only its static fields shape the
+    program. The state is donated. `attend_len`: the cache slots attention reads, at least every row's length
+    after the last step (`generate` passes a `bucket_length` above it; None = the whole cache). Rows that stopped
+    keep `reason`. One program object per (config, num_steps, attend_len): `generate` and `trace-jax plan` call the
+    same one. One dispatch instead of `num_steps`: on a small model the host round trip of each step (~0.45 ms of
+    Python and dispatch on this CPU) costs more than the step itself.
+    """
+    return _program("decode", (config, num_steps, attend_len),
+                    lambda: jax.jit(functools.partial(_decode_steps, config, num_steps, attend_len), donate_argnums=2))
 
 
 def append(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Sequence[int]]) -> SamplerState:
@@ -376,9 +410,9 @@ def append(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Se
     return _append_jit(config, params, state, *_padded(chunks, width))
 
 
-def _layout(state: SamplerState):
-    """The `NamedSharding`s of a state placed on a mesh (hashable: a static argument that pins a program's output
-    to its input's layout), or None for a state on one device."""
+def state_layout(state: SamplerState):
+    """The `NamedSharding`s of a state (arrays or `ShapeDtypeStruct`s) placed on a mesh (hashable: a builder's
+    argument that pins a program's output to its input's layout), or None for a state on one device."""
     shardings = jax.tree_util.tree_map(lambda x: getattr(x, "sharding", None), state)
     leaves = jax.tree_util.tree_leaves(shardings)
     if not leaves or not all(isinstance(s, jax.sharding.NamedSharding) for s in leaves):
@@ -387,21 +421,30 @@ def _layout(state: SamplerState):
 
 
 def _keep_layout(state: SamplerState, layout) -> SamplerState:
-    """`state` constrained to `layout` (see `_layout`) inside a program: a state built anew there (the grouped
+    """`state` constrained to `layout` (see `state_layout`) inside a program: a state built anew there (the grouped
     prefill's repeated rows) would otherwise come out in whatever layout the compiler picks, e.g. rows replicated
     on every device of the mesh."""
     return state if layout is None else jax.lax.with_sharding_constraint(state, layout)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5, 6), donate_argnums=2)
-def _prefill_groups_jit(config: ModelConfig, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array,
-                        group: int, layout=None):
+def _prefill_groups(config: ModelConfig, group: int, layout, params, state: SamplerState, tokens: jax.Array,
+                    num_new: jax.Array):
     P = tokens.shape[0]
     small = cache_lib.init_cache(config, P, state.max_len, dtype=state.cache.k.dtype)
     logits, small = cache_lib.extend.__wrapped__(config, params, small, tokens, num_new, return_logits="last")
     cache = cache_lib.KVCache(k=jnp.repeat(small.k, group, axis=1), v=jnp.repeat(small.v, group, axis=1),
                               lengths=jnp.repeat(small.lengths, group))
     return _keep_layout(SamplerState(cache=cache, logits=jnp.repeat(logits, group, axis=0)), layout)
+
+
+def prefill_program(config: ModelConfig, group: int, layout=None):
+    """The rollout's prefill program: `program(params, state, tokens [P, W], num_new [P]) -> state` with rows
+    `p*group .. p*group+group-1` holding prompt `p` (each prompt runs through the model once; its keys/values are
+    copied to its `group` rows). The empty state (P x group rows) is donated. `layout`: the state's
+    `NamedSharding`s on a mesh (`state_layout`), to which the output is pinned (None on one device).
+    `prefill_groups` and `trace-jax plan` call the same program object."""
+    return _program("prefill", (config, group, layout),
+                    lambda: jax.jit(functools.partial(_prefill_groups, config, group, layout), donate_argnums=1))
 
 
 def prefill_groups(config: ModelConfig, params, state: SamplerState, prompts: Sequence[Sequence[int]],
@@ -422,12 +465,11 @@ def prefill_groups(config: ModelConfig, params, state: SamplerState, prompts: Se
     if longest == 0:
         return state
     width = min(bucket_length(longest), bucket_length(state.max_len))
-    return _prefill_groups_jit(config, params, state, *_padded(prompts, width), group, _layout(state))
+    return prefill_program(config, group, state_layout(state))(params, state, *_padded(prompts, width))
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _prefill_rows_jit(config: ModelConfig, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array,
-                      rows: jax.Array, source: jax.Array, count: jax.Array):
+def _prefill_rows(config: ModelConfig, layout, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array,
+                  rows: jax.Array, source: jax.Array, count: jax.Array):
     """tokens [U, W] / num_new [U]: the distinct prompts; rows, source [B]: entry i < count writes prompt
     source[i] into row rows[i] (entries from count on are padding, rows = B). The row count is a traced loop
     bound, not a shape, so only (U, W) compile."""
@@ -443,8 +485,20 @@ def _prefill_rows_jit(config: ModelConfig, params, state: SamplerState, tokens: 
 
     k, v = jax.lax.fori_loop(0, count, write, (state.cache.k, state.cache.v))
     lengths = state.cache.lengths.at[rows].set(num_new[source], mode="drop")
-    return SamplerState(cache=cache_lib.KVCache(k=k, v=v, lengths=lengths),
-                        logits=state.logits.at[rows].set(logits[source], mode="drop"))
+    return _keep_layout(SamplerState(cache=cache_lib.KVCache(k=k, v=v, lengths=lengths),
+                                     logits=state.logits.at[rows].set(logits[source], mode="drop")), layout)
+
+
+def prefill_rows_program(config: ModelConfig, layout=None):
+    """The server's admission program: `program(params, state, tokens [U, W], num_new [U], rows [B], source [B],
+    count []) -> state`, prompt `source[i]` written into row `rows[i]` for i < count (see `prefill_rows`). The
+    state is donated; `layout` (`state_layout`) pins the output to the cache's layout on a mesh, as
+    `prefill_program` does."""
+    return _program("prefill_rows", (config, layout),
+                    lambda: jax.jit(functools.partial(_prefill_rows, config, layout), donate_argnums=1))
+
+
+
 
 
 def prefill_rows(config: ModelConfig, params, state: SamplerState, rows: Sequence[int],
@@ -486,7 +540,8 @@ def prefill_rows(config: ModelConfig, params, state: SamplerState, rows: Sequenc
     row_ids[:len(rows)] = rows
     source_ids = np.zeros(batch, np.int32)
     source_ids[:len(rows)] = source
-    return _prefill_rows_jit(config, params, state, tokens, num_new, row_ids, source_ids, np.int32(len(rows)))
+    return prefill_rows_program(config, state_layout(state))(params, state, tokens, num_new, row_ids, source_ids,
+                                                                np.int32(len(rows)))
 
 
 @dataclasses.dataclass
@@ -541,7 +596,7 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
              stop_ids: Sequence[int], sampling: SamplingConfig | RowSampling = SamplingConfig(),
              stop_strings: StopStrings | None = None,
              logits_hook: Callable[[int, list], np.ndarray | None] | None = None,
-             sync_every: int = 8) -> tuple[SamplerState, Generation]:
+             sync_every: int = 16) -> tuple[SamplerState, Generation]:
     """Sample until every active row stops; returns the new state (old one donated) and a `Generation`.
 
     Args:
@@ -556,7 +611,12 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
       stop_strings: optional host check for multi-token stop tags.
       logits_hook: test hook `(step, generated_so_far: list of per-row id lists) -> float [B, V] bias or None`,
         added to the logits before sampling (a large bias on one id forces it: a scripted policy).
-      sync_every: decode steps between host reads of the stop flags (1 with a hook).
+      sync_every: decode steps between host reads of the stop flags (1 with a hook), run as one program. Every
+        value runs the same per-step program (a `lax.scan` of that length), so it trades host syncs (each a wait for
+        the device and a wake-up of its threads, costly on a loaded CPU) against the steps that rows which stopped
+        still run until the next sync (at most `sync_every - 1`). 16, as the serving engine's
+        `EngineConfig.sync_every` (docs/rollout.md, "Decode speed at the defaults"); the agent loop passes its own
+        (`RolloutConfig.sync_every`).
 
     A row also stops when its cache is full (`CONTEXT_FULL`).
     """
@@ -587,9 +647,9 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
             # bucket of slots above the longest row after them, not the whole cache (one compile per bucket).
             attend = bucket_length(int(lengths0.max()) + step + sync_every)
             attend = None if attend >= state.max_len else attend
-            state, tokens, lp, slp, was_active, active_dev, reason_dev, budget_dev = _decode_steps_jit(
-                config, rows, sync_every, attend, params, state, active_dev, budget_dev, stop_arr, rng,
-                np.uint32(step), reason_dev)
+            state, tokens, lp, slp, was_active, active_dev, reason_dev, budget_dev = decode_program(
+                config, sync_every, attend)(rows, params, state, active_dev, budget_dev, stop_arr, rng,
+                                            np.uint32(step), reason_dev)
             step += sync_every
         else:
             hooked = logits_hook(step, generated)

@@ -79,20 +79,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the reference directory)")
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     io = parser.add_argument_group("record fields")
-    io.add_argument("--answer-key", default="answer", help="field holding the gold answer text")
-    io.add_argument("--reward-key", default="reward", help="field holding the final reward (optional per record)")
-    io.add_argument("--group-key", default="group",
+    io.add_argument("--answer-key", "--answer_key", default="answer", help="field holding the gold answer text")
+    io.add_argument("--reward-key", "--reward_key", default="reward",
+                    help="field holding the final reward (optional per record)")
+    io.add_argument("--group-key", "--group_key", default="group",
                     help="field grouping trajectories of one prompt for outcome advantages (missing: a group of one)")
-    io.add_argument("--answer-template", default="<answer>",
+    io.add_argument("--answer-template", "--answer_template", default="<answer>",
                     help="open tag conditioned on right before the gold answer (not scored); '' for none")
-    io.add_argument("--score-close-tag", action="store_true",
+    io.add_argument("--score-close-tag", "--score_close_tag", action="store_true",
                     help="append </answer> to the continuation and score it with the answer")
     io.add_argument("--thinking", choices=THINKING_CHOICES, default="auto",
                     help="think-block layout of the chat format (auto: read from the tokenizer's chat template)")
     scoring = parser.add_argument_group("scoring")
     scoring.add_argument("--method", choices=METHODS, default="fork")
     scoring.add_argument("--layout", choices=LAYOUTS, default="auto")
-    scoring.add_argument("--batch-size", type=int, default=8, help="trajectories per scoring pass")
+    scoring.add_argument("--batch-size", "--batch_size", type=int, default=8, help="trajectories per scoring pass")
     scoring.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                          help="reference params and compute dtype (log-softmax is always float32)")
     credit = parser.add_argument_group("credit (CreditConfig; every default is CreditConfig's)")
@@ -101,12 +102,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, (text, choices) in _CREDIT_FLAGS.items():
         default = DEFAULTS[name]
         kind = int if name == "horizon" else (str if choices else float)
-        credit.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, choices=choices, default=None,
+        spellings = dict.fromkeys(("--" + name.replace("_", "-"), "--" + name))  # kebab, then the snake alias
+        credit.add_argument(*spellings, dest=name, type=kind, choices=choices, default=None,
                             help=f"{text} (default {default})")
     output = parser.add_argument_group("output")
-    output.add_argument("--no-receipts", action="store_true", help="skip the HTML receipts")
-    output.add_argument("--no-plot", action="store_true", help="skip the PNG summary plot")
-    output.add_argument("--excerpt-chars", type=int, default=160, help="observation excerpt length in receipts")
+    output.add_argument("--no-receipts", "--no_receipts", action="store_true", help="skip the HTML receipts")
+    output.add_argument("--no-plot", "--no_plot", action="store_true", help="skip the PNG summary plot")
+    output.add_argument("--excerpt-chars", "--excerpt_chars", type=int, default=160,
+                        help="observation excerpt length in receipts")
 
 
 def credit_config_from_args(args: argparse.Namespace) -> CreditConfig:

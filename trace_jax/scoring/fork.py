@@ -21,8 +21,10 @@ hidden state at `b_k - 1` (which only sees keys `< b_k`), and the last answer to
 Log-probs come from `models.hidden_logprobs` in sequence chunks, so float32 `[batch, length, vocab]` logits never
 exist. The same pass yields the reference's per-token log-probs of the trajectory itself.
 
-Shapes are padded to buckets (`bucket_size`) so jit compiles once per bucket, not per batch. With a `mesh`,
+Shapes are padded to buckets (`padded_shape`) so jit compiles once per bucket, not per batch. With a `mesh`,
 trajectories are split over the mesh's batch axes (data parallel) and params placed by the logical-axis rules.
+`fork_scores_program` is the public builder of the device program: the loop (through `score_answer_prefixes`) and
+`trace-jax plan` call the same program object.
 
 This module knows nothing about chat formats, tokenizers, credit or files.
 """
@@ -146,7 +148,8 @@ def _pad_to(array, shape, value=0):
     return np.pad(array, pads, constant_values=value)
 
 
-def _batch_sharding(mesh, rules, rank):
+def row_sharding(mesh, rank: int, rules=None) -> NamedSharding:
+    """The sharding of a scoring input of `rank` dimensions on `mesh`: rows over the `batch` rule's mesh axes."""
     spec = models.logical_to_mesh_spec(P("batch", *([None] * (rank - 1))), mesh, rules)
     return NamedSharding(mesh, spec)
 
@@ -161,6 +164,19 @@ def _batch_multiple(mesh, rules) -> int:
     axes = (axes,) if isinstance(axes, str) else axes
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     return math.prod(sizes[a] for a in axes)
+
+
+def padded_shape(n: int, length: int, slots: int, m: int, *, mesh=None, rules=None,
+                 bucket: bool = True) -> tuple[int, int, int, int]:
+    """The shape `(N, L, S, m)` one scoring pass pads its inputs to (the one bucketing rule of the scorer):
+    rows to a `bucket_size` and then a multiple of the mesh's batch shards, tokens to a `bucket_size` multiple of
+    16, states to 1, 2, 3, 4, 6, 8 and then multiples of 8, answer tokens to a `bucket_size`. `bucket=False`
+    pads only the rows to the batch shards."""
+    multiple = _batch_multiple(mesh, rules)
+    if not bucket:
+        return -(-n // multiple) * multiple, length, slots, m
+    return -(-bucket_size(n, 1) // multiple) * multiple, bucket_size(length, 16), _state_bucket(slots), \
+        bucket_size(m, 1)
 
 
 # ---------------------------------------------------------------------------------------------------- device code
@@ -238,9 +254,8 @@ def _cached_hidden(config, params, tokens, boundaries, answer_tokens):
     return traj_hidden, copy_hidden.reshape(n, slots, width, -1)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "layout", "logprob_chunk", "query_chunk", "with_token_logprobs"))
-def _fork_scores(params, tokens, boundaries, state_valid, answer_tokens, answer_mask, *, config: ModelConfig,
-                 layout: str, logprob_chunk: int, query_chunk: int, with_token_logprobs: bool = True):
+def _fork_scores(config: ModelConfig, layout: str, logprob_chunk: int, query_chunk: int, with_token_logprobs: bool,
+                 params, tokens, boundaries, state_valid, answer_tokens, answer_mask):
     length = tokens.shape[1]
     boundaries = jnp.clip(boundaries, 1, length)  # padded states: any legal offset, result discarded
     if layout == "packed":
@@ -255,6 +270,23 @@ def _fork_scores(params, tokens, boundaries, state_valid, answer_tokens, answer_
     if not with_token_logprobs:  # the LM head over every trajectory position is most of a small model's cost
         return scores, None
     return scores, _trajectory_log_probs(config, params, traj_hidden, tokens, logprob_chunk)
+
+
+@functools.lru_cache(maxsize=None)
+def fork_scores_program(config: ModelConfig, *, layout: str, logprob_chunk: int = 256, query_chunk: int = 0,
+                        with_token_logprobs: bool = True):
+    """The reference-scoring program of one prefix-fork pass over padded inputs (`padded_shape`):
+
+        program(params, tokens int32 [N, L], boundaries int32 [N, S], state_valid bool [N, S],
+                answer_tokens int32 [N, m], answer_mask int32 [N, m])
+          -> (answer_scores float32 [N, S], token_logprobs float32 [N, L] or None)
+
+    `layout` is "packed" or "cached" (`choose_layout`); `logprob_chunk`, `query_chunk`, `with_token_logprobs` as
+    in `score_answer_prefixes`. Nothing is donated (the reference is read again every step). One program object
+    per set of arguments: `score_answer_prefixes` and `trace-jax plan` call the same one."""
+    if layout not in ("packed", "cached"):
+        raise ValueError(f"fork_scores_program: layout must be 'packed' or 'cached', got {layout!r}")
+    return jax.jit(functools.partial(_fork_scores, config, layout, logprob_chunk, query_chunk, with_token_logprobs))
 
 
 def packed_length(length: int, num_slots: int, answer_length: int) -> int:
@@ -324,13 +356,7 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
         layout = "cached"
     n, length = tokens.shape
     slots, m = boundaries.shape[1], answer_tokens.shape[1]
-    multiple = _batch_multiple(mesh, rules)
-    if bucket:
-        padded_n = -(-bucket_size(n, 1) // multiple) * multiple
-        padded_shape = (padded_n, bucket_size(length, 16), _state_bucket(slots), bucket_size(m, 1))
-    else:
-        padded_shape = (-(-n // multiple) * multiple, length, slots, m)
-    pn, pl, ps, pm = padded_shape
+    pn, pl, ps, pm = padded_shape(n, length, slots, m, mesh=mesh, rules=rules, bucket=bucket)
     if layout == "auto":
         layout = choose_layout(pl, ps, pm, packed_max_len, rows=pn, packed_max_tokens=packed_max_tokens)
     state_valid = np.arange(ps)[None, :] < _pad_to(num_states, (pn,))[:, None]
@@ -343,9 +369,10 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
     if mesh is not None:
         if not models.placed_on(params, mesh):  # params already on the mesh (e.g. a sharded reference) stay put
             params = models.shard_params(params, config, mesh, rules)
-        args = tuple(jax.device_put(a, _batch_sharding(mesh, rules, a.ndim)) for a in args)
-    scores, token_lp = _fork_scores(params, *args, config=config, layout=layout, logprob_chunk=logprob_chunk,
-                                    query_chunk=query_chunk, with_token_logprobs=token_logprobs)
+        args = tuple(jax.device_put(a, row_sharding(mesh, a.ndim, rules)) for a in args)
+    program = fork_scores_program(config, layout=layout, logprob_chunk=logprob_chunk, query_chunk=query_chunk,
+                                  with_token_logprobs=token_logprobs)
+    scores, token_lp = program(params, *args)
     if token_lp is None:
         return PrefixScores(scores[:n, :slots], None)
     scores, token_lp = scores[:n, :slots], token_lp[:n, :length].at[:, -1].set(0.0)
@@ -361,8 +388,8 @@ def compiled_memory(config: ModelConfig, params, tokens, boundaries, num_states,
     tokens, boundaries, num_states, answer_tokens, answer_mask = validate_scoring_inputs(
         tokens, boundaries, num_states, answer_tokens, answer_mask)
     state_valid = np.arange(boundaries.shape[1])[None, :] < num_states[:, None]
-    lowered = _fork_scores.lower(params, tokens, boundaries, state_valid, answer_tokens, answer_mask, config=config,
-                                 layout=layout, logprob_chunk=logprob_chunk, query_chunk=query_chunk)
+    program = fork_scores_program(config, layout=layout, logprob_chunk=logprob_chunk, query_chunk=query_chunk)
+    lowered = program.lower(params, tokens, boundaries, state_valid, answer_tokens, answer_mask)
     analysis = lowered.compile().memory_analysis()
     return {"temp_bytes": int(getattr(analysis, "temp_size_in_bytes", 0)),
             "argument_bytes": int(getattr(analysis, "argument_size_in_bytes", 0)),

@@ -17,36 +17,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the checkpoint directory)")
     parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--model-name", default=None, help="the id clients pass as `model` (default: the "
-                                                            "checkpoint directory's name)")
+    parser.add_argument("--model-name", "--model_name", default=None,
+                        help="the id clients pass as `model` (default: the checkpoint directory's name)")
     keys = parser.add_mutually_exclusive_group()
-    keys.add_argument("--api-key-file", default=None, metavar="PATH",
+    keys.add_argument("--api-key-file", "--api_key_file", default=None, metavar="PATH",
                       help="require 'Authorization: Bearer KEY', KEY read from this file (its first line); the "
                            "way to pass a key, since other users see command lines in `ps`")
-    keys.add_argument("--api-key", default=None,
+    keys.add_argument("--api-key", "--api_key", default=None,
                       help="the key itself (visible in `ps`: prefer --api-key-file or $TRACE_JAX_SERVE_API_KEY; "
                            "default: $TRACE_JAX_SERVE_API_KEY, else no key)")
-    parser.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+    parser.add_argument("--allowed-host", "--allowed_host", action="append", default=[], metavar="NAME",
                         help="a Host name a loopback-bound server answers to besides 127.0.0.1, localhost and ::1 "
                              "(repeatable; other names are refused against DNS rebinding)")
-    parser.add_argument("--max-body-mib", type=float, default=4.0,
+    parser.add_argument("--max-body-mib", "--max_body_mib", type=float, default=4.0,
                         help="request bodies larger than this many MiB get a 413")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--max-batch", type=int, default=16, help="rows decoded together (concurrency limit)")
-    parser.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
-    parser.add_argument("--max-context", type=int, default=None,
+    parser.add_argument("--max-batch", "--max_batch", type=int, default=16,
+                        help="rows decoded together (concurrency limit)")
+    parser.add_argument("--max-queue", "--max_queue", type=int, default=256, help="waiting requests before 429")
+    parser.add_argument("--max-context", "--max_context", type=int, default=None,
                         help="tokens per row, prompt + completion (default: min(model maximum, 4096))")
-    parser.add_argument("--slice-tokens", type=int, default=16,
+    parser.add_argument("--slice-tokens", "--slice_tokens", type=int, default=16,
                         help="decode steps between admissions of waiting requests")
-    parser.add_argument("--no-batching", action="store_true", help="serve one request at a time")
-    parser.add_argument("--batch-wait-ms", type=float, default=5.0,
+    parser.add_argument("--no-batching", "--no_batching", action="store_true", help="serve one request at a time")
+    parser.add_argument("--batch-wait-ms", "--batch_wait_ms", type=float, default=5.0,
                         help="when idle, wait this long for more requests to batch with the first one")
-    parser.add_argument("--warmup-tokens", type=int, default=0,
+    parser.add_argument("--warmup-tokens", "--warmup_tokens", type=int, default=0,
                         help="before serving, compile the prefill of every batch shape for prompts up to this many "
                              "tokens (0: compile each shape when first met)")
-    parser.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
-                        help="uvicorn's log level; 'info' logs every request")
-    parser.add_argument("--scripted-judge", action="store_true",
+    parser.add_argument("--log-level", "--log_level", choices=("critical", "error", "warning", "info", "debug"),
+                        default="info", help="uvicorn's log level; 'info' logs every request")
+    parser.add_argument("--scripted-judge", "--scripted_judge", action="store_true",
                         help="serve the deterministic rubric judge of trace_jax.abc.judge instead of a checkpoint "
                              "(offline dry runs of `trace-jax abc-score` on tasks with known clue chains)")
 

@@ -18,6 +18,8 @@ eval`, `export_pretrained`) never tidy: a trainer may be writing the same direct
 so a checkpoint written on one mesh restores onto another. `PreemptionGuard` turns SIGTERM/SIGINT (TPU preemption,
 Ctrl-C) into a flag the loop polls: `Checkpointer.maybe_save` then writes a forced checkpoint and the loop exits.
 `export_pretrained` writes a saved step's params as a Hugging Face directory (`save_pretrained`).
+`restore_params_from_copies` reads one step's params from the first of several directories holding it that restores
+(the frozen reference: a damaged copy is skipped like a damaged policy step, but never for an older step).
 
 This module knows nothing about losses, rollouts or the data pipeline (the host state is opaque).
 """
@@ -33,7 +35,7 @@ import signal
 import sys
 import threading
 import warnings
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -273,7 +275,7 @@ class Checkpointer:
 
     def restore_params(self, step: int | None = None, *, shardings=None):
         """Only the params of a saved step (no target needed), on this process's first device, whatever mesh and
-        however many processes wrote them (e.g. `trace-jax eval` on one host after a multi-host run). With
+        however many processes wrote them (e.g. `export_pretrained` on one host after a multi-host run). With
         `shardings` (a params pytree of shardings, e.g. `models.param_shardings` on a mesh) each process reads its
         own shards straight into that layout instead."""
         steps = self.all_steps()
@@ -334,6 +336,44 @@ def _abandoned_read(unraisable) -> bool:
         return True
     error = unraisable.exc_value
     return isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+
+
+def restore_params_from_copies(copies: Sequence[Checkpointer], step: int, *, shardings=None, what: str):
+    """The params of `step` from the first of `copies` (checkpointers of directories that may each hold that step)
+    that restores it: a copy without the step is passed over, a copy whose step does not restore (damaged files) is
+    skipped with a `CheckpointSkipped` warning naming the directory and the error, as `restore_latest` skips a
+    damaged policy step. Never an older step: a reference must be the step asked for. `what` names the step in
+    errors (e.g. "TrainConfig.reference_checkpoint = 'runs/a@200'").
+
+    Raises FileNotFoundError when no copy holds the step (listing each copy's steps), `CheckpointRestoreError` when
+    every copy that holds it fails (listing each error)."""
+    failed: list[tuple[str, str]] = []
+    held: list[str] = []
+    for copy in copies:
+        steps = copy.all_steps()
+        if step not in steps:
+            held.append(f"{copy.directory}: {steps}")
+            continue
+        try:
+            with _quiet_abandoned_reads():
+                params = copy.restore_params(step, shardings=shardings)
+            ok = True
+        except MemoryError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any failure of this copy means: try the next one
+            ok, reason = False, _describe(error)
+        if _on_every_process(ok):
+            return params
+        reason = reason if not ok else "it failed to restore on another process"
+        failed.append((copy.directory, reason))
+        warnings.warn(f"{what}: step {step} in {copy.directory} does not restore ({reason}); trying the next copy",
+                      CheckpointSkipped, stacklevel=2)
+    if failed:
+        listed = "; ".join(f"{directory}: {reason}" for directory, reason in failed)
+        raise CheckpointRestoreError(f"{what}: no copy of step {step} restores ({listed}); copy an intact step back "
+                                     "or choose another step")
+    raise FileNotFoundError(f"{what}: no complete step {step} in {'; '.join(held) or 'no directory'} (steps held "
+                            "listed); choose a step that was saved")
 
 
 def _describe(error: BaseException) -> str:

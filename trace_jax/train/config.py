@@ -209,6 +209,24 @@ class MeshConfig:
         _need(isinstance(self.devices, int) and self.devices >= 0, "MeshConfig", "devices",
               f"must be an int >= 0 (0 = all devices), got {self.devices!r}")
 
+    @classmethod
+    def from_flag(cls, text: str, flag: str = "--mesh") -> "MeshConfig":
+        """A command line's `AXIS=SIZE[,AXIS=SIZE]` (e.g. `fsdp=4,tensor=2`; axes not named are 1, one size may be
+        -1; `devices=N` takes the first N devices of this process) -> a `MeshConfig`. Raises `TrainConfigError`
+        naming `flag` and the expected form."""
+        fields = {}
+        for part in text.split(","):
+            name, _, value = (s.strip() for s in part.partition("="))
+            if name not in MESH_AXES + ("devices",) or name in fields or not value.lstrip("-").isdigit():
+                raise TrainConfigError(f"{flag} {text!r}: expected AXIS=SIZE[,AXIS=SIZE] with axes "
+                                       f"{', '.join(MESH_AXES)} (each at most once, one size may be -1) and optionally "
+                                       f"devices=N, e.g. {flag} fsdp=4,tensor=2")
+            fields[name] = int(value)
+        try:
+            return cls(**{**{axis: 1 for axis in MESH_AXES}, **fields})
+        except TrainConfigError as error:
+            raise TrainConfigError(f"{flag} {text!r}: {error}") from None
+
     def axis_sizes(self, num_devices: int) -> dict[str, int]:
         """The concrete `{axis: size}` for `num_devices` devices (resolving -1); raises if they do not multiply up."""
         sizes = {a: getattr(self, a) for a in MESH_AXES}

@@ -38,6 +38,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from trace_jax import models
+
 MODES = ("off", "auto", "explicit")
 ENV_COORDINATOR = "TRACE_JAX_COORDINATOR"
 ENV_NUM_PROCESSES = "TRACE_JAX_NUM_PROCESSES"
@@ -327,7 +329,7 @@ def to_process_local(tree, shardings):
     moving = [i for i, (x, t) in enumerate(zip(leaves, targets))
               if not (isinstance(x.sharding, NamedSharding) and x.sharding.is_equivalent_to(t, x.ndim))]
     if moving:
-        moved = jax.jit(lambda xs: xs, out_shardings=[targets[i] for i in moving])([leaves[i] for i in moving])
+        moved = models.reshard_program([targets[i] for i in moving])([leaves[i] for i in moving])
         for i, x in zip(moving, moved):
             leaves[i] = x
     if dropped:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -47,6 +47,12 @@ class EvalConfig:
       seed: PRNG seed of the sampled episodes (the same at every evaluation, so runs compare like with like).
       max_turns: tool-calling turns an evaluation episode may make; None = the rollouts' `RolloutConfig.max_turns`
         (the paper trains with up to 60 and evaluates with up to 80).
+      sets: the evaluation sets, name -> source (`trace_jax.data.sources`): 'heldout' (the run's own held-out
+        split), 'procedural', 'tfds:<builder>[/<config>]' (its `DataConfig.eval_split`) or
+        'external:<queries.jsonl>[:<corpus.jsonl>]' (all its queries), e.g.
+        `EvalConfig.sets = {'heldout': 'heldout', 'procedural': 'procedural'}`. Each is evaluated on its first
+        `num_tasks` tasks and reported on its own, with their average; the first set is the run's headline
+        (`eval/...` metrics, the before/after comparison). Stored as a tuple of (name, source) pairs.
     """
 
     num_tasks: int = 128
@@ -57,8 +63,26 @@ class EvalConfig:
     temperature: float = 1.0
     seed: int = 1234
     max_turns: int | None = None
+    sets: tuple[tuple[str, str], ...] = (("heldout", "heldout"),)
 
     def __post_init__(self):
+        from trace_jax.data.sources import check_name, parse_source
+
+        sets = self.sets
+        if isinstance(sets, Mapping):
+            sets = tuple(sets.items())
+        if not isinstance(sets, (tuple, list)) or not all(isinstance(p, (tuple, list)) and len(p) == 2
+                                                          for p in sets):
+            raise ValueError(f"EvalConfig.sets must map set names to sources, e.g. {{'heldout': 'heldout', "
+                             f"'bcp': 'external:queries.jsonl:corpus.jsonl'}}; got {self.sets!r}")
+        for name, source in sets:
+            check_name(name, "EvalConfig.sets")
+            parse_source(source, f"EvalConfig.sets[{name!r}]", inline=True)
+        if len({name for name, _ in sets}) != len(sets):
+            raise ValueError(f"EvalConfig.sets names a set twice: {[name for name, _ in sets]}")
+        if not sets:
+            raise ValueError("EvalConfig.sets is empty; name at least one set, e.g. {'heldout': 'heldout'}")
+        object.__setattr__(self, "sets", tuple((str(n), str(s)) for n, s in sets))
         for name in ("num_tasks", "batch_size", "pass_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EvalConfig.{name} must be >= 1, got {getattr(self, name)!r}")

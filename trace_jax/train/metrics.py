@@ -295,6 +295,8 @@ def write_plots(history: list[Mapping[str, float]], out_dir: str | os.PathLike) 
       episodes.png         generated turns and tool calls per episode vs step
       credit.png           every `credit/<stat>` metric vs step
       phase_times.png      seconds per phase (`time/<phase>`) per step, stacked
+      eval_sets.png        accuracy (+- SE band) of each evaluation set (`eval/<set>/accuracy`) and their average
+                           (`eval/average/accuracy`) vs step, when a run evaluates several sets
 
     Returns the paths written.
     """
@@ -345,6 +347,25 @@ def write_plots(history: list[Mapping[str, float]], out_dir: str | os.PathLike) 
         ax.legend()
         ax.grid(alpha=0.3)
         save(fig, "episodes.png")
+
+    set_names = sorted(n.split("/")[1] for n in names
+                       if n.startswith("eval/") and n.endswith("/accuracy") and n.count("/") == 2)
+    if set_names:
+        set_names = [n for n in set_names if n != "average"] + (["average"] if "average" in set_names else [])
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name in set_names:
+            key = f"eval/{name}/accuracy"
+            rows = [r for r in history if r.get(key) is not None]
+            xs, ys = _series(rows, key)
+            _, se = _series(rows, f"eval/{name}/accuracy_se")
+            line, = ax.plot(xs, ys, marker="o", label=name, linestyle="--" if name == "average" else "-")
+            if len(se) == len(ys) and ys:
+                ax.fill_between(xs, [y - e for y, e in zip(ys, se)], [y + e for y, e in zip(ys, se)],
+                                color=line.get_color(), alpha=0.15)
+        ax.set(xlabel="step", ylabel="greedy accuracy", title="accuracy per evaluation set (+- 1 SE)")
+        ax.legend(fontsize="small")
+        ax.grid(alpha=0.3)
+        save(fig, "eval_sets.png")
 
     credit_names = sorted(n for n in names if n.startswith("credit/"))
     if credit_names:

@@ -22,7 +22,7 @@ per length bucket.
 ABC-SFT is the estimator `abc_sft`: its "advantages" are the per-token SFT weights `abc_sft_weights(step rewards)`,
 it runs with `LossConfig.mode = 'sft'`, and by default it keeps only trajectories whose answer is verified correct
 (`CreditResult.row_mask`: the dropped rows' loss mask is zeroed, so they count in neither sum nor count; a step
-whose rows are all dropped makes no update).
+or a mini-batch whose rows are all dropped makes no optimizer step, logged as `skipped_mini_batches`).
 
 The sampler-vs-trainer log-prob gap is logged as `sampler_trainer_gap`: the train step's `logprob_gap` on the first
 mini-batch of the first epoch (trainer params equal the sampler's there), or, with `LossConfig.tis`, the mean
@@ -51,10 +51,12 @@ from trace_jax.credit.registry import CreditResult, get_estimator
 from trace_jax.models.alignment import to_token_aligned
 from trace_jax.rollout.agent import Rollout, RolloutConfig, run_episodes
 from trace_jax.rollout.batch import STATUSES
+from trace_jax.rollout.budget import GIB
 from trace_jax.scoring.continuation import build_answer_continuation
 from trace_jax.scoring.fork import score_answer_prefixes
 from trace_jax.train.abc_scoring import ABCScorerConfig, ABCStepScoring
 from trace_jax.train.config import LossConfig
+from trace_jax.train.credit_diagnostics import credit_diagnostics
 from trace_jax.train.evaluate import episode_correct
 from trace_jax.train.flops import flops_per_token
 from trace_jax.train.loss import LossBatch, batch_logprobs, length_bucket, real_token_mask, trained_positions
@@ -315,8 +317,9 @@ class RLPipeline:
         return Prepared(rollout, loss_batch, credit, answer_scores, step_rewards, metrics, timing)
 
     def update(self, state, prepared: Prepared, reference_params=None, *, seed: int = 0):
-        """`epochs x mini_batches` train steps on the prepared batch; returns `(state, metrics)` (means over the
-        updates, plus `sampler_trainer_gap` from the first one and `updates`)."""
+        """`epochs x mini_batches` train steps on the prepared batch, less the mini-batches whose rows the estimator
+        dropped entirely; returns `(state, metrics)` (means over the updates, plus `sampler_trainer_gap` from the
+        first one, `updates` and, when the estimator drops rows, `skipped_mini_batches`)."""
         loss_batch = prepared.loss_batch
         n = loss_batch.shape[0]
         per = n // self.update_config.mini_batches
@@ -327,6 +330,8 @@ class RLPipeline:
         if self.loss.needs_sampler_logprobs:
             loss_batch, gap = self.with_trainer_behaviour(state.params, loss_batch)
         collected: list[dict] = []
+        skipped = 0
+        may_drop = prepared.credit.row_mask is not None and self.update_config.mini_batches > 1
         for epoch in range(self.update_config.epochs):
             order = (np.arange(n) if self.update_config.mini_batches == 1
                      else np.random.default_rng([seed, epoch]).permutation(n))
@@ -334,10 +339,17 @@ class RLPipeline:
                 index = jnp.asarray(order[k * per:(k + 1) * per])
                 mini = loss_batch if self.update_config.mini_batches == 1 else jax.tree_util.tree_map(
                     lambda x: x[index], loss_batch)
+                # a mini-batch whose rows were all dropped has no loss; an optimizer step on its zero gradient
+                # would still move the params (AdamW's momentum) and advance the schedule
+                if may_drop and not float(jnp.sum(mini.loss_mask)):
+                    skipped += 1
+                    continue
                 state, metrics = self.train_step(state, mini, ref)
                 collected.append(metrics)
         collected = jax.device_get(collected)
         out = {name: float(np.mean([m[name] for m in collected])) for name in collected[0]}
+        if may_drop:
+            out["skipped_mini_batches"] = float(skipped)
         if gap is not None:
             out["sampler_trainer_gap"] = gap
         elif "logprob_gap" in collected[0]:  # rl mode only (sft has no behaviour policy)
@@ -368,7 +380,6 @@ class RLPipeline:
         rewards = np.asarray(batch.reward, np.float64)
         num_turns = np.asarray(batch.num_turns)
         n = len(episodes)
-        group = n // num_prompts
         out: dict[str, float] = {
             "reward": float(rewards.mean()),
             "accuracy": float(np.mean([episode_correct(e) for e in episodes])),
@@ -378,18 +389,22 @@ class RLPipeline:
             "length": float(np.asarray(batch.lengths).mean()),
             "length_bucket": float(width),
             "generated_tokens": float(rollout.generated_tokens),
+            "rows_at_once": float(rollout.rows_at_once),
+            "kv_cache_gib": rollout.kv_cache_bytes / GIB,
         }
         for name in STATUSES[1:]:
             out[f"status/{name}"] = float(np.mean([e.status == name for e in episodes]))
-        grouped = rewards.reshape(num_prompts, group)
-        zero = grouped.std(axis=1) <= self.credit.std_eps
-        out["zero_signal_groups"] = float(zero.mean())
+        adv = np.asarray(credit.token_advantages, np.float64)
+        mask = np.asarray(batch.loss_mask, bool)[:, :width]
+        if credit.row_mask is not None:  # rows the estimator drops are not trained
+            mask = mask & np.asarray(credit.row_mask, bool)[:, None]
+        out.update(credit_diagnostics(episodes, adv, mask, np.asarray(batch.turn_index)[:, :width], rewards,
+                                      num_prompts=num_prompts, num_turns_max=self.rollout.max_turns,
+                                      std_eps=self.credit.std_eps))
         per_turn = None if credit.per_turn is None else np.asarray(credit.per_turn, np.float64)
         tool_turn = np.arange(self.rollout.max_turns)[None, :] < num_turns[:, None]
         if per_turn is not None and self.scores_needed:
             per_turn = per_turn[:, :tool_turn.shape[1]]
-            nonzero = (np.abs(per_turn) * tool_turn > 0).reshape(num_prompts, group, -1).any(axis=(1, 2))
-            out["zero_signal_groups_with_turn_credit"] = float((zero & nonzero).sum() / max(1, zero.sum()))
             out["credit/mean_abs_turn_credit"] = float(np.abs(per_turn)[tool_turn].mean()) if tool_turn.any() else 0.0
             k = np.arange(tool_turn.shape[1])[None, :]
             horizon = self.credit.horizon
@@ -408,7 +423,6 @@ class RLPipeline:
             log_ratio = ref_lp - old_lp
             k3 = np.exp(log_ratio) - log_ratio - 1.0
             out["kl_ref"] = float(k3[mask].mean()) if mask.any() else 0.0
-        adv = np.asarray(credit.token_advantages, np.float64)
         mask = np.asarray(batch.loss_mask, bool)[:, :width]
         out["credit/mean_abs_token_advantage"] = float(np.abs(adv[mask]).mean()) if mask.any() else 0.0
         if credit.outcome_advantages is not None:

@@ -1,30 +1,38 @@
 """`trace-jax plan`: will this run fit? Compile its device programs ahead of time for a TPU topology on a CPU host.
 
-    trace-jax plan --gin_file configs/qwen3_4b.gin --topology v5e:4x4 [--mesh fsdp=16] [--gin_param ...]
+    trace-jax plan --gin-file configs/qwen3_4b.gin --topology v5e:4x4 [--mesh fsdp=16] [--gin-param ...]
 
-With `libtpu` (the optional `tpu` extra) and `jax.experimental.topologies`, the three device programs of one RL
-step are lowered and compiled for the named TPU slice with the builders the loop uses, given the mesh, on abstract
-inputs (`jax.ShapeDtypeStruct`s carrying their shardings; nothing is allocated):
+With `libtpu` (the optional `tpu` extra) and `jax.experimental.topologies`, the device programs of one RL step
+are lowered and compiled for the named TPU slice, given the mesh, on abstract inputs (`jax.ShapeDtypeStruct`s
+carrying their shardings; nothing is allocated). Each comes from the public builder of the package that owns it,
+the one the loop calls, so a FIT verdict is a statement about what the loop runs:
 
-  * "train":  `make_train_step` on the update's mini-batch (`prompts_per_step x group_size / mini_batches` rows
-              of `max_context` tokens, `LossConfig.micro_batches`), the donated float32 train state;
-  * "score":  the reference's prefix-fork scoring pass (`scoring.fork`) over `scoring_batch` rows (0 = all) of
-              `max_context` tokens with `max_turns + 1` states and an `answer_tokens`-token answer, bucketed as
-              `score_answer_prefixes` buckets them;
-  * "decode": one sampler decode step (`rollout.sampler`) of every rollout row against a `max_context` KV cache.
+  * "reshard": `models.reshard_program`, the policy's params from the train layout to the rollout layout
+               (`Placement.rollout_params`);
+  * "prefill": `rollout.sampler.prefill_program`, the grouped prompt prefill of the rows that run at once;
+  * "decode":  `rollout.sampler.decode_program`, `RolloutConfig.sync_every` decode steps of those rows against a
+               `max_context` KV cache; the rows at once are every rollout row, or as many as a per-chip KV budget
+               holds (`rollout.budget.rows_within_budget`);
+  * "score":   `scoring.fork.fork_scores_program`, the reference's prefix-fork pass over `scoring_batch` rows
+               (0 = all) of `max_context` tokens with `max_turns + 1` states and an `answer_tokens`-token
+               answer, padded by `fork.padded_shape` (the scorer's own rule);
+  * "train":   `train.step.make_train_step` on the update's mini-batch (`prompts_per_step x group_size /
+               mini_batches` rows of `max_context` tokens, `LossConfig.micro_batches`), the donated train state.
 
 For each, the compiler's per-device memory (arguments, outputs, temporaries, aliased) and its FLOPs. A phase's
-peak adds what stays resident while it runs (the train state and the frozen reference, which are separate
-buffers), and the verdict compares the largest peak with the chip's HBM: FIT, or DOES NOT FIT with what to
-change.
+peak adds what stays resident while it runs (the train state and the frozen reference always, in its
+`TrainConfig.reference_dtype`; the rollout-layout copy and the KV cache are the rollout programs' own arguments),
+and the verdict compares the largest peak with the chip's HBM: FIT, or DOES NOT FIT with what to change.
 
 Step time: `compiled.cost_analysis()` (jax 0.10, libtpu) gives FLOPs, bytes accessed and "optimal_seconds" (the
 TPU compiler's cost-model time) but counts each loop body once (the scans over layers, micro-batches and log-prob
 chunks) and gives the Pallas attention kernel no cost. `estimate_train_time` therefore compiles 1-2 layer
-variants of the same step with every scan unrolled, extends their figures linearly to the step's layers and
-micro-batches, and adds the attention kernels' FLOPs at the compiler's own dot rate: a roofline estimate of the
-whole step, from which the implied MFU (`flops.flops_per_token`, the MFU convention, over estimate x chips x
-peak) is an upper bound. docs/scaling.md says how it is checked and what it is not. GPU targets
+variants of the same step with every scan unrolled (`make_train_step(..., unroll=True)`), extends their figures
+linearly to the step's layers and micro-batches, and adds the attention kernels' FLOPs at the compiler's own dot
+rate: a roofline estimate of the update, from which the implied MFU (`flops.flops_per_token`, the MFU convention,
+over estimate x chips x peak) is an upper bound. `estimate_step_split` adds roofline estimates of the rollout
+and the reference scoring at the compiler's own rates, for the whole step split into rollout, score and update.
+docs/scaling.md says how it is checked and what it is not. GPU targets
 (`--topology h100:8`): no GPU compiler runs on a CPU host, so only what the shapes and shardings determine is
 checked (resident bytes per device, FLOPs per step); temporaries and time are reported as not checked.
 
@@ -34,7 +42,6 @@ about tools, data or files beyond the gin files it is handed.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -80,7 +87,7 @@ CHIPS: dict[str, Chip] = {
 _SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
 _SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
               256: (4, 8, 8), 512: (8, 8, 8)}
-PROGRAMS = ("train", "score", "decode")
+PROGRAMS = ("train", "score", "reshard", "prefill", "decode")
 
 
 class PlanError(ValueError):
@@ -137,23 +144,16 @@ def parse_topology(text: str) -> Topology:
 
 
 def parse_mesh(text: str | None, default):
-    """`--mesh fsdp=8,tensor=2` (unnamed axes 1, one may be -1) -> a `MeshConfig`; None keeps `default`."""
-    from trace_jax.train.config import MESH_AXES, MeshConfig, TrainConfigError
+    """`--mesh fsdp=8,tensor=2` (`MeshConfig.from_flag`: unnamed axes 1, one may be -1) -> a `MeshConfig`; None keeps
+    `default`."""
+    from trace_jax.train.config import MeshConfig, TrainConfigError
 
     if not text:
         return default
-    sizes = {}
-    for part in text.split(","):
-        name, _, value = part.partition("=")
-        name = name.strip()
-        if name not in MESH_AXES or not re.fullmatch(r"-?\d+", value.strip()):
-            raise PlanError(f"--mesh {text!r}: expected AXIS=SIZE[,AXIS=SIZE] with axes {', '.join(MESH_AXES)} "
-                            f"(one size may be -1), e.g. --mesh fsdp=8,tensor=2")
-        sizes[name] = int(value)
     try:
-        return MeshConfig(**{axis: sizes.get(axis, 1) for axis in MESH_AXES})
+        return MeshConfig.from_flag(text)
     except TrainConfigError as error:
-        raise PlanError(f"--mesh {text!r}: {error}") from None
+        raise PlanError(str(error)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +162,7 @@ class PlanConfig:
 
     Attributes:
       topology: the target (`parse_topology` forms).
-      programs: which of "train", "score", "decode" to compile.
+      programs: which of `PROGRAMS` ("train", "score", "reshard", "prefill", "decode") to compile.
       answer_tokens: tokens of the gold answer continuation the scorer appends after every state (template +
         answer; the run's real ones are short).
       dtype: compute dtype override of the policy ("" keeps the model config's); "bfloat16" is what TPUs want.
@@ -172,6 +172,10 @@ class PlanConfig:
       estimate_time: also compile the small unrolled variants of the train step that give the whole step's
         roofline time estimate and implied MFU (`estimate_train_time`; 2-3 more compiles of 1-2 layer models).
       validate_estimate: also compile the 3-layer variant and report it against the estimate's prediction.
+      kv_budget_gib: the rollout's per-chip KV-cache budget in GiB (None: `RolloutConfig.kv_budget_gib` where the
+        run config has one, else none: every rollout row at once); the rollout programs are compiled for the rows
+        it holds (`rollout.budget.rows_within_budget`).
+      prompt_tokens: tokens of a prompt (system turn with the tool schemas + task) for the prefill program.
     """
 
     topology: str
@@ -182,6 +186,8 @@ class PlanConfig:
     attention_impl: str = ""
     estimate_time: bool = True
     validate_estimate: bool = False
+    kv_budget_gib: float | None = None
+    prompt_tokens: int = 512
 
     def __post_init__(self):
         parse_topology(self.topology)
@@ -189,7 +195,11 @@ class PlanConfig:
         if bad or not self.programs:
             raise PlanError(f"--programs {','.join(self.programs)!r}: choose from {', '.join(PROGRAMS)}")
         if not isinstance(self.answer_tokens, int) or self.answer_tokens < 2:
-            raise PlanError(f"--answer_tokens must be an int >= 2, got {self.answer_tokens!r}")
+            raise PlanError(f"--answer-tokens must be an int >= 2, got {self.answer_tokens!r}")
+        if self.kv_budget_gib is not None and not self.kv_budget_gib > 0:
+            raise PlanError(f"--kv-budget-gib must be > 0 (GiB of KV cache per chip), got {self.kv_budget_gib!r}")
+        if not isinstance(self.prompt_tokens, int) or self.prompt_tokens < 1:
+            raise PlanError(f"--prompt-tokens must be an int >= 1, got {self.prompt_tokens!r}")
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -206,8 +216,8 @@ def resolve_model(run_config, *, preset: str = "") -> tuple[Any, str]:
     train = run_config.train
     if preset:
         if preset not in models.preset_names():
-            raise PlanError(f"--model_preset {preset!r}: unknown; presets: {', '.join(models.preset_names())}")
-        return models.get_preset(preset), f"preset {preset} (--model_preset)"
+            raise PlanError(f"--model-preset {preset!r}: unknown; presets: {', '.join(models.preset_names())}")
+        return models.get_preset(preset), f"preset {preset} (--model-preset)"
     if train.model is not None:
         config = train.model
         if train.tokenizer == "word":
@@ -228,7 +238,7 @@ def resolve_model(run_config, *, preset: str = "") -> tuple[Any, str]:
     if name in models.preset_names():
         return models.get_preset(name), f"preset {name} ({source} is not on this host; matched by name)"
     raise PlanError(f"TrainConfig.checkpoint = {source!r} has no config.json on this host and matches no preset; "
-                    f"pass --model_preset NAME ({', '.join(models.preset_names())}) or point the checkpoint at a "
+                    f"pass --model-preset NAME ({', '.join(models.preset_names())}) or point the checkpoint at a "
                     "directory holding its config.json (only config.json is read)")
 
 
@@ -294,6 +304,7 @@ class PlanReport:
     advice: list[str] = dataclasses.field(default_factory=list)
     estimate: TimeEstimate | None = None
     estimate_missing: str = ""  # why there is no estimate (empty when there is one or none was asked for)
+    split: StepSplit | None = None  # the whole step's time by phase (`estimate_step_split`)
 
     @property
     def peak_bytes(self) -> int | None:
@@ -374,7 +385,16 @@ def loops_in(jaxpr) -> int:
     """Loops of more than one iteration in a jaxpr and its sub-jaxprs: `while` (fori / while_loop, data-dependent
     trip counts included) and `scan`s not fully unrolled. The compiler's cost analysis counts each one's body once.
     Pallas kernels' own jaxprs are not walked (they run inside the kernel)."""
-    from jax._src import core
+    from jax.extend import core
+
+    def subjaxprs(value):
+        if isinstance(value, core.ClosedJaxpr):
+            yield value.jaxpr
+        elif isinstance(value, core.Jaxpr):
+            yield value
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                yield from subjaxprs(item)
 
     count = 0
     for eqn in jaxpr.eqns:
@@ -383,7 +403,7 @@ def loops_in(jaxpr) -> int:
             continue
         if name == "while" or (name == "scan" and eqn.params["length"] > max(1, int(eqn.params["unroll"]))):
             count += 1
-        count += sum(loops_in(sub) for sub in core.jaxprs_in_params(eqn.params))
+        count += sum(loops_in(sub) for value in eqn.params.values() for sub in subjaxprs(value))
     return count
 
 
@@ -425,25 +445,6 @@ def _compile(report: ProgramReport, lower, argument_bytes: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ step time
-@contextlib.contextmanager
-def _unrolled_scans():
-    """Trace with every `jax.lax.scan` fully unrolled (same values), so that the compiler's cost analysis, which
-    counts a loop body once, counts every iteration. Only for the small variants `estimate_train_time` compiles."""
-    import jax
-
-    scan = jax.lax.scan
-
-    def unrolled(*args, **kwargs):
-        kwargs["unroll"] = True
-        return scan(*args, **kwargs)
-
-    jax.lax.scan = unrolled
-    try:
-        yield
-    finally:
-        jax.lax.scan = scan
-
-
 _REFERENCE_COSTS: dict[tuple[str, str], dict] = {}
 
 
@@ -613,8 +614,7 @@ def estimate_train_time(programs: "_Programs", device, *, validate: bool = False
                                               rollout=dataclasses.replace(run.rollout, max_context=length))
             variant = _Programs(config.replace(num_hidden_layers=n_layers), variant_run, programs.mesh, programs.plan)
             report = ProgramReport("train", "")
-            with _unrolled_scans():
-                variant.train(report, rows=n_micro * micro_rows, count_loops=True)
+            variant.train(report, rows=n_micro * micro_rows, count_loops=True, unroll=True)
             jax.clear_caches()
             where = f"the {n_layers}-layer, {n_micro}-micro-batch variant at {length} tokens"
             if report.out_of_memory:
@@ -683,13 +683,17 @@ def estimate_train_time(programs: "_Programs", device, *, validate: bool = False
 
 
 class _Programs:
-    """The abstract inputs and lowerings of the three programs for one model, run config and mesh."""
+    """The abstract inputs and lowerings of one RL step's programs for one model, run config and mesh, each
+    built by its owner's public builder (the ones the loop calls): `train.step.make_train_step`,
+    `scoring.fork.fork_scores_program`, `models.reshard_program`, `rollout.sampler.prefill_program` and
+    `rollout.sampler.decode_program`."""
 
     def __init__(self, model_config, run_config, mesh, plan: PlanConfig):
         import jax
         import jax.numpy as jnp
 
         from trace_jax import models
+        from trace_jax.rollout import budget
         from trace_jax.train.checkpoint import abstract_train_state
         from trace_jax.train.optimizer import make_optimizer
 
@@ -697,22 +701,41 @@ class _Programs:
         self.optimizer = make_optimizer(run_config.optimizer)
         self.state = abstract_train_state(model_config, self.optimizer, mesh=mesh)
         shapes = jax.eval_shape(lambda: models.init_params(model_config, jax.random.PRNGKey(0), dtype="float32"))
-        # The frozen reference is a float32 copy of the initial policy (loop.py), placed like the policy's params.
-        self.reference = _abstract(shapes, models.param_shardings(model_config, mesh))
+        # The frozen reference: the initial policy cast to TrainConfig.reference_dtype in the train layout
+        # (loop.Placement.frozen); the rollout copy: the policy's params resharded to the rollout layout
+        # (Placement.rollout_params), in their own dtype.
+        reference_dtype = jnp.dtype(run_config.train.reference_dtype)
+        self.reference = _abstract(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, reference_dtype),
+                                                          shapes), models.param_shardings(model_config, mesh))
+        self.rollout_shardings = models.param_shardings(model_config, mesh, models.ROLLOUT_RULES)
+        self.rollout_params = _abstract(shapes, self.rollout_shardings)
         self.rows = run_config.train.prompts_per_step * run_config.rollout.group_size
         self.length = run_config.rollout.max_context
+        # Rollout rows at once: all of them, or as many as the per-chip KV budget holds.
+        budget_gib = plan.kv_budget_gib if plan.kv_budget_gib is not None else run_config.rollout.kv_budget_gib
+        self.kv_budget_gib = budget_gib or 0.0
+        try:
+            self.rows_at_once = budget.rows_within_budget(model_config, run_config.rollout, mesh=mesh, rows=self.rows,
+                                                          budget_gib=budget_gib)
+        except ValueError as error:
+            raise PlanError(str(error)) from None
+        self.kv_cache_bytes = budget.kv_bytes_per_chip(model_config, run_config.rollout, self.rows_at_once,
+                                                       mesh=mesh)
         self.jnp = jnp
 
-    def train(self, report: ProgramReport, *, rows: int | None = None, count_loops: bool = False):
-        """The update's train step; `rows` overrides the mini-batch's rows (`estimate_train_time`'s variants)."""
+    def train(self, report: ProgramReport, *, rows: int | None = None, count_loops: bool = False,
+              unroll: bool = False):
+        """The update's train step; `rows` overrides the mini-batch's rows and `unroll` unrolls its scans
+        (`estimate_train_time`'s variants)."""
         import jax
 
+        from trace_jax.train.flops import flops_per_token
         from trace_jax.train.loss import LossBatch
         from trace_jax.train.step import batch_sharding, make_train_step
 
         rows = rows or self.rows // self.run.update.mini_batches
         loss = self.run.loss
-        step = make_train_step(self.config, loss, self.optimizer, mesh=self.mesh)
+        step = make_train_step(self.config, loss, self.optimizer, mesh=self.mesh, unroll=unroll)
         sharding = batch_sharding(self.mesh, None, (rows, self.length))
         spec = lambda dtype: jax.ShapeDtypeStruct((rows, self.length), dtype, sharding=sharding)  # noqa: E731
         jnp = self.jnp
@@ -721,8 +744,6 @@ class _Programs:
                           reference_logprobs=spec(jnp.float32) if loss.needs_reference else None)
         report.shape = (f"{rows} rows x {self.length} tokens, {loss.micro_batches} micro-batches of "
                         f"{rows // loss.micro_batches}")
-        from trace_jax.train.flops import flops_per_token
-
         report.model_flops = flops_per_token(self.config, self.length) * rows * self.length
         report.resident_other_bytes = device_bytes(self.reference)  # the reference stays while the policy trains
         lower = lambda: step.lower(self.state, batch, None)  # noqa: E731
@@ -736,23 +757,25 @@ class _Programs:
                     return traced.lower()
         _compile(report, lower, device_bytes((self.state, batch)))
 
+    def score_shape(self) -> tuple[int, int, int, int, str]:
+        """The scorer's padded (rows, tokens, states, answer tokens) and layout, by `fork.padded_shape`'s rule."""
+        from trace_jax.scoring import fork
+
+        n = self.run.update.scoring_batch or self.rows
+        pn, pl, ps, pm = fork.padded_shape(n, self.length, self.run.rollout.max_turns + 1, self.plan.answer_tokens,
+                                           mesh=self.mesh)
+        return pn, pl, ps, pm, fork.choose_layout(pl, ps, pm)
+
     def score(self, report: ProgramReport):
         import jax
 
         from trace_jax.scoring import fork
 
-        # The padding rules are score_answer_prefixes' own (imported, not restated).
-        n = self.run.update.scoring_batch or self.rows
-        multiple = fork._batch_multiple(self.mesh, None)
-        pn = -(-fork.bucket_size(n, 1) // multiple) * multiple
-        pl = fork.bucket_size(self.length, 16)
-        ps = fork._state_bucket(self.run.rollout.max_turns + 1)
-        pm = fork.bucket_size(self.plan.answer_tokens, 1)
-        layout = fork.choose_layout(pl, ps, pm)
+        pn, pl, ps, pm, layout = self.score_shape()
         jnp = self.jnp
 
         def arg(shape, dtype):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=fork._batch_sharding(self.mesh, None, len(shape)))
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=fork.row_sharding(self.mesh, len(shape)))
 
         args = (arg((pn, pl), jnp.int32), arg((pn, ps), jnp.int32), arg((pn, ps), jnp.bool_),
                 arg((pn, pm), jnp.int32), arg((pn, pm), jnp.int32))
@@ -760,39 +783,93 @@ class _Programs:
         report.shape = (f"{pn} rows x {pl} tokens, {ps} states x {pm} answer tokens, {layout} layout"
                         f"{', + trajectory log-probs' if with_token_lp else ''}")
         report.resident_other_bytes = device_bytes(self.state)  # the policy's train state stays during scoring
-        _compile(report, lambda: fork._fork_scores.lower(self.reference, *args, config=self.config, layout=layout,
-                                                         logprob_chunk=256, query_chunk=0,
-                                                         with_token_logprobs=with_token_lp),
-                 device_bytes((self.reference, args)))
+        program = fork.fork_scores_program(self.config, layout=layout, logprob_chunk=256, query_chunk=0,
+                                           with_token_logprobs=with_token_lp)
+        _compile(report, lambda: program.lower(self.reference, *args), device_bytes((self.reference, args)))
 
-    def decode(self, report: ProgramReport):
+    def reshard(self, report: ProgramReport):
+        """The policy's params from the train layout to the rollout layout (`Placement.rollout_params`)."""
+        from trace_jax import models
+
+        params = self.state.params
+        report.shape = "policy params, train layout -> rollout layout"
+        # The rest of the train state and the reference stay; the train-layout params are the program's argument.
+        report.resident_other_bytes = (device_bytes(self.state) - device_bytes(params) + device_bytes(self.reference))
+        program = models.reshard_program(self.rollout_shardings)
+        _compile(report, lambda: program.lower(params), device_bytes(params))
+
+    def _sampler_state(self, rows: int):
         import jax
 
         from trace_jax.models.cache import init_cache
-        from trace_jax.models.sharding import param_shardings
         from trace_jax.rollout import sampler
 
         jnp = self.jnp
-        n, length = self.rows, self.length
         shapes = jax.eval_shape(lambda: sampler.SamplerState(
-            cache=init_cache(self.config, n, length),
-            logits=jnp.zeros((n, self.config.vocab_size), jnp.float32)))
-        state = _abstract(shapes, sampler._divisible_shardings(shapes, sampler.state_shardings(self.mesh)))
-        params = _abstract(jax.eval_shape(lambda: self.state.params), param_shardings(self.config, self.mesh))
+            cache=init_cache(self.config, rows, self.length),
+            logits=jnp.zeros((rows, self.config.vocab_size), jnp.float32)))
+        return _abstract(shapes, sampler.divisible_shardings(shapes, sampler.state_shardings(self.mesh)))
+
+    def _rollout_resident(self) -> int:
+        # While the rollout runs: the whole train state and the reference (the rollout copy and the cache are the
+        # programs' own arguments).
+        return device_bytes(self.state) + device_bytes(self.reference)
+
+    def prefill_shape(self) -> tuple[int, int, int]:
+        """(prompts, samples per prompt, padded prompt tokens) of one prefill of the rows that run at once."""
+        from trace_jax.rollout import sampler
+
+        group = self.run.rollout.group_size
+        prompts, group = (self.rows_at_once // group, group) if self.rows_at_once % group == 0 else \
+            (self.rows_at_once, 1)
+        return prompts, group, min(sampler.bucket_length(self.plan.prompt_tokens), self.length)
+
+    def prefill(self, report: ProgramReport):
+        import jax
+
+        from trace_jax.rollout import sampler
+
+        prompts, group, width = self.prefill_shape()
+        state = self._sampler_state(prompts * group)
+        row = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        tokens = jax.ShapeDtypeStruct((prompts, width), self.jnp.int32, sharding=row)
+        num_new = jax.ShapeDtypeStruct((prompts,), self.jnp.int32, sharding=row)
+        report.shape = f"{prompts} prompts x {group} samples, {width}-token prompts into a {self.length}-token cache"
+        report.resident_other_bytes = self._rollout_resident()
+        program = sampler.prefill_program(self.config, group, sampler.state_layout(state))
+        _compile(report, lambda: program.lower(self.rollout_params, state, tokens, num_new),
+                 device_bytes((self.rollout_params, state, tokens, num_new)))
+
+    def decode(self, report: ProgramReport):
+        import jax
+        import numpy as np
+
+        from trace_jax.rollout import sampler
+
+        jnp = self.jnp
+        n, steps = self.rows_at_once, self.run.rollout.sync_every
+        state = self._sampler_state(n)
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        row = jax.sharding.NamedSharding(self.mesh, sampler._divisible_shardings(
+        row = jax.sharding.NamedSharding(self.mesh, sampler.divisible_shardings(
             jax.ShapeDtypeStruct((n,), jnp.int32), state.cache.lengths.sharding).spec)
-        active = jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=row)
-        budget = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=row)
+
+        def per_row(dtype):
+            return jax.ShapeDtypeStruct((n,), dtype, sharding=row)
+
+        # The rows' sampling values are traced data; only the static fields shape the program (RowSampling.of).
+        host = sampler.RowSampling.broadcast(self.run.rollout.sampling, n)
+        sampling = host.replace(temperature=per_row(jnp.float32), top_p=per_row(jnp.float32),
+                                greedy=per_row(jnp.bool_))
         stop_ids = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=replicated)
         rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
-        report.shape = f"{n} rows, KV cache of {length} tokens ({self.config.dtype})"
-        # The policy's params are the train state's; its optimizer state and the reference stay resident.
-        report.resident_other_bytes = (device_bytes(self.state) - device_bytes(self.state.params)
-                                       + device_bytes(self.reference))
-        _compile(report, lambda: sampler._decode_jit.lower(self.config, self.run.rollout.sampling, params, state,
-                                                           active, budget, stop_ids, rng, None),
-                 device_bytes((params, state, active, budget, stop_ids, rng)))
+        first_step = jax.ShapeDtypeStruct((), np.uint32, sharding=replicated)
+        args = (sampling, self.rollout_params, state, per_row(jnp.bool_), per_row(jnp.int32), stop_ids, rng,
+                first_step, per_row(jnp.int32))
+        report.shape = (f"{n} rows x {steps} steps (sync_every), KV cache of {self.length} tokens "
+                        f"({self.config.dtype})")
+        report.resident_other_bytes = self._rollout_resident()
+        program = sampler.decode_program(self.config, steps, None)
+        _compile(report, lambda: program.lower(*args), device_bytes(args))
 
 
 def _advice(report: PlanReport, run_config, model_config) -> list[str]:
@@ -827,12 +904,17 @@ def _advice(report: PlanReport, run_config, model_config) -> list[str]:
         elif p.name == "score":
             out.append(f"{over}: set UpdateConfig.scoring_batch (now {run_config.update.scoring_batch or 'all'} rows)"
                        f" to score fewer rows per pass")
-        elif p.name == "decode":
+        elif p.name in ("decode", "prefill"):
             cache = "" if model_config.dtype == "bfloat16" else ", or compute (and cache) in bfloat16"
-            out.append(f"{over}: the rollout decodes all {report.settings['rows']} rows (prompts_per_step x "
-                       f"group_size; RolloutConfig has no smaller rollout batch) against a KV cache of "
-                       f"{report.settings['length']} tokens each: lower TrainConfig.prompts_per_step, or spread the "
-                       f"rows over more chips{cache}")
+            out.append(f"{over}: the rollout runs {report.settings['rows_at_once']} rows at once against a KV cache "
+                       f"of {report.settings['length']} tokens each: set a smaller per-chip KV budget "
+                       f"(RolloutConfig.kv_budget_gib, or --kv-budget-gib; now "
+                       f"{report.settings['kv_budget_gib'] or 'none'}) so fewer rows run at once, lower "
+                       f"TrainConfig.prompts_per_step, or spread the rows over more chips{cache}")
+        elif p.name == "reshard":
+            out.append(f"{over}: the rollout layout holds the policy's weights whole over the batch axes "
+                       f"({report.resident['rollout copy'] / GIB:.1f} GiB per chip): split heads and MLP over a "
+                       f"`tensor` mesh axis (--mesh fsdp=N,tensor=M)")
         out.append(f"{over}: or shorten RolloutConfig.max_context (now {report.settings['length']})")
     return list(dict.fromkeys(out))
 
@@ -864,7 +946,10 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
         return _gpu_report(topology, axes, model_config, how, settings, run_config, plan_config)
     mesh = models.make_mesh(axes, devices)
     programs = _Programs(model_config, run_config, mesh, plan_config)
-    resident = {"train state": device_bytes(programs.state), "reference": device_bytes(programs.reference)}
+    settings.update(rows_at_once=programs.rows_at_once, kv_budget_gib=programs.kv_budget_gib,
+                    waves=-(-rows // programs.rows_at_once), reference_dtype=run_config.train.reference_dtype)
+    resident = {"train state": device_bytes(programs.state), "reference": device_bytes(programs.reference),
+                "rollout copy": device_bytes(programs.rollout_params), "KV cache": programs.kv_cache_bytes}
     reports, notes = [], []
     for name in plan_config.programs:
         report = ProgramReport(name, "")
@@ -888,9 +973,52 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
     if plan_config.estimate_time and train is not None and not train.out_of_memory:
         result.estimate, result.estimate_missing = estimate_train_time(
             programs, devices[0], validate=plan_config.validate_estimate)
+    if plan_config.estimate_time:
+        result.split = estimate_step_split(programs, devices[0], result.estimate)
     result.notes += notes + [f"device kind {devices[0].device_kind}; compiled with jax {jax.__version__}"]
     result.advice = _advice(result, run_config, model_config)
     return result
+
+
+@dataclasses.dataclass
+class StepSplit:
+    """The whole RL step's time per chip, split by phase (seconds; None = not estimated), and how each was made.
+
+    rollout: every row decodes up to `max_context` tokens, in waves of the rows that run at once; each decode step
+    at the roofline max(FLOPs / dot rate, bytes / memory rate) of its matmuls and attention at the cache's mean
+    fill (half) against reading the rollout copy and that half of the cache (an upper bound: tool observations
+    are appended, not decoded, and rows that stop early leave their slots idle). score: the reference's forward
+    FLOPs over every row's trajectory and answer copies at the dot rate. update: `UpdateConfig.mini_batches`
+    times the train step's estimate (`estimate_train_time`), None without one. Rates are the compiler's own
+    (`compiler_dot_rate`, `compiler_memory_rate`)."""
+
+    rollout: float
+    score: float
+    update: float | None
+    decode_steps: int
+    why_no_update: str = ""
+
+    @property
+    def total(self) -> float | None:
+        return None if self.update is None else self.rollout + self.score + self.update
+
+
+def estimate_step_split(programs: "_Programs", device, estimate: "TimeEstimate | None") -> StepSplit:
+    """Rollout, score and update time per step on one chip (see `StepSplit` for the model of each)."""
+    from trace_jax.train.flops import flops_per_token
+
+    config, run, chips = programs.config, programs.run, programs.mesh.size
+    rate, memory_rate = compiler_dot_rate(device), compiler_memory_rate(device)
+    length, rows, at_once = programs.length, programs.rows, programs.rows_at_once
+    steps = -(-rows // at_once) * length
+    step_flops = at_once * flops_per_token(config, max(1, length // 2), training=False) / chips
+    step_bytes = device_bytes(programs.rollout_params) + programs.kv_cache_bytes / 2
+    rollout = steps * max(step_flops / rate, step_bytes / memory_rate)
+    tokens_per_row = length + (run.rollout.max_turns + 1) * (programs.plan.answer_tokens - 1)
+    score = rows * tokens_per_row * flops_per_token(config, length, training=False) / chips / rate
+    update = None if estimate is None else run.update.mini_batches * estimate.seconds
+    return StepSplit(rollout=rollout, score=score, update=update, decode_steps=steps,
+                     why_no_update="" if estimate is not None else "no train-step estimate")
 
 
 def _gpu_report(topology, axes, model_config, how, settings, run_config, plan_config) -> PlanReport:
@@ -951,8 +1079,7 @@ def format_report(report: PlanReport) -> str:
              f"model: {report.model}; compute {s['dtype']}, remat {s['remat']}, attention {s['attention']}",
              f"step: {s['rows']} trajectories x {s['length']} tokens, {s['mini_batches']} mini-batch(es), "
              f"{s['micro_batches']} micro-batch(es); float32 master weights + AdamW",
-             f"resident per chip: train state {_gib(report.resident['train state'])}, reference "
-             f"{_gib(report.resident['reference'])} (bytes per chip below: G = GiB, M = MiB)", ""]
+             *_resident_lines(report), ""]
     header = (f"| {'program':<7} | {'args':>8} | {'out':>8} | {'temp':>8} | {'aliased':>8} | "
               f"{'+resident':>9} | {'peak':>8} | {'TFLOP/chip':>10} | {'est. ms':>8} | shape")
     lines += [header, "|" + "|".join("-" * len(c) for c in header.split("|")[1:]) + "|"]
@@ -972,9 +1099,38 @@ def format_report(report: PlanReport) -> str:
         lines.append(f"verdict: {report.verdict}: peak {'over ' if report.fits is False and peak <= t.chip.hbm_bytes else ''}{peak / GIB:.2f} GiB of {t.chip.hbm_bytes / GIB:.0f} GiB per "
                      f"chip ({100 * peak / t.chip.hbm_bytes:.0f}%)")
     lines += format_estimate(report)
+    lines += format_split(report)
     lines += [f"advice: {a}" for a in report.advice]
     lines += [f"note: {n}" for n in report.notes]
     return "\n".join(lines)
+
+
+def _resident_lines(report: PlanReport) -> list[str]:
+    """What stays on each chip across the step's phases, and the rollout rows that run at once."""
+    r, s = report.resident, report.settings
+    lines = [f"resident per chip across phases: train state {_gib(r['train state'])} (params + AdamW, always), "
+             f"reference {_gib(r['reference'])} ({s.get('reference_dtype', 'float32')}, always)"
+             + (f", rollout copy {_gib(r['rollout copy'])} (the policy in the rollout layout, during the rollout), "
+                f"KV cache {_gib(r['KV cache'])} (the rows at once, during the rollout)" if "KV cache" in r else "")
+             + " (bytes per chip below: G = GiB, M = MiB)"]
+    if "rows_at_once" in s:
+        budget = (f"a KV budget of {s['kv_budget_gib']:g} GiB per chip" if s["kv_budget_gib"]
+                  else "no KV budget (RolloutConfig.kv_budget_gib / --kv-budget-gib): every row at once")
+        lines.append(f"rollout: {s['rows_at_once']} of {s['rows']} rows at once under {budget}, "
+                     f"{s['waves']} wave(s) of rows")
+    return lines
+
+
+def format_split(report: PlanReport) -> list[str]:
+    """The whole step's time estimate by phase (`estimate_step_split`)."""
+    split = report.split
+    if split is None:
+        return []
+    update = "n/a (" + split.why_no_update + ")" if split.update is None else _secs(split.update)
+    total = "" if split.total is None else f" = {_secs(split.total)} per step"
+    return [f"step time estimate per chip: rollout {_secs(split.rollout)} ({split.decode_steps} decode steps, an "
+            f"upper bound) + score {_secs(split.score)} + update {update} ({report.settings['mini_batches']} "
+            f"mini-batch(es)){total}"]
 
 
 def _secs(value: float) -> str:
@@ -987,7 +1143,7 @@ def format_estimate(report: PlanReport) -> list[str]:
     if train is None or not train.model_flops:
         return []
     if e is None:
-        why = report.estimate_missing or "not asked for (--no_time_estimate)"
+        why = report.estimate_missing or "not asked for (--no-time-estimate)"
         if train.out_of_memory:
             why = "the step does not fit"
         return [f"train step: {train.model_flops / 1e12:.1f} model TFLOPs; no time estimate: {why}"]
@@ -1012,20 +1168,29 @@ def format_estimate(report: PlanReport) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------ the command
 def add_arguments(parser) -> None:
-    parser.add_argument("--gin_file", action="append", default=[], help="gin config file (repeatable)")
-    parser.add_argument("--gin_param", action="append", default=[], help="extra binding (repeatable; later wins)")
+    parser.add_argument("--gin-file", "--gin_file", action="append", default=[], help="gin config file (repeatable)")
+    parser.add_argument("--gin-param", "--gin_param", action="append", default=[],
+                        help="extra binding (repeatable; later wins)")
     parser.add_argument("--topology", required=True,
                         help="target: v5e:4x4, v5p:2x2x2, a slice name (v5e-16, v5p-8), or a GPU count (h100:8)")
     parser.add_argument("--mesh", default=None, help="mesh axes, e.g. fsdp=8,tensor=2 (default: the MeshConfig "
                                                      "of the gin files)")
-    parser.add_argument("--programs", default=",".join(PROGRAMS), help="comma-separated subset of train,score,decode")
-    parser.add_argument("--model_preset", default="", help="model preset when the checkpoint is not on this host")
+    parser.add_argument("--programs", default=",".join(PROGRAMS),
+                        help="comma-separated subset of " + ",".join(PROGRAMS))
+    parser.add_argument("--model-preset", "--model_preset", default="",
+                        help="model preset when the checkpoint is not on this host")
     parser.add_argument("--dtype", default="", help="compute dtype override, e.g. bfloat16 (default: the model's)")
     parser.add_argument("--remat", default="", help="rematerialisation override, e.g. full (default: the model's)")
-    parser.add_argument("--answer_tokens", type=int, default=32, help="answer continuation length for scoring")
-    parser.add_argument("--no_time_estimate", action="store_true",
+    parser.add_argument("--answer-tokens", "--answer_tokens", type=int, default=32,
+                        help="answer continuation length for scoring")
+    parser.add_argument("--no-time-estimate", "--no_time_estimate", action="store_true",
                         help="skip the unrolled 1-2 layer variants of the train step behind the step-time estimate")
-    parser.add_argument("--validate_estimate", action="store_true",
+    parser.add_argument("--kv-budget-gib", "--kv_budget_gib", type=float, default=None,
+                        help="the rollout's KV-cache budget per chip in GiB (default: RolloutConfig.kv_budget_gib "
+                             "where the config has one, else every rollout row at once)")
+    parser.add_argument("--prompt-tokens", "--prompt_tokens", type=int, default=512,
+                        help="prompt length for the prefill program")
+    parser.add_argument("--validate-estimate", "--validate_estimate", action="store_true",
                         help="also compile the 3-layer variant and print it against the estimate's prediction")
 
 
@@ -1035,14 +1200,15 @@ def run(args) -> int:
     from trace_jax.train.gin_setup import ConfigError, parse
 
     if not args.gin_file:
-        print("error: trace-jax plan needs --gin_file (e.g. configs/qwen3_4b.gin)", file=sys.stderr)
+        print("error: trace-jax plan needs --gin-file (e.g. configs/qwen3_4b.gin)", file=sys.stderr)
         return 2
     try:
         run_config = parse(args.gin_file, args.gin_param)
         plan_config = PlanConfig(topology=args.topology, programs=tuple(p.strip() for p in args.programs.split(",")),
                                  answer_tokens=args.answer_tokens, dtype=args.dtype, remat=args.remat,
                                  estimate_time=not args.no_time_estimate,
-                                 validate_estimate=args.validate_estimate)
+                                 validate_estimate=args.validate_estimate, kv_budget_gib=args.kv_budget_gib,
+                                 prompt_tokens=args.prompt_tokens)
         mesh_config = parse_mesh(args.mesh, None)
         report = plan(run_config, plan_config, mesh_config, model_preset=args.model_preset)
     except (ConfigError, PlanError) as error:

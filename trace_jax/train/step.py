@@ -99,8 +99,15 @@ class TrainStep:
 
 
 def make_train_step(model_config, loss_config: LossConfig, optimizer: optax.GradientTransformation, *,
-                    mesh: Mesh | None = None, rules=None, donate: bool = True) -> TrainStep:
-    """Build the jitted update for a model, a loss and an optax optimizer (see `TrainStep` for the call)."""
+                    mesh: Mesh | None = None, rules=None, donate: bool = True, unroll: bool = False) -> TrainStep:
+    """Build the jitted update for a model, a loss and an optax optimizer (see `TrainStep` for the call).
+
+    The loop and `trace-jax plan` both build the update here. `unroll=True` unrolls every scan of the step (the
+    micro-batches here, the layers and log-prob chunks of the model: `ModelConfig.scan_unroll`), with the same
+    values: only for ahead-of-time cost analysis, which counts a loop body once.
+    """
+    if unroll:
+        model_config = model_config.replace(scan_unroll=True)
     cfg = loss_config
     micro = cfg.micro_batches
     aux_coef = router_aux_coef(model_config) if (cfg.router_aux and model_config.is_moe) else 0.0
@@ -145,7 +152,7 @@ def make_train_step(model_config, loss_config: LossConfig, optimizer: optax.Grad
 
             zeros = jax.tree_util.tree_map(jnp.zeros_like, state.params)
             micro_batches = jax.tree_util.tree_map(lambda x: _split_micro(x, micro), batch)
-            grads, stacked = jax.lax.scan(one_micro_batch, zeros, micro_batches)
+            grads, stacked = jax.lax.scan(one_micro_batch, zeros, micro_batches, unroll=unroll)
         metrics = _combine(stacked)
         # pg_loss is reported against the full-batch count like the loss itself
         if "pg_loss" in stacked:

@@ -20,8 +20,9 @@ A study file is gin, parsed on its own like a sweep file (`sweep.parse_spec_file
 expands into one arm per (seed, method), seed-major (every method of seed 0 first, so a study stopped early has
 comparable arms), then one arm per (ablation seed, binding, value). An arm is a `sweep.Run` named
 `<method>/seed<S>` or `ablation/<field>=<value>/seed<S>`, with run directory `<study dir>/<name>`. The seed binds
-every field a seed must change (`SEED_FIELDS`: the policy's init, the warm start's order, the rollout keys, the RL
-task order); the task splits and the world stay fixed, so every arm is evaluated on the same held-out tasks.
+every field a seed must change (`SEED_FIELDS`: the policy's init, the warm start's order and its demonstrations'
+detours, the rollout keys, the RL task order); the task splits and the world stay fixed, so every arm is evaluated
+on the same held-out tasks.
 
 Arms run in sequence through `trace_jax.train.cli.run_train`, the code path of `trace-jax train`. Resume: an arm
 whose run directory holds `summary.json` is finished and skipped; an unfinished one is rerun in its directory,
@@ -50,10 +51,13 @@ from trace_jax.train.metrics import SUMMARY_FILE, read_metrics
 from trace_jax.train.sweep import Run, parse_spec_file, validate_runs, value_text
 
 # Every config field a study's seed sets: TrainConfig.seed seeds the fresh policy's init, the warm start's batch
-# order and the rollout keys (loop.py); DataConfig.shuffle_seed the order in which RL draws training tasks.
-# Not seeded: DataConfig.seed and WorldConfig.seed (the tasks and held-out split, kept equal across arms) and the
-# oracle's detour choices (OracleConfig.seed, not a run config field).
-SEED_FIELDS = ("TrainConfig.seed", "DataConfig.shuffle_seed")
+# order and the rollout keys (loop.py); DataConfig.shuffle_seed the order in which RL draws training tasks;
+# WarmStartConfig.oracle_seed the oracle's detour draws in the warm start's demonstrations.
+# Not seeded: DataConfig.seed and WorldConfig.seed (the tasks and held-out split, kept equal across arms).
+SEED_FIELDS = ("TrainConfig.seed", "DataConfig.shuffle_seed", "WarmStartConfig.oracle_seed")
+# The per-step credit diagnostics (trace_jax/train/credit_diagnostics.py) results.json averages per method.
+DIAGNOSTICS = ("credit/detour_turn_credit", "credit/on_path_turn_credit", "credit/detour_turn_share",
+               "credit/progress_spearman", "zero_signal_groups", "zero_signal_groups_with_turn_credit")
 RESULTS_FILE = "results.json"
 ARM_FILE = "study_arm.json"
 PLOTS_DIR = "plots"
@@ -285,12 +289,18 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float | None]:
 
 def arm_results(arm_dir: str | Path) -> dict:
     """One finished arm's figures from its `metrics.jsonl`: held-out accuracy by evaluation step (step 0 = before
-    RL, after any warm start), training-rollout tool calls per episode by step, and the median RL step seconds."""
+    RL, after any warm start), training-rollout tool calls per episode by step, the median in-loop RL step seconds
+    (`time/step`: rollout, scoring, credit and update; evaluations excluded) and each of `DIAGNOSTICS` averaged
+    over the RL steps that logged it (None when none did)."""
     records = read_metrics(arm_dir)
     accuracy = _series(records, "eval/accuracy")
     tool_calls = _series(records, "tool_calls")
     step_seconds = [r["time/step"] for r in records if r.get("time/step") is not None]
-    return {"accuracy": accuracy, "tool_calls": tool_calls,
+    diagnostics = {}
+    for name in DIAGNOSTICS:
+        values = [float(v) for v in _series(records, name).values() if math.isfinite(v)]
+        diagnostics[name] = statistics.fmean(values) if values else None
+    return {"accuracy": accuracy, "tool_calls": tool_calls, "diagnostics": diagnostics,
             "median_step_seconds": statistics.median(step_seconds) if step_seconds else None}
 
 
@@ -316,7 +326,23 @@ def _group(arm_figures: Mapping[int, dict]) -> dict:
     seconds = [arm_figures[seed]["median_step_seconds"] for seed in seeds
                if arm_figures[seed]["median_step_seconds"] is not None]
     out["median_step_seconds"] = statistics.median(seconds) if seconds else None
+    out["diagnostics"] = {}
+    for name in DIAGNOSTICS:
+        per_seed = {str(seed): arm_figures[seed]["diagnostics"].get(name) for seed in seeds}
+        values = [v for v in per_seed.values() if v is not None]
+        mean, std = _mean_std(values) if values else (None, None)
+        out["diagnostics"][name] = {"per_seed": per_seed, "mean": mean, "std": std}
     return out
+
+
+def _step_time_ratios(methods: Mapping[str, dict]) -> dict[str, float]:
+    """Each method's median in-loop step seconds over GRPO's (the issue's TRACE / GRPO step-time figure); empty
+    without a finished GRPO arm."""
+    base = methods.get("grpo", {}).get("median_step_seconds")
+    if not base:
+        return {}
+    return {m: group["median_step_seconds"] / base for m, group in methods.items()
+            if group.get("median_step_seconds") is not None}
 
 
 def aggregate(study: Study, directory: str | Path, arms: Sequence[Arm] | None = None) -> dict:
@@ -336,9 +362,11 @@ def aggregate(study: Study, directory: str | Path, arms: Sequence[Arm] | None = 
             by_method.setdefault(arm.method, {})[arm.seed] = figures
         else:  # the name is ablation/<field>=<value>/seed<S>
             by_ablation.setdefault(arm.name.split("/")[1], {})[arm.seed] = figures
+    methods = {m: _group(by_method[m]) for m, _ in study.methods if m in by_method}
     return {"study": study.name, "seed_fields": list(SEED_FIELDS), "std": "sample standard deviation over seeds "
-            "(n - 1); null with one seed", "arms": listing,
-            "methods": {m: _group(by_method[m]) for m, _ in study.methods if m in by_method},
+            "(n - 1); null with one seed", "diagnostics": "mean over each arm's RL steps, then over seeds "
+            "(docs/credit.md, 'Credit diagnostics')", "arms": listing,
+            "methods": methods, "step_time_ratio_to_grpo": _step_time_ratios(methods),
             "ablations": {"method": study.ablation_method, **{k: _group(v) for k, v in by_ablation.items()}}
             if study.ablations else {}}
 
@@ -415,9 +443,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "rerunning with the same directory resumes the study")
     parser.add_argument("--print", dest="print_only", action="store_true",
                         help="print one launch command per arm instead of running them")
-    parser.add_argument("--results_only", action="store_true",
+    parser.add_argument("--results-only", "--results_only", action="store_true",
                         help="rewrite results.json and the plots from the finished arms; run nothing")
-    parser.add_argument("--no_progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-progress", "--no_progress", action="store_true", help="no progress bars")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ Format (a sweep file is itself gin, parsed on its own, apart from any run's conf
 
 expands into 3 x 2 = 6 runs in axis order (the last axis varies fastest), each with the base files, the shared
 params and one binding per axis, named from the axes' short names and values (`horizon=1,alpha_turn=0.1`).
-`Run.command()` is the launch command (`python -m trace_jax.cli train --gin_file ... --gin_param ... --run_dir ...`)
+`Run.command()` is the launch command (`python -m trace_jax.cli train --gin-file ... --gin-param ... --run-dir ...`)
 for a scheduler or a TPU VM; `trace-jax sweep` runs them in sequence or prints the commands.
 
 This module knows gin and the CLI's flags; it knows nothing about training itself.
@@ -46,10 +46,10 @@ class Run:
         """The shell command that launches this run."""
         parts = [python, "-m", "trace_jax.cli", "train"]
         for path in self.gin_files:
-            parts += ["--gin_file", path]
+            parts += ["--gin-file", path]
         for binding in self.gin_params:
-            parts += ["--gin_param", binding]
-        parts += ["--run_dir", self.run_dir]
+            parts += ["--gin-param", binding]
+        parts += ["--run-dir", self.run_dir]
         return " ".join(shlex.quote(p) for p in parts)
 
 
