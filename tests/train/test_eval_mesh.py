@@ -47,8 +47,9 @@ def _recorded_eval(run_dir, monkeypatch, mesh=None):
 
     monkeypatch.setattr(evaluate_lib, "run_episodes", recording)
     lines: list[str] = []
-    result = evaluate_run(run_dir, mesh=mesh, log=lines.append)
-    return result, seen, lines
+    results = evaluate_run(run_dir, mesh=mesh, log=lines.append)  # {set: result}; the run has one set
+    assert list(results) == ["heldout"]
+    return results["heldout"], seen, lines
 
 
 @pytest.fixture(scope="module")
@@ -86,13 +87,13 @@ def test_eval_on_the_mesh_gives_the_episodes_and_figures_of_one_device(evaluatio
 
 
 def test_the_eval_command_takes_a_mesh_and_writes_its_result(run_dir, evaluations):
-    assert main(["eval", "--run_dir", str(run_dir), "--mesh", "devices=1"]) == 0
+    assert main(["eval", "--run-dir", str(run_dir), "--mesh", "devices=1"]) == 0
     written = json.loads((run_dir / "eval_step0.json").read_text())
     assert written["correct"] == list(evaluations["one_device"][0].correct)
 
 
 def test_a_mesh_that_does_not_fit_the_devices_fails_naming_the_flag(run_dir, capsys):
-    assert main(["eval", "--run_dir", str(run_dir), "--mesh", "fsdp=3"]) == 2
+    assert main(["eval", "--run-dir", str(run_dir), "--mesh", "fsdp=3"]) == 2
     assert "--mesh sets the mesh" in capsys.readouterr().err
 
 

@@ -102,8 +102,8 @@ def test_plan_of_the_tiny_config_on_v5e_2x2_compiles_every_program_of_the_step_a
 
 @needs_libtpu
 def test_a_kv_budget_sets_the_rollout_rows_at_once_in_whole_rows_per_chip(tiny_run):
-    # tiny-qwen3 at 16384 tokens: 2 layers x 2 kv heads x 16 dims x K,V x 4 bytes = 512 B a token, 8 MiB a row; a
-    # 1 GiB budget holds 128 rows per chip, 512 over the 4 batch shards of v5e:2x2 (of 4096 rows)
+    # tiny-qwen3 at 16384 tokens: 2 layers x 2 kv heads x 16 dims x K,V x 4 bytes = 512 B a token, 8 MiB a row plus
+    # its 4-byte length; a 1 GiB budget holds 127 whole rows per chip, 508 over the 4 batch shards of v5e:2x2 (of 4096)
     import dataclasses
 
     from trace_jax import models
@@ -114,8 +114,9 @@ def test_a_kv_budget_sets_the_rollout_rows_at_once_in_whole_rows_per_chip(tiny_r
                             plan._tpu_devices(plan.parse_topology("v5e:2x2")))
     config = models.get_preset("tiny-qwen3")
     programs = plan._Programs(config, run, mesh, plan.PlanConfig("v5e:2x2", kv_budget_gib=1.0))
-    assert (programs.rows, programs.rows_at_once, programs.kv_cache_bytes) == (4096, 512, 128 * 8 * 1024**2)
-    with pytest.raises(plan.PlanError, match="raise RolloutConfig.kv_budget_gib to at least 0.01"):
+    row = 8 * 1024**2 + 4
+    assert (programs.rows, programs.rows_at_once, programs.kv_cache_bytes) == (4096, 127 * 4, 127 * row)
+    with pytest.raises(plan.PlanError, match=r"kv_budget_gib = 0.001 GiB holds no row: .* raise the budget"):
         plan._Programs(config, run, mesh, plan.PlanConfig("v5e:2x2", kv_budget_gib=0.001))
 
 

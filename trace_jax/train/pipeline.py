@@ -331,7 +331,8 @@ class RLPipeline:
             loss_batch, gap = self.with_trainer_behaviour(state.params, loss_batch)
         collected: list[dict] = []
         skipped = 0
-        may_drop = prepared.credit.row_mask is not None and self.update_config.mini_batches > 1
+        may_drop = (prepared.credit is not None and prepared.credit.row_mask is not None
+                    and self.update_config.mini_batches > 1)
         for epoch in range(self.update_config.epochs):
             order = (np.arange(n) if self.update_config.mini_batches == 1
                      else np.random.default_rng([seed, epoch]).permutation(n))
