@@ -215,16 +215,9 @@ class Checkpointer:
         self.tidy()
         damaged: list[tuple[int, str]] = []
         for step in reversed(self.all_steps()):
-            reason = "it failed to restore on another process"
-            try:
-                with _quiet_abandoned_reads():
-                    state, host = self.restore(target, step)
-                restored = True
-            except MemoryError:
-                raise
-            except Exception as error:  # noqa: BLE001 - any failure of this step means: try the previous one
-                restored, reason = False, _describe(error)
-            if _on_every_process(restored):
+            restored, value, reason = _restore_everywhere(lambda: self.restore(target, step))
+            if restored:
+                state, host = value
                 for bad_step, _ in damaged:
                     self._set_aside(bad_step, "damaged")
                 if damaged:  # every process has the same list: they agreed on each step
@@ -302,6 +295,24 @@ class Checkpointer:
         return raw.state["params"]
 
 
+def _restore_everywhere(restore):
+    """Run `restore()` (under `_quiet_abandoned_reads`) and agree with every process on the outcome:
+    `(True, value, None)` when it restored everywhere, else `(False, None, reason)` with this process's error, or
+    that another process failed. Any failure means: try the next candidate (MemoryError still raises)."""
+    value, reason = None, "it failed to restore on another process"
+    try:
+        with _quiet_abandoned_reads():
+            value = restore()
+        ok = True
+    except MemoryError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any failure of this candidate means: try the next one
+        ok, reason = False, _describe(error)
+    if _on_every_process(ok):
+        return True, value, None
+    return False, None, reason
+
+
 @contextlib.contextmanager
 def _quiet_abandoned_reads():
     """Drop Python's reports of orbax reads abandoned by a failed restore, and nothing else.
@@ -354,17 +365,9 @@ def restore_params_from_copies(copies: Sequence[Checkpointer], step: int, *, sha
         if step not in steps:
             held.append(f"{copy.directory}: {steps}")
             continue
-        try:
-            with _quiet_abandoned_reads():
-                params = copy.restore_params(step, shardings=shardings)
-            ok = True
-        except MemoryError:
-            raise
-        except Exception as error:  # noqa: BLE001 - any failure of this copy means: try the next one
-            ok, reason = False, _describe(error)
-        if _on_every_process(ok):
+        ok, params, reason = _restore_everywhere(lambda: copy.restore_params(step, shardings=shardings))
+        if ok:
             return params
-        reason = reason if not ok else "it failed to restore on another process"
         failed.append((copy.directory, reason))
         warnings.warn(f"{what}: step {step} in {copy.directory} does not restore ({reason}); trying the next copy",
                       CheckpointSkipped, stacklevel=2)
