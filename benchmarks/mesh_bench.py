@@ -24,6 +24,7 @@ fake devices share the host's cores.
     python benchmarks/mesh_bench.py                 # tiny.gin's step: one device, fsdp=4,tensor=2,
                                                     # data=2,fsdp=2,tensor=2; the tiny MoE: one device, expert=4
     python benchmarks/mesh_bench.py --quick         # a 1-layer model, 4 prompts x 2, one step, dense meshes only
+    python benchmarks/mesh_bench.py --models tiny-moe   # one model of the full run
 """
 
 from __future__ import annotations
@@ -182,8 +183,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a 1-layer model, 4 prompts x 2, one step, dense meshes")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per mesh (default 2, 1 with --quick)")
+    parser.add_argument("--models", default=None,
+                        help=f"comma-separated subset of the full run's models ({', '.join(FULL)}); default all")
     args = parser.parse_args(argv)
     steps = args.steps or (1 if args.quick else 2)
+    runs = QUICK if args.quick else FULL
+    if args.models:
+        names = [name.strip() for name in args.models.split(",")]
+        unknown = [name for name in names if name not in runs]
+        if unknown:
+            parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(runs)}")
+        runs = {name: runs[name] for name in names}
     if jax.device_count() < 8:
         print(f"error: the bench needs 8 devices, jax has {jax.device_count()}: run it in a fresh process (it sets "
               "XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax)", file=sys.stderr)
@@ -192,7 +202,7 @@ def main(argv=None) -> int:
           "mesh", flush=True)
     ok = True
     with tempfile.TemporaryDirectory(prefix="mesh_bench_") as workdir:
-        for model, (bindings, meshes) in (QUICK if args.quick else FULL).items():
+        for model, (bindings, meshes) in runs.items():
             run_config = parse(["configs/tiny.gin"], bindings)
             environment = build_environment(run_config, os.path.join(workdir, model.replace(" ", "_")))
             results = {}

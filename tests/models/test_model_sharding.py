@@ -49,9 +49,12 @@ def test_sharded_load_places_params_and_forward_matches(preset, mesh_shape, tmp_
     for got, want in zip(jax.tree_util.tree_leaves(sharded), jax.tree_util.tree_leaves(expected)):
         assert got.sharding.is_equivalent_to(want, got.ndim), (got.sharding, want)
     q_spec = sharded["layers"]["attn"]["q_proj"].sharding.spec
-    assert tuple(q_spec) == (None, "fsdp", "tensor", None)
-    if config.is_moe:
+    if config.is_moe:  # the non-expert weights' embed dimension over fsdp x expert; experts whole over expert
+        assert tuple(q_spec) == (None, ("fsdp", "expert"), "tensor", None)
+        assert tuple(sharded["layers"]["moe"]["router"].sharding.spec) == (None, ("fsdp", "expert"), None)
         assert tuple(sharded["layers"]["moe"]["gate_proj"].sharding.spec) == (None, "expert", "fsdp", "tensor")
+    else:  # no expert axis: embed over fsdp
+        assert tuple(q_spec) == (None, "fsdp", "tensor", None)
 
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, config.vocab_size, (4, 16)))
     batch_sharding = NamedSharding(mesh, models.logical_to_mesh_spec(P("batch", "length"), mesh))

@@ -28,10 +28,14 @@ Rules = Sequence[tuple[str, "str | tuple[str, ...] | None"]]
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
+# The train layout. Rows split over data x fsdp x expert; weights split over fsdp x expert on their embed dimension
+# (FSDP over every axis that splits the batch, as MaxText's rules do): on an MoE mesh the expert axis holds whole
+# experts of the expert weights and a 1/(fsdp x expert) slice of every other weight, instead of repeating
+# attention, embeddings and the router on each expert shard. A dense mesh (expert = 1) is unaffected.
 DEFAULT_RULES: tuple = (
     ("batch", ("data", "fsdp", "expert")),
     ("length", None),
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "expert")),
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
