@@ -21,9 +21,13 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 # without LLVM's optimisation passes: the same HLO passes and the same programs, with less optimised machine code.
 # Every test compares values, never speed; a test's two sides (and its `trace-jax` subprocesses, which inherit
 # XLA_FLAGS) compile alike. TRACE_JAX_TEST_OPTIMIZED_XLA=1 keeps XLA's default optimisation.
+# Tests that start processes with a device count of their own add TRACE_JAX_TEST_XLA_OPTIONS (these options, or
+# nothing) to those processes' XLA_FLAGS.
 if (os.environ.get("TRACE_JAX_TEST_OPTIMIZED_XLA") != "1"
         and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    os.environ["TRACE_JAX_TEST_XLA_OPTIONS"] = ("--xla_backend_optimization_level=0 "
+                                                "--xla_llvm_disable_expensive_passes=true")
+    os.environ["XLA_FLAGS"] += " " + os.environ["TRACE_JAX_TEST_XLA_OPTIONS"]
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit
     import shutil

@@ -208,6 +208,31 @@ def group_api(reference_dir):
     return records, _api_inputs(reference_dir, records)
 
 
+@pytest.fixture(scope="module")
+def group_scores():
+    """The CLI's reference scores of the group sample, kept from its first run in this module: every estimator
+    reads the same scores (the tests below compare them with the API's on each run), so the later runs reuse them
+    instead of scoring the 12 long trajectories again."""
+    return {}
+
+
+@pytest.fixture
+def scores_once(group_scores, monkeypatch):
+    from trace_jax.scoring import cli
+
+    real = cli.score_records
+
+    def score_records(config, params, prepared, **kwargs):
+        key = (tuple(sorted(kwargs.items())),
+               *((p.ids.tobytes(), np.asarray(p.boundaries).tobytes(), np.asarray(p.continuation.ids).tobytes(),
+                  np.asarray(p.continuation.mask).tobytes()) for p in prepared))
+        if key not in group_scores:
+            group_scores[key] = real(config, params, prepared, **kwargs)
+        return [s.copy() for s in group_scores[key]]
+
+    monkeypatch.setattr(cli, "score_records", score_records)
+
+
 def test_shipped_group_sample_has_groups_with_differing_rewards():
     records = _read_jsonl(GROUPS)
     by_group = {}
@@ -220,7 +245,8 @@ def test_shipped_group_sample_has_groups_with_differing_rewards():
 @pytest.mark.slow
 @pytest.mark.parametrize("estimator", ["grpo", "gspo", "trace", "trace_raw_delta", "trace_linear_gap", "abc_grpo",
                                        "gigpo"])
-def test_every_estimator_from_the_cli_equals_compute_advantages(reference_dir, group_api, tmp_path, estimator):
+def test_every_estimator_from_the_cli_equals_compute_advantages(reference_dir, group_api, scores_once, tmp_path,
+                                                                estimator):
     from trace_jax import credit
 
     assert estimator in credit.estimator_names()
@@ -252,7 +278,7 @@ def test_every_registered_estimator_is_a_cli_choice(capsys):
         assert name in text
 
 
-def test_output_reports_group_statistics_gaps_and_the_scored_answer_ids(reference_dir, tmp_path):
+def test_output_reports_group_statistics_gaps_and_the_scored_answer_ids(reference_dir, scores_once, tmp_path):
     assert _run(reference_dir, GROUPS, tmp_path, "--no-receipts", "--no-plot", "--eps", "0.2") == 0
     results = _read_jsonl(tmp_path / "credit.jsonl")
     tokenizer = load_tokenizer(reference_dir)

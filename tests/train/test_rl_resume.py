@@ -3,8 +3,8 @@ metrics and params as an uninterrupted run (the grain iterator state of the prom
 train state's PRNG key are checkpointed).
 
 The three processes (uninterrupted, killed, resumed) run one after another and share a persistent XLA compilation
-cache in the test's directory, so only the first compiles: the rest load its programs (bit-identical executables,
-which is also what a resumed run on the same machine gets with the cache on).
+cache (the suite's, else one in the test's directory), so only the first compiles: the rest load its programs
+(bit-identical executables, which is also what a resumed run on the same machine gets with the cache on).
 """
 
 from __future__ import annotations
@@ -34,7 +34,10 @@ def _command(gin_file: Path, run_dir: Path) -> list[str]:
 
 
 def _env(cache: Path) -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
+    """The suite's compilation cache where it has one (programs the in-process tests compiled alike load too),
+    else `cache`."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
+            "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(cache)),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 

@@ -17,9 +17,11 @@ from trace_jax.train.optimizer import make_optimizer
 from trace_jax.train.pipeline import RLPipeline, check_compatible
 from trace_jax.train.state import init_train_state
 
-# smollm2.gin as shipped, cut to CPU-test size: one group of 2 samples, one row per micro-batch as shipped
+# smollm2.gin as shipped, cut to CPU-test size: one group of 2 samples, one row per micro-batch as shipped, one
+# tool call of up to 32 tokens; 768 positions hold the 636-token prompt (the tool schemas are ~570 of them), the
+# call, its observation and the start of an answer (the step's cost grows with the positions: 1024 took ~1.5x)
 CPU_SIZE = ["TrainConfig.prompts_per_step = 1", "LossConfig.micro_batches = 2", "TrainConfig.receipts = 0",
-            "RolloutConfig.max_turns = 1", "RolloutConfig.max_context = 1024", "RolloutConfig.turn_token_budget = 32"]
+            "RolloutConfig.max_turns = 1", "RolloutConfig.max_context = 768", "RolloutConfig.turn_token_budget = 32"]
 
 
 @pytest.mark.slow
