@@ -81,6 +81,13 @@ def test_a_gpu_target_reports_what_shapes_determine_and_says_the_rest_is_not_che
     assert 0 < report.resident["train state"] <= 3 * report.resident["reference"] * 1.01
 
 
+
+def test_plan_shards_the_params_by_the_runs_rule_overrides():
+    # on an fsdp-only mesh the embed rule alone splits every weight: replicated, each device holds the whole model
+    sharded = plan.plan(parse(["configs/tiny.gin"], SMALL), plan.PlanConfig("h100:8"), model_preset="tiny-qwen3")
+    whole = plan.plan(parse(["configs/tiny.gin"], SMALL + ["MeshConfig.rules = (('embed', None),)"]),
+                      plan.PlanConfig("h100:8"), model_preset="tiny-qwen3")
+    assert whole.resident["reference"] > 4 * sharded.resident["reference"]
 @needs_libtpu
 @pytest.mark.slow
 def test_plan_of_the_tiny_config_on_v5e_2x2_compiles_every_program_of_the_step_and_fits(capsys):

@@ -46,10 +46,52 @@ DEFAULT_RULES: tuple = (
     ("norm", None),
 )
 
-# The rollout layout (sampler, agent loop, evaluation): weights are not split over the batch axes (a decode step
-# would all-gather every FSDP-sharded weight), heads / mlp / vocab stay over `tensor` and experts over `expert`;
-# rows and KV-cache rows are split over the batch axes as in `DEFAULT_RULES`.
-ROLLOUT_RULES: tuple = tuple((name, None if name == "embed" else axes) for name, axes in DEFAULT_RULES)
+# Every logical axis name a rule set maps (the names of `DEFAULT_RULES`, in its order).
+LOGICAL_AXES: tuple[str, ...] = tuple(name for name, _ in DEFAULT_RULES)
+
+
+def _rule_axes(name: str, axes):
+    """One rule's mesh axes, normalised (a list -> a tuple, as gin may give it); raises ValueError naming the entry."""
+    if axes is None or (isinstance(axes, str) and axes in MESH_AXES):
+        return axes
+    if isinstance(axes, (tuple, list)) and axes and all(isinstance(a, str) and a in MESH_AXES for a in axes) \
+            and len(set(axes)) == len(axes):
+        return tuple(axes)
+    raise ValueError(f"rule ({name!r}, {axes!r}): the mesh axes must be one of {MESH_AXES}, a tuple of distinct ones "
+                     "or None (replicated)")
+
+
+def merge_rules(overrides: Rules = (), base: Rules = DEFAULT_RULES) -> tuple:
+    """`base` with the logical axes named in `overrides` mapped as the overrides say, in `base`'s order.
+
+    Each override is `(logical axis, mesh axes)`: a logical name of `LOGICAL_AXES` and a mesh axis, a tuple of mesh
+    axes or None. Raises ValueError naming the bad entry and the accepted names (an unknown logical or mesh axis, a
+    malformed entry, a logical axis given twice). `merge_rules(())` is `base`.
+    """
+    merged = dict(base)
+    seen: set[str] = set()
+    for entry in overrides:
+        if not isinstance(entry, (tuple, list)) or len(entry) != 2 or not isinstance(entry[0], str):
+            raise ValueError(f"rule {entry!r}: expected a pair (logical axis, mesh axes), e.g. ('embed', 'fsdp')")
+        name, axes = entry
+        if name not in merged:
+            raise ValueError(f"rule ({name!r}, {axes!r}): unknown logical axis {name!r}; the logical axes are "
+                             f"{', '.join(LOGICAL_AXES)}")
+        if name in seen:
+            raise ValueError(f"rule ({name!r}, {axes!r}): logical axis {name!r} is given twice; keep one rule for it")
+        seen.add(name)
+        merged[name] = _rule_axes(name, axes)
+    return tuple(merged.items())
+
+
+def rollout_rules(train_rules: Rules = DEFAULT_RULES) -> tuple:
+    """The rollout layout (sampler, agent loop, evaluation) derived from a train layout: weights are not split over
+    the batch axes (a decode step would all-gather every FSDP-sharded weight), so `embed` is replicated; heads /
+    mlp / vocab / experts and the rows and KV-cache rows keep the train rules' mesh axes."""
+    return tuple((name, None if name == "embed" else axes) for name, axes in train_rules)
+
+
+ROLLOUT_RULES: tuple = rollout_rules(DEFAULT_RULES)
 
 
 def _mesh_axes_for(name, rules) -> tuple[str, ...]:

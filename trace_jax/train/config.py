@@ -4,7 +4,8 @@ One dataclass per concern; each checks its own fields in `__post_init__` and rai
 field and the fix. They are plain dataclasses (hashable, usable as static jit arguments); gin registration is the
 loop's business (`gin.external_configurable`), so this module does not import gin.
 
-This module knows nothing about models, arrays or the training loop.
+This module knows nothing about arrays or the training loop; it reads the logical-axis names of the sharding rules
+from `trace_jax.models.sharding` (imported when a `MeshConfig` is built).
 """
 
 from __future__ import annotations
@@ -191,6 +192,11 @@ class MeshConfig:
         one-device run is a 1x1x1x1 mesh.
       devices: use the first `devices` devices of this process (0 = every device of every process); one process
         only, e.g. to compare a mesh with one device in the same process.
+      rules: overrides of the logical-axis sharding rules (`models.DEFAULT_RULES`, the train layout), each
+        `(logical axis, mesh axes)`: a logical name of `models.LOGICAL_AXES` and a mesh axis, a tuple of mesh axes
+        or None (replicated), e.g. `(('embed', ('fsdp', 'expert')), ('vocab', None))`. Empty (default) = the
+        default rules. Every phase of a run uses them: `train_rules()` for the train state, the update and the
+        frozen reference, `rollout_rules()` (derived: `embed` replicated) for rollouts and evaluation.
     """
 
     data: int = 1
@@ -198,6 +204,7 @@ class MeshConfig:
     tensor: int = 1
     expert: int = 1
     devices: int = 0
+    rules: tuple = ()
 
     def __post_init__(self):
         sizes = [getattr(self, a) for a in MESH_AXES]
@@ -208,6 +215,29 @@ class MeshConfig:
               f"at most one axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
         _need(isinstance(self.devices, int) and self.devices >= 0, "MeshConfig", "devices",
               f"must be an int >= 0 (0 = all devices), got {self.devices!r}")
+        from trace_jax.models.sharding import merge_rules  # the one rule checker (imports jax, so not at the top)
+
+        _need(isinstance(self.rules, (tuple, list)), "MeshConfig", "rules",
+              f"must be a tuple of (logical axis, mesh axes) pairs, e.g. (('embed', 'fsdp'),), got {self.rules!r}")
+        try:
+            merge_rules(self.rules)
+        except ValueError as error:
+            raise TrainConfigError(f"MeshConfig.rules: {error}") from None
+        # normalised to nested tuples (gin may give lists), so the config stays hashable
+        object.__setattr__(self, "rules", tuple((name, axes if axes is None or isinstance(axes, str) else tuple(axes))
+                                                for name, axes in self.rules))
+
+    def train_rules(self) -> tuple:
+        """The run's logical-axis rules of the train layout: `models.DEFAULT_RULES` merged with `rules`."""
+        from trace_jax.models.sharding import merge_rules
+
+        return merge_rules(self.rules)
+
+    def rollout_rules(self) -> tuple:
+        """The run's rules of the rollout layout, derived from `train_rules()` (`models.rollout_rules`)."""
+        from trace_jax.models.sharding import rollout_rules
+
+        return rollout_rules(self.train_rules())
 
     @classmethod
     def from_flag(cls, text: str, flag: str = "--mesh") -> "MeshConfig":

@@ -246,9 +246,9 @@ def demonstrable_tasks(tasks: list) -> list:
 
 
 def warm_start(run_config: RunConfig, environment: Environment, params, log: Callable[[str], None] = print, *,
-               progress: bool = False, mesh=None):
+               progress: bool = False, mesh=None, rules=None):
     """SFT on oracle trajectories rendered exactly as the rollouts render them, on `mesh` (the run's; None = the
-    params' own device); returns `(params, losses)`. With `progress` the steps show on a bar of their own (instead
+    params' own device) under the train-layout `rules` (the run's `MeshConfig.train_rules()`); returns `(params, losses)`. With `progress` the steps show on a bar of their own (instead
     of a log line every fifth of them)."""
     ws = run_config.warmstart
     results = oracle_trajectories(demonstrable_tasks(environment.train_tasks), environment.browser, ws)
@@ -257,9 +257,9 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
                         answer_weight=ws.answer_weight)
     optimizer = make_optimizer(ws.optimizer)
     step_fn = make_train_step(environment.model_config, LossConfig(mode="sft", entropy_metric=False), optimizer,
-                              mesh=mesh)
+                              mesh=mesh, rules=rules)
     state = init_train_state(environment.model_config, optimizer, params, jax.random.PRNGKey(run_config.train.seed),
-                             mesh=mesh)
+                             mesh=mesh, rules=rules)
     log(f"warm start: {len(arrays)} oracle trajectories of {arrays.tokens.shape[1]} tokens, {ws.steps} SFT steps "
         f"of {ws.batch_size}")
     losses = []
@@ -301,14 +301,16 @@ def _eval_from_json(data: dict) -> EvalResult:
 
 
 def _evaluate(run_config: RunConfig, environment: Environment, params, label: str, log,
-              mesh=None) -> dict[str, EvalResult]:
+              placement: "Placement") -> dict[str, EvalResult]:
     """Every evaluation set of the environment (`EvalConfig.sets`, in order), each on its first
-    `EvalConfig.num_tasks` tasks with its own browser; {set name: result}."""
+    `EvalConfig.num_tasks` tasks with its own browser, with `params` in the rollout layout on the process block of
+    `placement`; {set name: result}."""
     results = {}
     for name, eval_set in environment.eval_sets.items():
         tasks = eval_set.tasks[:run_config.eval.num_tasks]
         result = evaluate(environment.model_config, params, environment.chat, tasks, eval_set.browser,
-                          run_config.rollout, run_config.eval, mesh=mesh)
+                          run_config.rollout, run_config.eval, mesh=placement.process_mesh,
+                          rules=placement.rollout_rules)
         log(f"eval ({label}, {name}): greedy accuracy {100 * result.accuracy:.1f}% +- {100 * result.accuracy_se:.1f} "
             f"on {result.num_tasks} tasks, reward {result.mean_reward:.3f}, tool calls "
             f"{result.tool_calls_per_episode:.2f}/episode ({result.seconds:.0f}s)")
@@ -454,9 +456,10 @@ class Placement:
     device), and this process's block of it (`distributed.process_mesh`, the whole mesh with one process), which
     runs the host-driven programs of this process's rows (the agent loop and the scorer).
 
-      * the train state: the train layout (`models.DEFAULT_RULES`: FSDP x tensor x expert) on the mesh;
+      * the train state: the train layout (`MeshConfig.train_rules()`: `models.DEFAULT_RULES`, FSDP x tensor x
+        expert, with the run's `MeshConfig.rules` overrides) on the mesh;
       * rollouts and evaluation read `rollout_params(params)`: the policy resharded on device to the rollout layout
-        (`models.ROLLOUT_RULES`: weights whole over the batch axes, heads / mlp / vocab over `tensor`, experts over
+        (`MeshConfig.rollout_rules()`: weights whole over the batch axes, heads / mlp / vocab over `tensor`, experts over
         `expert`), on the process block;
       * the frozen reference: restored once from its checkpoint straight into the train layout, cast to
         `TrainConfig.reference_dtype` on device (fresh buffers, never the policy's, which the update donates), and
@@ -469,8 +472,10 @@ class Placement:
         self.mesh = run_config.mesh.make_mesh()
         self.process_mesh = distributed.process_mesh(self.mesh)
         self.model_config = model_config
-        self.train_shardings = models.param_shardings(model_config, self.mesh)
-        self.rollout_shardings = models.param_shardings(model_config, self.mesh, models.ROLLOUT_RULES)
+        self.rules = run_config.mesh.train_rules()
+        self.rollout_rules = run_config.mesh.rollout_rules()
+        self.train_shardings = models.param_shardings(model_config, self.mesh, self.rules)
+        self.rollout_shardings = models.param_shardings(model_config, self.mesh, self.rollout_rules)
         self.reference_dtype = jnp.dtype(run_config.train.reference_dtype)
 
     def describe(self) -> dict:
@@ -528,14 +533,14 @@ def _combine_process_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _global_loss_batch(loss_batch: LossBatch, mesh) -> LossBatch:
+def _global_loss_batch(loss_batch: LossBatch, mesh, rules) -> LossBatch:
     """This process's `[n, Lb]` rows -> the global `[n x processes, W]` batch on `mesh`, W the widest length bucket
     of any process (narrower rows are padded with untrained zeros). A collective."""
     width = int(distributed.gather_to_hosts(np.asarray(loss_batch.shape[1], np.int32)).max())
     padded = jax.tree_util.tree_map(
         lambda x: np.pad(np.asarray(x), ((0, 0), (0, width - x.shape[1]))), loss_batch)
     rows = loss_batch.shape[0] * jax.process_count()
-    return distributed.global_batch(padded, batch_sharding(mesh, None, (rows, width)))
+    return distributed.global_batch(padded, batch_sharding(mesh, rules, (rows, width)))
 
 
 def _stop_requested_anywhere(guard: PreemptionGuard) -> None:
@@ -559,7 +564,7 @@ def rl_step(pipeline: RLPipeline, placement: Placement, state, reference_params,
         rollout = pipeline.collect(placement.rollout_params(state.params), tasks, distributed.process_key(key))
     prepared = pipeline.prepare(rollout, reference_params, num_prompts=len(tasks))
     timer.seconds.update(prepared.timing)
-    prepared.loss_batch = _global_loss_batch(prepared.loss_batch, placement.mesh)
+    prepared.loss_batch = _global_loss_batch(prepared.loss_batch, placement.mesh, placement.rules)
     prepared.metrics = _combine_process_metrics(prepared.metrics)
     with timer.phase("update"):
         state, update_metrics = pipeline.update(state, prepared, reference_params, seed=seed)
@@ -707,17 +712,19 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
     placement = Placement(run_config, environment.model_config)
     mesh = placement.mesh
     try:  # fail before any compute when the step's rows cannot be one global batch
-        distributed.check_rows_split_by_process(batch_sharding(mesh, None, (rows, 1)), (rows, 1))
+        distributed.check_rows_split_by_process(batch_sharding(mesh, placement.rules, (rows, 1)), (rows, 1))
     except ValueError as error:
         raise ValueError(f"TrainConfig.prompts_per_step x RolloutConfig.group_size = {rows} rows per step: "
                          f"{error}") from None
     # fail before any compute when the KV budget holds no row
     process_rows = rows // jax.process_count()
     rows_at_once = rows_within_budget(environment.model_config, run_config.rollout, mesh=placement.process_mesh,
-                                      rows=process_rows)
+                                      rows=process_rows, rules=placement.rollout_rules)
     pipeline = RLPipeline(environment.model_config, environment.chat, environment.browser, run_config.rollout,
                           run_config.credit, run_config.loss, update_config, optimizer, mesh=placement.process_mesh,
-                          train_step=make_train_step(environment.model_config, run_config.loss, optimizer, mesh=mesh))
+                          rules=placement.rules, rollout_rules=placement.rollout_rules,
+                          train_step=make_train_step(environment.model_config, run_config.loss, optimizer, mesh=mesh,
+                                                     rules=placement.rules))
     checkpoint_config = dataclasses.replace(run_config.checkpoint,
                                             directory=str(run_dir / run_config.checkpoint.directory))
     log(f"run {run_dir}: {train_config.steps} RL steps of {train_config.prompts_per_step} prompts x "
@@ -734,7 +741,8 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
 
     with PreemptionGuard() as guard, Checkpointer(checkpoint_config, guard=guard) as checkpointer, \
             _reference_checkpointer(run_dir) as reference_store:
-        restored = checkpointer.restore_latest(abstract_train_state(environment.model_config, optimizer, mesh=mesh))
+        restored = checkpointer.restore_latest(abstract_train_state(environment.model_config, optimizer, mesh=mesh,
+                                                                         rules=placement.rules))
         latest = None if restored is None else restored.step
         if latest is None:
             writer = RunWriter(run_dir, total_steps=train_config.steps, progress=progress, write_files=primary)
@@ -749,22 +757,21 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
             if run_config.warmstart.steps > 0 and not train_config.init_from:
                 t0 = time.perf_counter()
                 evals["before"] = _sets_to_json(_evaluate(run_config, environment, placement.rollout_params(params),
-                                                          "before warm start", log, placement.process_mesh))
+                                                          "before warm start", log, placement))
                 stages["eval_before"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 params, losses = warm_start(run_config, environment, params, log, progress=progress and primary,
-                                            mesh=mesh)
+                                            mesh=mesh, rules=placement.rules)
                 stages["warm_start"] = time.perf_counter() - t0
                 writer.log(0, {"warmstart/final_loss": losses[-1] if losses else float("nan")})
             t0 = time.perf_counter()
             initial = _evaluate(run_config, environment, placement.rollout_params(params),
-                                "after warm start" if warm_started else "initial policy", log,
-                                placement.process_mesh)
+                                "after warm start" if warm_started else "initial policy", log, placement)
             stages["eval_initial"] = time.perf_counter() - t0
             evals["initial"] = _sets_to_json(initial)
             writer.log(0, _eval_metrics(initial))
             state = init_train_state(environment.model_config, optimizer, params,
-                                     jax.random.PRNGKey(train_config.seed), mesh=mesh)
+                                     jax.random.PRNGKey(train_config.seed), mesh=mesh, rules=placement.rules)
             host = {"data_position": 0, "data_iterator": None, "evals": evals, "stages": stages}
             reference_store.save(state, {"step": 0}, force=True)
             checkpointer.save(state, host, force=True)
@@ -809,7 +816,7 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
             every = run_config.eval.every_steps
             if every and step % every == 0 and step < train_config.steps:
                 result = _evaluate(run_config, environment, placement.rollout_params(state.params), f"step {step}",
-                                   log, placement.process_mesh)
+                                   log, placement)
                 metrics.update(_eval_metrics(result))
                 host["evals"][f"step{step}"] = _sets_to_json(result)
             writer.log(step, metrics)
@@ -830,7 +837,7 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
 
         t0 = time.perf_counter()
         final_params = placement.rollout_params(state.params)
-        final = _evaluate(run_config, environment, final_params, "after RL", log, placement.process_mesh)
+        final = _evaluate(run_config, environment, final_params, "after RL", log, placement)
         stages["eval_final"] = time.perf_counter() - t0
         writer.log(step, _eval_metrics(final))
         evals = {**host["evals"], "final": _sets_to_json(final)}
@@ -887,8 +894,9 @@ def evaluate_run(run_dir: str | Path, step: int | None = None, *, set_name: str 
         raise FileNotFoundError(f"{config_path} does not exist: --run-dir must be a directory written by "
                                 "`trace-jax train`")
     run_config = parse([str(config_path)])
-    if mesh is not None:
-        run_config = dataclasses.replace(run_config, mesh=mesh)
+    if mesh is not None:  # a mesh without rule overrides keeps the run's (`MeshConfig.rules`)
+        run_config = dataclasses.replace(run_config, mesh=mesh if mesh.rules else dataclasses.replace(
+            mesh, rules=run_config.mesh.rules))
     environment = build_environment(run_config, run_dir, load_params=False, only_set=set_name)
     placement = Placement(run_config, environment.model_config)
     directory = run_dir / run_config.checkpoint.directory
@@ -904,8 +912,7 @@ def evaluate_run(run_dir: str | Path, step: int | None = None, *, set_name: str 
     finally:
         store.close()
     log(f"eval of {run_dir} step {step} on {placement.line()}")
-    results = _evaluate(run_config, environment, placement.rollout_params(params), f"step {step}", log,
-                        placement.process_mesh)
+    results = _evaluate(run_config, environment, placement.rollout_params(params), f"step {step}", log, placement)
     path = run_dir / (f"eval_step{step}.json" if set_name is None else f"eval_step{step}_{set_name}.json")
     data = {**_eval_to_json(_headline(results)), "sets": _sets_to_json(results), "average": set_average(results)}
     path.write_text(json.dumps(_finite(data), indent=2) + "\n", encoding="utf-8")

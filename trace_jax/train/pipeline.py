@@ -48,6 +48,7 @@ from trace_jax.credit import abc_step_rewards, compute_advantages, fold_answer_s
 from trace_jax.credit.config import CreditConfig
 from trace_jax.credit.gigpo import anchor_key_ids, state_keys
 from trace_jax.credit.registry import CreditResult, get_estimator
+from trace_jax import models
 from trace_jax.models.alignment import to_token_aligned
 from trace_jax.rollout.agent import Rollout, RolloutConfig, run_episodes
 from trace_jax.rollout.batch import STATUSES
@@ -165,16 +166,21 @@ class RLPipeline:
       browser: the rollouts' `Browser` (or `task -> Browser`).
       rollout, credit, loss, update: the configs.
       optimizer: the optax optimizer of the train step.
-      mesh, rules: optional mesh for the sampler, scorer and train step.
+      mesh, rules: optional mesh for the sampler, scorer and train step, and the train layout's logical-axis rules
+        (the scorer's and the train step's; a run passes `MeshConfig.train_rules()`; None = `models.DEFAULT_RULES`).
+      rollout_rules: the sampler's rules (the rollout layout the params of `collect` are in; a run passes
+        `MeshConfig.rollout_rules()`); None = `models.rollout_rules(rules)`.
       train_step: a compiled `make_train_step(model_config, loss, optimizer, ...)` to reuse (pipelines that share
         model, loss and optimizer then compile the update once); None builds one.
     """
 
     def __init__(self, model_config, chat, browser, rollout: RolloutConfig, credit: CreditConfig, loss: LossConfig,
-                 update: UpdateConfig, optimizer, *, mesh=None, rules=None, train_step=None):
+                 update: UpdateConfig, optimizer, *, mesh=None, rules=None, rollout_rules=None, train_step=None):
         self.model_config, self.chat, self.browser = model_config, chat, browser
         self.rollout, self.credit, self.loss, self.update_config = rollout, credit, loss, update
         self.mesh, self.rules = mesh, rules
+        self.rollout_rules = rollout_rules if rollout_rules is not None else \
+            models.rollout_rules(models.DEFAULT_RULES if rules is None else rules)
         self.estimator = get_estimator(credit.estimator)
         self.train_step = train_step or make_train_step(model_config, loss, optimizer, mesh=mesh, rules=rules)
         self._continuations: dict[str, Any] = {}
@@ -194,7 +200,7 @@ class RLPipeline:
     def collect(self, params, tasks: Sequence[Any], rng) -> Rollout:
         """`len(tasks) x group_size` episodes of the current policy."""
         return run_episodes(self.model_config, params, self.chat, tasks, self.browser, self.rollout, rng,
-                            mesh=self.mesh, rules=self.rules)
+                            mesh=self.mesh, rules=self.rollout_rules)
 
     def score(self, reference_params, rollout: Rollout, width: int, *, token_logprobs: bool = False):
         """The reference's answer scores `[N, T+1]` and (with `token_logprobs`) its next-token log-probs

@@ -688,7 +688,7 @@ class _Programs:
     `scoring.fork.fork_scores_program`, `models.reshard_program`, `rollout.sampler.prefill_program` and
     `rollout.sampler.decode_program`."""
 
-    def __init__(self, model_config, run_config, mesh, plan: PlanConfig):
+    def __init__(self, model_config, run_config, mesh, plan: PlanConfig, mesh_config=None):
         import jax
         import jax.numpy as jnp
 
@@ -698,16 +698,20 @@ class _Programs:
         from trace_jax.train.optimizer import make_optimizer
 
         self.config, self.run, self.mesh, self.plan = model_config, run_config, mesh, plan
+        # the run's logical-axis rules (`MeshConfig.rules`), as `loop.Placement` takes them
+        mesh_config = mesh_config or run_config.mesh
+        self.rules, self.rollout_rules = mesh_config.train_rules(), mesh_config.rollout_rules()
         self.optimizer = make_optimizer(run_config.optimizer)
-        self.state = abstract_train_state(model_config, self.optimizer, mesh=mesh)
+        self.state = abstract_train_state(model_config, self.optimizer, mesh=mesh, rules=self.rules)
         shapes = jax.eval_shape(lambda: models.init_params(model_config, jax.random.PRNGKey(0), dtype="float32"))
         # The frozen reference: the initial policy cast to TrainConfig.reference_dtype in the train layout
         # (loop.Placement.frozen); the rollout copy: the policy's params resharded to the rollout layout
         # (Placement.rollout_params), in their own dtype.
         reference_dtype = jnp.dtype(run_config.train.reference_dtype)
         self.reference = _abstract(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, reference_dtype),
-                                                          shapes), models.param_shardings(model_config, mesh))
-        self.rollout_shardings = models.param_shardings(model_config, mesh, models.ROLLOUT_RULES)
+                                                          shapes), models.param_shardings(model_config, mesh,
+                                                                                          self.rules))
+        self.rollout_shardings = models.param_shardings(model_config, mesh, self.rollout_rules)
         self.rollout_params = _abstract(shapes, self.rollout_shardings)
         self.rows = run_config.train.prompts_per_step * run_config.rollout.group_size
         self.length = run_config.rollout.max_context
@@ -716,11 +720,11 @@ class _Programs:
         self.kv_budget_gib = budget_gib or 0.0
         try:
             self.rows_at_once = budget.rows_within_budget(model_config, run_config.rollout, mesh=mesh, rows=self.rows,
-                                                          budget_gib=budget_gib)
+                                                          budget_gib=budget_gib, rules=self.rollout_rules)
         except ValueError as error:
             raise PlanError(str(error)) from None
         self.kv_cache_bytes = budget.kv_bytes_per_chip(model_config, run_config.rollout, self.rows_at_once,
-                                                       mesh=mesh)
+                                                       mesh=mesh, rules=self.rollout_rules)
         self.jnp = jnp
 
     def train(self, report: ProgramReport, *, rows: int | None = None, count_loops: bool = False,
@@ -735,8 +739,8 @@ class _Programs:
 
         rows = rows or self.rows // self.run.update.mini_batches
         loss = self.run.loss
-        step = make_train_step(self.config, loss, self.optimizer, mesh=self.mesh, unroll=unroll)
-        sharding = batch_sharding(self.mesh, None, (rows, self.length))
+        step = make_train_step(self.config, loss, self.optimizer, mesh=self.mesh, rules=self.rules, unroll=unroll)
+        sharding = batch_sharding(self.mesh, self.rules, (rows, self.length))
         spec = lambda dtype: jax.ShapeDtypeStruct((rows, self.length), dtype, sharding=sharding)  # noqa: E731
         jnp = self.jnp
         batch = LossBatch(tokens=spec(jnp.int32), positions=spec(jnp.int32), loss_mask=spec(jnp.float32),
@@ -763,7 +767,7 @@ class _Programs:
 
         n = self.run.update.scoring_batch or self.rows
         pn, pl, ps, pm = fork.padded_shape(n, self.length, self.run.rollout.max_turns + 1, self.plan.answer_tokens,
-                                           mesh=self.mesh)
+                                           mesh=self.mesh, rules=self.rules)
         return pn, pl, ps, pm, fork.choose_layout(pl, ps, pm)
 
     def score(self, report: ProgramReport):
@@ -775,7 +779,7 @@ class _Programs:
         jnp = self.jnp
 
         def arg(shape, dtype):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=fork.row_sharding(self.mesh, len(shape)))
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=fork.row_sharding(self.mesh, len(shape), self.rules))
 
         args = (arg((pn, pl), jnp.int32), arg((pn, ps), jnp.int32), arg((pn, ps), jnp.bool_),
                 arg((pn, pm), jnp.int32), arg((pn, pm), jnp.int32))
@@ -808,7 +812,7 @@ class _Programs:
         shapes = jax.eval_shape(lambda: sampler.SamplerState(
             cache=init_cache(self.config, rows, self.length),
             logits=jnp.zeros((rows, self.config.vocab_size), jnp.float32)))
-        return _abstract(shapes, sampler.divisible_shardings(shapes, sampler.state_shardings(self.mesh)))
+        return _abstract(shapes, sampler.divisible_shardings(shapes, sampler.state_shardings(self.mesh, self.rollout_rules)))
 
     def _rollout_resident(self) -> int:
         # While the rollout runs: the whole train state and the reference (the rollout copy and the cache are the
@@ -928,6 +932,8 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
 
     topology = parse_topology(plan_config.topology)
     mesh_config = mesh_config or run_config.mesh
+    if not mesh_config.rules:  # a --mesh without rule overrides keeps the run's (`MeshConfig.rules`)
+        mesh_config = dataclasses.replace(mesh_config, rules=run_config.mesh.rules)
     try:
         axes = mesh_config.axis_sizes(topology.num_chips)
     except TrainConfigError as error:
@@ -939,13 +945,14 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
     settings = dict(rows=rows, length=run_config.rollout.max_context, micro_batches=run_config.loss.micro_batches,
                     mini_batches=run_config.update.mini_batches, dtype=model_config.dtype, remat=model_config.remat,
                     attention=model_config.attention_impl, learning_rate=run_config.optimizer.learning_rate)
-    shards = math.prod(axes[a] for a in ("data", "fsdp", "expert"))  # the "batch" rule's mesh axes
+    batch_axes = dict(mesh_config.train_rules())["batch"] or ()
+    shards = math.prod(axes[a] for a in ((batch_axes,) if isinstance(batch_axes, str) else batch_axes))
     settings.update(batch_shards=shards, micro_batch_rows=rows // run_config.update.mini_batches
                     // run_config.loss.micro_batches)
     if topology.chip.platform == "gpu":
-        return _gpu_report(topology, axes, model_config, how, settings, run_config, plan_config)
+        return _gpu_report(topology, axes, model_config, how, settings, run_config, plan_config, mesh_config)
     mesh = models.make_mesh(axes, devices)
-    programs = _Programs(model_config, run_config, mesh, plan_config)
+    programs = _Programs(model_config, run_config, mesh, plan_config, mesh_config)
     settings.update(rows_at_once=programs.rows_at_once, kv_budget_gib=programs.kv_budget_gib,
                     waves=-(-rows // programs.rows_at_once), reference_dtype=run_config.train.reference_dtype)
     resident = {"train state": device_bytes(programs.state), "reference": device_bytes(programs.reference),
@@ -1021,7 +1028,7 @@ def estimate_step_split(programs: "_Programs", device, estimate: "TimeEstimate |
                      why_no_update="" if estimate is not None else "no train-step estimate")
 
 
-def _gpu_report(topology, axes, model_config, how, settings, run_config, plan_config) -> PlanReport:
+def _gpu_report(topology, axes, model_config, how, settings, run_config, plan_config, mesh_config) -> PlanReport:
     """What shapes and shardings alone say about a GPU mesh (no GPU compiler runs on a CPU host)."""
     import jax
     import numpy as np
@@ -1033,7 +1040,7 @@ def _gpu_report(topology, axes, model_config, how, settings, run_config, plan_co
     mesh = jax.sharding.AbstractMesh(tuple(axes.values()), tuple(axes))
     optimizer = make_optimizer(run_config.optimizer)
     shapes = jax.eval_shape(lambda: models.init_params(model_config, jax.random.PRNGKey(0), dtype="float32"))
-    params = _abstract(shapes, models.param_shardings(model_config, mesh))
+    params = _abstract(shapes, models.param_shardings(model_config, mesh, mesh_config.train_rules()))
     opt_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize
                     for x in jax.tree_util.tree_leaves(jax.eval_shape(optimizer.init, shapes)))
     # Adam's moments are sharded like the params (state.py): scale the param bytes by the unsharded ratio.
@@ -1043,7 +1050,7 @@ def _gpu_report(topology, axes, model_config, how, settings, run_config, plan_co
     rows, length = settings["rows"], settings["length"]
     cache = 2 * model_config.num_hidden_layers * rows * length * model_config.num_key_value_heads * \
         model_config.head_dim * np.dtype(model_config.dtype).itemsize
-    cache_per_device = cache // max(1, math.prod(axes[a] for a in ("data", "fsdp", "expert")))
+    cache_per_device = cache // max(1, settings["batch_shards"])
     train = ProgramReport("train", f"{rows // run_config.update.mini_batches} rows x {length} tokens")
     train.model_flops = flops_per_token(model_config, length) * (rows // run_config.update.mini_batches) * length
     train.resident_other_bytes = per_device_params
@@ -1055,7 +1062,7 @@ def _gpu_report(topology, axes, model_config, how, settings, run_config, plan_co
         "what shapes and shardings determine is checked here.",
         f"checked: mesh {axes} matches {topology.num_chips} GPUs; per device the float32 train state (params + "
         f"AdamW) {state_bytes / GIB:.2f} GiB, the reference {per_device_params / GIB:.2f} GiB, the rollout KV "
-        f"cache {cache_per_device / GIB:.2f} GiB (rows over data/fsdp/expert); model FLOPs per update "
+        f"cache {cache_per_device / GIB:.2f} GiB (rows over the batch rule's axes); model FLOPs per update "
         f"{train.model_flops:.3g}.",
         "not checked: activation temporaries, XLA's buffer assignment and the step time; run `trace-jax plan` on "
         "one GPU host of the target (the same command compiles there), or plan the same mesh on a TPU topology "
