@@ -38,7 +38,7 @@ def load(name: str):
         # the embedded default's policy: configs/tiny.gin's model, vocabulary sized to the word tokenizer at run time
         from trace_jax.envs.oracle import trajectory_vocabulary
         from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
-        from trace_jax.train.gin_setup import parse
+        from trace_jax.rl.gin_setup import parse
 
         tokenizer = load_tokenizer(build_word_tokenizer(trajectory_vocabulary(),
                                                         tempfile.mkdtemp(prefix="decode_bench_tok_")))

@@ -47,11 +47,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from trace_jax.rollout import sampler as sampler_lib  # noqa: E402
 from trace_jax.train.config import MeshConfig  # noqa: E402
-from trace_jax.train.gin_setup import parse  # noqa: E402
-from trace_jax.train.loop import Placement, build_environment, rl_step  # noqa: E402
-from trace_jax.train.metrics import PhaseTimer  # noqa: E402
+from trace_jax.rl.gin_setup import parse  # noqa: E402
+from trace_jax.rl.loop import Placement, build_environment, rl_step  # noqa: E402
+from trace_jax.rl.metrics import PhaseTimer  # noqa: E402
 from trace_jax.train.optimizer import make_optimizer  # noqa: E402
-from trace_jax.train.pipeline import RLPipeline, UpdateConfig  # noqa: E402
+from trace_jax.rl.pipeline import RLPipeline, UpdateConfig  # noqa: E402
 from trace_jax.train.state import init_train_state  # noqa: E402
 from trace_jax.train.step import make_train_step  # noqa: E402
 
@@ -61,7 +61,7 @@ FULL = {  # model -> (gin bindings over configs/tiny.gin, meshes as `--mesh` fla
     "tiny-moe": (["model_preset.name = 'tiny-qwen3-moe'", "model_preset.moe_intermediate_size = 96"],
                  [ONE_DEVICE, "fsdp=2,expert=4"]),
 }
-# tests/train/test_mesh_step.py's run (the same programs: a test session compiles them once, through its cache)
+# tests/rl/test_mesh_step.py's run (the same programs: a test session compiles them once, through its cache)
 QUICK_BINDINGS = ["model_preset.hidden_size = 32", "model_preset.intermediate_size = 64",
                   "model_preset.num_hidden_layers = 1", "model_preset.num_attention_heads = 2",
                   "model_preset.num_key_value_heads = 2", "model_preset.head_dim = 16",

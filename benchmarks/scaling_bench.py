@@ -1,4 +1,4 @@
-"""The scaling table of docs/scaling.md: `trace_jax.train.plan` for Qwen3-4B and Qwen3-30B-A3B at the paper's settings
+"""The scaling table of docs/scaling.md: `trace_jax.plan` for Qwen3-4B and Qwen3-30B-A3B at the paper's settings
 (configs/qwen3_*.gin: lr 1e-6, G = 8, 128 trajectories per step, 48K context) on v5e-16, v5p-8, v5p-16 and v6e-8.
 
 Each cell compiles the programs ahead of time for the slice on this CPU host (needs libtpu, the `tpu` extra, in
@@ -24,8 +24,8 @@ import math
 import time
 from pathlib import Path
 
-from trace_jax.train import plan
-from trace_jax.train.gin_setup import parse
+from trace_jax import plan
+from trace_jax.rl.gin_setup import parse
 
 GIB = 1024**3
 CONFIGS = {"qwen3-4b": "configs/qwen3_4b.gin", "qwen3-30b-a3b": "configs/qwen3_30b_a3b.gin"}

@@ -167,9 +167,9 @@ def run_cpu(args):
 
 def run_aot(args):
     """Compile the Qwen3-4B step for a TPU topology ahead of time and print its memory per chip
-    (`trace_jax.train.plan`, what `trace-jax plan --programs train` does)."""
-    from trace_jax.train import plan
-    from trace_jax.train.gin_setup import parse
+    (`trace_jax.plan`, what `trace-jax plan --programs train` does)."""
+    from trace_jax import plan
+    from trace_jax.rl.gin_setup import parse
 
     run_config = parse(["configs/qwen3_4b.gin"], [f"TrainConfig.prompts_per_step = {args.rows}",
                                                   "RolloutConfig.group_size = 1",

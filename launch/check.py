@@ -2,7 +2,7 @@
 
 The bash launchers (`launch/tpu_vm/tpu.sh`, `launch/tpu_vm/sweep.sh`, `launch/gpu/*.sh`) call this before they spend
 anything (no VM is created, no job submitted until it passes). It parses the gin config exactly as `trace-jax train`
-does (`trace_jax.train.gin_setup.parse`), resolves `MeshConfig` against the device count of the slice, and prints
+does (`trace_jax.rl.gin_setup.parse`), resolves `MeshConfig` against the device count of the slice, and prints
 what the launcher needs as data: NUL-terminated NAME, VALUE pairs (`NAME[]` appends to an array), which
 `launch/lib.sh`'s `preflight` reads with `read -d ''` into the variables it knows, never through `eval`. On a bad
 argument it prints one line naming it and the fix to stderr and exits 2.
@@ -142,8 +142,8 @@ def check_config(gin_files, gin_params, devices: int, where: str, *, workers_cop
 
     Raises LaunchError naming the binding (gin errors) or the MeshConfig axes and the slice (mesh errors)."""
     from trace_jax.train.config import MESH_AXES, TrainConfigError
-    from trace_jax.train.gin_setup import ConfigError, parse
-    from trace_jax.train.pipeline import check_compatible
+    from trace_jax.rl.gin_setup import ConfigError, parse
+    from trace_jax.rl.pipeline import check_compatible
 
     for path in gin_files:
         if not Path(path).is_file() and not (REPO_ROOT / path).is_file():
@@ -231,8 +231,8 @@ def _gpu(args) -> list[str]:
 
 
 def _sweep(args) -> list[str]:
-    from trace_jax.train.gin_setup import ConfigError
-    from trace_jax.train.sweep import expand, load_sweep
+    from trace_jax.rl.gin_setup import ConfigError
+    from trace_jax.rl.sweep import expand, load_sweep
 
     tpu_slice = parse_slice(args.topology)
     check_run_dir(args.runs_root, durable=True)
@@ -297,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("tpu", "gpu") and not args.gin_file:
-        from trace_jax.train.cli import DEFAULT_GIN
+        from trace_jax.rl.cli import DEFAULT_GIN
 
         args.gin_file = [DEFAULT_GIN]  # what `trace-jax train` runs without --gin-file
     if args.command == "lock":

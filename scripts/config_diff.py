@@ -27,7 +27,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from trace_jax.train.gin_setup import ConfigError, RunConfig, parse  # noqa: E402
+from trace_jax.rl.gin_setup import ConfigError, RunConfig, parse  # noqa: E402
 
 
 @contextlib.contextmanager

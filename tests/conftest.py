@@ -135,16 +135,16 @@ def pytest_collection_modifyitems(config, items):
     """Test files holding a `slow` test run first, each file's tests still together and in order.
 
     The suite runs on two pytest-xdist workers that take whole files in collection order (`--dist loadfile`), and
-    the slowest files sit in tests/train, which sorts last: one worker was left finishing them alone for the last
+    the slowest files sit in tests/rl and tests/train, which sort last: one worker was left finishing them alone for the last
     minute and a half (15:29 for the suite, idle). Heaviest first, the many short files fill the end instead: files
-    with a slow test in tests/train (whole RL steps and loops), then the other files with a slow test, then the rest
-    of tests/train (each compiles train steps), then everything else.
+    with a slow test in tests/rl or tests/train (whole RL steps and loops), then the other files with a slow test,
+    then the rest of tests/rl and tests/train (each compiles train steps), then everything else.
     """
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    train = Path(__file__).parent / "train"
+    heavy = (Path(__file__).parent / "rl", Path(__file__).parent / "train")
 
     def rank(item) -> int:
-        in_train = train in item.path.parents
+        in_train = any(directory in item.path.parents for directory in heavy)
         if item.path in slow_files:
             return 0 if in_train else 1
         return 2 if in_train else 3

@@ -23,11 +23,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-tasks": ("trace_jax.envs.cli", "generate procedural multi-hop search tasks and their corpus"),
     "serve": ("trace_jax.serve.cli", "serve a checkpoint behind an OpenAI-compatible API (loopback by default)"),
     "abc-score": ("trace_jax.abc.cli", "ABC step rewards for existing trajectories with an LLM judge (JSONL in)"),
-    "train": ("trace_jax.train.cli", "RL of a search agent on gin configs (no arguments: the embedded default)"),
-    "eval": ("trace_jax.train.cli", "held-out evaluation of a saved step of a training run"),
-    "sweep": ("trace_jax.train.cli", "expand a sweep gin file into runs; run them in sequence or print commands"),
-    "study": ("trace_jax.train.study", "methods x seeds (+ ablations) as resumable runs; results.json and plots"),
-    "plan": ("trace_jax.train.plan", "AOT-compile a config's train/score/decode programs for a TPU topology: HBM fit"),
+    "train": ("trace_jax.rl.cli", "RL of a search agent on gin configs (no arguments: the embedded default)"),
+    "eval": ("trace_jax.rl.cli", "held-out evaluation of a saved step of a training run"),
+    "sweep": ("trace_jax.rl.cli", "expand a sweep gin file into runs; run them in sequence or print commands"),
+    "study": ("trace_jax.rl.study", "methods x seeds (+ ablations) as resumable runs; results.json and plots"),
+    "plan": ("trace_jax.plan", "AOT-compile a config's train/score/decode programs for a TPU topology: HBM fit"),
 }
 
 

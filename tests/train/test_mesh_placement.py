@@ -81,7 +81,7 @@ def test_placed_on_tells_arrays_on_the_mesh_from_others():
 
 
 def test_a_reference_dtype_other_than_float32_or_bfloat16_names_the_field():
-    from trace_jax.train.gin_setup import TrainConfig
+    from trace_jax.rl.gin_setup import TrainConfig
 
     with pytest.raises(ValueError, match="TrainConfig.reference_dtype must be 'float32' or 'bfloat16'"):
         TrainConfig(model=models.get_preset("tiny-qwen3"), reference_dtype="float16")
@@ -121,28 +121,3 @@ def test_rule_overrides_given_as_lists_by_gin_are_normalised_to_hashable_tuples(
 def test_bad_rule_overrides_are_errors_naming_mesh_config_rules_the_entry_and_the_accepted_names(rules, words):
     with pytest.raises(TrainConfigError, match=f"MeshConfig.rules: .*{words}"):
         MeshConfig(rules=rules)
-
-
-@pytest.fixture(scope="module")
-def tiny_run_config():
-    from trace_jax.train.gin_setup import parse
-
-    return parse(["configs/tiny.gin"], ["MeshConfig.fsdp = 4", "MeshConfig.tensor = 2"])
-
-
-def test_a_runs_rule_override_shards_its_params_as_the_override_says(tiny_run_config):
-    from trace_jax.train.gin_setup import parse
-    from trace_jax.train.loop import Placement
-
-    config = models.get_preset("tiny-qwen3", num_hidden_layers=1, num_attention_heads=8)
-    params = models.init_params(config, jax.random.PRNGKey(0), dtype="float32")
-    default = Placement(tiny_run_config, config).policy(params)["layers"]["attn"]["q_proj"]
-    override = parse(["configs/tiny.gin"], ["MeshConfig.fsdp = 4", "MeshConfig.tensor = 2",
-                                            "MeshConfig.rules = (('embed', None), ('heads', ('fsdp', 'tensor')))"])
-    placement = Placement(override, config)
-    q_proj = placement.policy(params)["layers"]["attn"]["q_proj"]  # [layers, embed, heads, head_dim]
-    layers, embed, heads, head_dim = q_proj.shape
-    assert default.sharding.shard_shape(q_proj.shape) == (layers, embed // 4, heads // 2, head_dim)
-    assert q_proj.sharding.shard_shape(q_proj.shape) == (layers, embed, heads // 8, head_dim)
-    assert placement.rules == override.mesh.train_rules()
-    assert dict(placement.rollout_rules)["heads"] == ("fsdp", "tensor")

@@ -104,7 +104,7 @@ def test_invalid_fields_are_rejected_naming_the_field(fields, message):
 
 
 def test_gin_binds_the_distributed_config(tmp_path):
-    from trace_jax.train.gin_setup import parse
+    from trace_jax.rl.gin_setup import parse
 
     config = parse(["configs/tiny.gin"], ["DistributedConfig.mode = 'auto'",
                                           "DistributedConfig.local_device_ids = [0, 1]"])
@@ -130,7 +130,7 @@ def test_a_count_the_processes_cannot_share_evenly_is_a_clear_error():
 def test_parsing_a_config_leaves_jax_free_to_join_a_multi_process_run(tmp_path):
     """`trace-jax train` parses the gin config before `distributed.initialize`: nothing that parsing imports may
     initialise JAX's backend (bm25s runs a JAX computation when imported, so it is imported on first use)."""
-    script = ("from trace_jax.train.gin_setup import parse\n"
+    script = ("from trace_jax.rl.gin_setup import parse\n"
               "from trace_jax.train import distributed\n"
               "config = parse(['configs/tiny.gin'])\n"
               f"print(distributed.initialize(config.distributed, environ={{'TRACE_JAX_COORDINATOR': "
@@ -142,7 +142,7 @@ def test_parsing_a_config_leaves_jax_free_to_join_a_multi_process_run(tmp_path):
 
 
 def test_a_multi_process_train_without_run_dir_is_a_clear_error(monkeypatch, capsys):
-    from trace_jax.train.cli import run_train
+    from trace_jax.rl.cli import run_train
 
     monkeypatch.setattr(distributed, "initialize", lambda config: (0, 2))
     assert run_train(["configs/tiny.gin"], [], None) == 2
@@ -198,15 +198,15 @@ def test_two_processes_run_the_rl_loop_and_only_process_0_writes_the_record(tmp_
     update runs on the mesh over both, process 0 alone logs and writes metrics and summary, the checkpoint restores
     in one process (the whole state onto a target, and the params alone as `trace-jax eval` reads them), and one
     process of 8 devices gives the same metrics and params within 1e-5."""
-    from tests.train.test_rl_pipeline import SMALL
+    from tests.rl.test_rl_pipeline import SMALL
     from trace_jax.train.checkpoint import Checkpointer, abstract_train_state
     from trace_jax.train.config import CheckpointConfig
-    from trace_jax.train.gin_setup import parse
-    from trace_jax.train.loop import build_environment
-    from trace_jax.train.metrics import read_metrics
+    from trace_jax.rl.gin_setup import parse
+    from trace_jax.rl.loop import build_environment
+    from trace_jax.rl.metrics import read_metrics
     from trace_jax.train.optimizer import make_optimizer
 
-    from trace_jax.train.loop import train
+    from trace_jax.rl.loop import train
 
     gin_file = tmp_path / "two.gin"
     # mini-batches gather rows across the processes; greedy rollouts are the same tokens whichever process (and

@@ -10,7 +10,9 @@ Public API (see docs/training.md):
   flops_per_token, mfu, measure_peak_flops, PEAK_FLOPS                           (flops.py)
   synthetic_batch                                                                (synthetic.py)
 
-The RL loop, configs and `trace-jax train` build on this package; it knows nothing about rollouts or tools.
+The RL application (`trace_jax.rl`: the run config, pipeline, loop, `trace-jax train`) and `trace_jax.plan` build on
+this package; it imports nothing from them, nor from rollouts, environments, scoring or data
+(`tests/train/test_core_imports.py`).
 """
 
 from trace_jax.train.checkpoint import Checkpointer, PreemptionGuard, abstract_train_state, export_pretrained

@@ -11,7 +11,7 @@ host: a launcher sets the three variables per host. `initialize(config)` must ru
 process (`trace-jax train` calls it first); it is idempotent and returns `(process_index, process_count)`. On CPU
 the cross-process collectives are gloo's (`jax_cpu_collectives_implementation`).
 
-What a multi-process run does with it (`trace_jax.train.loop`):
+What a multi-process run does with it (`trace_jax.rl.loop`):
 
   * every process holds the same configs and builds the same tasks, tokenizer and initial params (deterministic in
     the config); the train state lives on one mesh over every process's devices (`MeshConfig`);

@@ -1,0 +1,45 @@
+"""The paper's setting as shipped (issue 29.7, credit-spec "Published settings"): 16 prompts x 8 samples, up to 60
+tool turns in training and 80 at evaluation, 4096 tokens per generation, 48K context, several mini-batches per
+step; and the evaluation really runs with its own turn budget."""
+
+import types
+
+import numpy as np
+import pytest
+
+from trace_jax.rollout import RolloutConfig
+from trace_jax.rollout.batch import EpisodeRecord
+from trace_jax.rl import evaluate as evaluate_module
+from trace_jax.rl.evaluate import EvalConfig, evaluate
+from trace_jax.rl.gin_setup import parse
+
+
+@pytest.mark.parametrize("name", ["qwen3_4b.gin", "qwen3_30b_a3b.gin"])
+def test_paper_configs_carry_the_papers_numbers(name):
+    config = parse([f"configs/{name}"])
+    assert (config.train.prompts_per_step, config.rollout.group_size) == (16, 8)
+    assert config.rollout.max_turns == 60 and config.eval.max_turns == 80
+    assert config.rollout.turn_token_budget == 4096 and config.rollout.max_context == 48 * 1024
+    assert config.update.mini_batches > 1
+    rows_per_update = 16 * 8 // config.update.mini_batches
+    assert rows_per_update % config.loss.micro_batches == 0
+
+
+def test_eval_max_turns_defaults_to_the_rollouts():
+    assert EvalConfig().max_turns is None
+    with pytest.raises(ValueError, match="EvalConfig.max_turns"):
+        EvalConfig(max_turns=-1)
+
+
+@pytest.mark.parametrize("eval_turns, expected", [(None, 3), (7, 7)])
+def test_evaluation_episodes_run_with_the_evaluation_turn_budget(monkeypatch, eval_turns, expected):
+    seen = []
+
+    def fake_run_episodes(model_config, params, chat, tasks, browser, rollout, rng, **kwargs):
+        seen.append(rollout.max_turns)
+        episodes = [EpisodeRecord(task_id=str(i), question="q", gold=("a",)) for i in range(len(tasks))]
+        return types.SimpleNamespace(episodes=episodes, batch=types.SimpleNamespace(reward=np.zeros(len(tasks))))
+
+    monkeypatch.setattr(evaluate_module, "run_episodes", fake_run_episodes)
+    evaluate(None, None, None, [object()], None, RolloutConfig(max_turns=3), EvalConfig(max_turns=eval_turns))
+    assert seen == [expected]

@@ -1,0 +1,930 @@
+"""The training run: `train(run_config, run_dir)` and `evaluate_run(run_dir, step)`, what `trace-jax train | eval` do.
+
+A run, in order (each stage logged, and timed in `summary.json`):
+
+  1. build: the tasks of `DataConfig.source` (`data.sources`: the procedural world's splits, a tfds builder, or an
+     external BrowseComp-Plus-style set, whose files are all read and checked here, before any compute), the
+     browser over their world or corpus (`EnvConfig`; an external corpus's BM25 index from the disk cache, built
+     once), the evaluation sets (`EvalConfig.sets`), the tokenizer (the word tokenizer over the world's
+     vocabulary, or the checkpoint's own) and the policy (fresh init from `TrainConfig.model` and `seed`, a Hugging
+     Face directory, or `'gguf:smollm2'` converted into the run directory);
+  2. evaluation before anything (`before`), the SFT warm start on oracle trajectories (a clearly labelled stage of
+     ours; `WarmStartConfig.steps = 0` skips it, as the paper does), evaluation after it (`initial`);
+  3. the frozen reference, held on the mesh in `TrainConfig.reference_dtype` and never aliased to the policy: the
+     initial policy (after the warm start, saved under `reference/`); or, with `TrainConfig.reference_checkpoint`,
+     a step of another run (`'<run dir>@<step>'`) or a Hugging Face directory, loaded and checked against the model
+     before any compute and frozen from step 0; or, in the mid-run swap variant (`TrainConfig.reference_swap_step =
+     N`), this run's own policy of step N from step N on (the initial one before). A reference step whose files are
+     damaged is read from another copy of the same step (`reference/` or the run's checkpoints), never an older one;
+  4. `TrainConfig.steps` RL steps of `pipeline.RLPipeline`, with an evaluation every `EvalConfig.every_steps`;
+  5. the final evaluation, the comparison with the initial one (difference and paired binomial SE), HTML credit
+     receipts of a few held-out episodes, plots and `summary.json`.
+
+Training prompts come from `prompt_stream`: a grain pipeline (`data.sources.epoch_batches`: seeded per-epoch
+shuffles by `DataConfig.shuffle_seed`, each process its block of every step's prompts); each step's task ids are
+appended to `prompts.jsonl` (process 0's share). The warm start draws its SFT batches through the same pipeline.
+
+Resume: the train state (params, optimizer, PRNG key) and the host state (grain's iterator state of the prompt
+order, the prompts drawn so far, the evaluations so far) are checkpointed together every
+`CheckpointConfig.every_steps` steps, and on SIGTERM/SIGINT. A run directory that already holds a checkpoint
+resumes from it: rollouts draw their key from `(seed, step)` and prompts from the restored iterator, so the resumed
+steps equal an uninterrupted run's. A run killed during the warm start restarts from scratch (the warm start is
+deterministic). `TrainState.step` counts RL steps (reset after each step's updates; the optimizer's own count
+drives its schedule).
+
+Evaluations run on every set of `EvalConfig.sets` (each with its own browser); the first set is the headline
+(`eval/...` metrics, the before/after comparison, `summary.json`'s `evaluations`), and `summary.json`'s
+`eval_sets` is the table of every evaluation x set plus their average.
+
+Every phase runs on one mesh (`MeshConfig`; a 1x1x1x1 mesh on one device): `Placement` says which layout each
+array has there, `rl_step` is one step on it (docs/training.md, "One mesh for the whole step").
+
+This module knows configs, the run directory and the pipeline; the arithmetic lives in the modules it calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trace_jax import models
+from trace_jax.credit import td_deltas, trace_values
+from trace_jax.data.sources import (BatchStream, TaskSplits, epoch_batches, external_splits, parse_source,
+                                     procedural_splits, tfds_splits)
+from trace_jax.envs.corpus_browser import corpus_browser
+from trace_jax.envs.oracle import make_browser, trajectory_vocabulary
+from trace_jax.models.chat import ChatFormat
+from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
+from trace_jax.rollout.budget import rows_within_budget
+from trace_jax.scoring.receipts import excerpt, safe_filename, write_receipt
+from trace_jax.train import distributed
+from trace_jax.train.checkpoint import Checkpointer, PreemptionGuard, abstract_train_state, restore_params_from_copies
+from trace_jax.train.config import CheckpointConfig, LossConfig, MeshConfig
+from trace_jax.rl.credit_diagnostics import OPTIONAL_METRICS
+from trace_jax.rl.evaluate import EvalResult, compare, evaluate, format_comparison
+from trace_jax.train.flops import PEAK_FLOPS, measure_peak_flops
+from trace_jax.rl.gin_setup import RunConfig, reference_checkpoint_parts
+from trace_jax.train.loss import LossBatch, real_token_mask, trained_positions
+from trace_jax.rl.metrics import PhaseTimer, RunWriter, progress_bar
+from trace_jax.train.optimizer import make_optimizer
+from trace_jax.rl.pipeline import RLPipeline, check_compatible
+from trace_jax.train.state import init_train_state
+from trace_jax.train.step import batch_sharding, make_train_step
+from trace_jax.rl.warmstart import oracle_trajectories, sft_arrays
+
+REFERENCE_DIR = "reference"
+RECEIPTS_DIR = "receipts"
+_ROLLOUT_SALT = 7919  # rollout keys are fold_in(PRNGKey(seed), salt + step), apart from init keys
+
+
+@dataclasses.dataclass
+class EvalSet:
+    """One evaluation set: its tasks and the browser over their corpus."""
+
+    tasks: list
+    browser: Any
+
+
+@dataclasses.dataclass
+class Environment:
+    """What a run builds before training: tasks, browser, tokenizer, chat format and the initial policy.
+
+    `train_tasks` / `eval_tasks` and `browser` are those of `DataConfig.source` (the held-out split is also the
+    'heldout' evaluation set); `eval_sets` holds every set of `EvalConfig.sets`, in order, each with its browser
+    (the run's own where the set shares its source).
+    """
+
+    train_tasks: list
+    eval_tasks: list
+    browser: Any
+    chat: ChatFormat
+    model_config: Any
+    params: Any
+    eval_sets: dict[str, EvalSet] = dataclasses.field(default_factory=dict)
+
+
+def _files_dir(run_dir: Path) -> Path:
+    """Where this process writes the files it builds (tokenizer, converted policy): the run directory on the
+    primary process, a scratch directory on the others (only process 0 writes into the run directory)."""
+    if distributed.is_primary():
+        return run_dir
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix=f"trace_jax_process{jax.process_index()}_"))
+
+
+def _policy_dir(run_config: RunConfig, run_dir: Path) -> Path | None:
+    source = run_config.train.checkpoint
+    if not source:
+        return None
+    if source == "gguf:smollm2":
+        target = run_dir / "policy_hf"
+        if not (target / "config.json").exists():
+            from trace_jax.models.gguf import convert_gguf, find_smollm2_gguf
+
+            convert_gguf(find_smollm2_gguf(), target)
+        return target
+    path = Path(source)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"TrainConfig.checkpoint = {source!r}: no config.json there; point it at a Hugging "
+                                "Face checkpoint directory or use 'gguf:smollm2'")
+    return path
+
+
+def _source_splits(run_config: RunConfig, source: str, where: str, *, inline: bool = False) -> TaskSplits:
+    """Read one task source (`data.sources`) with the run's `DataConfig` (counts, splits, seeds, paths)."""
+    data = run_config.data
+    spec = parse_source(source, where, inline=inline)
+    if spec.kind == "procedural":
+        return procedural_splits(data.world, data.tasks, num_train=data.num_train_tasks,
+                                 num_eval=data.num_eval_tasks, seed=data.seed)
+    if spec.kind == "tfds":
+        return tfds_splits(spec, train_split=data.train_split, eval_split=data.eval_split,
+                           num_train=data.num_train_tasks, num_eval=data.num_eval_tasks, data_dir=data.data_dir,
+                           corpus=data.corpus, where=where)
+    if spec.queries:  # an inline external evaluation set: all of its queries
+        return external_splits(spec.queries, spec.corpus, eval_fraction=0.0, seed=data.seed,
+                               num_train=run_config.eval.num_tasks, num_eval=0, skip_bad_lines=data.skip_bad_lines,
+                               fields=(f"{where} (queries)", f"{where} (corpus)"))
+    if not data.queries:
+        raise ValueError(f"{where} = 'external' evaluates DataConfig's external set, but DataConfig.queries is not "
+                         "set; name the files inline: 'external:<queries.jsonl>[:<corpus.jsonl>]'")
+    return external_splits(data.queries, data.corpus, eval_fraction=data.eval_fraction, seed=data.seed,
+                           num_train=data.num_train_tasks, num_eval=data.num_eval_tasks,
+                           skip_bad_lines=data.skip_bad_lines)
+
+
+def _browser_over(run_config: RunConfig, splits: TaskSplits):
+    """The browser over a source's world or corpus, with `EnvConfig`'s knobs. An external corpus's BM25 index comes
+    from the disk cache (`DataConfig.index_dir`): built once, then loaded by every later run, evaluation and
+    process; a procedural world's is built in memory (milliseconds)."""
+    env = run_config.env
+    knobs = dict(view_lines=env.view_lines, snippet_chars=env.snippet_chars, wrap_width=env.wrap_width,
+                 retrieval_noise=env.retrieval_noise)
+    if splits.world is not None:
+        return make_browser(splits.world, **knobs)
+    return corpus_browser(splits.corpus, cache_dir=run_config.data.index_dir or None, **knobs)
+
+
+def build_tasks(run_config: RunConfig, *, only_set: str | None = None) -> tuple[TaskSplits, Any, dict[str, EvalSet]]:
+    """The run's task splits and browser (`DataConfig.source`) and its evaluation sets (`EvalConfig.sets`, or just
+    `only_set`). Every file is read and checked here, before any compute: a missing path or a malformed external
+    set raises with the file, line, field and fix."""
+    data = run_config.data
+    splits = _source_splits(run_config, data.source, "DataConfig.source")
+    if not splits.train:
+        raise ValueError(f"DataConfig.source = {data.source!r} gave no training tasks; check the split or lower "
+                         "DataConfig.eval_fraction")
+    browser = _browser_over(run_config, splits)
+    wanted = dict(run_config.eval.sets)
+    if only_set is not None:
+        if only_set not in wanted:
+            raise ValueError(f"--set {only_set!r}: the run has evaluation sets {list(wanted)} (EvalConfig.sets)")
+        wanted = {only_set: wanted[only_set]}
+    eval_sets = {}
+    for name, source in wanted.items():
+        where = f"EvalConfig.sets[{name!r}]"
+        if source in ("heldout", data.source):
+            tasks, set_browser = splits.heldout, browser
+        else:
+            other = _source_splits(run_config, source, where, inline=True)
+            tasks, set_browser = other.heldout or other.train, _browser_over(run_config, other)
+        if not tasks:
+            raise ValueError(f"{where} = {source!r} has no tasks (an external training set's held-out share is "
+                             "DataConfig.eval_fraction; it is 0)")
+        eval_sets[name] = EvalSet(tasks, set_browser)
+    return splits, browser, eval_sets
+
+
+def build_environment(run_config: RunConfig, run_dir: str | Path, *, load_params: bool = True,
+                      only_set: str | None = None) -> Environment:
+    """Tasks, browser, evaluation sets, tokenizer, chat format and policy of a run (deterministic in the config)."""
+    run_dir = _files_dir(Path(run_dir))
+    train_config = run_config.train
+    splits, browser, eval_sets = build_tasks(run_config, only_set=only_set)
+    policy_dir = _policy_dir(run_config, run_dir)
+    if train_config.tokenizer == "word":
+        tokenizer = load_tokenizer(build_word_tokenizer(trajectory_vocabulary(), run_dir / "tokenizer"))
+    else:
+        tokenizer = load_tokenizer(policy_dir)
+    chat = ChatFormat(tokenizer)
+    params = None
+    if policy_dir is None:
+        model_config = train_config.model.replace(vocab_size=len(tokenizer))
+        if load_params:
+            params = models.init_params(model_config, jax.random.PRNGKey(train_config.seed), dtype="float32")
+    elif load_params:
+        model_config, params = models.load_pretrained(policy_dir)
+    else:
+        model_config = models.ModelConfig.from_hf(str(policy_dir), param_dtype="float32")
+    return Environment(splits.train, splits.heldout, browser, chat, model_config, params, eval_sets)
+
+
+def demonstrable_tasks(tasks: list) -> list:
+    """The tasks an oracle can demonstrate: those with a clue chain (procedural tasks; external ones with evidence
+    or gold documents, or a recovered `clues` chain). The oracle follows the chain through the browser, opening
+    each clue's document, so a task without one would teach answering without searching; raises when none has a
+    chain, naming the fix."""
+    kept = [task for task in tasks if task.clues]
+    if not kept:
+        example = tasks[0].task_id if tasks else "none"
+        raise ValueError(f"WarmStartConfig.steps > 0 needs oracle demonstrations, but none of the {len(tasks)} "
+                         f"training tasks has evidence documents or a clue chain (e.g. {example}); add "
+                         "'evidence_docs' / 'gold_docs' / 'clues' to the queries, or set WarmStartConfig.steps = 0 "
+                         "(the default; a pretrained policy needs no warm start)")
+    return kept
+
+
+def warm_start(run_config: RunConfig, environment: Environment, params, log: Callable[[str], None] = print, *,
+               progress: bool = False, mesh=None, rules=None):
+    """SFT on oracle trajectories rendered exactly as the rollouts render them, on `mesh` (the run's; None = the
+    params' own device) under the train-layout `rules` (the run's `MeshConfig.train_rules()`); returns `(params, losses)`. With `progress` the steps show on a bar of their own (instead
+    of a log line every fifth of them)."""
+    ws = run_config.warmstart
+    results = oracle_trajectories(demonstrable_tasks(environment.train_tasks), environment.browser, ws)
+    arrays = sft_arrays(environment.chat, ws.render_rollout(run_config.rollout), environment.browser, results,
+                        length_multiple=ws.length_multiple, max_length=ws.max_length,
+                        answer_weight=ws.answer_weight)
+    optimizer = make_optimizer(ws.optimizer)
+    step_fn = make_train_step(environment.model_config, LossConfig(mode="sft", entropy_metric=False), optimizer,
+                              mesh=mesh, rules=rules)
+    state = init_train_state(environment.model_config, optimizer, params, jax.random.PRNGKey(run_config.train.seed),
+                             mesh=mesh, rules=rules)
+    log(f"warm start: {len(arrays)} oracle trajectories of {arrays.tokens.shape[1]} tokens, {ws.steps} SFT steps "
+        f"of {ws.batch_size}")
+    losses = []
+    # the same grain order as the RL prompts: seeded per-epoch shuffles of the rows, cut into batches
+    batches = BatchStream(epoch_batches(range(len(arrays)), ws.batch_size, seed=run_config.train.seed))
+    bar = progress_bar(ws.steps, "warm start", enabled=progress)
+    for step in range(ws.steps):
+        index = next(batches)
+        rows = arrays.batch(np.asarray(index), length_multiple=ws.length_multiple)
+        # host arrays: the train step places them on its mesh (every process holds the same batch)
+        batch = LossBatch(tokens=np.asarray(rows["tokens"]), positions=np.asarray(rows["positions"]),
+                          loss_mask=np.asarray(rows["loss_mask"]), advantages=np.asarray(rows["weights"]),
+                          behaviour_logprobs=np.zeros(rows["tokens"].shape, np.float32),
+                          token_mask=np.asarray(real_token_mask(arrays.lengths[np.asarray(index)],
+                                                                rows["tokens"].shape[1])),
+                          trained_index=np.asarray(trained_positions(rows["loss_mask"], ws.length_multiple)))
+        state, metrics = step_fn(state, batch, None)
+        losses.append(float(metrics["loss"]))
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if not progress and (step == 0 or (step + 1) % max(1, ws.steps // 5) == 0):
+            log(f"warm start step {step + 1}/{ws.steps}: loss {losses[-1]:.3f}")
+    bar.close()
+    return state.params, losses
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+def _eval_to_json(result: EvalResult) -> dict:
+    out = dataclasses.asdict(result)
+    out["pass_k"] = {str(k): v for k, v in result.pass_k.items()}
+    return out
+
+
+def _eval_from_json(data: dict) -> EvalResult:
+    data = dict(data)
+    data["pass_k"] = {int(k): v for k, v in data["pass_k"].items()}
+    data["correct"], data["task_ids"] = tuple(data["correct"]), tuple(data["task_ids"])
+    return EvalResult(**data)
+
+
+def _evaluate(run_config: RunConfig, environment: Environment, params, label: str, log,
+              placement: "Placement") -> dict[str, EvalResult]:
+    """Every evaluation set of the environment (`EvalConfig.sets`, in order), each on its first
+    `EvalConfig.num_tasks` tasks with its own browser, with `params` in the rollout layout on the process block of
+    `placement`; {set name: result}."""
+    results = {}
+    for name, eval_set in environment.eval_sets.items():
+        tasks = eval_set.tasks[:run_config.eval.num_tasks]
+        result = evaluate(environment.model_config, params, environment.chat, tasks, eval_set.browser,
+                          run_config.rollout, run_config.eval, mesh=placement.process_mesh,
+                          rules=placement.rollout_rules)
+        log(f"eval ({label}, {name}): greedy accuracy {100 * result.accuracy:.1f}% +- {100 * result.accuracy_se:.1f} "
+            f"on {result.num_tasks} tasks, reward {result.mean_reward:.3f}, tool calls "
+            f"{result.tool_calls_per_episode:.2f}/episode ({result.seconds:.0f}s)")
+        results[name] = result
+    return results
+
+
+def _headline(results: dict[str, EvalResult]) -> EvalResult:
+    """The run's headline evaluation: its first set's (`EvalConfig.sets`)."""
+    return next(iter(results.values()))
+
+
+def set_average(results: dict[str, EvalResult]) -> dict[str, float]:
+    """The average column over evaluation sets: mean accuracy (each set weighs the same, as in the paper's tables)
+    and its standard error `sqrt(sum se_i^2) / k` (independent sets)."""
+    k = len(results)
+    return {"accuracy": sum(r.accuracy for r in results.values()) / k,
+            "accuracy_se": math.sqrt(sum(r.accuracy_se ** 2 for r in results.values())) / k,
+            "tool_calls_per_episode": sum(r.tool_calls_per_episode for r in results.values()) / k}
+
+
+def _eval_metrics(results: dict[str, EvalResult]) -> dict[str, float]:
+    """`eval/...` of the headline set; with several sets also `eval/<set>/...` of each and `eval/average/...`."""
+    metrics = _headline(results).metrics()
+    if len(results) > 1:
+        for name, result in results.items():
+            metrics.update(result.metrics(f"eval/{name}/"))
+        metrics.update({f"eval/average/{k}": v for k, v in set_average(results).items()})
+    return metrics
+
+
+def _sets_to_json(results: dict[str, EvalResult]) -> dict[str, dict]:
+    return {name: _eval_to_json(result) for name, result in results.items()}
+
+
+def _sets_from_json(data: dict[str, dict]) -> dict[str, EvalResult]:
+    return {name: _eval_from_json(result) for name, result in data.items()}
+
+
+_TABLE_FIELDS = ("num_tasks", "accuracy", "accuracy_se", "pass_k", "mean_reward", "tool_calls_per_episode",
+                 "turns_per_episode", "tool_errors_per_episode", "statuses")
+
+
+def eval_table(evals: dict[str, dict[str, dict]]) -> dict:
+    """The seed's table layout of the run's evaluations: one row per evaluation (before, initial, step<N>, final),
+    one column per set plus their average; each cell holds accuracy +- SE, pass@k, tool calls and statuses."""
+    rows = {}
+    names: list[str] = []
+    for label, sets in evals.items():
+        results = _sets_from_json(sets)
+        names = names or list(results)
+        rows[label] = {name: {k: _eval_to_json(r)[k] for k in _TABLE_FIELDS} for name, r in results.items()}
+        rows[label]["average"] = set_average(results)
+    return {"columns": names + ["average"], "rows": rows}
+
+
+def _peak_flops() -> float | None:
+    kind = jax.devices()[0].device_kind.lower()
+    if jax.devices()[0].platform == "cpu":
+        return measure_peak_flops(size=512, repeats=3)
+    for name, peak in PEAK_FLOPS.items():
+        if name.replace("tpu-", "") in kind.replace(" ", ""):
+            return peak * len(jax.devices())
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ receipts
+def write_credit_receipts(pipeline: RLPipeline, params, reference_params, tasks, rng, out_dir: Path) -> list[Path]:
+    """HTML credit receipts of G sampled episodes on each of `tasks` (credit of the run's estimator, the reference's
+    answer scores, values and TD shown whatever the estimator)."""
+    if not tasks:
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rollout = pipeline.collect(params, tasks, rng)
+    prepared = pipeline.prepare(rollout, reference_params, num_prompts=len(tasks))
+    scores = prepared.answer_scores
+    if scores is None:
+        scores, _ = pipeline.score(reference_params, rollout, prepared.loss_batch.shape[1])
+    num_turns = np.asarray(rollout.batch.num_turns)
+    cfg = pipeline.credit
+    values = np.asarray(trace_values(jnp.asarray(scores), jnp.asarray(num_turns), eps=cfg.eps,
+                                     min_score=cfg.min_score))
+    deltas = np.asarray(td_deltas(jnp.asarray(scores), jnp.asarray(num_turns), eps=cfg.eps, min_score=cfg.min_score))
+    per_turn = None if prepared.credit.per_turn is None else np.asarray(prepared.credit.per_turn)
+    outcome = (None if prepared.credit.outcome_advantages is None
+               else np.asarray(prepared.credit.outcome_advantages))
+    advantages = np.asarray(prepared.credit.token_advantages)
+    turn_index = np.asarray(rollout.batch.turn_index)[:, :advantages.shape[1]]
+    written = []
+    for row, episode in enumerate(rollout.episodes):
+        t = int(num_turns[row])
+        turn_adv = []
+        for k in range(t):
+            where = turn_index[row] == k
+            turn_adv.append(float(advantages[row][where][0]) if where.any() else None)
+        result = {"id": f"{episode.task_id}-sample{row % pipeline.rollout.group_size}", "answer": episode.gold[0],
+                  "reward": float(np.asarray(rollout.batch.reward)[row]), "estimator": cfg.estimator,
+                  "flags": [episode.status], "outcome_advantage": None if outcome is None else float(outcome[row]),
+                  "answer_scores": [float(x) for x in scores[row, :t + 1]],
+                  "values": [float(x) for x in values[row, :t + 1]], "td": [float(x) for x in deltas[row, :t]],
+                  "turn_credit": None if per_turn is None else [float(x) for x in per_turn[row, :t]],
+                  "turn_advantage": turn_adv}
+        turns = [{"calls": [excerpt(str(episode.tool_calls[k]), 200)],
+                  "observation": excerpt(episode.observations[k], 300)} for k in range(t)]
+        path = out_dir / safe_filename(result["id"], ".html")
+        write_receipt(path, result, turns, question=episode.question)
+        written.append(path)
+    return written
+
+
+# ------------------------------------------------------------------------------------------------ the run
+def prompt_stream(run_config: RunConfig, train_tasks: list, state: dict | None = None) -> BatchStream:
+    """This process's prompts of each RL step, in the run's order: `data.sources.epoch_batches` (grain; seeded
+    per-epoch shuffles by `DataConfig.shuffle_seed`, `TrainConfig.prompts_per_step` a step, each process its
+    contiguous block of the step's prompts). `state` (the host state's `data_iterator`) resumes it."""
+    dataset = epoch_batches(train_tasks, run_config.train.prompts_per_step, seed=run_config.data.shuffle_seed,
+                            shard_index=jax.process_index(), shard_count=jax.process_count())
+    return BatchStream(dataset, state)
+
+
+PROMPTS_FILE = "prompts.jsonl"
+
+
+def _record_prompts(run_dir: Path, step: int, tasks: list) -> None:
+    """Append the task ids of a step's prompts (process 0's share; all of them with one process) to
+    `prompts.jsonl`, so a run's training order can be read back and compared."""
+    with open(run_dir / PROMPTS_FILE, "a", encoding="utf-8") as out:
+        out.write(json.dumps({"step": step, "task_ids": [task.task_id for task in tasks]}) + "\n")
+
+
+def _trim_prompts(run_dir: Path, last_step: int) -> None:
+    """Drop the records of steps after `last_step` (run after a kill, before the checkpoint's step was redone)."""
+    path = run_dir / PROMPTS_FILE
+    if path.exists():
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines()
+                 if line.strip() and json.loads(line)["step"] <= last_step]
+        path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------------------------ placement
+class Placement:
+    """Where a run's arrays live: one mesh over every device of every process (`MeshConfig`; a 1x1x1x1 mesh on one
+    device), and this process's block of it (`distributed.process_mesh`, the whole mesh with one process), which
+    runs the host-driven programs of this process's rows (the agent loop and the scorer).
+
+      * the train state: the train layout (`MeshConfig.train_rules()`: `models.DEFAULT_RULES`, FSDP x tensor x
+        expert, with the run's `MeshConfig.rules` overrides) on the mesh;
+      * rollouts and evaluation read `rollout_params(params)`: the policy resharded on device to the rollout layout
+        (`MeshConfig.rollout_rules()`: weights whole over the batch axes, heads / mlp / vocab over `tensor`, experts over
+        `expert`), on the process block;
+      * the frozen reference: restored once from its checkpoint straight into the train layout, cast to
+        `TrainConfig.reference_dtype` on device (fresh buffers, never the policy's, which the update donates), and
+        held as the process block reads it (`distributed.to_process_local`: as it is with one process).
+
+    Nothing here goes through host memory but the initial params, which every process builds from the seed.
+    """
+
+    def __init__(self, run_config: RunConfig, model_config):
+        self.mesh = run_config.mesh.make_mesh()
+        self.process_mesh = distributed.process_mesh(self.mesh)
+        self.model_config = model_config
+        self.rules = run_config.mesh.train_rules()
+        self.rollout_rules = run_config.mesh.rollout_rules()
+        self.train_shardings = models.param_shardings(model_config, self.mesh, self.rules)
+        self.rollout_shardings = models.param_shardings(model_config, self.mesh, self.rollout_rules)
+        self.reference_dtype = jnp.dtype(run_config.train.reference_dtype)
+
+    def describe(self) -> dict:
+        return distributed.describe_mesh(self.mesh)
+
+    def line(self) -> str:
+        info = self.describe()
+        axes = " ".join(f"{a}={s}" for a, s in info["axes"].items())
+        return (f"mesh {axes} ({info['devices']} {info['platform']} devices, {info['processes']} "
+                f"process{'es' if info['processes'] > 1 else ''})")
+
+    def policy(self, params):
+        """Params every process holds in full (fresh init, loaded checkpoint) -> the train layout on the mesh."""
+        return distributed.put_replicated_value(params, self.train_shardings)
+
+    def rollout_params(self, params):
+        """Train-layout params -> the rollout layout on the process block (on device; a collective with several
+        processes)."""
+        return distributed.to_process_local(params, self.rollout_shardings)
+
+    def reference(self, copies: Sequence[Checkpointer], step: int, what: str):
+        """The frozen reference of checkpoint `step`, from the first of `copies` holding it that restores
+        (`restore_params_from_copies`; `what` names it in errors), as the scorer reads it (a collective with
+        several processes)."""
+        return self.frozen(restore_params_from_copies(copies, step, shardings=self.train_shardings, what=what))
+
+    def frozen(self, params):
+        """Train-layout params -> a frozen reference as the scorer reads it: cast to its dtype on device, in fresh
+        buffers (a jitted copy: never an alias of arrays the update donates), on the process block."""
+        dtype = self.reference_dtype
+        reference = jax.jit(lambda tree: jax.tree_util.tree_map(lambda x: x.astype(dtype), tree),
+                            out_shardings=self.train_shardings)(params)
+        return distributed.to_process_local(reference, self.train_shardings)
+
+
+# ------------------------------------------------------------------------------------------------ across processes
+def _combine_process_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """One step's rollout metrics of every process as one: means (every process holds the same number of rows and
+    prompts, so a mean of per-process means is the global mean) except `generated_tokens`, a sum. A credit
+    diagnostic a process left out (undefined on its rows, `credit_diagnostics.OPTIONAL_METRICS`) is the mean over
+    the processes that have it, and left out when none has. A collective."""
+    if jax.process_count() == 1:
+        return dict(metrics)
+    names = sorted(set(metrics) | set(OPTIONAL_METRICS))  # the same names on every process
+    local = np.asarray([metrics.get(n, np.nan) for n in names], np.float64)
+    values = distributed.gather_to_hosts(local).astype(np.float64)
+    out = {}
+    for column, name in enumerate(names):
+        if name not in OPTIONAL_METRICS:
+            out[name] = float(values[:, column].mean())
+        elif np.isfinite(values[:, column]).any():
+            out[name] = float(np.nanmean(values[:, column]))
+    if "generated_tokens" in out:
+        out["generated_tokens"] = float(values[:, names.index("generated_tokens")].sum())
+    return out
+
+
+def _global_loss_batch(loss_batch: LossBatch, mesh, rules) -> LossBatch:
+    """This process's `[n, Lb]` rows -> the global `[n x processes, W]` batch on `mesh`, W the widest length bucket
+    of any process (narrower rows are padded with untrained zeros). A collective."""
+    width = int(distributed.gather_to_hosts(np.asarray(loss_batch.shape[1], np.int32)).max())
+    padded = jax.tree_util.tree_map(
+        lambda x: np.pad(np.asarray(x), ((0, 0), (0, width - x.shape[1]))), loss_batch)
+    rows = loss_batch.shape[0] * jax.process_count()
+    return distributed.global_batch(padded, batch_sharding(mesh, rules, (rows, width)))
+
+
+def _stop_requested_anywhere(guard: PreemptionGuard) -> None:
+    """Make a stop signal of any process every process's (they must all take the forced checkpoint together)."""
+    if distributed.gather_to_hosts(np.asarray(guard.requested, np.int32)).any() and not guard.requested:
+        guard.requested, guard.signal_name = True, "a signal to another process"
+
+
+def rl_step(pipeline: RLPipeline, placement: Placement, state, reference_params, process_tasks: list, key, *,
+            seed: int, timer: PhaseTimer | None = None):
+    """One RL step of the run on its mesh: `process_tasks`, this process's share of the step's prompts
+    (`prompt_stream`; whole prompt groups, so group statistics stay on the process; with one process, all of
+    them) rolled out with the policy in the rollout layout and this process's key,
+    scored by the frozen reference (`Placement.reference`), the rows of every process as one global `LossBatch`,
+    and the update over the whole mesh. Returns `(state, prepared, update_metrics)`; `state` is donated. Every
+    process calls it (collectives).
+    """
+    timer = timer or PhaseTimer()
+    tasks = list(process_tasks)
+    with timer.phase("rollout"):
+        rollout = pipeline.collect(placement.rollout_params(state.params), tasks, distributed.process_key(key))
+    prepared = pipeline.prepare(rollout, reference_params, num_prompts=len(tasks))
+    timer.seconds.update(prepared.timing)
+    prepared.loss_batch = _global_loss_batch(prepared.loss_batch, placement.mesh, placement.rules)
+    prepared.metrics = _combine_process_metrics(prepared.metrics)
+    with timer.phase("update"):
+        state, update_metrics = pipeline.update(state, prepared, reference_params, seed=seed)
+        jax.block_until_ready(state.params)
+    return state, prepared, update_metrics
+
+
+def _init_from_store(init_from: str) -> Checkpointer:
+    """The reference store of the run `TrainConfig.init_from` names, checked to hold its step 0 (the initial policy)."""
+    missing = not (Path(init_from) / REFERENCE_DIR).is_dir()  # checked first: a Checkpointer creates its directory
+    store = None if missing else _reference_checkpointer(Path(init_from))
+    if missing or 0 not in store.all_steps():
+        if store is not None:
+            store.close()
+        raise FileNotFoundError(f"TrainConfig.init_from = {init_from!r}: no initial policy there (no complete step 0 "
+                                f"under {Path(init_from) / REFERENCE_DIR}); point it at the run directory of a "
+                                "`trace-jax train` run that finished its warm start")
+    return store
+
+
+def _initial_policy_of(init_from: str, placement: "Placement"):
+    """The initial policy of the run `init_from` (its step 0 reference checkpoint), in the train layout on the mesh,
+    checked leaf by leaf against this run's model."""
+    with _init_from_store(init_from) as store:
+        params = store.restore_params(0, shardings=placement.train_shardings)
+    _check_model(params, placement.model_config, f"TrainConfig.init_from = {init_from!r}", dtype=np.dtype("float32"))
+    return params
+
+
+def _check_model(params, model_config, what: str, *, dtype=None) -> None:
+    """Raise ValueError naming `what` when `params` are not `model_config`'s (shapes, and `dtype` when given)."""
+    def spec(shape, array_dtype):
+        return (tuple(shape), array_dtype) if dtype is not None else tuple(shape)
+
+    want = {jax.tree_util.keystr(p): spec(shape, dtype) for p, shape in jax.tree_util.tree_leaves_with_path(
+        models.param_shapes(model_config), is_leaf=lambda x: isinstance(x, tuple))}
+    got = {jax.tree_util.keystr(p): spec(x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(params)}
+    if want != got:
+        differ = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+        raise ValueError(f"{what}: its params are not this run's model ({len(differ)} params differ, e.g. "
+                         f"{differ[0]}: {got.get(differ[0])} there, {want.get(differ[0])} here); use the same model "
+                         "preset and tokenizer as that checkpoint")
+
+
+def _reference_copies(run_dir: Path, checkpoint_directory: str) -> list[Checkpointer]:
+    """Checkpointers of the directories of run `run_dir` that hold policy params by step: `reference/` (its initial
+    policy, step 0, and a swap step) and its checkpoints (`CheckpointConfig.directory`, the name this run uses);
+    only those that exist (a Checkpointer creates its directory)."""
+    directories = [run_dir / REFERENCE_DIR, run_dir / checkpoint_directory]
+    return [Checkpointer(CheckpointConfig(directory=str(d), every_steps=1, keep_last=None, async_save=False))
+            for d in directories if d.is_dir()]
+
+
+def check_reference_checkpoint(run_config: RunConfig) -> None:
+    """Fail before any compute when `TrainConfig.reference_checkpoint` names nothing loadable: a run directory
+    without that complete step, or a directory that is not a Hugging Face checkpoint."""
+    value = run_config.train.reference_checkpoint
+    if not value:
+        return
+    path, step = reference_checkpoint_parts(value)
+    what = f"TrainConfig.reference_checkpoint = {value!r}"
+    if step is None:
+        if not (Path(path) / "config.json").exists():
+            hint = (f"; it looks like a run directory: name a step, '{path}@<step>'"
+                    if (Path(path) / REFERENCE_DIR).is_dir() else "")
+            raise FileNotFoundError(f"{what}: no config.json in {path}{hint}; give '<run dir>@<step>' (a step of a "
+                                    "`trace-jax train` run) or a Hugging Face checkpoint directory")
+        return
+    copies = _reference_copies(Path(path), run_config.checkpoint.directory)
+    try:
+        held = {d.directory: d.all_steps() for d in copies}
+    finally:
+        for copy in copies:
+            copy.close()
+    if not any(step in steps for steps in held.values()):
+        listed = "; ".join(f"{d}: steps {steps}" for d, steps in held.items()) or f"no {REFERENCE_DIR}/ or " \
+            f"{run_config.checkpoint.directory}/ directory in {path}"
+        raise FileNotFoundError(f"{what}: no complete step {step} there ({listed}); name a saved step of a "
+                                "`trace-jax train` run directory")
+
+
+def load_reference_checkpoint(run_config: RunConfig, placement: "Placement"):
+    """The frozen reference `TrainConfig.reference_checkpoint` names (see `TrainConfig`), checked against this run's
+    model and placed as `Placement.frozen` places it: fresh buffers on the mesh, never the policy's."""
+    value = run_config.train.reference_checkpoint
+    path, step = reference_checkpoint_parts(value)
+    what = f"TrainConfig.reference_checkpoint = {value!r}"
+    if step is None:
+        _, params = models.load_pretrained(path)
+        _check_model(params, placement.model_config, what)
+        return placement.frozen(placement.policy(params))
+    copies = _reference_copies(Path(path), run_config.checkpoint.directory)
+    try:
+        params = restore_params_from_copies(copies, step, shardings=placement.train_shardings, what=what)
+    finally:
+        for copy in copies:
+            copy.close()
+    _check_model(params, placement.model_config, what)
+    return placement.frozen(params)
+
+
+def _reference_checkpointer(run_dir: Path) -> Checkpointer:
+    return Checkpointer(CheckpointConfig(directory=str(run_dir / REFERENCE_DIR), every_steps=1, keep_last=None,
+                                         async_save=False))
+
+
+def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
+          log: Callable[[str], None] = print) -> dict:
+    """Run (or resume) a training run into `run_dir`; returns the summary (also written to `summary.json`).
+
+    The gin config in effect must be the one `run_config` was parsed from (`gin_setup.parse`); it is written to
+    the run directory. Raises ValueError before any compute when the configs cannot work together.
+
+    Every phase runs on one mesh (`run_config.mesh`, see `Placement`): on one process over its devices, on several
+    (after `distributed.initialize`, see `trace_jax.train.distributed`) over every process's devices. Every process
+    calls this with the same config and run directory; each rolls out and scores its share of the step's prompts
+    on its own block of the mesh, the update is one program over the whole mesh, and only process 0 writes the
+    run's files and logs (every process writes its shards of the checkpoints). The warm start and the evaluations
+    run on every process (deterministic, so they agree).
+    """
+    from trace_jax.rl.gin_setup import write_config
+
+    started = time.perf_counter()
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    train_config = run_config.train
+    update_config = run_config.update
+    rows = train_config.prompts_per_step * run_config.rollout.group_size
+    check_compatible(run_config.credit, run_config.loss, update_config, rows)
+    if train_config.init_from:  # fail before any compute when there is nothing to start from
+        _init_from_store(train_config.init_from).close()
+    check_reference_checkpoint(run_config)
+    primary = distributed.is_primary()
+    distributed.process_share(train_config.prompts_per_step, what="prompts per step (TrainConfig."
+                              "prompts_per_step; each process rolls out an equal share)")
+    log = log if primary else (lambda _line: None)
+    if primary:
+        write_config(run_dir)
+    stages: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    environment = build_environment(run_config, run_dir)
+    stages["build"] = time.perf_counter() - t0
+    optimizer = make_optimizer(run_config.optimizer)
+    placement = Placement(run_config, environment.model_config)
+    mesh = placement.mesh
+    try:  # fail before any compute when the step's rows cannot be one global batch
+        distributed.check_rows_split_by_process(batch_sharding(mesh, placement.rules, (rows, 1)), (rows, 1))
+    except ValueError as error:
+        raise ValueError(f"TrainConfig.prompts_per_step x RolloutConfig.group_size = {rows} rows per step: "
+                         f"{error}") from None
+    # fail before any compute when the KV budget holds no row
+    process_rows = rows // jax.process_count()
+    rows_at_once = rows_within_budget(environment.model_config, run_config.rollout, mesh=placement.process_mesh,
+                                      rows=process_rows, rules=placement.rollout_rules)
+    pipeline = RLPipeline(environment.model_config, environment.chat, environment.browser, run_config.rollout,
+                          run_config.credit, run_config.loss, update_config, optimizer, mesh=placement.process_mesh,
+                          rules=placement.rules, rollout_rules=placement.rollout_rules,
+                          train_step=make_train_step(environment.model_config, run_config.loss, optimizer, mesh=mesh,
+                                                     rules=placement.rules))
+    checkpoint_config = dataclasses.replace(run_config.checkpoint,
+                                            directory=str(run_dir / run_config.checkpoint.directory))
+    log(f"run {run_dir}: {train_config.steps} RL steps of {train_config.prompts_per_step} prompts x "
+        f"{run_config.rollout.group_size} samples, credit {run_config.credit.estimator}, "
+        f"{len(environment.train_tasks)} train / {len(environment.eval_tasks)} held-out tasks, {placement.line()}")
+    if run_config.rollout.kv_budget_gib is not None:
+        log(f"rollout: {rows_at_once} of {process_rows} rows at once per process under the KV budget of "
+            f"{run_config.rollout.kv_budget_gib:g} GiB per chip")
+
+    external_reference = None
+    if train_config.reference_checkpoint:  # loaded (and checked against the model) before the warm start
+        external_reference = load_reference_checkpoint(run_config, placement)
+        log(f"reference: {train_config.reference_checkpoint}, frozen from step 0")
+
+    with PreemptionGuard() as guard, Checkpointer(checkpoint_config, guard=guard) as checkpointer, \
+            _reference_checkpointer(run_dir) as reference_store:
+        restored = checkpointer.restore_latest(abstract_train_state(environment.model_config, optimizer, mesh=mesh,
+                                                                         rules=placement.rules))
+        latest = None if restored is None else restored.step
+        if latest is None:
+            writer = RunWriter(run_dir, total_steps=train_config.steps, progress=progress, write_files=primary)
+            evals: dict[str, dict] = {}
+            warm_started = run_config.warmstart.steps > 0 or bool(train_config.init_from)
+            if train_config.init_from:
+                params = _initial_policy_of(train_config.init_from, placement)
+                log(f"initial policy from {train_config.init_from} (its policy after its warm start; no warm start "
+                    "here)")
+            else:
+                params = placement.policy(environment.params)
+            if run_config.warmstart.steps > 0 and not train_config.init_from:
+                t0 = time.perf_counter()
+                evals["before"] = _sets_to_json(_evaluate(run_config, environment, placement.rollout_params(params),
+                                                          "before warm start", log, placement))
+                stages["eval_before"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                params, losses = warm_start(run_config, environment, params, log, progress=progress and primary,
+                                            mesh=mesh, rules=placement.rules)
+                stages["warm_start"] = time.perf_counter() - t0
+                writer.log(0, {"warmstart/final_loss": losses[-1] if losses else float("nan")})
+            t0 = time.perf_counter()
+            initial = _evaluate(run_config, environment, placement.rollout_params(params),
+                                "after warm start" if warm_started else "initial policy", log, placement)
+            stages["eval_initial"] = time.perf_counter() - t0
+            evals["initial"] = _sets_to_json(initial)
+            writer.log(0, _eval_metrics(initial))
+            state = init_train_state(environment.model_config, optimizer, params,
+                                     jax.random.PRNGKey(train_config.seed), mesh=mesh, rules=placement.rules)
+            host = {"data_position": 0, "data_iterator": None, "evals": evals, "stages": stages}
+            reference_store.save(state, {"step": 0}, force=True)
+            checkpointer.save(state, host, force=True)
+            checkpointer.wait_until_finished()
+        else:
+            state, host = restored.state, restored.host
+            writer = RunWriter(run_dir, total_steps=train_config.steps, resume_step=latest, progress=progress,
+                               write_files=primary)
+            log(f"resuming from the checkpoint of step {latest}")
+            if primary:
+                _trim_prompts(run_dir, latest)
+            stages.update(host.get("stages", {}))
+        step = int(state.step)
+        swap = train_config.reference_swap_step
+        reference_at = swap if 0 <= swap <= step else 0
+        own_copies = (reference_store, checkpointer)  # a damaged reference/ step is read from the checkpoints' copy
+        if external_reference is not None:
+            reference_params = external_reference
+        else:
+            reference_params = placement.reference(own_copies, reference_at, f"the reference of {run_dir}")
+        peak = _peak_flops()
+        timer = PhaseTimer()
+        rl_start = time.perf_counter()
+        writer.start_progress()
+        prompts = prompt_stream(run_config, environment.train_tasks, host.get("data_iterator"))
+        while step < train_config.steps:
+            timer.reset()
+            step_tasks = next(prompts)
+            if primary:
+                _record_prompts(run_dir, step + 1, step_tasks)
+            key = jax.random.fold_in(jax.random.PRNGKey(train_config.seed), _ROLLOUT_SALT + step)
+            state, prepared, update_metrics = rl_step(pipeline, placement, state, reference_params, step_tasks, key,
+                                                      seed=train_config.seed * 1_000_003 + step, timer=timer)
+            step += 1
+            state = state.replace(step=distributed.put_replicated_value(np.int32(step), NamedSharding(mesh, P())))
+            # grain's iterator state is the position; data_position counts every process's prompts
+            host["data_iterator"] = prompts.state()
+            host["data_position"] = int(host["data_position"]) + train_config.prompts_per_step
+            metrics = {**prepared.metrics, **update_metrics, **timer.metrics()}
+            metrics.update(pipeline.throughput(prepared, timer.seconds["update"], timer.seconds["rollout"],
+                                               peak_flops=peak))
+            every = run_config.eval.every_steps
+            if every and step % every == 0 and step < train_config.steps:
+                result = _evaluate(run_config, environment, placement.rollout_params(state.params), f"step {step}",
+                                   log, placement)
+                metrics.update(_eval_metrics(result))
+                host["evals"][f"step{step}"] = _sets_to_json(result)
+            writer.log(step, metrics)
+            if step == swap:  # the mid-run swap variant: this run's own policy of this step from now on
+                reference_store.save(state, {"step": step}, force=True)
+                reference_params = placement.reference(own_copies, step, f"the reference of {run_dir}")
+            _stop_requested_anywhere(guard)
+            checkpointer.maybe_save(state, host)
+            if checkpointer.stop_requested:
+                log(f"stopped by {guard.signal_name} after step {step}; rerun the same command to resume")
+                writer.close()
+                return {"stopped_at": step}
+            if train_config.plot_every and step % train_config.plot_every == 0:
+                writer.write_plots()
+        rl_seconds = time.perf_counter() - rl_start
+        checkpointer.save(state, host, force=True)
+        checkpointer.wait_until_finished()
+
+        t0 = time.perf_counter()
+        final_params = placement.rollout_params(state.params)
+        final = _evaluate(run_config, environment, final_params, "after RL", log, placement)
+        stages["eval_final"] = time.perf_counter() - t0
+        writer.log(step, _eval_metrics(final))
+        evals = {**host["evals"], "final": _sets_to_json(final)}
+        initial, final = _headline(_sets_from_json(host["evals"]["initial"])), _headline(final)
+        label = "after warm start" if run_config.warmstart.steps > 0 or train_config.init_from else "initial"
+        line = format_comparison(initial, final, before_label=label, after_label="after RL")
+        log(line)
+        comparison = compare(initial, final)
+        receipt_tasks = environment.eval_tasks[:train_config.receipts] if primary else []
+        receipts = write_credit_receipts(pipeline, final_params, reference_params, receipt_tasks,
+                                         jax.random.PRNGKey(train_config.seed + 1), run_dir / RECEIPTS_DIR)
+        writer.write_plots()
+        stages["rl_steps"] = rl_seconds
+        history = [r for r in writer.history if "reward" in r]
+        summary = {
+            "run_dir": str(run_dir), "steps": step, "estimator": run_config.credit.estimator,
+            "mesh": placement.describe(),
+            "model": dataclasses.asdict(environment.model_config) if hasattr(environment.model_config,
+                                                                             "__dataclass_fields__") else None,
+            # the headline set's evaluations; every set's, with their average, in eval_sets
+            "evaluations": {name: {k: v for k, v in next(iter(sets.values())).items()
+                                   if k not in ("correct", "task_ids")} for name, sets in evals.items()},
+            "eval_sets": eval_table(evals),
+            "comparison": {**dataclasses.asdict(comparison), "line": line},
+            "reference": {"checkpoint": train_config.reference_checkpoint or None,
+                          "swap_step": swap if swap >= 0 else None,
+                          "frozen_from_step_0": swap < 0},
+            "mean_reward_first_step": history[0]["reward"] if history else None,
+            "mean_reward_last_step": history[-1]["reward"] if history else None,
+            "seconds": {**stages, "total_this_process": time.perf_counter() - started},
+            "receipts": [str(p.relative_to(run_dir)) for p in receipts],
+        }
+        writer.write_summary(summary)
+        writer.close()
+    return summary
+
+
+def evaluate_run(run_dir: str | Path, step: int | None = None, *, set_name: str | None = None,
+                 mesh: MeshConfig | None = None, log: Callable[[str], None] = print) -> dict[str, EvalResult]:
+    """Evaluate the checkpoint of `step` (default: the latest) of a run on its evaluation sets (`EvalConfig.sets`;
+    only `set_name` when given), with the run's own config (`config.gin`). Writes `eval_step<S>.json` (the headline
+    set's figures at the top level, every set under `sets`, their `average`), or `eval_step<S>_<set>.json` for one
+    set; returns {set name: result}.
+
+    The policy runs on the run's mesh (its recorded `MeshConfig`, or `mesh` instead, e.g. to evaluate on fewer
+    chips than it trained on), placed as `train` places it (`Placement`): each process reads its shards of the
+    checkpoint straight into the train layout, resharded on device into the rollout layout.
+    """
+    from trace_jax.rl.gin_setup import parse
+
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.gin"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{config_path} does not exist: --run-dir must be a directory written by "
+                                "`trace-jax train`")
+    run_config = parse([str(config_path)])
+    if mesh is not None:  # a mesh without rule overrides keeps the run's (`MeshConfig.rules`)
+        run_config = dataclasses.replace(run_config, mesh=mesh if mesh.rules else dataclasses.replace(
+            mesh, rules=run_config.mesh.rules))
+    environment = build_environment(run_config, run_dir, load_params=False, only_set=set_name)
+    placement = Placement(run_config, environment.model_config)
+    directory = run_dir / run_config.checkpoint.directory
+    store = Checkpointer(CheckpointConfig(directory=str(directory), async_save=False))
+    try:
+        steps = store.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint in {directory}")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise FileNotFoundError(f"no checkpoint of step {step} in {directory}; have {steps}")
+        params = store.restore_params(step, shardings=placement.train_shardings)
+    finally:
+        store.close()
+    log(f"eval of {run_dir} step {step} on {placement.line()}")
+    results = _evaluate(run_config, environment, placement.rollout_params(params), f"step {step}", log, placement)
+    path = run_dir / (f"eval_step{step}.json" if set_name is None else f"eval_step{step}_{set_name}.json")
+    data = {**_eval_to_json(_headline(results)), "sets": _sets_to_json(results), "average": set_average(results)}
+    path.write_text(json.dumps(_finite(data), indent=2) + "\n", encoding="utf-8")
+    return results
+
+
+def _finite(value):
+    """`value` with every non-finite float as None (JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

@@ -1,0 +1,477 @@
+"""`trace-jax study FILE`: methods x seeds (plus one-at-a-time ablations) as resumable runs, then results and plots.
+
+A study file is gin, parsed on its own like a sweep file (`sweep.parse_spec_file`)::
+
+    # a study file (configs/studies/main.gin is one)
+    study.name = 'main'                                   # default directory: runs/studies/main
+    study.base = ['configs/study.gin']                    # gin files of every arm, in order
+    study.params = ['TrainConfig.steps = 20']             # optional bindings every arm adds
+    study.methods = {                                     # method -> its gin files (after the base)
+        'grpo': ['configs/credit/grpo.gin'],
+        'trace': ['configs/credit/trace.gin'],
+    }
+    study.seeds = [0, 1, 2]
+    study.ablation_method = 'trace'                       # optional: one-at-a-time ablations of this method
+    study.ablation_seeds = [0]
+    study.ablations = {'CreditConfig.horizon': [0, 1, 3, 5]}
+    study.share_warm_start = False                        # True: arms after a seed's first pass
+                                                          #   TrainConfig.init_from = <that arm's run directory>
+
+expands into one arm per (seed, method), seed-major (every method of seed 0 first, so a study stopped early has
+comparable arms), then one arm per (ablation seed, binding, value). An arm is a `sweep.Run` named
+`<method>/seed<S>` or `ablation/<field>=<value>/seed<S>`, with run directory `<study dir>/<name>`. The seed binds
+every field a seed must change (`SEED_FIELDS`: the policy's init, the warm start's order and its demonstrations'
+detours, the rollout keys, the RL task order); the task splits and the world stay fixed, so every arm is evaluated
+on the same held-out tasks.
+
+Arms run in sequence through `trace_jax.rl.cli.run_train`, the code path of `trace-jax train`. Resume: an arm
+whose run directory holds `summary.json` is finished and skipped; an unfinished one is rerun in its directory,
+where `train` resumes from its checkpoint. An arm whose parsed config equals an earlier arm's (`mark_repeats`)
+shares that arm's run instead of repeating it. Each arm's directory records its bindings (`study_arm.json`); a rerun
+whose arm has other bindings stops with an error instead of mixing configs. After every arm, `results.json` and the
+plots are rewritten from the finished arms (`aggregate`), so a partial study has partial results.
+
+This module knows study files, run directories and the metrics files; training is `run_train`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from trace_jax.rl.gin_setup import ConfigError
+from trace_jax.rl.metrics import SUMMARY_FILE, read_metrics
+from trace_jax.rl.sweep import Run, parse_spec_file, validate_runs, value_text
+
+# Every config field a study's seed sets: TrainConfig.seed seeds the fresh policy's init, the warm start's batch
+# order and the rollout keys (loop.py); DataConfig.shuffle_seed the order in which RL draws training tasks;
+# WarmStartConfig.oracle_seed the oracle's detour draws in the warm start's demonstrations.
+# Not seeded: DataConfig.seed and WorldConfig.seed (the tasks and held-out split, kept equal across arms).
+SEED_FIELDS = ("TrainConfig.seed", "DataConfig.shuffle_seed", "WarmStartConfig.oracle_seed")
+# The per-step credit diagnostics (trace_jax/rl/credit_diagnostics.py) results.json averages per method.
+DIAGNOSTICS = ("credit/detour_turn_credit", "credit/on_path_turn_credit", "credit/detour_turn_share",
+               "credit/progress_spearman", "zero_signal_groups", "zero_signal_groups_with_turn_credit")
+RESULTS_FILE = "results.json"
+ARM_FILE = "study_arm.json"
+PLOTS_DIR = "plots"
+EXPECTED = ("expected study.name, study.base, study.methods, study.seeds and optionally study.params, "
+            "study.ablation_method, study.ablation_seeds, study.ablations, study.share_warm_start; see "
+            "trace_jax/rl/study.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+    """A parsed study file (see the module docstring)."""
+
+    name: str
+    base: tuple[str, ...]
+    methods: tuple[tuple[str, tuple[str, ...]], ...]
+    seeds: tuple[int, ...]
+    params: tuple[str, ...] = ()
+    ablation_method: str = ""
+    ablation_seeds: tuple[int, ...] = ()
+    ablations: tuple[tuple[str, tuple[Any, ...]], ...] = ()
+    share_warm_start: bool = False
+
+    def __post_init__(self):
+        if not re.fullmatch(r"[\w.-]+", self.name or ""):
+            raise ValueError(f"study.name must be a non-empty directory-safe name (letters, digits, _ . -), got "
+                             f"{self.name!r}")
+        if not self.methods:
+            raise ValueError("study.methods is empty; give method -> gin files, e.g. "
+                             "{'grpo': ['configs/credit/grpo.gin']}")
+        for method, _ in self.methods:
+            if not re.fullmatch(r"[\w.-]+", method) or method == "ablation":
+                raise ValueError(f"study.methods key {method!r} must be a directory-safe name other than "
+                                 "'ablation'")
+        if (not self.seeds and not self.ablations) or len(set(self.seeds)) < len(self.seeds) or any(
+                not isinstance(s, int) or s < 0 for s in self.seeds):
+            raise ValueError(f"study.seeds must be a list of distinct non-negative ints (empty only when "
+                             f"study.ablations gives the arms), got {list(self.seeds)!r}")
+        if self.ablations:
+            names = [m for m, _ in self.methods]
+            if self.ablation_method not in names:
+                raise ValueError(f"study.ablation_method = {self.ablation_method!r} is not one of study.methods "
+                                 f"{names}")
+            if not self.ablation_seeds or any(not isinstance(s, int) or s < 0 for s in self.ablation_seeds):
+                raise ValueError(f"study.ablation_seeds must be a non-empty list of non-negative ints, got "
+                                 f"{list(self.ablation_seeds)!r}")
+            for binding, values in self.ablations:
+                if not re.fullmatch(r"(?:[\w.]+/)?\w+\.\w+", binding):
+                    raise ValueError(f"study.ablations key {binding!r} is not a binding name like "
+                                     "'CreditConfig.horizon'")
+                if not values:
+                    raise ValueError(f"study.ablations[{binding!r}] has no values; give a non-empty list")
+
+    def method_files(self, method: str) -> tuple[str, ...]:
+        return dict(self.methods)[method]
+
+
+def _study(name: str, base: Sequence[str], methods: Mapping[str, Sequence[str]], seeds: Sequence[int],
+           params: Sequence[str] = (), ablation_method: str = "", ablation_seeds: Sequence[int] = (),
+           ablations: Mapping[str, Sequence[Any]] | None = None, share_warm_start: bool = False) -> Study:
+    if isinstance(base, str):
+        base = [base]
+    if not isinstance(methods, Mapping):
+        raise ValueError(f"study.methods must be a dict method -> list of gin files, got {type(methods).__name__}")
+    files = {}
+    for method, value in methods.items():
+        value = [value] if isinstance(value, str) else value
+        if not isinstance(value, Sequence) or not all(isinstance(f, str) for f in value):
+            raise ValueError(f"study.methods[{method!r}] must be a list of gin file paths, got {value!r}")
+        files[method] = tuple(value)
+    ablations = ablations or {}
+    if not isinstance(ablations, Mapping):
+        raise ValueError(f"study.ablations must be a dict binding -> list of values, got {type(ablations).__name__}")
+    for binding, values in ablations.items():
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise ValueError(f"study.ablations[{binding!r}] must be a list of values, got {values!r}")
+    return Study(name=name, base=tuple(base), methods=tuple(files.items()), seeds=tuple(seeds), params=tuple(params),
+                 ablation_method=ablation_method, ablation_seeds=tuple(ablation_seeds),
+                 ablations=tuple((k, tuple(v)) for k, v in ablations.items()), share_warm_start=bool(share_warm_start))
+
+
+def load_study(path: str) -> Study:
+    """Parse a study file. Raises `gin_setup.ConfigError` naming the file and the problem."""
+    return parse_spec_file(path, "study", _study, EXPECTED)
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One run of a study: the method (or `ablation`), its seed, the ablated binding and value, and the run."""
+
+    method: str
+    seed: int
+    run: Run
+    ablation: tuple[str, Any] | None = None
+    repeat_of: str = ""  # an earlier arm with an equal config: this one shares its run directory, not run again
+
+    @property
+    def name(self) -> str:
+        return self.run.name
+
+
+def seed_bindings(seed: int) -> tuple[str, ...]:
+    return tuple(f"{field} = {seed!r}" for field in SEED_FIELDS)
+
+
+def _short_names(bindings: Sequence[str]) -> list[str]:
+    """Field names (`horizon`), or `Config.field` where two configs share a field name (as `sweep.expand` does)."""
+    shorts = [binding.split(".")[-1] for binding in bindings]
+    if len(set(shorts)) < len(shorts):
+        shorts = [binding.split("/")[-1] for binding in bindings]
+    return shorts
+
+
+def expand(study: Study, directory: str | Path) -> list[Arm]:
+    """The arms of a study (see the module docstring for order, names and bindings)."""
+    directory = Path(directory)
+    arms: list[Arm] = []
+    first_of_seed: dict[int, str] = {}
+
+    def add(method: str, seed: int, name: str, files: tuple[str, ...], extra: tuple[str, ...],
+            ablation: tuple[str, Any] | None = None) -> None:
+        params = study.params + seed_bindings(seed) + extra
+        run_dir = str(directory / name)
+        if study.share_warm_start and seed in first_of_seed:
+            params += (f"TrainConfig.init_from = {first_of_seed[seed]!r}",)
+        first_of_seed.setdefault(seed, run_dir)
+        arms.append(Arm(method=method, seed=seed, ablation=ablation,
+                        run=Run(name=name, gin_files=study.base + files, gin_params=params, run_dir=run_dir)))
+
+    for seed in study.seeds:
+        for method, files in study.methods:
+            add(method, seed, f"{method}/seed{seed}", files, ())
+    if study.ablations:
+        files = study.method_files(study.ablation_method)
+        shorts = _short_names([binding for binding, _ in study.ablations])
+        for seed in study.ablation_seeds:
+            for (binding, values), short in zip(study.ablations, shorts):
+                for value in values:
+                    add("ablation", seed, f"ablation/{short}={value_text(value)}/seed{seed}", files,
+                        (f"{binding} = {value!r}",), ablation=(binding, value))
+    return arms
+
+
+def mark_repeats(arms: Sequence[Arm], configs: Sequence[Any]) -> list[Arm]:
+    """Arms whose parsed config (`gin_setup.parse`) equals an earlier arm's share that arm's run: `repeat_of` names
+    it and the run directory is its (e.g. the K = 3 and alpha_turn = 0.2 ablations of a method whose defaults they
+    are). `configs[i]` is arm i's config."""
+    if len(configs) != len(arms):
+        raise ValueError(f"mark_repeats: {len(arms)} arms but {len(configs)} configs")
+    out: list[Arm] = []
+    for index, (arm, config) in enumerate(zip(arms, configs)):
+        first = next((out[j] for j in range(index) if configs[j] == config and not out[j].repeat_of), None)
+        if first is not None:
+            arm = dataclasses.replace(arm, repeat_of=first.name,
+                                      run=dataclasses.replace(arm.run, run_dir=first.run.run_dir))
+        out.append(arm)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ running
+def arm_finished(arm: Arm) -> bool:
+    return (Path(arm.run.run_dir) / SUMMARY_FILE).exists()
+
+
+def _arm_record(arm: Arm) -> dict:
+    return {"name": arm.name, "method": arm.method, "seed": arm.seed, "gin_files": list(arm.run.gin_files),
+            "gin_params": list(arm.run.gin_params)}
+
+
+def _claim_directory(arm: Arm) -> None:
+    """Record the arm's bindings in its run directory; a directory holding another arm's record is an error."""
+    run_dir = Path(arm.run.run_dir)
+    path = run_dir / ARM_FILE
+    record = _arm_record(arm)
+    if path.exists():
+        previous = json.loads(path.read_text(encoding="utf-8"))
+        if previous != record:
+            raise ConfigError(f"{path} records another config for arm {arm.name!r} than the study file gives now "
+                              f"(was {previous['gin_files']} + {previous['gin_params']}); the study file changed "
+                              "since this directory was started: use a new --dir, or delete that arm's directory "
+                              "to rerun it")
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+
+
+RunArm = Callable[[Arm], int]
+
+
+def run_study(study: Study, directory: str | Path, run_arm: RunArm, arms: Sequence[Arm] | None = None, *,
+              log: Callable[[str], None] = print, plots: bool = True) -> int:
+    """Run a study's unfinished arms (default `expand(study, directory)`) in sequence with `run_arm` (returns an
+    exit status), writing `results.json` (and plots) after each. Returns 0 when every arm finished, else the first
+    failing status (an arm that returns 0 without a `summary.json`, i.e. stopped by a signal, gives 3)."""
+    directory = Path(directory)
+    arms = expand(study, directory) if arms is None else list(arms)
+    directory.mkdir(parents=True, exist_ok=True)
+    status = 0
+    for index, arm in enumerate(arms):
+        if arm.repeat_of:
+            log(f"study arm {index + 1}/{len(arms)}: {arm.name} has the config of {arm.repeat_of}: shares its run")
+            continue
+        _claim_directory(arm)
+        if arm_finished(arm):
+            log(f"study arm {index + 1}/{len(arms)}: {arm.name} finished before, skipped")
+            continue
+        log(f"study arm {index + 1}/{len(arms)}: {arm.name}")
+        status = run_arm(arm)
+        if status == 0 and not arm_finished(arm):
+            log(f"study arm {arm.name} stopped before its end; rerun the same command to resume it")
+            status = 3
+        write_results(study, directory, arms, plots=plots)
+        if status:
+            return status
+    write_results(study, directory, arms, plots=plots)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ results
+def _series(records: list[dict], name: str) -> dict[int, float]:
+    """`name` by step (a later record of a step wins: the loop logs the final evaluation after the last step)."""
+    return {int(r["step"]): float(r[name]) for r in records if r.get(name) is not None}
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (n - 1; None for one value)."""
+    mean = statistics.fmean(values)
+    return mean, (statistics.stdev(values) if len(values) > 1 else None)
+
+
+def arm_results(arm_dir: str | Path) -> dict:
+    """One finished arm's figures from its `metrics.jsonl`: held-out accuracy by evaluation step (step 0 = before
+    RL, after any warm start), training-rollout tool calls per episode by step, the median in-loop RL step seconds
+    (`time/step`: rollout, scoring, credit and update; evaluations excluded) and each of `DIAGNOSTICS` averaged
+    over the RL steps that logged it (None when none did)."""
+    records = read_metrics(arm_dir)
+    accuracy = _series(records, "eval/accuracy")
+    tool_calls = _series(records, "tool_calls")
+    step_seconds = [r["time/step"] for r in records if r.get("time/step") is not None]
+    diagnostics = {}
+    for name in DIAGNOSTICS:
+        values = [float(v) for v in _series(records, name).values() if math.isfinite(v)]
+        diagnostics[name] = statistics.fmean(values) if values else None
+    return {"accuracy": accuracy, "tool_calls": tool_calls, "diagnostics": diagnostics,
+            "median_step_seconds": statistics.median(step_seconds) if step_seconds else None}
+
+
+def _group(arm_figures: Mapping[int, dict]) -> dict:
+    """Per-seed series and their mean / std over seeds at the steps every seed has."""
+    seeds = sorted(arm_figures)
+    out: dict[str, Any] = {"seeds": seeds}
+    for name in ("accuracy", "tool_calls"):
+        per_seed = {seed: arm_figures[seed][name] for seed in seeds}
+        steps = sorted(set.intersection(*(set(s) for s in per_seed.values()))) if per_seed else []
+        stats = [_mean_std([per_seed[seed][step] for seed in seeds]) for step in steps]
+        out[name] = {"steps": steps, "per_seed": {str(seed): [per_seed[seed][step] for step in steps]
+                                                  for seed in seeds},
+                     "mean": [m for m, _ in stats], "std": [s for _, s in stats]}
+    for key, pick in (("initial_accuracy", min), ("final_accuracy", max)):  # step 0 (after any warm start), last
+        values = [arm_figures[seed]["accuracy"][pick(arm_figures[seed]["accuracy"])] for seed in seeds
+                  if arm_figures[seed]["accuracy"]]
+        mean, std = _mean_std(values) if values else (None, None)
+        out[key] = {"per_seed": values, "mean": mean, "std": std}
+    calls = [statistics.fmean(arm_figures[seed]["tool_calls"].values()) for seed in seeds
+             if arm_figures[seed]["tool_calls"]]
+    out["tool_calls_per_episode"] = statistics.fmean(calls) if calls else None
+    seconds = [arm_figures[seed]["median_step_seconds"] for seed in seeds
+               if arm_figures[seed]["median_step_seconds"] is not None]
+    out["median_step_seconds"] = statistics.median(seconds) if seconds else None
+    out["diagnostics"] = {}
+    for name in DIAGNOSTICS:
+        per_seed = {str(seed): arm_figures[seed]["diagnostics"].get(name) for seed in seeds}
+        values = [v for v in per_seed.values() if v is not None]
+        mean, std = _mean_std(values) if values else (None, None)
+        out["diagnostics"][name] = {"per_seed": per_seed, "mean": mean, "std": std}
+    return out
+
+
+def _step_time_ratios(methods: Mapping[str, dict]) -> dict[str, float]:
+    """Each method's median in-loop step seconds over GRPO's (the issue's TRACE / GRPO step-time figure); empty
+    without a finished GRPO arm."""
+    base = methods.get("grpo", {}).get("median_step_seconds")
+    if not base:
+        return {}
+    return {m: group["median_step_seconds"] / base for m, group in methods.items()
+            if group.get("median_step_seconds") is not None}
+
+
+def aggregate(study: Study, directory: str | Path, arms: Sequence[Arm] | None = None) -> dict:
+    """`results.json`'s content from the finished arms (unfinished ones are listed, not counted)."""
+    arms = expand(study, directory) if arms is None else arms
+    by_method: dict[str, dict[int, dict]] = {}
+    by_ablation: dict[str, dict[int, dict]] = {}
+    listing = []
+    for arm in arms:
+        finished = arm_finished(arm)
+        listing.append({"name": arm.name, "run_dir": arm.run.run_dir, "finished": finished,
+                        **({"repeat_of": arm.repeat_of} if arm.repeat_of else {})})
+        if not finished:
+            continue
+        figures = arm_results(arm.run.run_dir)
+        if arm.ablation is None:
+            by_method.setdefault(arm.method, {})[arm.seed] = figures
+        else:  # the name is ablation/<field>=<value>/seed<S>
+            by_ablation.setdefault(arm.name.split("/")[1], {})[arm.seed] = figures
+    methods = {m: _group(by_method[m]) for m, _ in study.methods if m in by_method}
+    return {"study": study.name, "seed_fields": list(SEED_FIELDS), "std": "sample standard deviation over seeds "
+            "(n - 1); null with one seed", "diagnostics": "mean over each arm's RL steps, then over seeds "
+            "(docs/credit.md, 'Credit diagnostics')", "arms": listing,
+            "methods": methods, "step_time_ratio_to_grpo": _step_time_ratios(methods),
+            "ablations": {"method": study.ablation_method, **{k: _group(v) for k, v in by_ablation.items()}}
+            if study.ablations else {}}
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_plots(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
+    """accuracy.png (held-out accuracy vs step: mean over seeds, band = min..max over seeds, one line per method),
+    tool_calls.png (training tool calls per episode vs step, mean over seeds) and, with ablations,
+    ablations.png (held-out accuracy vs step per ablation arm)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def draw(groups: Mapping[str, dict], name: str, ylabel: str, filename: str, title: str) -> None:
+        groups = {k: v for k, v in groups.items() if isinstance(v, dict) and v.get(name, {}).get("steps")}
+        if not groups:
+            return
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for label, group in groups.items():
+            series = group[name]
+            line, = ax.plot(series["steps"], series["mean"], marker="o" if len(series["steps"]) < 30 else None,
+                            label=f"{label} ({len(group['seeds'])} seed{'s' if len(group['seeds']) > 1 else ''})")
+            if len(group["seeds"]) > 1:
+                columns = list(zip(*series["per_seed"].values()))
+                ax.fill_between(series["steps"], [min(c) for c in columns], [max(c) for c in columns],
+                                color=line.get_color(), alpha=0.15)
+        ax.set(xlabel="RL step", ylabel=ylabel, title=title)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / filename
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    study = results.get("study", "")
+    draw(results["methods"], "accuracy", "held-out greedy accuracy", "accuracy.png",
+         f"{study}: held-out accuracy (mean over seeds; band: min-max)")
+    draw(results["methods"], "tool_calls", "tool calls per episode (training rollouts)", "tool_calls.png",
+         f"{study}: tool calls per episode (mean over seeds; band: min-max)")
+    draw({k: v for k, v in results.get("ablations", {}).items() if k != "method"}, "accuracy",
+         "held-out greedy accuracy", "ablations.png",
+         f"{study}: ablations of {results.get('ablations', {}).get('method', '')}")
+    return written
+
+
+def write_results(study: Study, directory: str | Path, arms: Sequence[Arm] | None = None, *,
+                  plots: bool = True) -> dict:
+    directory = Path(directory)
+    results = _json_safe(aggregate(study, directory, arms))
+    (directory / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    if plots:
+        write_plots(results, directory / PLOTS_DIR)
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("study_file", help="a study gin file (configs/studies/*.gin)")
+    parser.add_argument("--dir", default=None, help="study directory (default runs/studies/<study name>); "
+                        "rerunning with the same directory resumes the study")
+    parser.add_argument("--print", dest="print_only", action="store_true",
+                        help="print one launch command per arm instead of running them")
+    parser.add_argument("--results-only", "--results_only", action="store_true",
+                        help="rewrite results.json and the plots from the finished arms; run nothing")
+    parser.add_argument("--no-progress", "--no_progress", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from trace_jax.rl.cli import run_train
+
+    try:
+        study = load_study(args.study_file)
+        directory = Path(args.dir or Path("runs/studies") / study.name)
+        arms = expand(study, directory)
+        arms = mark_repeats(arms, validate_runs([arm.run for arm in arms], what=f"study {args.study_file}"))
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if args.print_only:
+        for arm in arms:
+            print(f"# {arm.name}: the run of {arm.repeat_of}" if arm.repeat_of else arm.run.command())
+        return 0
+    if args.results_only:
+        write_results(study, directory, arms)
+        return 0
+
+    def run_arm(arm: Arm) -> int:
+        return run_train(arm.run.gin_files, arm.run.gin_params, arm.run.run_dir, progress=not args.no_progress)
+
+    try:
+        return run_study(study, directory, run_arm, arms)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
