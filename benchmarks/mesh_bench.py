@@ -45,13 +45,13 @@ import jax  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from trace_jax.rollout import sampler as sampler_lib  # noqa: E402
-from trace_jax.train.config import MeshConfig  # noqa: E402
 from trace_jax.rl.gin_setup import parse  # noqa: E402
 from trace_jax.rl.loop import Placement, build_environment, rl_step  # noqa: E402
 from trace_jax.rl.metrics import PhaseTimer  # noqa: E402
-from trace_jax.train.optimizer import make_optimizer  # noqa: E402
 from trace_jax.rl.pipeline import RLPipeline, UpdateConfig  # noqa: E402
+from trace_jax.rollout import sampler as sampler_lib  # noqa: E402
+from trace_jax.train.config import MeshConfig  # noqa: E402
+from trace_jax.train.optimizer import make_optimizer  # noqa: E402
 from trace_jax.train.state import init_train_state  # noqa: E402
 from trace_jax.train.step import make_train_step  # noqa: E402
 

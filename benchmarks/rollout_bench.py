@@ -104,11 +104,11 @@ import numpy as np  # noqa: E402
 
 from trace_jax import models  # noqa: E402
 from trace_jax.envs.oracle import OracleConfig, make_browser, solve  # noqa: E402
-from trace_jax.rl.warmstart import oracle_assistant_turns  # noqa: E402
 from trace_jax.envs.tasks import generate_tasks  # noqa: E402
 from trace_jax.envs.world import WorldConfig, build_world, vocabulary  # noqa: E402
 from trace_jax.models.chat import ChatFormat  # noqa: E402
 from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer  # noqa: E402
+from trace_jax.rl.warmstart import oracle_assistant_turns  # noqa: E402
 from trace_jax.rollout import RolloutConfig, SamplingConfig, ScriptedPolicy, run_episodes  # noqa: E402
 from trace_jax.rollout import sampler as S  # noqa: E402
 

@@ -40,12 +40,12 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from trace_jax.credit.config import CreditConfig  # noqa: E402
-from trace_jax.train.checkpoint import Checkpointer  # noqa: E402
-from trace_jax.train.config import CheckpointConfig  # noqa: E402
 from trace_jax.rl.gin_setup import parse  # noqa: E402
 from trace_jax.rl.loop import build_environment  # noqa: E402
-from trace_jax.train.optimizer import make_optimizer  # noqa: E402
 from trace_jax.rl.pipeline import RLPipeline  # noqa: E402
+from trace_jax.train.checkpoint import Checkpointer  # noqa: E402
+from trace_jax.train.config import CheckpointConfig  # noqa: E402
+from trace_jax.train.optimizer import make_optimizer  # noqa: E402
 from trace_jax.train.state import init_train_state  # noqa: E402
 from trace_jax.train.step import make_train_step  # noqa: E402
 

@@ -8,8 +8,8 @@ import pytest
 
 from trace_jax import cli
 from trace_jax import plan
-from trace_jax.train import MeshConfig
 from trace_jax.rl.gin_setup import parse
+from trace_jax.train import MeshConfig
 
 pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")  # TPU executables do not load back
 GIB = 1024**3

@@ -18,14 +18,14 @@ from trace_jax.envs.tasks import TaskConfig, generate_tasks
 from trace_jax.envs.world import WorldConfig, build_world
 from trace_jax.models.chat import ChatFormat
 from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
+from trace_jax.rl.abc_scoring import ABCScorerConfig
+from trace_jax.rl.pipeline import RLPipeline, UpdateConfig, check_compatible
+from trace_jax.rl.warmstart import WarmStartConfig, oracle_assistant_turns, oracle_trajectories
 from trace_jax.rollout import RolloutConfig, SamplingConfig, ScriptedPolicy, run_episodes
 from trace_jax.serve import ScriptedBackend, ServeConfig, ServerThread, create_app
-from trace_jax.rl.abc_scoring import ABCScorerConfig
 from trace_jax.train.config import LossConfig, OptimizerConfig
 from trace_jax.train.optimizer import make_optimizer
-from trace_jax.rl.pipeline import RLPipeline, UpdateConfig, check_compatible
 from trace_jax.train.state import init_train_state
-from trace_jax.rl.warmstart import WarmStartConfig, oracle_assistant_turns, oracle_trajectories
 
 ROLLOUT = RolloutConfig(group_size=2, max_turns=3, max_context=768, turn_token_budget=48, with_tools=False,
                         max_observation_chars=2000, sampling=SamplingConfig(greedy=True), sync_every=8)

@@ -12,9 +12,9 @@ import pytest
 
 from trace_jax.cli import main
 from trace_jax.rl import evaluate as evaluate_lib
-from trace_jax.train.config import MeshConfig, TrainConfigError
 from trace_jax.rl.gin_setup import parse
 from trace_jax.rl.loop import evaluate_run, train
+from trace_jax.train.config import MeshConfig, TrainConfigError
 
 from tests.rl.test_mesh_step import GIN
 

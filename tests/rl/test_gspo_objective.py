@@ -18,8 +18,8 @@ from trace_jax import train
 from trace_jax.credit import compute_advantages
 from trace_jax.credit.registry import CreditInputs
 from trace_jax.rl.gin_setup import parse
-from trace_jax.train.loss import objective_count, objective_from_logprobs
 from trace_jax.rl.pipeline import UpdateConfig, check_compatible
+from trace_jax.train.loss import objective_count, objective_from_logprobs
 
 G, GROUPS, L = 4, 2, 10
 N = G * GROUPS

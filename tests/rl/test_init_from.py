@@ -8,10 +8,10 @@ import pytest
 
 from tests.rl.test_rl_pipeline import SMALL
 from trace_jax.rl import cli as train_cli
-from trace_jax.train.checkpoint import Checkpointer
-from trace_jax.train.config import CheckpointConfig
 from trace_jax.rl.gin_setup import parse
 from trace_jax.rl.loop import train
+from trace_jax.train.checkpoint import Checkpointer
+from trace_jax.train.config import CheckpointConfig
 
 pytestmark = pytest.mark.slow  # two short runs of the small config
 

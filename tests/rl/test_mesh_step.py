@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from trace_jax import models
+from trace_jax.rl.gin_setup import parse
+from trace_jax.rl.loop import Placement, build_environment, prompt_stream, rl_step, train
+from trace_jax.rl.pipeline import RLPipeline
 from trace_jax.rollout import agent as agent_lib
 from trace_jax.train import distributed
 from trace_jax.train.config import MeshConfig
-from trace_jax.rl.gin_setup import parse
-from trace_jax.rl.loop import Placement, build_environment, prompt_stream, rl_step, train
 from trace_jax.train.optimizer import make_optimizer
-from trace_jax.rl.pipeline import RLPipeline
 from trace_jax.train.state import init_train_state
 from trace_jax.train.step import make_train_step
 

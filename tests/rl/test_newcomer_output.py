@@ -5,9 +5,9 @@ import logging
 import types
 
 from trace_jax.abc.receipts import render_abc_receipt
-from trace_jax.scoring.receipts import render_receipt
 from trace_jax.rl import metrics
 from trace_jax.rl.metrics import RunWriter, progress_bar
+from trace_jax.scoring.receipts import render_receipt
 
 
 class _Clock:

@@ -7,11 +7,11 @@ import types
 import numpy as np
 import pytest
 
-from trace_jax.rollout import RolloutConfig
-from trace_jax.rollout.batch import EpisodeRecord
 from trace_jax.rl import evaluate as evaluate_module
 from trace_jax.rl.evaluate import EvalConfig, evaluate
 from trace_jax.rl.gin_setup import parse
+from trace_jax.rollout import RolloutConfig
+from trace_jax.rollout.batch import EpisodeRecord
 
 
 @pytest.mark.parametrize("name", ["qwen3_4b.gin", "qwen3_30b_a3b.gin"])

@@ -10,9 +10,9 @@ import pytest
 from tests.rl.test_rl_pipeline import SMALL
 from trace_jax import models
 from trace_jax.rl import loop
+from trace_jax.rl.gin_setup import ConfigError, parse
 from trace_jax.train.checkpoint import Checkpointer, CheckpointRestoreError, CheckpointSkipped
 from trace_jax.train.config import CheckpointConfig
-from trace_jax.rl.gin_setup import ConfigError, parse
 from trace_jax.rl.loop import (
     Placement,
     build_environment,

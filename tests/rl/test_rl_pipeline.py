@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from trace_jax.credit.config import CreditConfig
+from trace_jax.rl.gin_setup import parse
+from trace_jax.rl.loop import build_environment
+from trace_jax.rl.pipeline import RLPipeline, UpdateConfig, check_compatible
 from trace_jax.rollout import kv_bytes_per_row
 from trace_jax.rollout.budget import GIB
 from trace_jax.train.config import LossConfig
-from trace_jax.rl.gin_setup import parse
-from trace_jax.rl.loop import build_environment
 from trace_jax.train.optimizer import make_optimizer
-from trace_jax.rl.pipeline import RLPipeline, UpdateConfig, check_compatible
 from trace_jax.train.state import init_train_state
 from trace_jax.train.step import make_train_step
 

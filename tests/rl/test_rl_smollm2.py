@@ -13,8 +13,8 @@ import pytest
 
 from trace_jax.rl.gin_setup import parse
 from trace_jax.rl.loop import build_environment
-from trace_jax.train.optimizer import make_optimizer
 from trace_jax.rl.pipeline import RLPipeline, check_compatible
+from trace_jax.train.optimizer import make_optimizer
 from trace_jax.train.state import init_train_state
 
 # smollm2.gin as shipped, cut to CPU-test size: one group of 2 samples, one row per micro-batch as shipped, one

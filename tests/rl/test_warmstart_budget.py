@@ -11,8 +11,8 @@ from trace_jax.envs.tasks import TaskConfig, generate_tasks
 from trace_jax.envs.world import WorldConfig, build_world
 from trace_jax.models.chat import ChatFormat
 from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
-from trace_jax.rollout import RolloutConfig, SamplingConfig
 from trace_jax.rl.warmstart import WarmStartConfig, oracle_trajectories, sft_arrays
+from trace_jax.rollout import RolloutConfig, SamplingConfig
 
 ROLLOUT = RolloutConfig(group_size=1, max_turns=2, max_context=2048, turn_token_budget=64,
                         max_observation_chars=300, sampling=SamplingConfig(greedy=True), with_tools=False)

@@ -35,14 +35,14 @@ from trace_jax.envs.tasks import TaskConfig
 from trace_jax.envs.world import WorldConfig
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.presets import get_preset
-from trace_jax.rollout.agent import RolloutConfig
-from trace_jax.rollout.sampler import SamplingConfig
 from trace_jax.rl.abc_scoring import ABCScorerConfig
-from trace_jax.train.config import CheckpointConfig, LossConfig, MeshConfig, OptimizerConfig
-from trace_jax.train.distributed import DistributedConfig
 from trace_jax.rl.evaluate import EvalConfig
 from trace_jax.rl.pipeline import UpdateConfig
 from trace_jax.rl.warmstart import WarmStartConfig
+from trace_jax.rollout.agent import RolloutConfig
+from trace_jax.rollout.sampler import SamplingConfig
+from trace_jax.train.config import CheckpointConfig, LossConfig, MeshConfig, OptimizerConfig
+from trace_jax.train.distributed import DistributedConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"

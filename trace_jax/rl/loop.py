@@ -65,22 +65,22 @@ from trace_jax.envs.corpus_browser import corpus_browser
 from trace_jax.envs.oracle import make_browser, trajectory_vocabulary
 from trace_jax.models.chat import ChatFormat
 from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
+from trace_jax.rl.credit_diagnostics import OPTIONAL_METRICS
+from trace_jax.rl.evaluate import EvalResult, compare, evaluate, format_comparison
+from trace_jax.rl.gin_setup import RunConfig, reference_checkpoint_parts
+from trace_jax.rl.metrics import PhaseTimer, RunWriter, progress_bar
+from trace_jax.rl.pipeline import RLPipeline, check_compatible
+from trace_jax.rl.warmstart import oracle_trajectories, sft_arrays
 from trace_jax.rollout.budget import rows_within_budget
 from trace_jax.scoring.receipts import excerpt, safe_filename, write_receipt
 from trace_jax.train import distributed
 from trace_jax.train.checkpoint import Checkpointer, PreemptionGuard, abstract_train_state, restore_params_from_copies
 from trace_jax.train.config import CheckpointConfig, LossConfig, MeshConfig
-from trace_jax.rl.credit_diagnostics import OPTIONAL_METRICS
-from trace_jax.rl.evaluate import EvalResult, compare, evaluate, format_comparison
 from trace_jax.train.flops import PEAK_FLOPS, measure_peak_flops
-from trace_jax.rl.gin_setup import RunConfig, reference_checkpoint_parts
 from trace_jax.train.loss import LossBatch, real_token_mask, trained_positions
-from trace_jax.rl.metrics import PhaseTimer, RunWriter, progress_bar
 from trace_jax.train.optimizer import make_optimizer
-from trace_jax.rl.pipeline import RLPipeline, check_compatible
 from trace_jax.train.state import init_train_state
 from trace_jax.train.step import batch_sharding, make_train_step
-from trace_jax.rl.warmstart import oracle_trajectories, sft_arrays
 
 REFERENCE_DIR = "reference"
 RECEIPTS_DIR = "receipts"

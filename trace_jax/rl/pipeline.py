@@ -43,22 +43,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trace_jax import models
 from trace_jax.abc import counts_to_arrays
 from trace_jax.credit import abc_step_rewards, compute_advantages, fold_answer_steps, trace_values
 from trace_jax.credit.config import CreditConfig
 from trace_jax.credit.gigpo import anchor_key_ids, state_keys
 from trace_jax.credit.registry import CreditResult, get_estimator
-from trace_jax import models
 from trace_jax.models.alignment import to_token_aligned
+from trace_jax.rl.abc_scoring import ABCScorerConfig, ABCStepScoring
+from trace_jax.rl.credit_diagnostics import credit_diagnostics
+from trace_jax.rl.evaluate import episode_correct
 from trace_jax.rollout.agent import Rollout, RolloutConfig, run_episodes
 from trace_jax.rollout.batch import STATUSES
 from trace_jax.rollout.budget import GIB
 from trace_jax.scoring.continuation import build_answer_continuation
 from trace_jax.scoring.fork import score_answer_prefixes
-from trace_jax.rl.abc_scoring import ABCScorerConfig, ABCStepScoring
 from trace_jax.train.config import LossConfig
-from trace_jax.rl.credit_diagnostics import credit_diagnostics
-from trace_jax.rl.evaluate import episode_correct
 from trace_jax.train.flops import flops_per_token
 from trace_jax.train.loss import LossBatch, batch_logprobs, length_bucket, real_token_mask, trained_positions
 from trace_jax.train.step import make_train_step
