@@ -39,6 +39,13 @@ Evaluations run on every set of `EvalConfig.sets` (each with its own browser); t
 Every phase runs on one mesh (`MeshConfig`; a 1x1x1x1 mesh on one device): `Placement` says which layout each
 array has there, `rl_step` is one step on it (docs/training.md, "One mesh for the whole step").
 
+The loop's shape (PureJaxRL's and levanter's): `make_rl_step(run_config, environment)` is the step,
+`step(state: RLState, batch: RLBatch) -> (state, metrics)` (`RLState`: the train state and the frozen reference;
+`RLBatch`: the step's number, prompts and rollout key); `train` feeds it batches and after each step runs its
+hooks (`Hook`: evaluation, the metrics record, the reference swap, the checkpoint, plots), in that order, each
+when due. The warm start before the steps and the final evaluation and credit receipts after them are stages of
+`train`, not hooks.
+
 This module knows configs, the run directory and the pipeline; the arithmetic lives in the modules it calls.
 """
 
@@ -572,6 +579,119 @@ def rl_step(pipeline: RLPipeline, placement: Placement, state, reference_params,
     return state, prepared, update_metrics
 
 
+
+# ------------------------------------------------------------------------------------------------ the step and hooks
+@dataclasses.dataclass(frozen=True)
+class RLState:
+    """What one RL step carries to the next: the train state (params, optimizer, key; the update donates it) and the
+    frozen reference the step scores with (replaced only by the mid-run swap, `TrainConfig.reference_swap_step`)."""
+
+    train: Any
+    reference: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class RLBatch:
+    """One step's input: its number (`step`, from 1), this process's share of its prompts (`prompt_stream`) and its
+    rollout key (`rollout_key`)."""
+
+    step: int
+    tasks: tuple
+    key: Any
+
+
+def rollout_key(seed: int, step: int):
+    """The rollout key of RL step `step` (from 1): `fold_in(PRNGKey(seed), salt + step - 1)`, so a resumed run draws
+    the keys of an uninterrupted one."""
+    return jax.random.fold_in(jax.random.PRNGKey(seed), _ROLLOUT_SALT + step - 1)
+
+
+class RLStep:
+    """`step(state: RLState, batch: RLBatch) -> (state, metrics)`: one RL step of a run on its mesh (`rl_step`: the
+    rollout in the rollout layout, reference scoring, credit and the update over the whole mesh), the train state's
+    step counter set to `batch.step`, and the step's metrics (rollout, credit, update, phase seconds, throughput).
+    `state.train` is donated. Built by `make_rl_step`; `pipeline`, `placement` and `optimizer` are the pieces the
+    rest of the run shares (evaluation, receipts, checkpoints)."""
+
+    def __init__(self, pipeline: RLPipeline, placement: Placement, optimizer, seed: int, peak_flops: float | None):
+        self.pipeline, self.placement, self.optimizer = pipeline, placement, optimizer
+        self.seed, self.peak_flops = seed, peak_flops
+
+    def __call__(self, state: RLState, batch: RLBatch) -> tuple[RLState, dict[str, float]]:
+        timer = PhaseTimer()
+        train_state, prepared, update_metrics = rl_step(
+            self.pipeline, self.placement, state.train, state.reference, list(batch.tasks), batch.key,
+            seed=self.seed * 1_000_003 + batch.step - 1, timer=timer)
+        train_state = train_state.replace(step=distributed.put_replicated_value(
+            np.int32(batch.step), NamedSharding(self.placement.mesh, P())))
+        metrics = {**prepared.metrics, **update_metrics, **timer.metrics()}
+        metrics.update(self.pipeline.throughput(prepared, timer.seconds["update"], timer.seconds["rollout"],
+                                                peak_flops=self.peak_flops))
+        return RLState(train_state, state.reference), metrics
+
+
+def make_rl_step(run_config: RunConfig, environment: "Environment", *, placement: Placement | None = None,
+                 optimizer=None, peak_flops: float | None = None) -> RLStep:
+    """The RL step of `run_config` on `environment` (`build_environment`): its mesh and layouts (`Placement`, built
+    here unless given), its optimizer (`OptimizerConfig`) and one `RLPipeline` whose update is one program over the
+    whole mesh. Fails before any compute when the step's rows cannot be one global batch or the KV budget holds no
+    row. `train` drives it with hooks (`Hook`); a Python user can drive it alone:
+
+        rl = make_rl_step(run_config, environment)
+        state = RLState(init_train_state(...), reference_params)
+        state, metrics = rl(state, RLBatch(1, tasks, rollout_key(seed, 1)))
+    """
+    placement = placement or Placement(run_config, environment.model_config)
+    optimizer = optimizer or make_optimizer(run_config.optimizer)
+    rows = run_config.train.prompts_per_step * run_config.rollout.group_size
+    try:  # fail before any compute when the step's rows cannot be one global batch
+        distributed.check_rows_split_by_process(batch_sharding(placement.mesh, placement.rules, (rows, 1)), (rows, 1))
+    except ValueError as error:
+        raise ValueError(f"TrainConfig.prompts_per_step x RolloutConfig.group_size = {rows} rows per step: "
+                         f"{error}") from None
+    # fail before any compute when the KV budget holds no row
+    rows_within_budget(environment.model_config, run_config.rollout, mesh=placement.process_mesh,
+                       rows=rows // jax.process_count(), rules=placement.rollout_rules)
+    pipeline = RLPipeline(environment.model_config, environment.chat, environment.browser, run_config.rollout,
+                          run_config.credit, run_config.loss, run_config.update, optimizer,
+                          mesh=placement.process_mesh, rules=placement.rules, rollout_rules=placement.rollout_rules,
+                          train_step=make_train_step(environment.model_config, run_config.loss, optimizer,
+                                                     mesh=placement.mesh, rules=placement.rules))
+    return RLStep(pipeline, placement, optimizer, run_config.train.seed, peak_flops)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """What a run does after a step besides the step itself (levanter's hooks): `fn(step, state, metrics)` runs after
+    each step where `due(step)`, in the order of the run's hook list; it may add to `metrics` (which the `record`
+    hook then logs) and may return a new `RLState` (the reference swap does), else None.
+
+    Attributes:
+      name: what it is, for messages (`evaluation`, `record`, `reference swap`, `checkpoint`, `plots`).
+      fn: `(step, state, metrics) -> RLState | None`.
+      every: run it after every `every`-th step; 0 never.
+    """
+
+    name: str
+    fn: Callable[[int, RLState, dict], "RLState | None"]
+    every: int = 1
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+
+def run_hooks(hooks: Sequence[Hook], step: int, state: RLState, metrics: dict) -> RLState:
+    """Run the hooks due after `step`, in order; returns the state the last of them left."""
+    for hook in hooks:
+        if hook.due(step):
+            new = hook.fn(step, state, metrics)
+            if new is not None and not isinstance(new, RLState):
+                raise TypeError(f"hook {hook.name!r} returned a {type(new).__name__}; a hook returns a new RLState "
+                                "or None")
+            state = new if new is not None else state
+    return state
+
+
 def _init_from_store(init_from: str) -> Checkpointer:
     """The reference store of the run `TrainConfig.init_from` names, checked to hold its step 0 (the initial policy)."""
     missing = not (Path(init_from) / REFERENCE_DIR).is_dir()  # checked first: a Checkpointer creates its directory
@@ -708,23 +828,11 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
     t0 = time.perf_counter()
     environment = build_environment(run_config, run_dir)
     stages["build"] = time.perf_counter() - t0
-    optimizer = make_optimizer(run_config.optimizer)
-    placement = Placement(run_config, environment.model_config)
-    mesh = placement.mesh
-    try:  # fail before any compute when the step's rows cannot be one global batch
-        distributed.check_rows_split_by_process(batch_sharding(mesh, placement.rules, (rows, 1)), (rows, 1))
-    except ValueError as error:
-        raise ValueError(f"TrainConfig.prompts_per_step x RolloutConfig.group_size = {rows} rows per step: "
-                         f"{error}") from None
-    # fail before any compute when the KV budget holds no row
+    rl = make_rl_step(run_config, environment)
+    placement, pipeline, optimizer, mesh = rl.placement, rl.pipeline, rl.optimizer, rl.placement.mesh
     process_rows = rows // jax.process_count()
     rows_at_once = rows_within_budget(environment.model_config, run_config.rollout, mesh=placement.process_mesh,
                                       rows=process_rows, rules=placement.rollout_rules)
-    pipeline = RLPipeline(environment.model_config, environment.chat, environment.browser, run_config.rollout,
-                          run_config.credit, run_config.loss, update_config, optimizer, mesh=placement.process_mesh,
-                          rules=placement.rules, rollout_rules=placement.rollout_rules,
-                          train_step=make_train_step(environment.model_config, run_config.loss, optimizer, mesh=mesh,
-                                                     rules=placement.rules))
     checkpoint_config = dataclasses.replace(run_config.checkpoint,
                                             directory=str(run_dir / run_config.checkpoint.directory))
     log(f"run {run_dir}: {train_config.steps} RL steps of {train_config.prompts_per_step} prompts x "
@@ -792,45 +900,54 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
             reference_params = external_reference
         else:
             reference_params = placement.reference(own_copies, reference_at, f"the reference of {run_dir}")
-        peak = _peak_flops()
-        timer = PhaseTimer()
+        rl.peak_flops = _peak_flops()
+
+        def evaluation(step, state, metrics):
+            if step < train_config.steps:  # the final evaluation follows the loop
+                result = _evaluate(run_config, environment, placement.rollout_params(state.train.params),
+                                   f"step {step}", log, placement)
+                metrics.update(_eval_metrics(result))
+                host["evals"][f"step{step}"] = _sets_to_json(result)
+
+        def reference_swap(step, state, metrics):
+            if step == swap:  # the mid-run swap variant: this run's own policy of this step from now on
+                reference_store.save(state.train, {"step": step}, force=True)
+                return RLState(state.train, placement.reference(own_copies, step, f"the reference of {run_dir}"))
+
+        def checkpoint(step, state, metrics):
+            _stop_requested_anywhere(guard)
+            checkpointer.maybe_save(state.train, host)
+
+        def record(step, state, metrics):
+            writer.log(step, metrics)
+
+        def plots(step, state, metrics):
+            writer.write_plots()
+
+        hooks = [Hook("evaluation", evaluation, run_config.eval.every_steps),
+                 Hook("record", record),
+                 Hook("reference swap", reference_swap, 1 if swap > 0 else 0),
+                 Hook("checkpoint", checkpoint),
+                 Hook("plots", plots, train_config.plot_every)]
+        rl_state = RLState(state, reference_params)
         rl_start = time.perf_counter()
         writer.start_progress()
         prompts = prompt_stream(run_config, environment.train_tasks, host.get("data_iterator"))
         while step < train_config.steps:
-            timer.reset()
             step_tasks = next(prompts)
-            if primary:
-                _record_prompts(run_dir, step + 1, step_tasks)
-            key = jax.random.fold_in(jax.random.PRNGKey(train_config.seed), _ROLLOUT_SALT + step)
-            state, prepared, update_metrics = rl_step(pipeline, placement, state, reference_params, step_tasks, key,
-                                                      seed=train_config.seed * 1_000_003 + step, timer=timer)
             step += 1
-            state = state.replace(step=distributed.put_replicated_value(np.int32(step), NamedSharding(mesh, P())))
+            if primary:
+                _record_prompts(run_dir, step, step_tasks)
+            rl_state, metrics = rl(rl_state, RLBatch(step, tuple(step_tasks), rollout_key(train_config.seed, step)))
             # grain's iterator state is the position; data_position counts every process's prompts
             host["data_iterator"] = prompts.state()
             host["data_position"] = int(host["data_position"]) + train_config.prompts_per_step
-            metrics = {**prepared.metrics, **update_metrics, **timer.metrics()}
-            metrics.update(pipeline.throughput(prepared, timer.seconds["update"], timer.seconds["rollout"],
-                                               peak_flops=peak))
-            every = run_config.eval.every_steps
-            if every and step % every == 0 and step < train_config.steps:
-                result = _evaluate(run_config, environment, placement.rollout_params(state.params), f"step {step}",
-                                   log, placement)
-                metrics.update(_eval_metrics(result))
-                host["evals"][f"step{step}"] = _sets_to_json(result)
-            writer.log(step, metrics)
-            if step == swap:  # the mid-run swap variant: this run's own policy of this step from now on
-                reference_store.save(state, {"step": step}, force=True)
-                reference_params = placement.reference(own_copies, step, f"the reference of {run_dir}")
-            _stop_requested_anywhere(guard)
-            checkpointer.maybe_save(state, host)
+            rl_state = run_hooks(hooks, step, rl_state, metrics)
             if checkpointer.stop_requested:
                 log(f"stopped by {guard.signal_name} after step {step}; rerun the same command to resume")
                 writer.close()
                 return {"stopped_at": step}
-            if train_config.plot_every and step % train_config.plot_every == 0:
-                writer.write_plots()
+        state, reference_params = rl_state.train, rl_state.reference
         rl_seconds = time.perf_counter() - rl_start
         checkpointer.save(state, host, force=True)
         checkpointer.wait_until_finished()
