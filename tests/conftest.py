@@ -134,11 +134,12 @@ def smollm2_hf_dir(tmp_path_factory):
 def pytest_collection_modifyitems(config, items):
     """Test files holding a `slow` test run first, each file's tests still together and in order.
 
-    The suite runs on two pytest-xdist workers that take whole files in collection order (`--dist loadfile`), and
-    the slowest files sit in tests/rl and tests/train, which sort last: one worker was left finishing them alone for the last
-    minute and a half (15:29 for the suite, idle). Heaviest first, the many short files fill the end instead: files
-    with a slow test in tests/rl or tests/train (whole RL steps and loops), then the other files with a slow test,
-    then the rest of tests/rl and tests/train (each compiles train steps), then everything else.
+    The suite runs on two pytest-xdist workers that take whole files in collection order (`--dist loadfile
+    --no-loadscope-reorder`; by default xdist reorders the files by their number of tests, which undid this order),
+    and the slowest files sit in tests/rl and tests/train, which sort last: one worker was left finishing them alone
+    for the last minute and a half (15:29 for the suite, idle). Heaviest first, the many short files fill the end
+    instead: files with a slow test in tests/rl or tests/train (whole RL steps and loops), then the other files with
+    a slow test, then the rest of tests/rl and tests/train (each compiles train steps), then everything else.
     """
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     heavy = (Path(__file__).parent / "rl", Path(__file__).parent / "train")
