@@ -94,8 +94,8 @@ def test_mesh_config_without_rule_overrides_uses_the_default_rules():
 
 
 def test_rule_overrides_replace_only_the_logical_axes_they_name():
-    rules = MeshConfig(rules=(("embed", ("fsdp", "expert")), ("vocab", None))).train_rules()
-    expected = {**dict(models.DEFAULT_RULES), "embed": ("fsdp", "expert"), "vocab": None}
+    rules = MeshConfig(rules=(("embed", ("data", "fsdp", "expert")), ("vocab", None))).train_rules()
+    expected = {**dict(models.DEFAULT_RULES), "embed": ("data", "fsdp", "expert"), "vocab": None}
     assert rules == tuple(expected.items())
 
 
