@@ -812,7 +812,8 @@ class _Programs:
         shapes = jax.eval_shape(lambda: sampler.SamplerState(
             cache=init_cache(self.config, rows, self.length),
             logits=jnp.zeros((rows, self.config.vocab_size), jnp.float32)))
-        return _abstract(shapes, sampler.divisible_shardings(shapes, sampler.state_shardings(self.mesh, self.rollout_rules)))
+        return _abstract(shapes, sampler.divisible_shardings(shapes, sampler.state_shardings(self.mesh,
+                                                                                             self.rollout_rules)))
 
     def _rollout_resident(self) -> int:
         # While the rollout runs: the whole train state and the reference (the rollout copy and the cache are the
@@ -932,8 +933,7 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
 
     topology = parse_topology(plan_config.topology)
     mesh_config = mesh_config or run_config.mesh
-    if not mesh_config.rules:  # a --mesh without rule overrides keeps the run's (`MeshConfig.rules`)
-        mesh_config = dataclasses.replace(mesh_config, rules=run_config.mesh.rules)
+    mesh_config = mesh_config.keeping_rules_of(run_config.mesh)
     try:
         axes = mesh_config.axis_sizes(topology.num_chips)
     except TrainConfigError as error:

@@ -4,6 +4,8 @@ rollout layout's rules and `models.placed_on`."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,3 +123,11 @@ def test_rule_overrides_given_as_lists_by_gin_are_normalised_to_hashable_tuples(
 def test_bad_rule_overrides_are_errors_naming_mesh_config_rules_the_entry_and_the_accepted_names(rules, words):
     with pytest.raises(TrainConfigError, match=f"MeshConfig.rules: .*{words}"):
         MeshConfig(rules=rules)
+
+
+def test_a_mesh_flag_without_rules_keeps_the_runs_rules_and_one_with_rules_keeps_its_own():
+    run_mesh = MeshConfig(rules=(("vocab", None),))
+    flag = MeshConfig.from_flag("fsdp=2,tensor=2")
+    assert flag.keeping_rules_of(run_mesh) == dataclasses.replace(flag, rules=(("vocab", None),))
+    own = dataclasses.replace(flag, rules=(("embed", None),))
+    assert own.keeping_rules_of(run_mesh) is own

@@ -61,26 +61,30 @@ def _rule_axes(name: str, axes):
                      "or None (replicated)")
 
 
-def merge_rules(overrides: Rules = (), base: Rules = DEFAULT_RULES) -> tuple:
-    """`base` with the logical axes named in `overrides` mapped as the overrides say, in `base`'s order.
-
-    Each override is `(logical axis, mesh axes)`: a logical name of `LOGICAL_AXES` and a mesh axis, a tuple of mesh
-    axes or None. Raises ValueError naming the bad entry and the accepted names (an unknown logical or mesh axis, a
-    malformed entry, a logical axis given twice). `merge_rules(())` is `base`.
-    """
-    merged = dict(base)
-    seen: set[str] = set()
+def check_rule_overrides(overrides: Rules, names: Sequence[str] = LOGICAL_AXES) -> tuple:
+    """`overrides` checked and normalised: a tuple of `(logical axis, mesh axes)` pairs, each a logical name of
+    `names` (default `LOGICAL_AXES`) and a mesh axis, a tuple of distinct mesh axes (a list becomes a tuple, as gin
+    may give it) or None. Raises ValueError naming the bad entry and the accepted names (an unknown logical or mesh
+    axis, a malformed entry, a logical axis given twice)."""
+    checked: dict[str, object] = {}
     for entry in overrides:
         if not isinstance(entry, (tuple, list)) or len(entry) != 2 or not isinstance(entry[0], str):
             raise ValueError(f"rule {entry!r}: expected a pair (logical axis, mesh axes), e.g. ('embed', 'fsdp')")
         name, axes = entry
-        if name not in merged:
+        if name not in names:
             raise ValueError(f"rule ({name!r}, {axes!r}): unknown logical axis {name!r}; the logical axes are "
-                             f"{', '.join(LOGICAL_AXES)}")
-        if name in seen:
+                             f"{', '.join(names)}")
+        if name in checked:
             raise ValueError(f"rule ({name!r}, {axes!r}): logical axis {name!r} is given twice; keep one rule for it")
-        seen.add(name)
-        merged[name] = _rule_axes(name, axes)
+        checked[name] = _rule_axes(name, axes)
+    return tuple(checked.items())
+
+
+def merge_rules(overrides: Rules = (), base: Rules = DEFAULT_RULES) -> tuple:
+    """`base` with the logical axes named in `overrides` mapped as the overrides say, in `base`'s order
+    (`overrides` checked by `check_rule_overrides` against `base`'s names). `merge_rules(())` is `base`."""
+    merged = dict(base)
+    merged.update(check_rule_overrides(overrides, tuple(merged)))
     return tuple(merged.items())
 
 

@@ -255,8 +255,8 @@ def demonstrable_tasks(tasks: list) -> list:
 def warm_start(run_config: RunConfig, environment: Environment, params, log: Callable[[str], None] = print, *,
                progress: bool = False, mesh=None, rules=None):
     """SFT on oracle trajectories rendered exactly as the rollouts render them, on `mesh` (the run's; None = the
-    params' own device) under the train-layout `rules` (the run's `MeshConfig.train_rules()`); returns `(params, losses)`. With `progress` the steps show on a bar of their own (instead
-    of a log line every fifth of them)."""
+    params' own device) under the train-layout `rules` (the run's `MeshConfig.train_rules()`); returns `(params,
+    losses)`. With `progress` the steps show on a bar of their own (instead of a log line every fifth of them)."""
     ws = run_config.warmstart
     results = oracle_trajectories(demonstrable_tasks(environment.train_tasks), environment.browser, ws)
     arrays = sft_arrays(environment.chat, ws.render_rollout(run_config.rollout), environment.browser, results,
@@ -466,8 +466,8 @@ class Placement:
       * the train state: the train layout (`MeshConfig.train_rules()`: `models.DEFAULT_RULES`, FSDP x tensor x
         expert, with the run's `MeshConfig.rules` overrides) on the mesh;
       * rollouts and evaluation read `rollout_params(params)`: the policy resharded on device to the rollout layout
-        (`MeshConfig.rollout_rules()`: weights whole over the batch axes, heads / mlp / vocab over `tensor`, experts over
-        `expert`), on the process block;
+        (`MeshConfig.rollout_rules()`: weights whole over the batch axes, heads / mlp / vocab over `tensor`,
+        experts over `expert`), on the process block;
       * the frozen reference: restored once from its checkpoint straight into the train layout, cast to
         `TrainConfig.reference_dtype` on device (fresh buffers, never the policy's, which the update donates), and
         held as the process block reads it (`distributed.to_process_local`: as it is with one process).
@@ -577,7 +577,6 @@ def rl_step(pipeline: RLPipeline, placement: Placement, state, reference_params,
         state, update_metrics = pipeline.update(state, prepared, reference_params, seed=seed)
         jax.block_until_ready(state.params)
     return state, prepared, update_metrics
-
 
 
 # ------------------------------------------------------------------------------------------------ the step and hooks
@@ -1011,9 +1010,8 @@ def evaluate_run(run_dir: str | Path, step: int | None = None, *, set_name: str 
         raise FileNotFoundError(f"{config_path} does not exist: --run-dir must be a directory written by "
                                 "`trace-jax train`")
     run_config = parse([str(config_path)])
-    if mesh is not None:  # a mesh without rule overrides keeps the run's (`MeshConfig.rules`)
-        run_config = dataclasses.replace(run_config, mesh=mesh if mesh.rules else dataclasses.replace(
-            mesh, rules=run_config.mesh.rules))
+    if mesh is not None:
+        run_config = dataclasses.replace(run_config, mesh=mesh.keeping_rules_of(run_config.mesh))
     environment = build_environment(run_config, run_dir, load_params=False, only_set=set_name)
     placement = Placement(run_config, environment.model_config)
     directory = run_dir / run_config.checkpoint.directory

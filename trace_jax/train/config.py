@@ -194,8 +194,8 @@ class MeshConfig:
         only, e.g. to compare a mesh with one device in the same process.
       rules: overrides of the logical-axis sharding rules (`models.DEFAULT_RULES`, the train layout), each
         `(logical axis, mesh axes)`: a logical name of `models.LOGICAL_AXES` and a mesh axis, a tuple of mesh axes
-        or None (replicated), e.g. `(('embed', ('fsdp', 'expert')), ('vocab', None))`. Empty (default) = the
-        default rules. Every phase of a run uses them: `train_rules()` for the train state, the update and the
+        or None (replicated), e.g. `(('embed', ('data', 'fsdp', 'expert')), ('vocab', None))`. Empty (default) =
+        the default rules. Every phase of a run uses them: `train_rules()` for the train state, the update and the
         frozen reference, `rollout_rules()` (derived: `embed` replicated) for rollouts and evaluation.
     """
 
@@ -215,17 +215,21 @@ class MeshConfig:
               f"at most one axis may be -1, got {dict(zip(MESH_AXES, sizes))}")
         _need(isinstance(self.devices, int) and self.devices >= 0, "MeshConfig", "devices",
               f"must be an int >= 0 (0 = all devices), got {self.devices!r}")
-        from trace_jax.models.sharding import merge_rules  # the one rule checker (imports jax, so not at the top)
+        # the one rule checker (it imports jax, so not at the top)
+        from trace_jax.models.sharding import check_rule_overrides
 
         _need(isinstance(self.rules, (tuple, list)), "MeshConfig", "rules",
               f"must be a tuple of (logical axis, mesh axes) pairs, e.g. (('embed', 'fsdp'),), got {self.rules!r}")
         try:
-            merge_rules(self.rules)
+            rules = check_rule_overrides(self.rules)
         except ValueError as error:
             raise TrainConfigError(f"MeshConfig.rules: {error}") from None
-        # normalised to nested tuples (gin may give lists), so the config stays hashable
-        object.__setattr__(self, "rules", tuple((name, axes if axes is None or isinstance(axes, str) else tuple(axes))
-                                                for name, axes in self.rules))
+        object.__setattr__(self, "rules", rules)  # nested tuples (gin may give lists): the config stays hashable
+
+    def keeping_rules_of(self, run_mesh: "MeshConfig") -> "MeshConfig":
+        """This mesh, with `run_mesh`'s rules when it names none itself: a `--mesh` flag given for a run (`eval`,
+        `plan`) changes the axis sizes and keeps the run's `MeshConfig.rules`."""
+        return self if self.rules else dataclasses.replace(self, rules=run_mesh.rules)
 
     def train_rules(self) -> tuple:
         """The run's logical-axis rules of the train layout: `models.DEFAULT_RULES` merged with `rules`."""
