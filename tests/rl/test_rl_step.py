@@ -35,6 +35,18 @@ def test_a_hook_that_returns_a_state_replaces_the_runs_state_for_the_hooks_after
 
 
 
+def test_end_of_run_hooks_run_once_after_the_last_step_in_order_and_only_then():
+    calls = []
+    hooks = [Hook("final evaluation", lambda step, state, metrics: metrics.update(final=step), 0, at_end=True),
+             Hook("record", lambda step, state, metrics: calls.append(("record", step, dict(metrics))), at_end=True),
+             Hook("checkpoint", lambda step, state, metrics: calls.append(("checkpoint", step))),
+             Hook("receipts", lambda step, state, metrics: calls.append(("receipts", step)), 0, at_end=True)]
+    run_hooks(hooks, 1, RLState(None, None), {"reward": 1.0})
+    run_hooks(hooks, 1, RLState(None, None), {}, end=True)
+    assert calls == [("record", 1, {"reward": 1.0}), ("checkpoint", 1),
+                     ("record", 1, {"final": 1}), ("receipts", 1)]
+
+
 def test_a_hook_that_returns_anything_but_a_state_or_none_is_an_error_naming_it():
     with pytest.raises(TypeError, match="hook 'record' returned a dict; a hook returns a new RLState or None"):
         run_hooks([Hook("record", lambda step, state, metrics: {"logged": True})], 1, RLState(None, None), {})

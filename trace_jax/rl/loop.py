@@ -43,8 +43,9 @@ The loop's shape (PureJaxRL's and levanter's): `make_rl_step(run_config, environ
 `step(state: RLState, batch: RLBatch) -> (state, metrics)` (`RLState`: the train state and the frozen reference;
 `RLBatch`: the step's number, prompts and rollout key); `train` feeds it batches and after each step runs its
 hooks (`Hook`: evaluation, the metrics record, the reference swap, the checkpoint, plots), in that order, each
-when due. The warm start before the steps and the final evaluation and credit receipts after them are stages of
-`train`, not hooks.
+when due; after the last step (also when there is none, `TrainConfig.steps = 0`) it forces a checkpoint and runs
+the end-of-run hooks (`Hook.at_end`): the final evaluation, its record, the credit receipts and the plots. The warm
+start before the steps is a stage of `train`, not a hook.
 
 This module knows configs, the run directory and the pipeline; the arithmetic lives in the modules it calls.
 """
@@ -666,23 +667,28 @@ class Hook:
     hook then logs) and may return a new `RLState` (the reference swap does), else None.
 
     Attributes:
-      name: what it is, for messages (`evaluation`, `record`, `reference swap`, `checkpoint`, `plots`).
+      name: what it is, for messages (`evaluation`, `record`, `reference swap`, `checkpoint`, `plots`,
+        `final evaluation`, `receipts`).
       fn: `(step, state, metrics) -> RLState | None`.
       every: run it after every `every`-th step; 0 never.
+      at_end: also run it once after the run's last step (`run_hooks(..., end=True)`), with the metrics of the end
+        (the final evaluation's); a hook with `every = 0` and `at_end` runs only then.
     """
 
     name: str
     fn: Callable[[int, RLState, dict], "RLState | None"]
     every: int = 1
+    at_end: bool = False
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
 
-def run_hooks(hooks: Sequence[Hook], step: int, state: RLState, metrics: dict) -> RLState:
-    """Run the hooks due after `step`, in order; returns the state the last of them left."""
+def run_hooks(hooks: Sequence[Hook], step: int, state: RLState, metrics: dict, *, end: bool = False) -> RLState:
+    """Run the hooks due after `step` (with `end`: the end-of-run hooks, `Hook.at_end`), in order; returns the state
+    the last of them left."""
     for hook in hooks:
-        if hook.due(step):
+        if hook.at_end if end else hook.due(step):
             new = hook.fn(step, state, metrics)
             if new is not None and not isinstance(new, RLState):
                 raise TypeError(f"hook {hook.name!r} returned a {type(new).__name__}; a hook returns a new RLState "
@@ -901,12 +907,27 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
             reference_params = placement.reference(own_copies, reference_at, f"the reference of {run_dir}")
         rl.peak_flops = _peak_flops()
 
+        end: dict[str, Any] = {}  # what the end-of-run hooks leave for the summary
+
         def evaluation(step, state, metrics):
             if step < train_config.steps:  # the final evaluation follows the loop
                 result = _evaluate(run_config, environment, placement.rollout_params(state.train.params),
                                    f"step {step}", log, placement)
                 metrics.update(_eval_metrics(result))
                 host["evals"][f"step{step}"] = _sets_to_json(result)
+
+        def final_evaluation(step, state, metrics):
+            t0 = time.perf_counter()
+            end["final_params"] = placement.rollout_params(state.train.params)
+            final = _evaluate(run_config, environment, end["final_params"], "after RL", log, placement)
+            stages["eval_final"] = time.perf_counter() - t0
+            metrics.update(_eval_metrics(final))
+            end["evals"] = {**host["evals"], "final": _sets_to_json(final)}
+            initial, final = _headline(_sets_from_json(host["evals"]["initial"])), _headline(final)
+            label = "after warm start" if run_config.warmstart.steps > 0 or train_config.init_from else "initial"
+            end["line"] = format_comparison(initial, final, before_label=label, after_label="after RL")
+            log(end["line"])
+            end["comparison"] = compare(initial, final)
 
         def reference_swap(step, state, metrics):
             if step == swap:  # the mid-run swap variant: this run's own policy of this step from now on
@@ -920,14 +941,21 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
         def record(step, state, metrics):
             writer.log(step, metrics)
 
+        def receipts(step, state, metrics):
+            receipt_tasks = environment.eval_tasks[:train_config.receipts] if primary else []
+            end["receipts"] = write_credit_receipts(pipeline, end["final_params"], state.reference, receipt_tasks,
+                                                    jax.random.PRNGKey(train_config.seed + 1), run_dir / RECEIPTS_DIR)
+
         def plots(step, state, metrics):
             writer.write_plots()
 
         hooks = [Hook("evaluation", evaluation, run_config.eval.every_steps),
-                 Hook("record", record),
+                 Hook("final evaluation", final_evaluation, 0, at_end=True),
+                 Hook("record", record, at_end=True),
                  Hook("reference swap", reference_swap, 1 if swap > 0 else 0),
                  Hook("checkpoint", checkpoint),
-                 Hook("plots", plots, train_config.plot_every)]
+                 Hook("receipts", receipts, 0, at_end=True),
+                 Hook("plots", plots, train_config.plot_every, at_end=True)]
         rl_state = RLState(state, reference_params)
         rl_start = time.perf_counter()
         writer.start_progress()
@@ -946,27 +974,11 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
                 log(f"stopped by {guard.signal_name} after step {step}; rerun the same command to resume")
                 writer.close()
                 return {"stopped_at": step}
-        state, reference_params = rl_state.train, rl_state.reference
-        rl_seconds = time.perf_counter() - rl_start
-        checkpointer.save(state, host, force=True)
+        stages["rl_steps"] = time.perf_counter() - rl_start
+        checkpointer.save(rl_state.train, host, force=True)
         checkpointer.wait_until_finished()
-
-        t0 = time.perf_counter()
-        final_params = placement.rollout_params(state.params)
-        final = _evaluate(run_config, environment, final_params, "after RL", log, placement)
-        stages["eval_final"] = time.perf_counter() - t0
-        writer.log(step, _eval_metrics(final))
-        evals = {**host["evals"], "final": _sets_to_json(final)}
-        initial, final = _headline(_sets_from_json(host["evals"]["initial"])), _headline(final)
-        label = "after warm start" if run_config.warmstart.steps > 0 or train_config.init_from else "initial"
-        line = format_comparison(initial, final, before_label=label, after_label="after RL")
-        log(line)
-        comparison = compare(initial, final)
-        receipt_tasks = environment.eval_tasks[:train_config.receipts] if primary else []
-        receipts = write_credit_receipts(pipeline, final_params, reference_params, receipt_tasks,
-                                         jax.random.PRNGKey(train_config.seed + 1), run_dir / RECEIPTS_DIR)
-        writer.write_plots()
-        stages["rl_steps"] = rl_seconds
+        rl_state = run_hooks(hooks, step, rl_state, {}, end=True)
+        evals = end["evals"]
         history = [r for r in writer.history if "reward" in r]
         summary = {
             "run_dir": str(run_dir), "steps": step, "estimator": run_config.credit.estimator,
@@ -977,14 +989,14 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
             "evaluations": {name: {k: v for k, v in next(iter(sets.values())).items()
                                    if k not in ("correct", "task_ids")} for name, sets in evals.items()},
             "eval_sets": eval_table(evals),
-            "comparison": {**dataclasses.asdict(comparison), "line": line},
+            "comparison": {**dataclasses.asdict(end["comparison"]), "line": end["line"]},
             "reference": {"checkpoint": train_config.reference_checkpoint or None,
                           "swap_step": swap if swap >= 0 else None,
                           "frozen_from_step_0": swap < 0},
             "mean_reward_first_step": history[0]["reward"] if history else None,
             "mean_reward_last_step": history[-1]["reward"] if history else None,
             "seconds": {**stages, "total_this_process": time.perf_counter() - started},
-            "receipts": [str(p.relative_to(run_dir)) for p in receipts],
+            "receipts": [str(p.relative_to(run_dir)) for p in end["receipts"]],
         }
         writer.write_summary(summary)
         writer.close()
