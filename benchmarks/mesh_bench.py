@@ -14,7 +14,9 @@ device:
   KV cache                  the rollout's cache, read at every `sampler.generate` call of the steps (the largest)
 
 The table gives, per category, the bytes on one device, the largest and smallest per-device bytes on the mesh,
-their ratio to one device, and the target: at most 1/N + 10% of the one-device bytes (N = the mesh's devices).
+their ratio to one device, and the target: at most 1/N + 10% of the one-device bytes (N = the mesh's devices; for
+the train state and the reference, the devices the rules split them over, `state_devices`: the `data` axis is pure
+data parallelism and replicates them by design, so on data=2,fsdp=2,tensor=2 their N is 4, the cache's 8).
 The rollout layout is printed against 1/N too but not held to it (a note says so): by design it keeps the
 weights whole over the batch axes, a copy that lives while the step rolls out. The exit status is 1 when any
 other category is over its target. Phase times
@@ -127,12 +129,29 @@ def run_mesh(run_config, environment, mesh_flag: str, steps: int) -> dict:
             state, _, _ = rl_step(pipeline, placement, state, reference, tasks, jax.random.PRNGKey(100 + step),
                                   seed=step, timer=timer)
     rollout_params = placement.rollout_params(state.params)
-    return {"devices": placement.mesh.devices.size,
+    return {"devices": placement.mesh.devices.size, "state_devices": state_devices(placement.mesh, placement.rules),
             "bytes": {"policy (train layout)": device_bytes(state.params),
                       "policy (rollout layout)": device_bytes(rollout_params),
                       "optimizer state": device_bytes(state.opt_state), "reference": device_bytes(reference),
                       "KV cache": caches},
             "seconds": {phase: timer.seconds.get(phase, 0.0) for phase in PHASES}}
+
+
+def state_devices(mesh, rules) -> int:
+    """How many ways the rules split the train state on `mesh`: the product of the sizes of the mesh axes that any
+    logical axis but `batch` and `length` (activations only) maps to. With `models.DEFAULT_RULES` that is fsdp x
+    tensor x expert: the `data` axis is pure data parallelism (MaxText's convention; the axis a multi-slice run puts
+    over DCN), so params, moments and reference are replicated over it by design."""
+    sizes = dict(mesh.shape)
+    axes = set()
+    for logical, target in rules:
+        if logical in ("batch", "length") or target is None:
+            continue
+        axes.update((target,) if isinstance(target, str) else target)
+    n = 1
+    for axis in axes:
+        n *= sizes.get(axis, 1)
+    return n
 
 
 def _size(nbytes: float) -> str:
@@ -153,7 +172,7 @@ def table(model: str, results: dict) -> tuple[list[str], bool]:
     for mesh, result in results.items():
         if mesh == ONE_DEVICE:
             continue
-        n = result["devices"]
+        n, n_state = result["devices"], result["state_devices"]
         for category in CATEGORIES:
             alone = sum(one["bytes"][category].values())
             per_device = result["bytes"][category]
@@ -163,6 +182,10 @@ def table(model: str, results: dict) -> tuple[list[str], bool]:
             if category == "policy (rollout layout)":
                 note = "not held to 1/N: whole over the batch axes by design"
             else:
+                if category != "KV cache" and n_state < n:
+                    target = 1 / n_state + 0.1
+                    note = (f"N = {n_state}: the rules shard the state over {n_state} of the {n} devices; the "
+                            "data axis replicates it by design")
                 ok &= ratio <= target
             lines.append(f"| {model} | {mesh} | {category} | {_size(alone)} | {_size(max(per_device.values()))} "
                          f"({_size(min(per_device.values()))}) | {ratio:.3f} | {target:.3f} | "

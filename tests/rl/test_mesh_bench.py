@@ -33,3 +33,26 @@ def test_quick_bench_prints_every_category_within_its_target(capsys):
     assert len(phases) == 1  # rollout, scoring, credit, update seconds
     rollout, scoring, credit, update = map(float, phases[0][2:6])
     assert rollout > 0 and update > 0
+
+
+def test_the_state_target_counts_the_devices_the_rules_split_the_state_over():
+    import jax
+
+    from trace_jax import models
+
+    spec = importlib.util.spec_from_file_location("mesh_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    devices = jax.devices()[:8]
+    if len(devices) < 8:
+        pytest.skip("needs 8 devices (the suite's conftest forces them)")
+
+    def mesh(**axes):
+        return jax.sharding.Mesh(__import__("numpy").array(devices).reshape(tuple(axes.values())), tuple(axes))
+
+    assert bench.state_devices(mesh(data=1, fsdp=4, tensor=2, expert=1), models.DEFAULT_RULES) == 8
+    # the data axis is pure data parallelism: the state is replicated over it
+    assert bench.state_devices(mesh(data=2, fsdp=2, tensor=2, expert=1), models.DEFAULT_RULES) == 4
+    # a rules override that also splits `embed` over data makes it 8 again
+    rules = models.merge_rules((("embed", ("data", "fsdp", "expert")),))
+    assert bench.state_devices(mesh(data=2, fsdp=2, tensor=2, expert=1), rules) == 8
