@@ -788,7 +788,7 @@ class _Programs:
                         f"{', + trajectory log-probs' if with_token_lp else ''}")
         report.resident_other_bytes = device_bytes(self.state)  # the policy's train state stays during scoring
         program = fork.fork_scores_program(self.config, layout=layout, logprob_chunk=256, query_chunk=0,
-                                           with_token_logprobs=with_token_lp)
+                                           with_token_logprobs=with_token_lp, mesh=self.mesh)
         _compile(report, lambda: program.lower(self.reference, *args), device_bytes((self.reference, args)))
 
     def reshard(self, report: ProgramReport):
@@ -957,22 +957,10 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
                     waves=-(-rows // programs.rows_at_once), reference_dtype=run_config.train.reference_dtype)
     resident = {"train state": device_bytes(programs.state), "reference": device_bytes(programs.reference),
                 "rollout copy": device_bytes(programs.rollout_params), "KV cache": programs.kv_cache_bytes}
-    reports, notes = [], []
+    reports = []
     for name in plan_config.programs:
         report = ProgramReport(name, "")
-        try:
-            getattr(programs, name)(report)
-        except NotImplementedError as error:
-            if "Mosaic" not in str(error) or programs.config.attention_impl == "xla":
-                raise
-            # A Pallas kernel under GSPMD without shard_map does not lower: say so, and plan the XLA attention path
-            # (what the run can compile on this mesh today).
-            notes.append(f"attention_impl {programs.config.attention_impl!r} does not lower on mesh {axes}: "
-                         f"{str(error).splitlines()[0]}; planned with attention_impl 'xla' instead")
-            programs.config = programs.config.replace(attention_impl="xla")
-            settings["attention"] = "xla"
-            report = ProgramReport(name, "")
-            getattr(programs, name)(report)
+        getattr(programs, name)(report)
         reports.append(report)
         jax.clear_caches()
     result = PlanReport(topology, axes, how, settings, reports, resident)
@@ -982,7 +970,7 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
             programs, devices[0], validate=plan_config.validate_estimate)
     if plan_config.estimate_time:
         result.split = estimate_step_split(programs, devices[0], result.estimate)
-    result.notes += notes + [f"device kind {devices[0].device_kind}; compiled with jax {jax.__version__}"]
+    result.notes += [f"device kind {devices[0].device_kind}; compiled with jax {jax.__version__}"]
     result.advice = _advice(result, run_config, model_config)
     return result
 

@@ -397,10 +397,11 @@ def _pallas_tpu_causal(q, k, v, segment_ids, *, q_block: int, k_block: int):
     """Splash attention (Pallas TPU) for causal self-attention; segment_ids [B, S] or None.
 
     The Mosaic kernel is per-device: GSPMD cannot partition it. Under a mesh set with `jax.set_mesh` (the train
-    step, the loop) it runs inside `jax.shard_map`, rows split over the mesh axes of the "batch" rule and heads
-    over those of "heads" (`sharding.DEFAULT_RULES`: data/fsdp/expert and tensor; an axis that does not divide
-    the dimension is dropped, so that dimension is replicated over it), each device running the kernel on its own
-    rows and heads. Without a mesh (one device) it runs as is.
+    step and the reference scorer trace their programs under their mesh) it runs inside `jax.shard_map`, rows
+    split over the mesh axes of the "batch" rule and heads over those of "heads" (`sharding.DEFAULT_RULES`:
+    data/fsdp/expert and tensor; an axis that does not divide the dimension is dropped, so that dimension is
+    replicated over it), each device running the kernel on its own rows and heads. Without a mesh (one device)
+    it runs as is.
     """
     from trace_jax.models.sharding import logical_to_mesh_spec
 

@@ -24,13 +24,15 @@ exist. The same pass yields the reference's per-token log-probs of the trajector
 Shapes are padded to buckets (`padded_shape`) so jit compiles once per bucket, not per batch. With a `mesh`,
 trajectories are split over the mesh's batch axes (data parallel) and params placed by the logical-axis rules.
 `fork_scores_program` is the public builder of the device program: the loop (through `score_answer_prefixes`) and
-`trace-jax plan` call the same program object.
+`trace-jax plan` call the same program object, traced under the mesh it runs on (the Pallas TPU attention lowers
+per device inside `shard_map` only under a mesh context).
 
 This module knows nothing about chat formats, tokenizers, credit or files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import NamedTuple
@@ -38,7 +40,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trace_jax import models
@@ -272,9 +274,31 @@ def _fork_scores(config: ModelConfig, layout: str, logprob_chunk: int, query_chu
     return scores, _trajectory_log_probs(config, params, traj_hidden, tokens, logprob_chunk)
 
 
+class ScoringProgram:
+    """The jitted prefix-fork pass with the mesh it runs on: call it as `program(params, tokens, boundaries,
+    state_valid, answer_tokens, answer_mask)`; `lower(...)` takes the same arguments (ahead-of-time compilation,
+    `trace-jax plan`). Both trace under `jax.set_mesh(mesh)` when a mesh is given, as the train step does, so the
+    model's sharding constraints and the Pallas TPU attention (a per-device Mosaic kernel that GSPMD cannot
+    partition: `models.attention` runs it inside `shard_map` under the mesh) lower on a multi-chip mesh."""
+
+    def __init__(self, jitted, mesh):
+        self.jitted, self.mesh = jitted, mesh
+
+    def _context(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def __call__(self, params, *args):
+        with self._context():
+            return self.jitted(params, *args)
+
+    def lower(self, params, *args):
+        with self._context():
+            return self.jitted.lower(params, *args)
+
+
 @functools.lru_cache(maxsize=None)
 def fork_scores_program(config: ModelConfig, *, layout: str, logprob_chunk: int = 256, query_chunk: int = 0,
-                        with_token_logprobs: bool = True):
+                        with_token_logprobs: bool = True, mesh: Mesh | None = None) -> ScoringProgram:
     """The reference-scoring program of one prefix-fork pass over padded inputs (`padded_shape`):
 
         program(params, tokens int32 [N, L], boundaries int32 [N, S], state_valid bool [N, S],
@@ -282,11 +306,13 @@ def fork_scores_program(config: ModelConfig, *, layout: str, logprob_chunk: int 
           -> (answer_scores float32 [N, S], token_logprobs float32 [N, L] or None)
 
     `layout` is "packed" or "cached" (`choose_layout`); `logprob_chunk`, `query_chunk`, `with_token_logprobs` as
-    in `score_answer_prefixes`. Nothing is donated (the reference is read again every step). One program object
-    per set of arguments: `score_answer_prefixes` and `trace-jax plan` call the same one."""
+    in `score_answer_prefixes`. `mesh`: the mesh the inputs are placed on (None on one device); the program is
+    traced under it (`ScoringProgram`). Nothing is donated (the reference is read again every step). One program
+    object per set of arguments: `score_answer_prefixes` and `trace-jax plan` call the same one."""
     if layout not in ("packed", "cached"):
         raise ValueError(f"fork_scores_program: layout must be 'packed' or 'cached', got {layout!r}")
-    return jax.jit(functools.partial(_fork_scores, config, layout, logprob_chunk, query_chunk, with_token_logprobs))
+    jitted = jax.jit(functools.partial(_fork_scores, config, layout, logprob_chunk, query_chunk, with_token_logprobs))
+    return ScoringProgram(jitted, mesh)
 
 
 def packed_length(length: int, num_slots: int, answer_length: int) -> int:
@@ -329,7 +355,8 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
         check boundaries.
       mesh, rules: optional mesh; trajectories are split over the mesh axes that the logical "batch" axis maps to
         (data parallel). Params already placed on `mesh` are read in their own layout (the frozen reference is
-        sharded once, in its own dtype); others are placed by `rules` (default `models.DEFAULT_RULES`).
+        sharded once, in its own dtype); others are placed by `rules` (default `models.DEFAULT_RULES`). The
+        program runs under `jax.set_mesh(mesh)` (`fork_scores_program`).
       logprob_chunk: positions per log-softmax chunk (at most float32 `[N, chunk, V]` logits at once).
       query_chunk: query rows per tile of the cached layout's attention (`ModelConfig.attention_query_chunk`:
         the prefill's tiled kernel and `attend_cached_block`); 0 = the model's automatic choice (by head width).
@@ -371,7 +398,7 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
             params = models.shard_params(params, config, mesh, rules)
         args = tuple(jax.device_put(a, row_sharding(mesh, a.ndim, rules)) for a in args)
     program = fork_scores_program(config, layout=layout, logprob_chunk=logprob_chunk, query_chunk=query_chunk,
-                                  with_token_logprobs=token_logprobs)
+                                  with_token_logprobs=token_logprobs, mesh=mesh)
     scores, token_lp = program(params, *args)
     if token_lp is None:
         return PrefixScores(scores[:n, :slots], None)
