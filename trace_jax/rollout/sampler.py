@@ -11,7 +11,9 @@ The device side is jitted functions with the cache donated:
     state (stop token, per-row token budget, cache full). The model runs every step, also for rows that stopped
     (their cache is left unchanged). `decode_program` runs `sync_every` of these steps in one program (a
     `lax.scan`); `_decode_jit` runs one (the step a logits hook drives). One compile per batch shape (and step
-    count).
+    count). On CPU the program's steps run the layers unrolled over per-layer copies of the weights and of the
+    attended cache slots, made once per program call (`_decode_model_layers`): same values, without the per-step
+    copies XLA CPU makes of each layer's slice of the stacked arrays.
   * `prefill_program` prefills a fresh batch whose rows are G samples of each prompt (each prompt runs once).
   * `prefill_rows_program` replaces some rows of a running batch by new prompts (a server admitting requests): only
     those prompts run through the model, on a small cache, and their keys/values are written into their rows.
@@ -465,9 +467,17 @@ def decode_program(config: ModelConfig, num_steps: int, attend_len: int | None =
     so both give the same tokens. `sampling` is traced: its values are data, only its static fields shape the
     program. The state is donated. `attend_len`: the cache slots attention reads, at least every row's length
     after the last step (`generate` passes a `bucket_length` above it; None = the whole cache). Rows that stopped
-    keep `reason`. One program object per (config, num_steps, attend_len): `generate` and `trace-jax plan` call the
-    same one. One dispatch instead of `num_steps`: on a small model the host round trip of each step (~0.45 ms of
-    Python and dispatch on this CPU) costs more than the step itself.
+    keep `reason`. One program object per (config, num_steps, attend_len, per_layer): `generate` and `trace-jax
+    plan` call the same one. One dispatch instead of `num_steps`: on a small model the host round trip of each step
+    (~0.45 ms of Python and dispatch on this CPU) costs more than the step itself.
+
+    `per_layer`: how a step runs the layers. True: over per-layer copies of the layer params and of the attended
+    cache slots, made once per call before the step loop (`_split_layers`; the window is written back after it),
+    the layer loop unrolled (`_decode_model_layers`): XLA CPU otherwise copies each layer's weights and cache out of
+    the stacked arrays before its dots, every step (docs/rollout.md, "Decode speed at the defaults"). It holds a
+    second copy of the layer weights while the program runs. False: `models.extend` under its `lax.scan` over the
+    stacked layers. None (the default): True where the program is lowered for CPU, False elsewhere
+    (`lax.platform_dependent`, so a TPU program that `plan` compiles on a CPU host keeps the scan).
     """
     per_layer = None if per_layer is None else bool(per_layer)
     return _program("decode", (config, num_steps, attend_len, per_layer),
