@@ -271,3 +271,50 @@ def test_decode_step_writes_the_cache_once_outside_loops_and_conditionals(model)
     assert not [line for line in nested.splitlines() if is_write(line) and " fusion(" in line], \
         "a scatter into the whole cache runs inside a nested computation (the layer loop)"
     assert not [line for line in hlo.splitlines() if cache_shape in line and " conditional(" in line]
+
+
+def _decode_program_args(config, params, sampling, *, active):
+    """A prefilled state of PROMPTS and the other arguments of a decode program (row 3 inactive where asked)."""
+    state = S.append(config, params, S.init_state(config, len(PROMPTS), MAX_LEN), PROMPTS)
+    batch = len(PROMPTS)
+    return (S.RowSampling.broadcast(sampling, batch), params, state, np.asarray(active, bool),
+            np.full(batch, 8, np.int32), np.asarray([-1], np.int32), jax.random.PRNGKey(4), np.uint32(0),
+            np.zeros(batch, np.int32))
+
+
+@pytest.mark.parametrize("sampling", [FILTERED, GREEDY], ids=["temperature-topk-topp", "greedy"])
+def test_layer_unrolled_decode_program_equals_the_scanned_one(model, sampling):
+    """The CPU decode program (per-layer weights and caches, layers unrolled) gives the `lax.scan` program's tokens,
+    log-probs, stop states and cache, also when it reads only a bucket of the cache and a row is inactive."""
+    config, params = model
+    steps, attend_len = 4, 16  # the longest prompt (7) + 4 steps fits in 16 of the 64 slots
+    outputs = {}
+    for per_layer in (False, True):
+        args = _decode_program_args(config, params, sampling, active=[True, True, True, False])
+        outputs[per_layer] = S.decode_program(config, steps, attend_len, per_layer=per_layer)(*args)
+    (scanned_state, *scanned), (unrolled_state, *unrolled) = outputs[False], outputs[True]
+    tokens, logprobs, sampling_logprobs, was_active, active, reason, budget = range(7)
+    for i in (tokens, was_active, active, reason, budget):
+        np.testing.assert_array_equal(unrolled[i], scanned[i])
+    for i in (logprobs, sampling_logprobs):
+        np.testing.assert_allclose(unrolled[i], scanned[i], atol=1e-5)
+    np.testing.assert_array_equal(unrolled_state.lengths, scanned_state.lengths)
+    np.testing.assert_allclose(unrolled_state.cache.k, scanned_state.cache.k, atol=1e-5)
+    np.testing.assert_allclose(unrolled_state.cache.v, scanned_state.cache.v, atol=1e-5)
+    np.testing.assert_allclose(unrolled_state.logits, scanned_state.logits, atol=1e-4)
+
+
+def test_cpu_decode_program_copies_no_layer_weights_or_cache_per_step(model):
+    """On CPU the default decode program runs the layers unrolled over per-layer buffers, split once per call: no
+    dynamic slice of the stacked layers (XLA CPU copied each layer's weights and cache out of the stack before its
+    dots, every step) and no copy of a layer's cache."""
+    config, params = model
+    args = _decode_program_args(config, params, GREEDY, active=[True] * len(PROMPTS))
+    state = args[2]
+    layer_cache = "f32[" + ",".join(str(d) for d in state.cache.k.shape[1:]) + "]"
+    hlo = S.decode_program(config, 2, None).lower(*args).compile().as_text()
+    assert " while(" in hlo, "the steps are no longer a loop: this test no longer looks at the step body"
+    assert "dynamic-slice" not in hlo
+    assert not [line for line in hlo.splitlines() if f"= {layer_cache}" in line and " copy(" in line]
+    scanned = S.decode_program(config, 2, None, per_layer=False).lower(*args).compile().as_text()
+    assert "dynamic-slice" in scanned  # what the check above would catch
