@@ -183,3 +183,79 @@ def test_off_by_default_and_a_budget_never_reached_give_the_same_arrays(setup):
     for name in ("tokens", "loss_mask", "turn_index", "boundaries", "num_turns", "group_id", "reward", "status",
                  "lengths", "episode", "first_turn"):
         np.testing.assert_array_equal(getattr(unreached, name), getattr(off, name), err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def prepared(setup, compacted):
+    """The RL step's `prepare` (TRACE: scored states) on the compacted rollout, with the scorer's inputs."""
+    import optax
+
+    from trace_jax.rl import pipeline as pipeline_lib
+    from trace_jax.train.config import LossConfig
+
+    chat, config, params, browser = setup
+    result, _ = compacted
+    pipeline = pipeline_lib.RLPipeline(config, chat, browser, RolloutConfig(**BASE, context_budget=BUDGET),
+                                       CreditConfig(estimator="trace"), LossConfig(), pipeline_lib.UpdateConfig(),
+                                       optax.sgd(1e-3))
+    calls = []
+    score = pipeline_lib.score_answer_prefixes
+
+    def recording_score(config, params, tokens, boundaries, num_states, *args, **kwargs):
+        calls.append((np.asarray(tokens), np.asarray(boundaries), np.asarray(num_states)))
+        return score(config, params, tokens, boundaries, num_states, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(pipeline_lib, "score_answer_prefixes", recording_score)
+        out = pipeline.prepare(result, params, num_prompts=len(TASKS))
+    return out, calls
+
+
+def test_scorer_states_are_the_contexts_the_policy_saw(compacted, prepared):
+    result, inputs = compacted
+    _, calls = prepared
+    tokens, boundaries, num_states = (np.concatenate(parts) for parts in zip(*calls))
+    batch = result.batch
+    assert len(tokens) == batch.shape[0]
+    scored = 0
+    for n, (episode, first) in enumerate(zip(np.asarray(batch.episode), np.asarray(batch.first_turn))):
+        for j in range(int(num_states[n])):
+            assert tokens[n, :boundaries[n, j]].tolist() == inputs.seen[int(episode)][int(first) + j], (n, j)
+            scored += 1
+    assert scored == sum(len(e.turn_texts) for e in result.episodes)  # every state of every episode, once
+
+
+def test_trainer_tokens_are_the_contexts_the_policy_saw(compacted, prepared):
+    result, inputs = compacted
+    loss_batch = prepared[0].loss_batch
+    batch = result.batch
+    rows = batch.shape[0]
+    tokens = np.asarray(loss_batch.tokens)
+    for n, (episode, first) in enumerate(zip(np.asarray(batch.episode), np.asarray(batch.first_turn))):
+        for j in range(int(batch.num_turns[n]) + 1):
+            assert tokens[n, :int(batch.boundaries[n, j])].tolist() == inputs.seen[int(episode)][int(first) + j]
+    np.testing.assert_array_equal(np.asarray(loss_batch.loss_mask)[:rows],
+                                  np.asarray(batch.loss_mask)[:, :tokens.shape[1]])
+    # empty rows pad the segments to a multiple of the episodes: nothing trained, no real token
+    assert loss_batch.shape[0] % len(result.episodes) == 0
+    assert not np.asarray(loss_batch.loss_mask)[rows:].any() and not np.asarray(loss_batch.token_mask)[rows:].any()
+
+
+def test_step_metrics_count_each_episode_once(compacted, prepared):
+    result, _ = compacted
+    metrics = prepared[0].metrics
+    assert [e.answer for e in result.episodes] == ["Gamma", "Gamma"]  # right for q0, wrong for q1
+    assert metrics["reward"] == 0.5 and metrics["accuracy"] == 0.5
+    assert metrics["tool_calls"] == (7 + 1) / 2
+
+
+def test_episode_scores_are_each_state_scored_once_at_its_number(compacted, prepared):
+    result, _ = compacted
+    out, calls = prepared
+    batch = result.batch
+    scores = out.answer_scores
+    assert scores.shape == (2, BASE["max_turns"] + 1)
+    num_turns = episode_view(batch).num_turns
+    assert np.isfinite(scores).all() and (scores[0, :num_turns[0] + 1] != 0).all()
+    # the TRACE turn credit reads every state of the long episode: a turn per tool call
+    assert np.count_nonzero(np.asarray(out.credit.per_turn)[0, :num_turns[0]]) == num_turns[0]
