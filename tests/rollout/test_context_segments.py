@@ -259,3 +259,13 @@ def test_episode_scores_are_each_state_scored_once_at_its_number(compacted, prep
     assert np.isfinite(scores).all() and (scores[0, :num_turns[0] + 1] != 0).all()
     # the TRACE turn credit reads every state of the long episode: a turn per tool call
     assert np.count_nonzero(np.asarray(out.credit.per_turn)[0, :num_turns[0]]) == num_turns[0]
+
+
+def test_evaluation_counts_each_episode_once(setup):
+    from trace_jax.rl.evaluate import EvalConfig, evaluate
+
+    chat, config, params, browser = setup
+    result = evaluate(config, params, chat, TASKS, browser, RolloutConfig(**BASE, context_budget=BUDGET),
+                      EvalConfig(num_tasks=2), logits_hook=ScriptedPolicy(scripts(chat), config.vocab_size))
+    assert result.correct == (True, False)
+    assert result.mean_reward == 0.5  # episode 0 (reward 1) has three or more rows, episode 1 (reward 0) one
