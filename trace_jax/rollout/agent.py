@@ -23,6 +23,12 @@ One round = one assistant turn for every row in a slot (rows may be at different
      tool). The offset after it is the next state boundary S_k. If it does not fit -> context_overflow.
      A row whose episode ended frees its slot.
 
+Context management (`RolloutConfig.context_budget`, off by default): when step 3's tool response would take a row past
+the budget, the episode compacts instead. Its next context is the prompt, a record of its search so far and, when it
+fits, the latest tool response (`rollout.context`); the row's slot is re-prefilled with it (`sampler.prefill_rows`,
+the admission path) and a new *segment* row starts at the next state. Every segment becomes one row of the batch
+(`episode`, `first_turn` say where it belongs), so `tokens[:boundary]` stays what the policy saw, row by row.
+
 Randomness belongs to the row, not to its slot or wave: turn `k` of row `r` samples with the per-row key
 `fold_in(fold_in(rng, k), r)` (step `s` of the turn folds in `s`, see `sampler.generate`), so a budgeted run gives
 the tokens of an unbounded one with the same `rng`, greedy or sampled.
