@@ -269,3 +269,19 @@ def test_evaluation_counts_each_episode_once(setup):
                       EvalConfig(num_tasks=2), logits_hook=ScriptedPolicy(scripts(chat), config.vocab_size))
     assert result.correct == (True, False)
     assert result.mean_reward == 0.5  # episode 0 (reward 1) has three or more rows, episode 1 (reward 0) one
+
+
+def test_compaction_under_a_kv_budget_of_one_row_gives_the_same_rows(setup, compacted):
+    """Rows wait for the one cache row and compact in it: the batch of the unbounded run, array for array."""
+    from trace_jax.rollout import kv_bytes_per_row
+    from trace_jax.rollout.budget import GIB
+
+    chat, config, params, browser = setup
+    one_row = 1.5 * kv_bytes_per_row(config, BASE["max_context"]) / GIB
+    result = run_episodes(config, params, chat, TASKS, browser,
+                          RolloutConfig(**BASE, context_budget=BUDGET, kv_budget_gib=one_row), jax.random.PRNGKey(0),
+                          logits_hook=ScriptedPolicy(scripts(chat), config.vocab_size))
+    assert result.rows_at_once == 1
+    unbounded = compacted[0].batch
+    for name in ("tokens", "loss_mask", "turn_index", "boundaries", "num_turns", "reward", "episode", "first_turn"):
+        np.testing.assert_array_equal(getattr(result.batch, name), getattr(unbounded, name), err_msg=name)

@@ -61,9 +61,9 @@ from trace_jax.envs.browser import ERROR_PREFIX, Browser, tool_schemas
 from trace_jax.models.chat import TOOL_CALL_OPEN, ChatFormat, ToolCall, parse_tool_call
 from trace_jax.models.config import ModelConfig
 from trace_jax.rollout import sampler as sampler_lib
-from trace_jax.rollout.context import compacted_context, render_record, search_state
 from trace_jax.rollout.batch import EpisodeRecord, TrajectoryBatch, build_batch
 from trace_jax.rollout.budget import cache_bytes_per_device, rows_within_budget
+from trace_jax.rollout.context import compacted_context, render_record, search_state
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a research agent. Answer the question by searching and reading documents with the browser tools. "
