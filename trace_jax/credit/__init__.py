@@ -7,6 +7,7 @@
     fold_answer_steps         ABC: the answer turn joins the last tool step (credit-spec section 3)
     gspo_sequence_ratio       GSPO's sequence-level ratio
     gigpo_step_advantages     GiGPO's anchor-state step advantages (state_keys, anchor_key_ids on the host)
+    turn_layout / episode_states / segment_token_advantages    episodes split into segment rows, counted once
     CreditConfig              the estimator name and every option, with their defaults (one place)
     compute_advantages        any registered estimator by config or name ("grpo", "gspo", "trace", ..., "gigpo")
     validate_*                host-side value checks with clear errors
@@ -44,6 +45,7 @@ from trace_jax.credit.registry import (
     unregister_estimator,
     validate_credit_inputs,
 )
+from trace_jax.credit.segments import episode_states, segment_token_advantages, turn_layout
 from trace_jax.credit.tokens import sequence_advantages_to_tokens, step_values_to_tokens, token_advantages
 from trace_jax.credit.trace import lookahead_credit, td_deltas, trace_turn_credit, trace_values
 from trace_jax.credit.validate import (
@@ -59,9 +61,10 @@ __all__ = [
     "CreditConfig", "CreditInputs", "CreditResult", "Estimator", "abc_grpo_advantages", "anchor_key_ids",
     "estimator_options", "gigpo_step_advantages", "history_state_keys", "resolve_config", "validate_anchor_keys",
     "abc_sft_weights", "abc_step_rewards", "fold_answer_steps", "observation_state_keys", "state_keys",
-    "compute_advantages", "estimator_names", "get_estimator", "grouped_abc_grpo_advantages",
+    "compute_advantages", "episode_states", "estimator_names", "get_estimator", "grouped_abc_grpo_advantages",
     "grouped_outcome_advantages", "gspo_sequence_ratio", "lookahead_credit", "outcome_advantages",
-    "register_estimator", "sequence_advantages_to_tokens", "step_values_to_tokens", "td_deltas", "token_advantages",
-    "trace_turn_credit", "trace_values", "unregister_estimator", "validate_abc_inputs", "validate_credit_inputs",
-    "validate_num_turns", "validate_rewards", "validate_token_layout", "validate_trace_inputs",
+    "register_estimator", "segment_token_advantages", "sequence_advantages_to_tokens", "step_values_to_tokens",
+    "td_deltas", "token_advantages", "trace_turn_credit", "trace_values", "turn_layout", "unregister_estimator",
+    "validate_abc_inputs", "validate_credit_inputs", "validate_num_turns", "validate_rewards",
+    "validate_token_layout", "validate_trace_inputs",
 ]

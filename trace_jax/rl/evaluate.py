@@ -29,7 +29,7 @@ import numpy as np
 
 from trace_jax.envs.answers import exact_match
 from trace_jax.rollout.agent import RolloutConfig, run_episodes
-from trace_jax.rollout.batch import STATUSES, EpisodeRecord
+from trace_jax.rollout.batch import STATUSES, EpisodeRecord, episode_view
 from trace_jax.rollout.sampler import SamplingConfig
 
 
@@ -174,7 +174,7 @@ def _run(model_config, params, chat, tasks, browser, rollout, rng, batch_size, *
         result = run_episodes(model_config, params, chat, chunk, browser, rollout, jax.random.fold_in(rng, start),
                               **kwargs)
         episodes += result.episodes
-        rewards.append(np.asarray(result.batch.reward))
+        rewards.append(np.asarray(result.batch.reward)[episode_view(result.batch).last_row])  # one per episode
     return episodes, np.concatenate(rewards)
 
 

@@ -66,7 +66,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trace_jax import models
-from trace_jax.credit import td_deltas, trace_values
+from trace_jax.credit import episode_states, td_deltas, trace_values, turn_layout
 from trace_jax.data.sources import (BatchStream, TaskSplits, epoch_batches, external_splits, parse_source,
                                      procedural_splits, tfds_splits)
 from trace_jax.envs.corpus_browser import corpus_browser
@@ -79,6 +79,7 @@ from trace_jax.rl.gin_setup import RunConfig, reference_checkpoint_parts
 from trace_jax.rl.metrics import PhaseTimer, RunWriter, progress_bar
 from trace_jax.rl.pipeline import RLPipeline, check_compatible
 from trace_jax.rl.warmstart import oracle_trajectories, sft_arrays
+from trace_jax.rollout.batch import episode_view
 from trace_jax.rollout.budget import rows_within_budget
 from trace_jax.scoring.receipts import excerpt, safe_filename, write_receipt
 from trace_jax.train import distributed
@@ -394,10 +395,14 @@ def write_credit_receipts(pipeline: RLPipeline, params, reference_params, tasks,
     out_dir.mkdir(parents=True, exist_ok=True)
     rollout = pipeline.collect(params, tasks, rng)
     prepared = pipeline.prepare(rollout, reference_params, num_prompts=len(tasks))
+    view = episode_view(rollout.batch)  # one receipt per episode, whatever its segment rows
     scores = prepared.answer_scores
     if scores is None:
         scores, _ = pipeline.score(reference_params, rollout, prepared.loss_batch.shape[1])
-    num_turns = np.asarray(rollout.batch.num_turns)
+        if rollout.batch.segmented:
+            scores = np.asarray(episode_states(scores, view.episode, view.first_turn,
+                                               np.asarray(rollout.batch.num_states), view.num_episodes))
+    num_turns = view.num_turns
     cfg = pipeline.credit
     values = np.asarray(trace_values(jnp.asarray(scores), jnp.asarray(num_turns), eps=cfg.eps,
                                      min_score=cfg.min_score))
@@ -406,7 +411,10 @@ def write_credit_receipts(pipeline: RLPipeline, params, reference_params, tasks,
     outcome = (None if prepared.credit.outcome_advantages is None
                else np.asarray(prepared.credit.outcome_advantages))
     advantages = np.asarray(prepared.credit.token_advantages)
-    turn_index = np.asarray(rollout.batch.turn_index)[:, :advantages.shape[1]]
+    if rollout.batch.segmented:  # the credit is the episodes' (`pipeline.prepare`): one pseudo-token per turn
+        turn_index = np.asarray(turn_layout(jnp.asarray(num_turns), advantages.shape[1])[0])
+    else:
+        turn_index = np.asarray(rollout.batch.turn_index)[:, :advantages.shape[1]]
     written = []
     for row, episode in enumerate(rollout.episodes):
         t = int(num_turns[row])
@@ -415,7 +423,7 @@ def write_credit_receipts(pipeline: RLPipeline, params, reference_params, tasks,
             where = turn_index[row] == k
             turn_adv.append(float(advantages[row][where][0]) if where.any() else None)
         result = {"id": f"{episode.task_id}-sample{row % pipeline.rollout.group_size}", "answer": episode.gold[0],
-                  "reward": float(np.asarray(rollout.batch.reward)[row]), "estimator": cfg.estimator,
+                  "reward": float(view.reward[row]), "estimator": cfg.estimator,
                   "flags": [episode.status], "outcome_advantage": None if outcome is None else float(outcome[row]),
                   "answer_scores": [float(x) for x in scores[row, :t + 1]],
                   "values": [float(x) for x in values[row, :t + 1]], "td": [float(x) for x in deltas[row, :t]],
@@ -542,12 +550,14 @@ def _combine_process_metrics(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def _global_loss_batch(loss_batch: LossBatch, mesh, rules) -> LossBatch:
-    """This process's `[n, Lb]` rows -> the global `[n x processes, W]` batch on `mesh`, W the widest length bucket
-    of any process (narrower rows are padded with untrained zeros). A collective."""
-    width = int(distributed.gather_to_hosts(np.asarray(loss_batch.shape[1], np.int32)).max())
+    """This process's `[n, Lb]` rows -> the global `[n' x processes, W]` batch on `mesh`, W the widest length bucket
+    and n' the most rows of any process (narrower rows, and with context management fewer segment rows, are padded
+    with untrained zeros). A collective."""
+    shape = distributed.gather_to_hosts(np.asarray(loss_batch.shape, np.int32)).reshape(-1, 2).max(axis=0)
+    most_rows, width = int(shape[0]), int(shape[1])
     padded = jax.tree_util.tree_map(
-        lambda x: np.pad(np.asarray(x), ((0, 0), (0, width - x.shape[1]))), loss_batch)
-    rows = loss_batch.shape[0] * jax.process_count()
+        lambda x: np.pad(np.asarray(x), ((0, most_rows - x.shape[0]), (0, width - x.shape[1]))), loss_batch)
+    rows = most_rows * jax.process_count()
     return distributed.global_batch(padded, batch_sharding(mesh, rules, (rows, width)))
 
 

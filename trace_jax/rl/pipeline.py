@@ -19,6 +19,13 @@ Shapes: rows are always `P x G` and the padded length is the longest row rounded
 `UpdateConfig.length_multiple` (at most `RolloutConfig.max_context`), so the train step and the scorer compile once
 per length bucket.
 
+Context management (`RolloutConfig.context_budget`): an episode that compacted its context is several *segment* rows
+(`rollout.batch`). Each row is scored on its own tokens (the contexts the policy saw); the scores are placed at the
+episode's state numbers (`credit.episode_states`); the estimator runs once per episode on `credit.turn_layout` (one
+reward per episode in its group's statistics, turns numbered across its rows), and its per-turn advantages are
+broadcast onto the rows' tokens (`credit.segment_token_advantages`). The `LossBatch` has one row per segment,
+padded with empty rows (loss mask 0) to a multiple of `P x G`, so the update compiles for a few row counts only.
+
 ABC-SFT is the estimator `abc_sft`: its "advantages" are the per-token SFT weights `abc_sft_weights(step rewards)`,
 it runs with `LossConfig.mode = 'sft'`, and by default it keeps only trajectories whose answer is verified correct
 (`CreditResult.row_mask`: the dropped rows' loss mask is zeroed, so they count in neither sum nor count; a step
@@ -45,16 +52,17 @@ import numpy as np
 
 from trace_jax import models
 from trace_jax.abc import counts_to_arrays
-from trace_jax.credit import abc_step_rewards, compute_advantages, fold_answer_steps, trace_values
+from trace_jax.credit import (abc_step_rewards, compute_advantages, episode_states, fold_answer_steps,
+                              segment_token_advantages, trace_values, turn_layout)
 from trace_jax.credit.config import CreditConfig
 from trace_jax.credit.gigpo import anchor_key_ids, state_keys
-from trace_jax.credit.registry import CreditResult, get_estimator
+from trace_jax.credit.registry import CreditInputs, CreditResult, get_estimator
 from trace_jax.models.alignment import to_token_aligned
 from trace_jax.rl.abc_scoring import ABCScorerConfig, ABCStepScoring
 from trace_jax.rl.credit_diagnostics import credit_diagnostics
 from trace_jax.rl.evaluate import episode_correct
 from trace_jax.rollout.agent import Rollout, RolloutConfig, run_episodes
-from trace_jax.rollout.batch import STATUSES
+from trace_jax.rollout.batch import STATUSES, episode_view
 from trace_jax.rollout.budget import GIB
 from trace_jax.scoring.continuation import build_answer_continuation
 from trace_jax.scoring.fork import score_answer_prefixes
@@ -134,16 +142,31 @@ def check_compatible(credit: CreditConfig, loss: LossConfig, update: UpdateConfi
                          f"({rows // update.mini_batches})")
 
 
+def pad_rows(loss_batch: LossBatch, rows: int) -> LossBatch:
+    """`loss_batch` with all-zero rows appended up to `rows` (loss mask 0, token mask 0): they add nothing to a
+    loss's sum or its count under the token- and sequence-mean aggregations (`aggregate`), so a segmented step's
+    row count can be rounded up to a multiple of `P x G` and the update compiles for few shapes."""
+    extra = rows - loss_batch.shape[0]
+    if extra < 0:
+        raise ValueError(f"pad_rows: the batch has {loss_batch.shape[0]} rows, more than rows={rows}")
+    if extra == 0:
+        return loss_batch
+    return jax.tree_util.tree_map(lambda x: jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)]),
+                                  loss_batch)
+
+
 @dataclasses.dataclass
 class Prepared:
     """One step's batch, ready for updates, with what it took to build it.
 
     Attributes:
       rollout: the `Rollout` (device batch at full `max_context` width, episodes).
-      loss_batch: the `LossBatch` `[N, Lb]` (Lb the length bucket).
-      credit: the `CreditResult` (token advantages `[N, Lb]`, outcome, per-turn values).
-      answer_scores: `[N, T+1]` reference scores, or None when the estimator does not need them.
-      step_rewards: `[N, T+1]` ABC step rewards, or None.
+      loss_batch: the `LossBatch` `[N, Lb]` (Lb the length bucket; a segmented step's N rounded up with empty
+        rows to a multiple of `P x G`).
+      credit: the `CreditResult` (token advantages `[N, Lb]`, outcome, per-turn values); for a segmented batch the
+        estimator's result on its episodes' `turn_layout` (`[E, T+1]`, one pseudo-token per turn).
+      answer_scores: `[E, T+1]` reference scores per episode state, or None when the estimator does not need them.
+      step_rewards: `[E, T+1]` ABC step rewards, or None.
       metrics: rollout, credit and scoring statistics of the step (host floats).
       timing: seconds of rollout, scoring and credit.
     """
@@ -204,9 +227,10 @@ class RLPipeline:
 
     def score(self, reference_params, rollout: Rollout, width: int, *, token_logprobs: bool = False):
         """The reference's answer scores `[N, T+1]` and (with `token_logprobs`) its next-token log-probs
-        `[N, width]` of the trajectories (else None)."""
+        `[N, width]` of the batch's rows (else None); a segment row's column j is its episode's state
+        `first_turn + j`."""
         batch = rollout.batch
-        conts = [self.continuation(e.gold[0]) for e in rollout.episodes]
+        conts = [self.continuation(rollout.episodes[e].gold[0]) for e in np.asarray(batch.episode)]
         m = max(len(c.ids) for c in conts)
         answers = np.zeros((len(conts), m), np.int32)
         masks = np.zeros((len(conts), m), np.int32)
@@ -256,7 +280,7 @@ class RLPipeline:
         num_steps = jnp.asarray(arrays["num_steps"])
         if self.credit.abc_answer_step == "fold":
             found, excluded, rejected, ans, num_steps = fold_answer_steps(
-                found, excluded, rejected, ans, num_steps, jnp.asarray(rollout.batch.num_turns))
+                found, excluded, rejected, ans, num_steps, jnp.asarray(episode_view(rollout.batch).num_turns))
         rewards = abc_step_rewards(found, excluded, rejected, ans)
         return np.asarray(rewards, np.float32), np.asarray(num_steps, np.int32), metrics
 
@@ -271,6 +295,8 @@ class RLPipeline:
         """Everything after the rollout and before the update (scoring, credit, the `LossBatch`)."""
         timing = {"scoring": 0.0, "credit": 0.0}
         batch = rollout.batch
+        view = episode_view(batch)
+        segmented = batch.segmented
         lengths = np.asarray(batch.lengths)
         width = length_bucket(int(lengths.max()), self.update_config.length_multiple, self.rollout.max_context)
         answer_scores = ref_token_lp = step_rewards = num_steps = None
@@ -278,6 +304,9 @@ class RLPipeline:
         want_token_lp = self.loss.needs_reference or self.update_config.kl_metric
         if self.scores_needed or want_token_lp:
             answer_scores, ref_token_lp = self.score(reference_params, rollout, width, token_logprobs=want_token_lp)
+            if segmented:  # each state scored on its row, placed at the episode's state number
+                answer_scores = np.asarray(episode_states(answer_scores, view.episode, view.first_turn,
+                                                          np.asarray(batch.num_states), view.num_episodes))
         abc_metrics = {}
         if self.step_rewards_needed:
             step_rewards, num_steps, abc_metrics = self.abc_step_rewards(rollout)
@@ -297,11 +326,22 @@ class RLPipeline:
             extra["correct"] = jnp.asarray([episode_correct(e) for e in rollout.episodes])
         loss_mask = batch.loss_mask[:, :width]
         turn_index = batch.turn_index[:, :width]
-        inputs = batch.credit_inputs(**extra)._replace(loss_mask=loss_mask, turn_index=turn_index)
-        credit = self._credit_fn(num_prompts)(inputs)
-        advantages = np.asarray(credit.token_advantages, np.float32)
-        if credit.row_mask is not None:  # trajectories the estimator drops count in neither the loss nor its count
-            loss_mask = loss_mask * credit.row_mask[:, None].astype(loss_mask.dtype)
+        if segmented:  # once per episode, one pseudo-token per turn, then onto the segment rows' tokens
+            num_turns = jnp.asarray(view.num_turns, jnp.int32)
+            layout_index, layout_mask = turn_layout(num_turns, self.rollout.max_turns + 1)
+            inputs = CreditInputs(rewards=jnp.asarray(view.reward), group_id=jnp.asarray(view.group_id, jnp.int32),
+                                  loss_mask=layout_mask, turn_index=layout_index, num_turns=num_turns, **extra)
+            credit = self._credit_fn(num_prompts)(inputs)
+            advantages = np.asarray(segment_token_advantages(credit.token_advantages, view.episode, turn_index,
+                                                             loss_mask), np.float32)
+            row_mask = None if credit.row_mask is None else credit.row_mask[jnp.asarray(view.episode)]
+        else:
+            inputs = batch.credit_inputs(**extra)._replace(loss_mask=loss_mask, turn_index=turn_index)
+            credit = self._credit_fn(num_prompts)(inputs)
+            advantages = np.asarray(credit.token_advantages, np.float32)
+            row_mask = credit.row_mask
+        if row_mask is not None:  # trajectories the estimator drops count in neither the loss nor its count
+            loss_mask = loss_mask * row_mask[:, None].astype(loss_mask.dtype)
         timing["credit"] = time.perf_counter() - start
 
         reference_lp = None
@@ -316,7 +356,10 @@ class RLPipeline:
                                token_mask=real_token_mask(lengths, width),
                                trained_index=jnp.asarray(trained_positions(loss_mask,
                                                                            self.update_config.length_multiple)))
-        metrics = self.step_metrics(rollout, credit, answer_scores, ref_token_lp, width, num_prompts)
+        if segmented:
+            loss_batch = pad_rows(loss_batch, -(-loss_batch.shape[0] // view.num_episodes) * view.num_episodes)
+        metrics = self.step_metrics(rollout, credit, answer_scores, ref_token_lp, width, num_prompts,
+                                    advantages=advantages)
         metrics.update(abc_metrics)
         if credit.row_mask is not None:
             metrics["credit/kept_rows"] = float(np.asarray(credit.row_mask).mean())
@@ -381,11 +424,15 @@ class RLPipeline:
 
     # ---------------------------------------------------------------------------------------------- metrics
     def step_metrics(self, rollout: Rollout, credit: CreditResult, answer_scores, ref_token_lp, width: int,
-                     num_prompts: int) -> dict[str, float]:
-        """Rollout and credit statistics of one step (see docs/running.md, "The loop")."""
+                     num_prompts: int, *, advantages=None) -> dict[str, float]:
+        """Rollout and credit statistics of one step (see docs/running.md, "The loop"), each episode counted once.
+
+        `credit` is the estimator's result on the batch's rows, or, for a segmented batch, on its episodes'
+        `turn_layout`; `advantages [N, width]` are then the rows' token advantages (default: `credit`'s)."""
         batch, episodes = rollout.batch, rollout.episodes
-        rewards = np.asarray(batch.reward, np.float64)
-        num_turns = np.asarray(batch.num_turns)
+        view = episode_view(batch)
+        rewards = np.asarray(view.reward, np.float64)
+        num_turns = np.asarray(view.num_turns)
         n = len(episodes)
         out: dict[str, float] = {
             "reward": float(rewards.mean()),
@@ -401,13 +448,20 @@ class RLPipeline:
         }
         for name in STATUSES[1:]:
             out[f"status/{name}"] = float(np.mean([e.status == name for e in episodes]))
-        adv = np.asarray(credit.token_advantages, np.float64)
-        mask = np.asarray(batch.loss_mask, bool)[:, :width]
+        # the diagnostics read one layout row per episode: the batch's own, or the episodes' `turn_layout`
+        credit_adv = np.asarray(credit.token_advantages, np.float64)
+        if batch.segmented:
+            layout_index, layout_mask = (np.asarray(x) for x in turn_layout(num_turns, credit_adv.shape[1]))
+            credit_mask = layout_mask.astype(bool)
+        else:
+            layout_index = np.asarray(batch.turn_index)[:, :width]
+            credit_mask = np.asarray(batch.loss_mask, bool)[:, :width]
         if credit.row_mask is not None:  # rows the estimator drops are not trained
-            mask = mask & np.asarray(credit.row_mask, bool)[:, None]
-        out.update(credit_diagnostics(episodes, adv, mask, np.asarray(batch.turn_index)[:, :width], rewards,
+            credit_mask = credit_mask & np.asarray(credit.row_mask, bool)[:, None]
+        out.update(credit_diagnostics(episodes, credit_adv, credit_mask, layout_index, rewards,
                                       num_prompts=num_prompts, num_turns_max=self.rollout.max_turns,
                                       std_eps=self.credit.std_eps))
+        adv = credit_adv if advantages is None else np.asarray(advantages, np.float64)
         per_turn = None if credit.per_turn is None else np.asarray(credit.per_turn, np.float64)
         tool_turn = np.arange(self.rollout.max_turns)[None, :] < num_turns[:, None]
         if per_turn is not None and self.scores_needed:

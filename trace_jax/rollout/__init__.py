@@ -1,19 +1,22 @@
 """Rollouts: the KV-cache sampler, the batched multi-turn agent loop and the `TrajectoryBatch` they produce.
 
 Public API (see docs/rollout.md):
-  TrajectoryBatch, EpisodeRecord, STATUSES, build_batch                       (batch)
+  TrajectoryBatch, EpisodeRecord, STATUSES, build_batch, EpisodeView, episode_view (batch)
   SamplingConfig, SamplerState, init_state, append, generate, Generation,
   generate_without_cache, sample_from_logits, StopStrings                     (sampler)
   RolloutConfig, Rollout, run_episodes, ScriptedPolicy                        (agent)
   kv_bytes_per_row, kv_bytes_per_chip, rows_within_budget, cache_bytes_per_device (budget)
+  SearchState, search_state, render_record, compacted_context                 (context: context management)
 
 This package knows nothing about credit assignment or training; it only produces their input.
 """
 
 from trace_jax.rollout.agent import DEFAULT_SYSTEM_PROMPT, Rollout, RolloutConfig, ScriptedPolicy, run_episodes
-from trace_jax.rollout.batch import STATUS_CODES, STATUSES, EpisodeRecord, TrajectoryBatch, build_batch
+from trace_jax.rollout.batch import (STATUS_CODES, STATUSES, EpisodeRecord, EpisodeView, TrajectoryBatch, build_batch,
+                                     episode_view)
 from trace_jax.rollout.budget import (cache_bytes_per_device, kv_bytes_per_chip, kv_bytes_per_row,
                                      rows_within_budget)
+from trace_jax.rollout.context import SearchState, compacted_context, render_record, search_state
 from trace_jax.rollout.sampler import (
     STOP_REASONS,
     Generation,
@@ -28,8 +31,9 @@ from trace_jax.rollout.sampler import (
 )
 
 __all__ = [
-    "DEFAULT_SYSTEM_PROMPT", "EpisodeRecord", "Generation", "Rollout", "RolloutConfig", "STATUSES", "STATUS_CODES",
-    "STOP_REASONS", "SamplerState", "SamplingConfig", "ScriptedPolicy", "StopStrings", "TrajectoryBatch", "append",
-    "build_batch", "cache_bytes_per_device", "generate", "generate_without_cache", "init_state", "kv_bytes_per_chip",
-    "kv_bytes_per_row", "rows_within_budget", "run_episodes", "sample_from_logits",
+    "DEFAULT_SYSTEM_PROMPT", "EpisodeRecord", "EpisodeView", "Generation", "Rollout", "RolloutConfig", "STATUSES",
+    "STATUS_CODES", "STOP_REASONS", "SamplerState", "SamplingConfig", "ScriptedPolicy", "SearchState", "StopStrings",
+    "TrajectoryBatch", "append", "build_batch", "cache_bytes_per_device", "compacted_context", "episode_view",
+    "generate", "generate_without_cache", "init_state", "kv_bytes_per_chip", "kv_bytes_per_row", "render_record",
+    "rows_within_budget", "run_episodes", "sample_from_logits", "search_state",
 ]

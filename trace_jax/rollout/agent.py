@@ -23,6 +23,12 @@ One round = one assistant turn for every row in a slot (rows may be at different
      tool). The offset after it is the next state boundary S_k. If it does not fit -> context_overflow.
      A row whose episode ended frees its slot.
 
+Context management (`RolloutConfig.context_budget`, off by default): when step 3's tool response would take a row past
+the budget, the episode compacts instead. Its next context is the prompt, a record of its search so far and, when it
+fits, the latest tool response (`rollout.context`); the row's slot is re-prefilled with it (`sampler.prefill_rows`,
+the admission path) and a new *segment* row starts at the next state. Every segment becomes one row of the batch
+(`episode`, `first_turn` say where it belongs), so `tokens[:boundary]` stays what the policy saw, row by row.
+
 Randomness belongs to the row, not to its slot or wave: turn `k` of row `r` samples with the per-row key
 `fold_in(fold_in(rng, k), r)` (step `s` of the turn folds in `s`, see `sampler.generate`), so a budgeted run gives
 the tokens of an unbounded one with the same `rng`, greedy or sampled.
@@ -57,6 +63,7 @@ from trace_jax.models.config import ModelConfig
 from trace_jax.rollout import sampler as sampler_lib
 from trace_jax.rollout.batch import EpisodeRecord, TrajectoryBatch, build_batch
 from trace_jax.rollout.budget import cache_bytes_per_device, rows_within_budget
+from trace_jax.rollout.context import compacted_context, render_record, search_state
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a research agent. Answer the question by searching and reading documents with the browser tools. "
@@ -83,6 +90,11 @@ class RolloutConfig:
       kv_budget_gib: KV-cache memory per chip for the rollout's rows, in GiB (None = unbounded: every row of a
         call at once). Rows beyond what fits wait and are admitted as others finish (`budget.rows_within_budget`);
         the tokens do not depend on it. It must hold at least one row of `max_context` tokens.
+      context_budget: context management (0 = off). When a tool response would take a row's context past this
+        many tokens, the episode compacts: its next context is the prompt, a record of its search so far
+        (`rollout.context`) and the latest tool response when it fits, and a new *segment* row starts (module
+        doc). Must exceed `context_record_tokens + turn_token_budget` and be at most `max_context`.
+      context_record_tokens: the record's token budget (its user turn, header and end included).
     """
 
     group_size: int = 1
@@ -96,6 +108,8 @@ class RolloutConfig:
     format_weight: float = 0.0
     sync_every: int = 8
     kv_budget_gib: float | None = None
+    context_budget: int = 0
+    context_record_tokens: int = 256
 
     def __post_init__(self):
         for name in ("group_size", "max_context", "turn_token_budget", "sync_every"):
@@ -110,6 +124,15 @@ class RolloutConfig:
                                    or not 0 < budget < float("inf")):
             raise ValueError(f"RolloutConfig.kv_budget_gib must be a positive number of GiB per chip or None "
                              f"(unbounded), got {budget!r}")
+        if self.context_record_tokens < 1:
+            raise ValueError(f"RolloutConfig.context_record_tokens must be >= 1, got {self.context_record_tokens!r}")
+        if self.context_budget and not (self.context_record_tokens + self.turn_token_budget < self.context_budget
+                                        <= self.max_context):
+            raise ValueError(
+                f"RolloutConfig.context_budget = {self.context_budget} must be 0 (off) or leave room for the record "
+                f"and one turn within the context: context_record_tokens + turn_token_budget "
+                f"({self.context_record_tokens} + {self.turn_token_budget}) < context_budget <= max_context "
+                f"({self.max_context}); raise it or lower context_record_tokens")
 
     def cut_observation(self, observation: str) -> str:
         """The observation as the policy is shown it: cut to `max_observation_chars` (then " ..." marks the cut)."""
@@ -194,6 +217,25 @@ def _row_hook(logits_hook, slot_row: np.ndarray, episodes: list[EpisodeRecord], 
     return hook
 
 
+def _segment(context: list[int], *, first_turn: int) -> dict:
+    """A new segment row: `context` (a prompt or a compacted context) as its first state, `S_{first_turn}`."""
+    return {"tokens": list(context), "loss_mask": [0.0] * len(context), "turn_index": [-1] * len(context),
+            "logprobs": [0.0] * len(context), "sampling_logprobs": [0.0] * len(context),
+            "boundaries": [len(context)], "reward": 0.0, "status": "running", "first_turn": first_turn}
+
+
+def _compact(chat: ChatFormat, rollout: RolloutConfig, schemas, episode: EpisodeRecord) -> list[int]:
+    """The compacted context of `episode` after its latest observation: prompt, record and, when the whole fits
+    `context_budget`, that observation (`context.compacted_context`)."""
+    record = render_record(search_state(episode.question, episode.tool_calls, episode.observations),
+                           rollout.context_record_tokens, lambda text: len(chat.user_ids(text)))
+    with_latest = compacted_context(chat, rollout.system_prompt, episode.question, schemas, record,
+                                    episode.observations[-1])
+    if len(with_latest) <= rollout.context_budget:
+        return with_latest
+    return compacted_context(chat, rollout.system_prompt, episode.question, schemas, record, None)
+
+
 def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[Any],
                  browser: Browser | Callable[[Any], Browser], rollout: RolloutConfig, rng: jax.Array, *,
                  mesh=None, rules=None,
@@ -225,7 +267,8 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
                     if chat.assistant_stop_strings else None)
     schemas = tool_schemas() if rollout.with_tools else None
 
-    rows: list[dict] = []
+    rows: list[dict] = []  # each episode's current segment
+    finished_segments: list[list[dict]] = []  # each episode's segments before a compaction
     episodes: list[EpisodeRecord] = []
     browsers: list[Browser] = []
     for t, task in enumerate(tasks):
@@ -233,10 +276,15 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
         if len(prompt) >= max_len:
             raise ValueError(f"task {t}: the prompt has {len(prompt)} tokens but max_context={max_len}; raise "
                              "RolloutConfig.max_context or shorten the system prompt")
+        needed = len(prompt) + rollout.context_record_tokens + rollout.turn_token_budget
+        if rollout.context_budget and needed > rollout.context_budget:
+            raise ValueError(f"task {t}: a compacted context needs the prompt ({len(prompt)} tokens), the record "
+                             f"(RolloutConfig.context_record_tokens = {rollout.context_record_tokens}) and one turn "
+                             f"(turn_token_budget = {rollout.turn_token_budget}): {needed} tokens, more than "
+                             f"RolloutConfig.context_budget = {rollout.context_budget}; raise context_budget")
         for _ in range(group):
-            rows.append({"tokens": list(prompt), "loss_mask": [0.0] * len(prompt), "turn_index": [-1] * len(prompt),
-                         "logprobs": [0.0] * len(prompt), "sampling_logprobs": [0.0] * len(prompt),
-                         "boundaries": [len(prompt)], "reward": 0.0, "status": "running"})
+            rows.append(_segment(prompt, first_turn=0))
+            finished_segments.append([])
             episodes.append(EpisodeRecord(task_id=str(getattr(task, "task_id", t)), question=task.question,
                                           gold=_gold(task), clues=tuple(getattr(task, "clues", ()) or ())))
             browsers.append(browser.fork() if isinstance(browser, Browser) else browser(task))
@@ -277,12 +325,13 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
         t0 = time.perf_counter()
         env_time = 0.0
         appends: list[list[int]] = [[] for _ in range(slots)]
+        refills: dict[int, list[int]] = {}  # slot -> the compacted context it is prefilled with
         for s in np.nonzero(running)[0]:
             r = slot_row[s]
             row, episode = rows[r], episodes[r]
             ids = gen.tokens[s]
             generated_tokens += len(ids)
-            tool_turn = len(row["boundaries"]) - 1
+            tool_turn = row["first_turn"] + len(row["boundaries"]) - 1  # the episode's turn, across segments
             row["tokens"] += ids.tolist()
             row["loss_mask"] += [1.0] * len(ids)
             row["turn_index"] += [tool_turn] * len(ids)
@@ -322,6 +371,16 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
             observation = rollout.cut_observation(observation)
             episode.observations.append(observation)
             response = chat.tool_response_ids(observation, previous_ids=ids.tolist())
+            if rollout.context_budget and len(row["tokens"]) + len(response) > rollout.context_budget:
+                context = _compact(chat, rollout, schemas, episode)
+                if len(context) >= max_len:
+                    row["status"] = episode.status = "context_overflow"
+                    slot_row[s] = -1
+                    continue
+                finished_segments[r].append(row)
+                rows[r] = _segment(context, first_turn=tool_turn + 1)
+                refills[s] = context
+                continue
             if len(row["tokens"]) + len(response) >= max_len:  # no room for the observation and one more token
                 row["status"] = episode.status = "context_overflow"
                 slot_row[s] = -1
@@ -336,14 +395,26 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
         timing["env"] += env_time
         timing["agent_host"] += time.perf_counter() - t0 - env_time
 
+        if refills:  # compacted rows start over in their slot, through the admission path
+            t0 = time.perf_counter()
+            state = sampler_lib.prefill_rows(config, params, state, list(refills), list(refills.values()))
+            timing["prefill"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         state = sampler_lib.append(config, params, state, appends)
         timing["append"] += time.perf_counter() - t0
 
     t0 = time.perf_counter()
     pad_id = chat.end_of_text_id if chat.end_of_text_id is not None else 0
-    batch = build_batch(rows, max_len=max_len, max_turns=rollout.max_turns,
-                        group_id=np.repeat(np.arange(len(tasks)), group), pad_id=pad_id)
+    segment_rows, episode_of, first_turn = [], [], []
+    for r, last in enumerate(rows):
+        for segment in finished_segments[r] + [last]:
+            segment["status"], segment["reward"] = last["status"], last["reward"]  # the episode's outcome
+            segment_rows.append(segment)
+            episode_of.append(r)
+            first_turn.append(segment["first_turn"])
+    batch = build_batch(segment_rows, max_len=max_len, max_turns=rollout.max_turns,
+                        group_id=np.asarray(episode_of) // group, pad_id=pad_id, episode=episode_of,
+                        first_turn=first_turn)
     timing["pack"] = time.perf_counter() - t0
     timing["total"] = time.perf_counter() - start
     return Rollout(batch=batch, episodes=episodes, timing=timing, generated_tokens=generated_tokens,
