@@ -38,7 +38,10 @@ def test_evaluation_episodes_run_with_the_evaluation_turn_budget(monkeypatch, ev
     def fake_run_episodes(model_config, params, chat, tasks, browser, rollout, rng, **kwargs):
         seen.append(rollout.max_turns)
         episodes = [EpisodeRecord(task_id=str(i), question="q", gold=("a",)) for i in range(len(tasks))]
-        return types.SimpleNamespace(episodes=episodes, batch=types.SimpleNamespace(reward=np.zeros(len(tasks))))
+        n = len(tasks)  # one row per episode, as an uncompacted rollout gives
+        batch = types.SimpleNamespace(reward=np.zeros(n), episode=np.arange(n), first_turn=np.zeros(n, np.int32),
+                                      num_turns=np.ones(n, np.int32), group_id=np.arange(n), status=np.zeros(n))
+        return types.SimpleNamespace(episodes=episodes, batch=batch)
 
     monkeypatch.setattr(evaluate_module, "run_episodes", fake_run_episodes)
     evaluate(None, None, None, [object()], None, RolloutConfig(max_turns=3), EvalConfig(max_turns=eval_turns))
