@@ -34,6 +34,18 @@ def test_the_rl_bar_starts_after_the_warm_start_and_times_rl_steps_only(tmp_path
     assert "train" in shown and "s/step=10" in shown and "s/step=310" not in shown
 
 
+def test_what_the_run_prints_after_its_last_step_starts_on_a_line_of_its_own(tmp_path, capsys):
+    writer = RunWriter(tmp_path, total_steps=2, tensorboard=False, progress=True)
+    writer.start_progress()
+    writer.log(1, {"reward": 0.5})
+    writer.log(2, {"reward": 0.5})
+    writer.end_progress()  # the loop calls it before the end-of-run hooks (final evaluation, summary)
+    assert capsys.readouterr().err.endswith("\n")  # the bar's line is finished
+    writer.log(2, {"eval/accuracy": 0.5})  # the final evaluation's metrics do not reopen the bar
+    writer.close()
+    assert "train" not in capsys.readouterr().err
+
+
 def test_the_warm_start_has_a_bar_of_its_own(capsys):
     bar = progress_bar(3, "warm start")
     bar.update(1)

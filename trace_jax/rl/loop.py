@@ -987,6 +987,7 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
         stages["rl_steps"] = time.perf_counter() - rl_start
         checkpointer.save(rl_state.train, host, force=True)
         checkpointer.wait_until_finished()
+        writer.end_progress()
         rl_state = run_hooks(hooks, step, rl_state, {}, end=True)
         evals = end["evals"]
         history = [r for r in writer.history if "reward" in r]

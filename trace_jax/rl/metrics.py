@@ -148,6 +148,7 @@ class RunWriter:
         self._latest: dict[str, float] = {}
         self._tb = None
         self._bar = None
+        self._progress_ended = False
         self._total_steps = total_steps
         self._progress = progress and write_files
         if not write_files:
@@ -169,6 +170,14 @@ class RunWriter:
             self._bar = progress_bar(self._total_steps, "train",
                                      initial=int(self.history[-1]["step"]) if self.history else 0)
             self._last_step_time = time.perf_counter()
+
+    def end_progress(self) -> None:
+        """Close the RL progress bar for good, so that what the run prints after its last step (the end-of-run
+        evaluation, the summary) starts on a line of its own; later `log` calls do not reopen it."""
+        self._progress_ended = True
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
     @property
     def wall_time(self) -> float:
@@ -193,7 +202,7 @@ class RunWriter:
                 if name != "step":
                     self._tb.add_scalar(name, value, global_step=int(step), walltime=None)
         self._latest.update({k: v for k, v in record.items() if k != "step"})
-        if self._bar is None and self._progress and step > 0:  # start_progress() was not called: open it here
+        if self._bar is None and self._progress and step > 0 and not self._progress_ended:  # start_progress() was not called: open it here
             earlier = [r["step"] for r in self.history[:-1]]
             self._bar = progress_bar(self._total_steps, "train", initial=int(max(earlier, default=0)))
         if self._bar is not None:
