@@ -11,9 +11,7 @@ The device side is jitted functions with the cache donated:
     state (stop token, per-row token budget, cache full). The model runs every step, also for rows that stopped
     (their cache is left unchanged). `decode_program` runs `sync_every` of these steps in one program (a
     `lax.scan`); `_decode_jit` runs one (the step a logits hook drives). One compile per batch shape (and step
-    count). On CPU the program's steps run the layers unrolled over per-layer copies of the weights and of the
-    attended cache slots, made once per program call (`_decode_model_layers`): same values, without the per-step
-    copies XLA CPU makes of each layer's slice of the stacked arrays.
+    count).
   * `prefill_program` prefills a fresh batch whose rows are G samples of each prompt (each prompt runs once).
   * `prefill_rows_program` replaces some rows of a running batch by new prompts (a server admitting requests): only
     those prompts run through the model, on a small cache, and their keys/values are written into their rows.
@@ -60,7 +58,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from trace_jax.models import attention as attention_api
 from trace_jax.models import cache as cache_lib
 from trace_jax.models import decoder as dec
 from trace_jax.models.config import ModelConfig
@@ -325,83 +322,17 @@ def _decode_model(config: ModelConfig, params, cache: cache_lib.KVCache, tokens:
                             attend_len=attend_len)
 
 
-@struct.dataclass
-class _LayerCaches:
-    """The decode program's working copy of a `KVCache` (`_decode_steps` with `per_layer`): one k and one v array
-    [B, R, kv_heads, head_dim] per layer, holding the first R = `attend_len` slots of every row (all the slots the
-    program writes or reads), so each layer's cache is a buffer of its own that a step updates in place.
-    `max_len` is the full cache's (a row is full at `max_len`, not at R)."""
-
-    k: tuple
-    v: tuple
-    lengths: jax.Array
-    max_len: int = struct.field(pytree_node=False)
-
-
-def _split_layers(config: ModelConfig, params, cache: cache_lib.KVCache, read: int):
-    """Per-layer params (a tuple of layer dicts) and `_LayerCaches` of the first `read` slots, for the decode
-    program's layer-unrolled steps. Both are copies made once per program call, outside its step loop."""
-    layers = tuple(jax.tree_util.tree_map(lambda a, i=i: a[i], params["layers"])
-                   for i in range(config.num_hidden_layers))
-    work = _LayerCaches(k=tuple(cache.k[i, :, :read] for i in range(config.num_hidden_layers)),
-                        v=tuple(cache.v[i, :, :read] for i in range(config.num_hidden_layers)),
-                        lengths=cache.lengths, max_len=cache.max_len)
-    return layers, work
-
-
-def _merge_layers(cache: cache_lib.KVCache, work: _LayerCaches) -> cache_lib.KVCache:
-    """`cache` with its first R slots replaced by the working copy's (written in place into the donated cache)."""
-    at = (0,) * cache.k.ndim
-    return cache_lib.KVCache(k=jax.lax.dynamic_update_slice(cache.k, jnp.stack(work.k), at),
-                             v=jax.lax.dynamic_update_slice(cache.v, jnp.stack(work.v), at), lengths=work.lengths)
-
-
-def _decode_model_layers(config: ModelConfig, params, layers: tuple, cache: _LayerCaches, tokens: jax.Array,
-                         active: jax.Array):
-    """`_decode_model` over per-layer params and caches (`_split_layers`), the layer loop unrolled: one token per
-    active row through the model, its keys/values written into its layer's cache before that layer attends to it.
-
-    Why (XLA CPU): under the `lax.scan` over stacked layers, every layer's weight slice and cache slice is copied
-    out of the stack before its dots, which roughly doubles the traffic of a step that is bound by reading the
-    weights; unrolled over buffers of their own, the dots read the weights in place and the cache writes are
-    in-place updates. Same values as `models.extend` with n = 1 up to float rounding (the new key is one of the
-    cached keys here, a block key there: the softmax sums in another order).
-    """
-    B = tokens.shape[0]
-    R = cache.k[0].shape[1]
-    num_new = active.astype(jnp.int32)
-    positions = cache.lengths[:, None]  # [B, 1]
-    write_slot = jnp.where(active[:, None] & (positions < R), positions, R)  # R = out of range -> dropped
-    ranges = attention_api.KeyRanges(key_end=jnp.minimum(cache.lengths + num_new, R)[:, None])
-    rows = jnp.arange(B)[:, None]
-    ks, vs = list(cache.k), list(cache.v)
-    h = dec.embed_tokens(config, params, tokens[:, None])
-    for i, layer in enumerate(layers):
-        def attend(q, k, v, i=i):
-            ks[i] = ks[i].at[rows, write_slot].set(k.astype(ks[i].dtype), mode="drop")
-            vs[i] = vs[i].at[rows, write_slot].set(v.astype(vs[i].dtype), mode="drop")
-            return dec.attend(config, q, ks[i].astype(q.dtype), vs[i].astype(q.dtype), ranges), None
-
-        h, _, _ = dec.decoder_layer(config, layer, h, positions, attend)
-    logits = dec.logits_from_hidden(config, params, dec.final_norm(config, params, h[:, 0]))
-    return logits, cache.replace(k=tuple(ks), v=tuple(vs), lengths=cache.lengths + num_new)
-
-
 def _decode_step(config: ModelConfig, sampling: SamplingConfig | RowSampling, params, state: SamplerState,
                  active: jax.Array, budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array, logit_bias,
-                 attend_len=None, layers: tuple | None = None):
-    """One decode step (traced, not jitted): sample from the pending logits, feed the tokens, update stop states.
-    With `layers` (per-layer params from `_split_layers`) the state's cache is a `_LayerCaches`."""
+                 attend_len=None):
+    """One decode step (traced, not jitted): sample from the pending logits, feed the tokens, update stop states."""
     logits = state.logits if logit_bias is None else state.logits + logit_bias
     tokens, logprobs, sampled_lp = sample_from_logits(logits, rng, sampling)
     tokens = jnp.where(active, tokens, 0)
 
     # No `lax.cond` to skip the model once every row stopped: on CPU it copied the whole cache every step (decode
     # step 460 vs 236 ms for extend alone on SmolLM2), far more than the few idle steps before the next host sync.
-    if layers is None:
-        new_logits, cache = _decode_model(config, params, state.cache, tokens, active, attend_len)
-    else:
-        new_logits, cache = _decode_model_layers(config, params, layers, state.cache, tokens, active)
+    new_logits, cache = _decode_model(config, params, state.cache, tokens, active, attend_len)
     budget_left = budget_left - active.astype(jnp.int32)
     hit_stop = jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
     full = cache.lengths >= cache.max_len
@@ -424,38 +355,24 @@ def _decode_jit(config: ModelConfig, sampling: SamplingConfig | None, params, st
                         rng, logit_bias)
 
 
-def _decode_steps(config: ModelConfig, num_steps: int, attend_len: int | None, per_layer: bool | None,
-                  sampling: RowSampling, params, state: SamplerState, active: jax.Array, budget_left: jax.Array,
-                  stop_ids: jax.Array, rng: jax.Array, first_step: jax.Array, reason: jax.Array):
-    if per_layer is None:  # the platform the program is lowered for decides (`plan` lowers for TPUs on a CPU host)
-        steps = functools.partial(_decode_steps, config, num_steps, attend_len)
-        return jax.lax.platform_dependent(sampling, params, state, active, budget_left, stop_ids, rng, first_step,
-                                          reason, cpu=functools.partial(steps, True),
-                                          default=functools.partial(steps, False))
-    layers, cache = None, state.cache
-    if per_layer:  # split once per call, outside the step loop; merged back after it
-        read = cache.max_len if attend_len is None else min(attend_len, cache.max_len)
-        layers, work = _split_layers(config, params, cache, read)
-        state = state.replace(cache=work)
-
+def _decode_steps(config: ModelConfig, num_steps: int, attend_len: int | None, sampling: RowSampling, params,
+                  state: SamplerState, active: jax.Array, budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array,
+                  first_step: jax.Array, reason: jax.Array):
     def body(carry, s):
         state, active, budget_left, reason = carry
         state, tokens, lp, slp, still, step_reason, budget_left = _decode_step(
             config, sampling, params, state, active, budget_left, stop_ids, _step_keys(rng, first_step + s), None,
-            attend_len, layers)
+            attend_len)
         reason = jnp.where(active, step_reason, reason)
         return (state, still, budget_left, reason), (tokens, lp, slp, active)
 
     (state, active, budget_left, reason), (tokens, lp, slp, was_active) = jax.lax.scan(
         body, (state, active, budget_left, reason), jnp.arange(num_steps, dtype=jnp.uint32),
         unroll=config.scan_unroll)
-    if per_layer:
-        state = state.replace(cache=_merge_layers(cache, state.cache))
     return state, tokens, lp, slp, was_active, active, reason, budget_left
 
 
-def decode_program(config: ModelConfig, num_steps: int, attend_len: int | None = None, *,
-                   per_layer: bool | None = None):
+def decode_program(config: ModelConfig, num_steps: int, attend_len: int | None = None):
     """The rollout's decode program: `num_steps` decode steps in one dispatch (a `lax.scan` over `_decode_step`).
 
         program(sampling: RowSampling, params, state, active bool [B], budget_left int32 [B], stop_ids int32 [S],
@@ -467,22 +384,12 @@ def decode_program(config: ModelConfig, num_steps: int, attend_len: int | None =
     so both give the same tokens. `sampling` is traced: its values are data, only its static fields shape the
     program. The state is donated. `attend_len`: the cache slots attention reads, at least every row's length
     after the last step (`generate` passes a `bucket_length` above it; None = the whole cache). Rows that stopped
-    keep `reason`. One program object per (config, num_steps, attend_len, per_layer): `generate` and `trace-jax
-    plan` call the same one. One dispatch instead of `num_steps`: on a small model the host round trip of each step
-    (~0.45 ms of Python and dispatch on this CPU) costs more than the step itself.
-
-    `per_layer`: how a step runs the layers. True: over per-layer copies of the layer params and of the attended
-    cache slots, made once per call before the step loop (`_split_layers`; the window is written back after it),
-    the layer loop unrolled (`_decode_model_layers`): XLA CPU otherwise copies each layer's weights and cache out of
-    the stacked arrays before its dots, every step (docs/rollout.md, "Decode speed at the defaults"). It holds a
-    second copy of the layer weights while the program runs. False: `models.extend` under its `lax.scan` over the
-    stacked layers. None (the default): True where the program is lowered for CPU, False elsewhere
-    (`lax.platform_dependent`, so a TPU program that `plan` compiles on a CPU host keeps the scan).
+    keep `reason`. One program object per (config, num_steps, attend_len): `generate` and `trace-jax plan` call the
+    same one. One dispatch instead of `num_steps`: on a small model the host round trip of each step (~0.45 ms of
+    Python and dispatch on this CPU) costs more than the step itself.
     """
-    per_layer = None if per_layer is None else bool(per_layer)
-    return _program("decode", (config, num_steps, attend_len, per_layer),
-                    lambda: jax.jit(functools.partial(_decode_steps, config, num_steps, attend_len, per_layer),
-                                    donate_argnums=2))
+    return _program("decode", (config, num_steps, attend_len),
+                    lambda: jax.jit(functools.partial(_decode_steps, config, num_steps, attend_len), donate_argnums=2))
 
 
 def append(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Sequence[int]]) -> SamplerState:
