@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
 from pathlib import Path
 
@@ -106,6 +107,22 @@ def test_bad_binding_in_an_arm_names_the_study_file_arm_and_binding(tmp_path, ca
     assert main(["study", path, "--print"]) == 2
     err = capsys.readouterr().err
     assert "s.gin" in err and "grpo/seed0" in err and "stepz" in err
+
+
+def test_gin_params_of_the_command_reach_every_arm_after_the_study_params(tmp_path, capsys):
+    from trace_jax.cli import main
+
+    path = _write(tmp_path, SMALL + "study.share_warm_start = True\n")
+    init = "TrainConfig.init_from = 'runs/studies/main/grpo/seed0'"
+    assert main(["study", path, "--print", "--dir", str(tmp_path / "out"), "--gin-param", init]) == 0
+    commands = capsys.readouterr().out.strip().splitlines()
+    params = [[words[i + 1] for i, word in enumerate(words) if word == "--gin-param"]
+              for words in map(shlex.split, commands)]
+    assert len(params) == 6 and all(init in arm for arm in params)
+    assert params[0].index("TrainConfig.steps = 2") < params[0].index(init)  # after study.params
+    # an arm after the seed's first still points at that first arm (the later binding wins in gin)
+    shared = f"TrainConfig.init_from = {str(tmp_path / 'out' / 'grpo/seed0')!r}"
+    assert params[1].index(init) < params[1].index(shared)
 
 
 def _fake_arm(directory: Path, accuracy: dict[int, float], tool_calls: dict[int, float], seconds: list[float],

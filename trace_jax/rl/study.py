@@ -5,7 +5,8 @@ A study file is gin, parsed on its own like a sweep file (`sweep.parse_spec_file
     # a study file (configs/studies/main.gin is one)
     study.name = 'main'                                   # default directory: runs/studies/main
     study.base = ['configs/study.gin']                    # gin files of every arm, in order
-    study.params = ['TrainConfig.steps = 20']             # optional bindings every arm adds
+    study.params = ['TrainConfig.steps = 20']             # optional bindings every arm adds (the command's
+                                                          #   --gin-param adds more after these)
     study.methods = {                                     # method -> its gin files (after the base)
         'grpo': ['configs/credit/grpo.gin'],
         'trace': ['configs/credit/trace.gin'],
@@ -446,6 +447,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results-only", "--results_only", action="store_true",
                         help="rewrite results.json and the plots from the finished arms; run nothing")
     parser.add_argument("--no-progress", "--no_progress", action="store_true", help="no progress bars")
+    parser.add_argument("--gin-param", "--gin_param", action="append", default=[],
+                        help="a binding every arm adds after the study file's study.params (repeatable), e.g. "
+                        "\"TrainConfig.init_from = 'runs/studies/main/grpo/seed0'\" to start an ablation study "
+                        "from the main study's warm start of the same seed")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -453,6 +458,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         study = load_study(args.study_file)
+        if args.gin_param:
+            study = dataclasses.replace(study, params=study.params + tuple(args.gin_param))
         directory = Path(args.dir or Path("runs/studies") / study.name)
         arms = expand(study, directory)
         arms = mark_repeats(arms, validate_runs([arm.run for arm in arms], what=f"study {args.study_file}"))
