@@ -208,6 +208,15 @@ def test_results_aggregate_mean_and_std_over_seeds_per_method(tmp_path):
     assert [a["finished"] for a in results["arms"]] == [True, True, True, False, True, False]
     assert json.loads((out / "results.json").read_text()) == results
     assert {p.name for p in (out / "plots").iterdir()} == {"accuracy.png", "tool_calls.png", "ablations.png"}
+    # GRPO's final mean is 0.45: trace's mean curve (0.1, 0.5) reaches it at step 2, as GRPO's own does
+    assert results["steps_to_grpo_final"] == {"grpo": 2, "trace": 2}
+    assert grpo["wall_seconds"] == {"0": 2.0, "1": 2.0}  # each run's last wall_time
+    assert results["wall_seconds_finished_arms"] == pytest.approx(8.0)  # four finished runs
+    table = (out / "results.md").read_text()
+    assert "| grpo | 2 | 15.0 +- 7.1 | 45.0 +- 21.2 | 2 | 5.50 | 2.5 | 1.00 |" in table
+    assert "| trace | 1 | 10.0 | 50.0 | 2 | 4.00 | 6.0 | 2.40 |" in table
+    results["steps_to_grpo_final"]["trace"] = None
+    assert "| trace | 1 | 10.0 | 50.0 | not reached |" in study_module.results_table(results)
 
 
 @pytest.mark.slow  # ~15-60 s under load (compiles one rollout, update and evaluation)

@@ -30,7 +30,8 @@ whose run directory holds `summary.json` is finished and skipped; an unfinished 
 where `train` resumes from its checkpoint. An arm whose parsed config equals an earlier arm's (`mark_repeats`)
 shares that arm's run instead of repeating it. Each arm's directory records its bindings (`study_arm.json`); a rerun
 whose arm has other bindings stops with an error instead of mixing configs. After every arm, `results.json` and the
-plots are rewritten from the finished arms (`aggregate`), so a partial study has partial results.
+plots are rewritten from the finished arms (`aggregate`; `results.md` holds `results_table`), so a partial study
+has partial results.
 
 This module knows study files, run directories and the metrics files; training is `run_train`'s.
 """
@@ -60,6 +61,7 @@ SEED_FIELDS = ("TrainConfig.seed", "DataConfig.shuffle_seed", "WarmStartConfig.o
 DIAGNOSTICS = ("credit/detour_turn_credit", "credit/on_path_turn_credit", "credit/detour_turn_share",
                "credit/progress_spearman", "zero_signal_groups", "zero_signal_groups_with_turn_credit")
 RESULTS_FILE = "results.json"
+TABLE_FILE = "results.md"  # results_table(): the table docs/results.md quotes
 ARM_FILE = "study_arm.json"
 PLOTS_DIR = "plots"
 EXPECTED = ("expected study.name, study.base, study.methods, study.seeds and optionally study.params, "
@@ -291,8 +293,9 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float | None]:
 def arm_results(arm_dir: str | Path) -> dict:
     """One finished arm's figures from its `metrics.jsonl`: held-out accuracy by evaluation step (step 0 = before
     RL, after any warm start), training-rollout tool calls per episode by step, the median in-loop RL step seconds
-    (`time/step`: rollout, scoring, credit and update; evaluations excluded) and each of `DIAGNOSTICS` averaged
-    over the RL steps that logged it (None when none did)."""
+    (`time/step`: rollout, scoring, credit and update; evaluations excluded), each of `DIAGNOSTICS` averaged
+    over the RL steps that logged it (None when none did) and the run's wall seconds (its last record's
+    `wall_time`, which continues across resumes: build, any warm start, evaluations and steps)."""
     records = read_metrics(arm_dir)
     accuracy = _series(records, "eval/accuracy")
     tool_calls = _series(records, "tool_calls")
@@ -301,8 +304,10 @@ def arm_results(arm_dir: str | Path) -> dict:
     for name in DIAGNOSTICS:
         values = [float(v) for v in _series(records, name).values() if math.isfinite(v)]
         diagnostics[name] = statistics.fmean(values) if values else None
+    walls = [float(r["wall_time"]) for r in records if r.get("wall_time") is not None]
     return {"accuracy": accuracy, "tool_calls": tool_calls, "diagnostics": diagnostics,
-            "median_step_seconds": statistics.median(step_seconds) if step_seconds else None}
+            "median_step_seconds": statistics.median(step_seconds) if step_seconds else None,
+            "wall_seconds": max(walls) if walls else None}
 
 
 def _group(arm_figures: Mapping[int, dict]) -> dict:
@@ -327,6 +332,7 @@ def _group(arm_figures: Mapping[int, dict]) -> dict:
     seconds = [arm_figures[seed]["median_step_seconds"] for seed in seeds
                if arm_figures[seed]["median_step_seconds"] is not None]
     out["median_step_seconds"] = statistics.median(seconds) if seconds else None
+    out["wall_seconds"] = {str(seed): arm_figures[seed].get("wall_seconds") for seed in seeds}
     out["diagnostics"] = {}
     for name in DIAGNOSTICS:
         per_seed = {str(seed): arm_figures[seed]["diagnostics"].get(name) for seed in seeds}
@@ -344,6 +350,47 @@ def _step_time_ratios(methods: Mapping[str, dict]) -> dict[str, float]:
         return {}
     return {m: group["median_step_seconds"] / base for m, group in methods.items()
             if group.get("median_step_seconds") is not None}
+
+
+def _steps_to_reach(methods: Mapping[str, dict], base: str = "grpo") -> dict[str, int | None]:
+    """Per method, the first evaluation step at which its mean held-out accuracy over seeds reaches GRPO's final
+    mean (the seed table's "steps to reach GRPO's final accuracy"); None where it never does; empty without GRPO."""
+    target = methods.get(base, {}).get("accuracy", {}).get("mean")
+    if not target:
+        return {}
+    final = target[-1]
+    out = {}
+    for method, group in methods.items():
+        series = group.get("accuracy", {})
+        out[method] = next((step for step, mean in zip(series.get("steps", []), series.get("mean", []))
+                            if mean >= final), None)
+    return out
+
+
+def results_table(results: Mapping[str, Any]) -> str:
+    """The main table of docs/results.md (the seed paper's layout) from `results.json`: one row per method with
+    held-out accuracy after the warm start and after RL (mean +- sample std over seeds), the steps to reach GRPO's
+    final mean, tool calls per episode, the median in-loop step and its ratio to GRPO's."""
+    def pct(group, key):
+        figures = group.get(key) or {}
+        if figures.get("mean") is None:
+            return "-"
+        std = figures.get("std")
+        return f"{100 * figures['mean']:.1f}" + (f" +- {100 * std:.1f}" if std is not None else "")
+
+    reach = results.get("steps_to_grpo_final", {})
+    ratios = results.get("step_time_ratio_to_grpo", {})
+    lines = ["| method | seeds | held out after warm start (%) | held out after RL (%) | steps to GRPO's final | "
+             "tool calls / episode | median step (s) | step / GRPO |", "|---|---|---|---|---|---|---|---|"]
+    for method, group in results.get("methods", {}).items():
+        calls = group.get("tool_calls_per_episode")
+        seconds = group.get("median_step_seconds")
+        lines.append(" | ".join([
+            f"| {method}", str(len(group.get("seeds", []))), pct(group, "initial_accuracy"),
+            pct(group, "final_accuracy"), "not reached" if reach.get(method, 0) is None else str(reach.get(method, "-")),
+            "-" if calls is None else f"{calls:.2f}", "-" if seconds is None else f"{seconds:.1f}",
+            "-" if method not in ratios else f"{ratios[method]:.2f}"]) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def aggregate(study: Study, directory: str | Path, arms: Sequence[Arm] | None = None) -> dict:
@@ -364,10 +411,14 @@ def aggregate(study: Study, directory: str | Path, arms: Sequence[Arm] | None = 
         else:  # the name is ablation/<field>=<value>/seed<S>
             by_ablation.setdefault(arm.name.split("/")[1], {})[arm.seed] = figures
     methods = {m: _group(by_method[m]) for m, _ in study.methods if m in by_method}
+    walls = {arm.run.run_dir: arm_results(arm.run.run_dir).get("wall_seconds") for arm in arms
+             if arm_finished(arm)}  # repeats share a run directory: counted once
     return {"study": study.name, "seed_fields": list(SEED_FIELDS), "std": "sample standard deviation over seeds "
             "(n - 1); null with one seed", "diagnostics": "mean over each arm's RL steps, then over seeds "
             "(docs/credit.md, 'Credit diagnostics')", "arms": listing,
             "methods": methods, "step_time_ratio_to_grpo": _step_time_ratios(methods),
+            "steps_to_grpo_final": _steps_to_reach(methods),
+            "wall_seconds_finished_arms": sum(w for w in walls.values() if w is not None),
             "ablations": {"method": study.ablation_method, **{k: _group(v) for k, v in by_ablation.items()}}
             if study.ablations else {}}
 
@@ -432,6 +483,7 @@ def write_results(study: Study, directory: str | Path, arms: Sequence[Arm] | Non
     directory = Path(directory)
     results = _json_safe(aggregate(study, directory, arms))
     (directory / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    (directory / TABLE_FILE).write_text(results_table(results), encoding="utf-8")
     if plots:
         write_plots(results, directory / PLOTS_DIR)
     return results
