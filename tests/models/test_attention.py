@@ -126,6 +126,29 @@ def test_single_token_decode_sees_its_row_up_to_itself():
     np.testing.assert_allclose(np.asarray(out), ref, atol=2e-5)
 
 
+@pytest.mark.parametrize("Q, heads, kv_heads", [(1, 9, 3), (2, 4, 2), (1, 4, 4), (2, 8, 1)])
+def test_few_query_decode_path_with_a_block_equals_float64_reference(Q, heads, kv_heads):
+    """The decode path (`_dense_block_few`: every query head against every KV head's keys, then each head's own
+    block) on fresh random inputs, cached keys plus a block of new keys in one softmax, against float64."""
+    rng = np.random.default_rng(100 + Q * heads + kv_heads)
+    B, T, T2, Dh = 3, 70, Q, 16
+    q = normal(rng, B, Q, heads, Dh)
+    k, v = normal(rng, B, T, kv_heads, Dh), normal(rng, B, T, kv_heads, Dh)
+    k2, v2 = normal(rng, B, T2, kv_heads, Dh), normal(rng, B, T2, kv_heads, Dh)
+    lengths = np.asarray([1, 33, 70])
+    mask = np.broadcast_to(np.arange(T)[None, None, :] < lengths[:, None, None], (B, Q, T))
+    mask2 = np.broadcast_to(np.tril(np.ones((Q, T2), bool))[None], (B, Q, T2))
+    out = attention.dense_attention(q, k, v, jnp.asarray(mask), block=(k2, v2, jnp.asarray(mask2)))
+    ref = reference(q, np.concatenate([k, k2], 1), np.concatenate([v, v2], 1), np.concatenate([mask, mask2], 2),
+                    np.zeros((B, Q, heads, Dh)))[0]
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, atol=2e-5, rtol=0)
+    low = attention.dense_attention(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
+                                    jnp.asarray(mask), block=(k2.astype(jnp.bfloat16), v2.astype(jnp.bfloat16),
+                                                              jnp.asarray(mask2)))
+    assert low.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(low, np.float64), ref, atol=5e-2, rtol=0)
+
+
 def test_dense_implementation_is_the_reference():
     rng = np.random.default_rng(5)
     q, k, v = normal(rng, 2, 24, 4, 8), normal(rng, 2, 24, 2, 8), normal(rng, 2, 24, 2, 8)
