@@ -1,5 +1,7 @@
 """The rollout's KV budget: bytes a row's cache takes, and the rows a per-chip budget holds on a mesh."""
 
+import re
+
 import jax
 import pytest
 
@@ -34,5 +36,13 @@ def test_a_budget_below_one_row_or_none_at_all_is_an_error_naming_the_field():
     config = models.get_preset("qwen3-4b").replace(dtype="bfloat16")
     with pytest.raises(ValueError, match=r"kv_budget_gib = 6.0 GiB holds no row: .*6.75 GiB"):
         budget.rows_within_budget(config, RolloutConfig(max_context=49152), mesh=mesh_of(fsdp=8), budget_gib=6.0)
+    # just under one row: the budget the message proposes holds the row (no "6.75 GiB > 6.75 GiB" reading)
+    row = budget.kv_bytes_per_row(config, 49152, mesh=mesh_of(fsdp=8)) / GIB
+    with pytest.raises(ValueError, match=r"raise the budget to at least ([\d.]+) GiB") as error:
+        budget.rows_within_budget(config, RolloutConfig(max_context=49152), mesh=mesh_of(fsdp=8),
+                                  budget_gib=row * (1 - 1e-9))
+    proposed = float(re.search(r"at least ([\d.]+) GiB", str(error.value)).group(1))
+    assert budget.rows_within_budget(config, RolloutConfig(max_context=49152), mesh=mesh_of(fsdp=8),
+                                     budget_gib=proposed) >= 1
     with pytest.raises(ValueError, match=r"kv_budget_gib is None \(unbounded\)"):
         budget.rows_within_budget(config, RolloutConfig(max_context=49152), mesh=mesh_of(fsdp=8))

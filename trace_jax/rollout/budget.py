@@ -121,9 +121,10 @@ def rows_within_budget(model_config: ModelConfig, rollout_config, *, mesh, rows:
     per_row = kv_bytes_per_row(model_config, max_len, mesh=mesh, dtype=dtype, rules=rules)
     per_chip = int(budget // per_row)
     if per_chip < 1:
+        enough = math.ceil(per_row / GIB * 1000) / 1000  # rounded up: a budget printed here always holds the row
         raise ValueError(f"RolloutConfig.kv_budget_gib = {budget_gib} GiB holds no row: one row of max_context = "
-                         f"{max_len} takes {per_row} bytes ({per_row / GIB:.4g} GiB) of KV cache per chip; raise "
-                         "the budget or lower max_context")
+                         f"{max_len} takes {per_row} bytes ({per_row / GIB:.6g} GiB) of KV cache per chip; raise "
+                         f"the budget to at least {enough:g} GiB or lower max_context")
     shards = batch_shards(mesh, rules)
     if rows is None:
         return per_chip * shards
