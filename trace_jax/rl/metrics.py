@@ -202,7 +202,8 @@ class RunWriter:
                 if name != "step":
                     self._tb.add_scalar(name, value, global_step=int(step), walltime=None)
         self._latest.update({k: v for k, v in record.items() if k != "step"})
-        if self._bar is None and self._progress and step > 0 and not self._progress_ended:  # start_progress() was not called: open it here
+        # start_progress() was not called (and end_progress() not yet): open the bar here
+        if self._bar is None and self._progress and step > 0 and not self._progress_ended:
             earlier = [r["step"] for r in self.history[:-1]]
             self._bar = progress_bar(self._total_steps, "train", initial=int(max(earlier, default=0)))
         if self._bar is not None:
@@ -254,9 +255,7 @@ class RunWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        self.end_progress()
 
     def __enter__(self) -> "RunWriter":
         return self

@@ -385,9 +385,10 @@ def results_table(results: Mapping[str, Any]) -> str:
     for method, group in results.get("methods", {}).items():
         calls = group.get("tool_calls_per_episode")
         seconds = group.get("median_step_seconds")
+        step = reach.get(method, "-")  # None: never reached; "-": no GRPO to reach
         lines.append(" | ".join([
             f"| {method}", str(len(group.get("seeds", []))), pct(group, "initial_accuracy"),
-            pct(group, "final_accuracy"), "not reached" if reach.get(method, 0) is None else str(reach.get(method, "-")),
+            pct(group, "final_accuracy"), "not reached" if step is None else str(step),
             "-" if calls is None else f"{calls:.2f}", "-" if seconds is None else f"{seconds:.1f}",
             "-" if method not in ratios else f"{ratios[method]:.2f}"]) + " |")
     return "\n".join(lines) + "\n"
@@ -399,6 +400,7 @@ def aggregate(study: Study, directory: str | Path, arms: Sequence[Arm] | None = 
     by_method: dict[str, dict[int, dict]] = {}
     by_ablation: dict[str, dict[int, dict]] = {}
     listing = []
+    walls: dict[str, float | None] = {}  # by run directory: repeats share their arm's run, counted once
     for arm in arms:
         finished = arm_finished(arm)
         listing.append({"name": arm.name, "run_dir": arm.run.run_dir, "finished": finished,
@@ -406,13 +408,12 @@ def aggregate(study: Study, directory: str | Path, arms: Sequence[Arm] | None = 
         if not finished:
             continue
         figures = arm_results(arm.run.run_dir)
+        walls[arm.run.run_dir] = figures["wall_seconds"]
         if arm.ablation is None:
             by_method.setdefault(arm.method, {})[arm.seed] = figures
         else:  # the name is ablation/<field>=<value>/seed<S>
             by_ablation.setdefault(arm.name.split("/")[1], {})[arm.seed] = figures
     methods = {m: _group(by_method[m]) for m, _ in study.methods if m in by_method}
-    walls = {arm.run.run_dir: arm_results(arm.run.run_dir).get("wall_seconds") for arm in arms
-             if arm_finished(arm)}  # repeats share a run directory: counted once
     return {"study": study.name, "seed_fields": list(SEED_FIELDS), "std": "sample standard deviation over seeds "
             "(n - 1); null with one seed", "diagnostics": "mean over each arm's RL steps, then over seeds "
             "(docs/credit.md, 'Credit diagnostics')", "arms": listing,
