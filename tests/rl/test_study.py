@@ -61,17 +61,22 @@ def test_shared_warm_start_points_later_arms_of_a_seed_at_its_first_arm(tmp_path
     assert arms[3].run.gin_params[-1] == f"TrainConfig.init_from = {str(tmp_path / 'grpo/seed1')!r}"
 
 
-def test_shipped_study_files_expand_and_every_arm_config_parses():
-    main = expand(load_study(str(REPO / "configs/studies/main.gin")), "runs/x")
-    assert len(main) == 8 * 3
+def test_shipped_study_file_expands_and_every_arm_config_parses():
+    arms = expand(load_study(str(REPO / "configs/studies/main.gin")), "runs/x")
+    main, ablations = arms[:24], arms[24:]
     assert {a.method for a in main} == {"grpo", "gspo", "gigpo", "trace_log_ratio", "trace_raw_delta",
                                        "trace_linear_gap", "abc_grpo", "abc_sft"}
-    ablations = expand(load_study(str(REPO / "configs/studies/ablations.gin")), "runs/x")
+    assert [a.seed for a in main] == [0] * 8 + [1] * 8 + [2] * 8
     assert [a.ablation for a in ablations] == [("CreditConfig.horizon", k) for k in (0, 1, 3, 5)] + [
         ("CreditConfig.alpha_turn", a) for a in (0.05, 0.2, 1.0, 3.0)]
     from trace_jax.rl.sweep import validate_runs
 
-    validate_runs([main[0].run, main[-1].run, ablations[0].run], what="study")
+    configs = validate_runs([a.run for a in arms], what="study")
+    # every arm after the first starts from seed 0's, 1's or 2's warm start; K = 3 and alpha_turn = 0.2 are TRACE's
+    # defaults and share the main arm's run
+    marked = study_module.mark_repeats(arms, configs)
+    assert {a.name: a.repeat_of for a in marked if a.repeat_of} == {
+        "ablation/horizon=3/seed0": "trace_log_ratio/seed0", "ablation/alpha_turn=0.2/seed0": "trace_log_ratio/seed0"}
 
 
 def test_an_arm_with_an_earlier_arms_config_shares_its_run(tmp_path):
