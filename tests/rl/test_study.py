@@ -131,7 +131,8 @@ def test_gin_params_of_the_command_reach_every_arm_after_the_study_params(tmp_pa
 
 
 def _fake_arm(directory: Path, accuracy: dict[int, float], tool_calls: dict[int, float], seconds: list[float],
-              finished: bool = True, diagnostics: dict[int, dict[str, float]] | None = None) -> None:
+              finished: bool = True, diagnostics: dict[int, dict[str, float]] | None = None,
+              scoring: list[float] | None = None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     lines = []
     for step in sorted(set(accuracy) | set(tool_calls)):
@@ -139,6 +140,8 @@ def _fake_arm(directory: Path, accuracy: dict[int, float], tool_calls: dict[int,
         if step in tool_calls:
             metrics["tool_calls"] = tool_calls[step]
             metrics["time/step"] = seconds[step - 1]
+            if scoring is not None:
+                metrics["time/scoring"] = scoring[step - 1]
         if step in accuracy:
             metrics["eval/accuracy"] = accuracy[step]
         lines.append(encode_line(step, float(step), metrics))
@@ -193,7 +196,8 @@ def test_results_aggregate_mean_and_std_over_seeds_per_method(tmp_path):
     arms = {a.name: a for a in expand(study, out)}
     _fake_arm(Path(arms["grpo/seed0"].run.run_dir), {0: 0.1, 2: 0.3}, {1: 4.0, 2: 6.0}, [1.0, 3.0])
     _fake_arm(Path(arms["grpo/seed1"].run.run_dir), {0: 0.2, 2: 0.6}, {1: 5.0, 2: 7.0}, [2.0, 4.0])
-    _fake_arm(Path(arms["trace/seed0"].run.run_dir), {0: 0.1, 2: 0.5}, {1: 4.0, 2: 4.0}, [5.0, 7.0])
+    _fake_arm(Path(arms["trace/seed0"].run.run_dir), {0: 0.1, 2: 0.5}, {1: 4.0, 2: 4.0}, [5.0, 7.0],
+              scoring=[1.0, 0.0])  # 5 / (5 - 1) = 1.25 and 1.0: median 1.125
     _fake_arm(Path(arms["ablation/horizon=0/seed0"].run.run_dir), {0: 0.1, 2: 0.2}, {1: 3.0, 2: 3.0}, [1.0, 1.0])
     results = write_results(study, out, plots=True)
     grpo = results["methods"]["grpo"]
@@ -218,8 +222,10 @@ def test_results_aggregate_mean_and_std_over_seeds_per_method(tmp_path):
     assert grpo["wall_seconds"] == {"0": 2.0, "1": 2.0}  # each run's last wall_time
     assert results["wall_seconds_finished_arms"] == pytest.approx(8.0)  # four finished runs
     table = (out / "results.md").read_text()
-    assert "| grpo | 2 | 15.0 +- 7.1 | 45.0 +- 21.2 | 2 | 5.50 | 2.5 | 1.00 |" in table
-    assert "| trace | 1 | 10.0 | 50.0 | 2 | 4.00 | 6.0 | 2.40 |" in table
+    assert results["methods"]["trace"]["median_scoring_ratio"] == pytest.approx(1.125)
+    assert grpo["median_scoring_ratio"] is None  # no time/scoring logged
+    assert "| grpo | 2 | 15.0 +- 7.1 | 45.0 +- 21.2 | 2 | 5.50 | 2.5 | 1.00 | - |" in table
+    assert "| trace | 1 | 10.0 | 50.0 | 2 | 4.00 | 6.0 | 2.40 | 1.125 |" in table
     results["steps_to_grpo_final"]["trace"] = None
     assert "| trace | 1 | 10.0 | 50.0 | not reached |" in study_module.results_table(results)
 

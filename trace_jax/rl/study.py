@@ -293,13 +293,20 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float | None]:
 def arm_results(arm_dir: str | Path) -> dict:
     """One finished arm's figures from its `metrics.jsonl`: held-out accuracy by evaluation step (step 0 = before
     RL, after any warm start), training-rollout tool calls per episode by step, the median in-loop RL step seconds
-    (`time/step`: rollout, scoring, credit and update; evaluations excluded), each of `DIAGNOSTICS` averaged
+    (`time/step`: rollout, scoring, credit and update; evaluations excluded), the median over RL steps of the
+    step over the same step without its reference scoring (`median_scoring_ratio`: `time/step` / (`time/step` -
+    `time/scoring`), the method's cost over GRPO's on the same trajectories; 1 for methods without scoring), each of `DIAGNOSTICS` averaged
     over the RL steps that logged it (None when none did) and the run's wall seconds (its last record's
     `wall_time`, which continues across resumes: build, any warm start, evaluations and steps)."""
     records = read_metrics(arm_dir)
     accuracy = _series(records, "eval/accuracy")
     tool_calls = _series(records, "tool_calls")
     step_seconds = [r["time/step"] for r in records if r.get("time/step") is not None]
+    # the step over the same step without the reference's scoring pass: what the method costs over GRPO on its own
+    # trajectories, whatever their lengths (GRPO's credit is arithmetic of milliseconds)
+    scoring_ratios = [r["time/step"] / (r["time/step"] - r["time/scoring"]) for r in records
+                      if r.get("time/step") is not None and r.get("time/scoring") is not None
+                      and r["time/step"] > r["time/scoring"]]
     diagnostics = {}
     for name in DIAGNOSTICS:
         values = [float(v) for v in _series(records, name).values() if math.isfinite(v)]
@@ -307,6 +314,7 @@ def arm_results(arm_dir: str | Path) -> dict:
     walls = [float(r["wall_time"]) for r in records if r.get("wall_time") is not None]
     return {"accuracy": accuracy, "tool_calls": tool_calls, "diagnostics": diagnostics,
             "median_step_seconds": statistics.median(step_seconds) if step_seconds else None,
+            "median_scoring_ratio": statistics.median(scoring_ratios) if scoring_ratios else None,
             "wall_seconds": max(walls) if walls else None}
 
 
@@ -332,6 +340,9 @@ def _group(arm_figures: Mapping[int, dict]) -> dict:
     seconds = [arm_figures[seed]["median_step_seconds"] for seed in seeds
                if arm_figures[seed]["median_step_seconds"] is not None]
     out["median_step_seconds"] = statistics.median(seconds) if seconds else None
+    ratios = [arm_figures[seed]["median_scoring_ratio"] for seed in seeds
+              if arm_figures[seed].get("median_scoring_ratio") is not None]
+    out["median_scoring_ratio"] = statistics.median(ratios) if ratios else None
     out["wall_seconds"] = {str(seed): arm_figures[seed].get("wall_seconds") for seed in seeds}
     out["diagnostics"] = {}
     for name in DIAGNOSTICS:
@@ -370,7 +381,8 @@ def _steps_to_reach(methods: Mapping[str, dict], base: str = "grpo") -> dict[str
 def results_table(results: Mapping[str, Any]) -> str:
     """The main table of docs/results.md (the seed paper's layout) from `results.json`: one row per method with
     held-out accuracy after the warm start and after RL (mean +- sample std over seeds), the steps to reach GRPO's
-    final mean, tool calls per episode, the median in-loop step and its ratio to GRPO's."""
+    final mean, tool calls per episode, the median in-loop step, its ratio to GRPO's and the step over the same
+    step without reference scoring (TRACE's own cost on its own trajectories)."""
     def pct(group, key):
         figures = group.get(key) or {}
         if figures.get("mean") is None:
@@ -381,7 +393,8 @@ def results_table(results: Mapping[str, Any]) -> str:
     reach = results.get("steps_to_grpo_final", {})
     ratios = results.get("step_time_ratio_to_grpo", {})
     lines = ["| method | seeds | held out after warm start (%) | held out after RL (%) | steps to GRPO's final | "
-             "tool calls / episode | median step (s) | step / GRPO |", "|---|---|---|---|---|---|---|---|"]
+             "tool calls / episode | median step (s) | step / GRPO | step / same step unscored |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for method, group in results.get("methods", {}).items():
         calls = group.get("tool_calls_per_episode")
         seconds = group.get("median_step_seconds")
@@ -390,7 +403,8 @@ def results_table(results: Mapping[str, Any]) -> str:
             f"| {method}", str(len(group.get("seeds", []))), pct(group, "initial_accuracy"),
             pct(group, "final_accuracy"), "not reached" if step is None else str(step),
             "-" if calls is None else f"{calls:.2f}", "-" if seconds is None else f"{seconds:.1f}",
-            "-" if method not in ratios else f"{ratios[method]:.2f}"]) + " |")
+            "-" if method not in ratios else f"{ratios[method]:.2f}",
+            "-" if group.get("median_scoring_ratio") is None else f"{group['median_scoring_ratio']:.3f}"]) + " |")
     return "\n".join(lines) + "\n"
 
 
