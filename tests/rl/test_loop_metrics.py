@@ -131,9 +131,27 @@ def test_phase_timer_adds_repeated_phases_and_totals_the_step():
         pass
     with timer.phase("update"):
         pass
-    assert timer.metrics() == {"time/rollout": 1.0, "time/update": 3.0, "time/step": 4.0}
+    assert timer.metrics() == {"time/rollout": 1.0, "time/update": 3.0, "time/step": 4.0, "compile_seconds": 0.0}
     timer.reset()
-    assert timer.metrics() == {"time/step": 0}
+    assert timer.metrics() == {"time/step": 0, "compile_seconds": 0.0}
+
+
+def test_phase_timer_counts_the_seconds_jax_spends_compiling_inside_its_phases():
+    import jax
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda x: jnp.tanh(x) @ x.T + 1.0)
+    timer = PhaseTimer()
+    x = jnp.ones((5, 7))
+    with timer.phase("rollout"):  # traces, lowers and compiles f for (5, 7)
+        jax.block_until_ready(f(x))
+    first = timer.metrics()
+    assert 0.0 < first["compile_seconds"] <= first["time/rollout"]
+    timer.reset()
+    with timer.phase("rollout"):  # the cached program: no compile
+        jax.block_until_ready(f(x))
+    jax.block_until_ready(f(jnp.ones((6, 7))))  # outside any phase: not counted
+    assert timer.metrics()["compile_seconds"] == 0.0
 
 
 def test_progress_bar_shows_step_reward_accuracy_and_seconds_per_step(tmp_path, capsys):

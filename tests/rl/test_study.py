@@ -132,7 +132,7 @@ def test_gin_params_of_the_command_reach_every_arm_after_the_study_params(tmp_pa
 
 def _fake_arm(directory: Path, accuracy: dict[int, float], tool_calls: dict[int, float], seconds: list[float],
               finished: bool = True, diagnostics: dict[int, dict[str, float]] | None = None,
-              scoring: list[float] | None = None) -> None:
+              scoring: list[float] | None = None, compile: list[float] | None = None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     lines = []
     for step in sorted(set(accuracy) | set(tool_calls)):
@@ -142,6 +142,8 @@ def _fake_arm(directory: Path, accuracy: dict[int, float], tool_calls: dict[int,
             metrics["time/step"] = seconds[step - 1]
             if scoring is not None:
                 metrics["time/scoring"] = scoring[step - 1]
+            if compile is not None:
+                metrics["compile_seconds"] = compile[step - 1]
         if step in accuracy:
             metrics["eval/accuracy"] = accuracy[step]
         lines.append(encode_line(step, float(step), metrics))
@@ -224,8 +226,8 @@ def test_results_aggregate_mean_and_std_over_seeds_per_method(tmp_path):
     table = (out / "results.md").read_text()
     assert results["methods"]["trace"]["median_scoring_ratio"] == pytest.approx(1.125)
     assert grpo["median_scoring_ratio"] is None  # no time/scoring logged
-    assert "| grpo | 2 | 15.0 +- 7.1 | 45.0 +- 21.2 | 2 | 5.50 | 2.5 | 1.00 | - |" in table
-    assert "| trace | 1 | 10.0 | 50.0 | 2 | 4.00 | 6.0 | 2.40 | 1.125 |" in table
+    assert "| grpo | 2 | 15.0 +- 7.1 | 45.0 +- 21.2 | 2 | 5.50 | 2.5 | 1.00 | - | - |" in table
+    assert "| trace | 1 | 10.0 | 50.0 | 2 | 4.00 | 6.0 | 2.40 | - | 1.125 |" in table
     results["steps_to_grpo_final"]["trace"] = None
     assert "| trace | 1 | 10.0 | 50.0 | not reached |" in study_module.results_table(results)
 
@@ -264,7 +266,8 @@ def test_results_hold_each_methods_credit_diagnostics_and_step_time_ratio_to_grp
               diagnostics={1: {detour: -0.2, "zero_signal_groups": 0.5}, 2: {detour: -0.4, "zero_signal_groups": 0.0}})
     _fake_arm(Path(arms["trace/seed1"].run.run_dir), {0: 0.1}, {1: 4.0, 2: 4.0}, [3.0, 3.0],
               diagnostics={2: {detour: 0.1}})
-    _fake_arm(Path(arms["grpo/seed0"].run.run_dir), {0: 0.1}, {1: 4.0, 2: 4.0}, [2.0, 2.0])
+    _fake_arm(Path(arms["grpo/seed0"].run.run_dir), {0: 0.1}, {1: 4.0, 2: 4.0}, [2.0, 2.0], compile=[1.0, 0.0])
+    _fake_arm(Path(arms["grpo/seed1"].run.run_dir), {0: 0.1}, {1: 4.0, 2: 4.0}, [2.0, 2.0])  # logged no compile
     results = write_results(study, out, plots=False)
     trace = results["methods"]["trace"]["diagnostics"]
     assert trace[detour]["per_seed"] == {"0": pytest.approx(-0.3), "1": pytest.approx(0.1)}
@@ -272,3 +275,7 @@ def test_results_hold_each_methods_credit_diagnostics_and_step_time_ratio_to_grp
     assert trace["zero_signal_groups"]["per_seed"] == {"0": 0.25, "1": None}
     assert results["methods"]["grpo"]["diagnostics"][detour]["mean"] is None
     assert results["step_time_ratio_to_grpo"] == {"grpo": 1.0, "trace": 1.5}
+    # GRPO's steady step: seed 0's median of 2 - 1 and 2 - 0; seed 1 logged no compile time; trace none at all
+    assert results["methods"]["grpo"]["median_steady_step_seconds"] == pytest.approx(1.5)
+    assert results["methods"]["trace"]["median_steady_step_seconds"] is None
+    assert results["steady_step_time_ratio_to_grpo"] == {"grpo": 1.0}

@@ -15,7 +15,8 @@ Metric names the plots look for (the loop may log more; every name goes to JSONL
 
     reward, eval/accuracy (+ eval/accuracy_se), turns, tool_calls, credit/<stat>, time/<phase>
 
-`PhaseTimer` measures seconds per phase of a step (`with timer.phase("rollout"): ...`), as `time/<phase>` metrics.
+`PhaseTimer` measures seconds per phase of a step (`with timer.phase("rollout"): ...`), as `time/<phase>` metrics, and
+the part of them spent compiling JAX programs, as `compile_seconds`.
 
 Progress bars: the RL bar starts when the loop calls `RunWriter.start_progress()` (just before the first RL step), so
 its rate and ETA count RL steps only; stages before it (the warm start) show their own bar (`progress_bar`).
@@ -32,6 +33,7 @@ import contextlib
 import json
 import math
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -91,32 +93,62 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, float]]:
     return records
 
 
+# JAX's duration events of one compilation: tracing to a jaxpr, lowering to MLIR, the backend (XLA) compile
+_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                   "/jax/core/compile/backend_compile_duration")
+_compile_seconds = [0.0]  # process total, kept by the listener below (registered once, on first use)
+_compile_listener_lock = threading.Lock()
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent tracing, lowering and compiling JAX programs since the first call."""
+    with _compile_listener_lock:
+        if not getattr(compile_seconds, "registered", False):
+            import jax.monitoring
+
+            def listen(event: str, duration: float, **_: Any) -> None:
+                if event in _COMPILE_EVENTS:
+                    _compile_seconds[0] += duration
+
+            jax.monitoring.register_event_duration_secs_listener(listen)
+            compile_seconds.registered = True
+    return _compile_seconds[0]
+
+
 class PhaseTimer:
     """Wall seconds per named phase of one step; `with timer.phase("rollout"): ...` adds to that phase.
 
-    `metrics()` returns `{"time/<phase>": seconds, ..., "time/step": total}` and `reset()` starts the next step.
-    Phases may repeat within a step (e.g. several update epochs); their times add up.
+    `metrics()` returns `{"time/<phase>": seconds, ..., "time/step": total, "compile_seconds": seconds}` and
+    `reset()` starts the next step. Phases may repeat within a step (e.g. several update epochs); their times add
+    up. `compile_seconds` is the part of the phases' time JAX spent tracing, lowering and compiling programs (a step
+    whose batch needs a new length bucket compiles its update and scorer for it), so `time/step - compile_seconds`
+    is the step's steady-state time.
     """
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.compile = 0.0
         self._clock = time.perf_counter
 
     @contextlib.contextmanager
     def phase(self, name: str):
+        compiled = compile_seconds()
         start = self._clock()
         try:
             yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + self._clock() - start
+            self.compile += compile_seconds() - compiled
 
     def metrics(self, prefix: str = "time/") -> dict[str, float]:
         out = {f"{prefix}{name}": seconds for name, seconds in self.seconds.items()}
         out[f"{prefix}step"] = sum(self.seconds.values())
+        out["compile_seconds"] = self.compile
         return out
 
     def reset(self) -> None:
         self.seconds = {}
+        self.compile = 0.0
 
 
 class RunWriter:

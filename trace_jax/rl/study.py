@@ -294,6 +294,8 @@ def arm_results(arm_dir: str | Path) -> dict:
     """One finished arm's figures from its `metrics.jsonl`: held-out accuracy by evaluation step (step 0 = before
     RL, after any warm start), training-rollout tool calls per episode by step, the median in-loop RL step seconds
     (`time/step`: rollout, scoring, credit and update; evaluations excluded), the median over RL steps of the
+    same without the step's JAX compile time (`median_steady_step_seconds`, from the `compile_seconds` metric; None
+    for runs that did not log it), the median over RL steps of the
     step over the same step without its reference scoring (`median_scoring_ratio`: `time/step` / (`time/step` -
     `time/scoring`), the method's cost over GRPO's on the same trajectories; 1 for methods without scoring), each of `DIAGNOSTICS` averaged
     over the RL steps that logged it (None when none did) and the run's wall seconds (its last record's
@@ -304,6 +306,8 @@ def arm_results(arm_dir: str | Path) -> dict:
     step_seconds = [r["time/step"] for r in records if r.get("time/step") is not None]
     # the step over the same step without the reference's scoring pass: what the method costs over GRPO on its own
     # trajectories, whatever their lengths (GRPO's credit is arithmetic of milliseconds)
+    steady = [r["time/step"] - r["compile_seconds"] for r in records
+              if r.get("time/step") is not None and r.get("compile_seconds") is not None]
     scoring_ratios = [r["time/step"] / (r["time/step"] - r["time/scoring"]) for r in records
                       if r.get("time/step") is not None and r.get("time/scoring") is not None
                       and r["time/step"] > r["time/scoring"]]
@@ -314,6 +318,7 @@ def arm_results(arm_dir: str | Path) -> dict:
     walls = [float(r["wall_time"]) for r in records if r.get("wall_time") is not None]
     return {"accuracy": accuracy, "tool_calls": tool_calls, "diagnostics": diagnostics,
             "median_step_seconds": statistics.median(step_seconds) if step_seconds else None,
+            "median_steady_step_seconds": statistics.median(steady) if steady else None,
             "median_scoring_ratio": statistics.median(scoring_ratios) if scoring_ratios else None,
             "wall_seconds": max(walls) if walls else None}
 
@@ -340,9 +345,9 @@ def _group(arm_figures: Mapping[int, dict]) -> dict:
     seconds = [arm_figures[seed]["median_step_seconds"] for seed in seeds
                if arm_figures[seed]["median_step_seconds"] is not None]
     out["median_step_seconds"] = statistics.median(seconds) if seconds else None
-    ratios = [arm_figures[seed]["median_scoring_ratio"] for seed in seeds
-              if arm_figures[seed].get("median_scoring_ratio") is not None]
-    out["median_scoring_ratio"] = statistics.median(ratios) if ratios else None
+    for name in ("median_steady_step_seconds", "median_scoring_ratio"):  # median over seeds that logged it
+        values = [arm_figures[seed][name] for seed in seeds if arm_figures[seed].get(name) is not None]
+        out[name] = statistics.median(values) if values else None
     out["wall_seconds"] = {str(seed): arm_figures[seed].get("wall_seconds") for seed in seeds}
     out["diagnostics"] = {}
     for name in DIAGNOSTICS:
@@ -353,14 +358,13 @@ def _group(arm_figures: Mapping[int, dict]) -> dict:
     return out
 
 
-def _step_time_ratios(methods: Mapping[str, dict]) -> dict[str, float]:
-    """Each method's median in-loop step seconds over GRPO's (the issue's TRACE / GRPO step-time figure); empty
-    without a finished GRPO arm."""
-    base = methods.get("grpo", {}).get("median_step_seconds")
+def _step_time_ratios(methods: Mapping[str, dict], name: str = "median_step_seconds") -> dict[str, float]:
+    """Each method's median in-loop step seconds (or another per-method figure `name`) over GRPO's (the issue's
+    TRACE / GRPO step-time figure); empty without a finished GRPO arm that has it."""
+    base = methods.get("grpo", {}).get(name)
     if not base:
         return {}
-    return {m: group["median_step_seconds"] / base for m, group in methods.items()
-            if group.get("median_step_seconds") is not None}
+    return {m: group[name] / base for m, group in methods.items() if group.get(name) is not None}
 
 
 def _steps_to_reach(methods: Mapping[str, dict], base: str = "grpo") -> dict[str, int | None]:
@@ -381,8 +385,8 @@ def _steps_to_reach(methods: Mapping[str, dict], base: str = "grpo") -> dict[str
 def results_table(results: Mapping[str, Any]) -> str:
     """The main table of docs/results.md (the seed paper's layout) from `results.json`: one row per method with
     held-out accuracy after the warm start and after RL (mean +- sample std over seeds), the steps to reach GRPO's
-    final mean, tool calls per episode, the median in-loop step, its ratio to GRPO's and the step over the same
-    step without reference scoring (TRACE's own cost on its own trajectories)."""
+    final mean, tool calls per episode, the median in-loop step, its ratio to GRPO's with and without compile time
+    and the step over the same step without reference scoring (TRACE's own cost on its own trajectories)."""
     def pct(group, key):
         figures = group.get(key) or {}
         if figures.get("mean") is None:
@@ -392,9 +396,10 @@ def results_table(results: Mapping[str, Any]) -> str:
 
     reach = results.get("steps_to_grpo_final", {})
     ratios = results.get("step_time_ratio_to_grpo", {})
+    steady = results.get("steady_step_time_ratio_to_grpo", {})
     lines = ["| method | seeds | held out after warm start (%) | held out after RL (%) | steps to GRPO's final | "
-             "tool calls / episode | median step (s) | step / GRPO | step / same step unscored |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "tool calls / episode | median step (s) | step / GRPO | steady step / GRPO | step / same step unscored |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for method, group in results.get("methods", {}).items():
         calls = group.get("tool_calls_per_episode")
         seconds = group.get("median_step_seconds")
@@ -404,6 +409,7 @@ def results_table(results: Mapping[str, Any]) -> str:
             pct(group, "final_accuracy"), "not reached" if step is None else str(step),
             "-" if calls is None else f"{calls:.2f}", "-" if seconds is None else f"{seconds:.1f}",
             "-" if method not in ratios else f"{ratios[method]:.2f}",
+            "-" if method not in steady else f"{steady[method]:.2f}",
             "-" if group.get("median_scoring_ratio") is None else f"{group['median_scoring_ratio']:.3f}"]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -432,6 +438,7 @@ def aggregate(study: Study, directory: str | Path, arms: Sequence[Arm] | None = 
             "(n - 1); null with one seed", "diagnostics": "mean over each arm's RL steps, then over seeds "
             "(docs/credit.md, 'Credit diagnostics')", "arms": listing,
             "methods": methods, "step_time_ratio_to_grpo": _step_time_ratios(methods),
+            "steady_step_time_ratio_to_grpo": _step_time_ratios(methods, "median_steady_step_seconds"),
             "steps_to_grpo_final": _steps_to_reach(methods),
             "wall_seconds_finished_arms": sum(w for w in walls.values() if w is not None),
             "ablations": {"method": study.ablation_method, **{k: _group(v) for k, v in by_ablation.items()}}
