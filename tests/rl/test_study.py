@@ -279,3 +279,34 @@ def test_results_hold_each_methods_credit_diagnostics_and_step_time_ratio_to_grp
     assert results["methods"]["grpo"]["median_steady_step_seconds"] == pytest.approx(1.5)
     assert results["methods"]["trace"]["median_steady_step_seconds"] is None
     assert results["steady_step_time_ratio_to_grpo"] == {"grpo": 1.0}
+
+
+def test_an_arm_runs_as_its_own_process_and_a_sigterm_to_the_study_reaches_it(tmp_path):
+    import os
+    import signal
+    import threading
+
+    from trace_jax.rl.sweep import Run
+
+    marker = tmp_path / "started"
+    script = ("import signal, sys, time, pathlib\n"
+              "signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\n"
+              f"pathlib.Path({str(marker)!r}).write_text(str(__import__('os').getpid()))\n"
+              "time.sleep(60)\n")
+
+    class ScriptRun(Run):
+        def argv(self, python="python"):
+            return [python, "-c", script]
+
+    arm = study_module.Arm(method="grpo", seed=0, run=ScriptRun("grpo/seed0", (), (), str(tmp_path / "arm")))
+
+    def stop_when_started():
+        while not marker.exists():
+            threading.Event().wait(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # what `kill <study pid>` does
+
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=stop_when_started, daemon=True).start()
+    assert study_module.run_arm_process(arm, progress=False) == 7  # the arm's own exit status
+    assert int(marker.read_text()) != os.getpid()  # a process of its own
+    assert signal.getsignal(signal.SIGTERM) is before  # the study's handlers are restored

@@ -25,9 +25,9 @@ every field a seed must change (`SEED_FIELDS`: the policy's init, the warm start
 detours, the rollout keys, the RL task order); the task splits and the world stay fixed, so every arm is evaluated
 on the same held-out tasks.
 
-Arms run in sequence through `trace_jax.rl.cli.run_train`, the code path of `trace-jax train`. Resume: an arm
-whose run directory holds `summary.json` is finished and skipped; an unfinished one is rerun in its directory,
-where `train` resumes from its checkpoint. An arm whose parsed config equals an earlier arm's (`mark_repeats`)
+Arms run in sequence, each as its own `trace-jax train` process (`run_arm_process`, the command `--print` shows).
+Resume: an arm whose run directory holds `summary.json` is finished and skipped; an unfinished one is rerun in its
+directory, where `train` resumes from its checkpoint. An arm whose parsed config equals an earlier arm's (`mark_repeats`)
 shares that arm's run instead of repeating it. Each arm's directory records its bindings (`study_arm.json`); a rerun
 whose arm has other bindings stops with an error instead of mixing configs. After every arm, `results.json` and the
 plots are rewritten from the finished arms (`aggregate`; `results.md` holds `results_table`), so a partial study
@@ -527,9 +527,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "from the main study's warm start of the same seed")
 
 
-def run(args: argparse.Namespace) -> int:
-    from trace_jax.rl.cli import run_train
+def run_arm_process(arm: Arm, *, progress: bool = True) -> int:
+    """Run one arm as its own `trace-jax train` process and return its exit status. A fresh process per arm keeps
+    the arms' step times comparable (each compiles its own programs; no arm inherits another's caches, heap or
+    threads) and an arm's crash from ending the study. SIGTERM and SIGINT are passed on to the arm, which
+    checkpoints before it stops."""
+    import signal
+    import subprocess
 
+    argv = arm.run.argv(sys.executable) + ([] if progress else ["--no-progress"])
+    sys.stdout.flush()
+    child = subprocess.Popen(argv)
+    forward = lambda signum, _frame: child.send_signal(signum)  # noqa: E731
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         study = load_study(args.study_file)
         if args.gin_param:
@@ -548,11 +566,8 @@ def run(args: argparse.Namespace) -> int:
         write_results(study, directory, arms)
         return 0
 
-    def run_arm(arm: Arm) -> int:
-        return run_train(arm.run.gin_files, arm.run.gin_params, arm.run.run_dir, progress=not args.no_progress)
-
     try:
-        return run_study(study, directory, run_arm, arms)
+        return run_study(study, directory, lambda arm: run_arm_process(arm, progress=not args.no_progress), arms)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

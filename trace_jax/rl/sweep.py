@@ -42,15 +42,18 @@ class Run:
     gin_params: tuple[str, ...]
     run_dir: str
 
-    def command(self, python: str = "python") -> str:
-        """The shell command that launches this run."""
+    def argv(self, python: str = "python") -> list[str]:
+        """The arguments that launch this run (`trace-jax train` as a module of `python`)."""
         parts = [python, "-m", "trace_jax.cli", "train"]
         for path in self.gin_files:
             parts += ["--gin-file", path]
         for binding in self.gin_params:
             parts += ["--gin-param", binding]
-        parts += ["--run-dir", self.run_dir]
-        return " ".join(shlex.quote(p) for p in parts)
+        return parts + ["--run-dir", self.run_dir]
+
+    def command(self, python: str = "python") -> str:
+        """The shell command that launches this run."""
+        return " ".join(shlex.quote(p) for p in self.argv(python))
 
 
 @dataclasses.dataclass(frozen=True)
