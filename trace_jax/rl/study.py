@@ -27,9 +27,9 @@ on the same held-out tasks.
 
 Arms run in sequence, each as its own `trace-jax train` process (`run_arm_process`, the command `--print` shows).
 Resume: an arm whose run directory holds `summary.json` is finished and skipped; an unfinished one is rerun in its
-directory, where `train` resumes from its checkpoint. An arm whose parsed config equals an earlier arm's (`mark_repeats`)
-shares that arm's run instead of repeating it. Each arm's directory records its bindings (`study_arm.json`); a rerun
-whose arm has other bindings stops with an error instead of mixing configs. After every arm, `results.json` and the
+directory, where `train` resumes from its checkpoint. An arm whose parsed config equals an earlier arm's
+(`mark_repeats`) shares that arm's run instead of repeating it. Each arm's directory records its bindings
+(`study_arm.json`); a rerun whose arm has other bindings stops with an error instead of mixing configs. After every arm, `results.json` and the
 plots are rewritten from the finished arms (`aggregate`; `results.md` holds `results_table`), so a partial study
 has partial results.
 
@@ -293,21 +293,20 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float | None]:
 def arm_results(arm_dir: str | Path) -> dict:
     """One finished arm's figures from its `metrics.jsonl`: held-out accuracy by evaluation step (step 0 = before
     RL, after any warm start), training-rollout tool calls per episode by step, the median in-loop RL step seconds
-    (`time/step`: rollout, scoring, credit and update; evaluations excluded), the median over RL steps of the
-    same without the step's JAX compile time (`median_steady_step_seconds`, from the `compile_seconds` metric; None
-    for runs that did not log it), the median over RL steps of the
-    step over the same step without its reference scoring (`median_scoring_ratio`: `time/step` / (`time/step` -
-    `time/scoring`), the method's cost over GRPO's on the same trajectories; 1 for methods without scoring), each of `DIAGNOSTICS` averaged
-    over the RL steps that logged it (None when none did) and the run's wall seconds (its last record's
-    `wall_time`, which continues across resumes: build, any warm start, evaluations and steps)."""
+    (`time/step`: rollout, scoring, credit and update; evaluations excluded), the same without the step's JAX
+    compile time (`median_steady_step_seconds`, from the `compile_seconds` metric; None for runs that did not log
+    it), the median over RL steps of the step over the same step without its reference scoring
+    (`median_scoring_ratio`: `time/step` / (`time/step` - `time/scoring`), the method's cost over GRPO's on the same
+    trajectories; about 1 for methods without scoring), each of `DIAGNOSTICS` averaged over the RL steps that
+    logged it (None when none did) and the run's wall seconds (its last record's `wall_time`, which continues across resumes: build, any warm start, evaluations and steps)."""
     records = read_metrics(arm_dir)
     accuracy = _series(records, "eval/accuracy")
     tool_calls = _series(records, "tool_calls")
     step_seconds = [r["time/step"] for r in records if r.get("time/step") is not None]
-    # the step over the same step without the reference's scoring pass: what the method costs over GRPO on its own
-    # trajectories, whatever their lengths (GRPO's credit is arithmetic of milliseconds)
     steady = [r["time/step"] - r["compile_seconds"] for r in records
               if r.get("time/step") is not None and r.get("compile_seconds") is not None]
+    # the step over the same step without the reference's scoring pass: what the method costs over GRPO on its own
+    # trajectories, whatever their lengths (GRPO's credit is arithmetic of milliseconds)
     scoring_ratios = [r["time/step"] / (r["time/step"] - r["time/scoring"]) for r in records
                       if r.get("time/step") is not None and r.get("time/scoring") is not None
                       and r["time/step"] > r["time/scoring"]]
@@ -342,10 +341,8 @@ def _group(arm_figures: Mapping[int, dict]) -> dict:
     calls = [statistics.fmean(arm_figures[seed]["tool_calls"].values()) for seed in seeds
              if arm_figures[seed]["tool_calls"]]
     out["tool_calls_per_episode"] = statistics.fmean(calls) if calls else None
-    seconds = [arm_figures[seed]["median_step_seconds"] for seed in seeds
-               if arm_figures[seed]["median_step_seconds"] is not None]
-    out["median_step_seconds"] = statistics.median(seconds) if seconds else None
-    for name in ("median_steady_step_seconds", "median_scoring_ratio"):  # median over seeds that logged it
+    for name in ("median_step_seconds", "median_steady_step_seconds", "median_scoring_ratio"):
+        # the median over the seeds whose arm has the figure
         values = [arm_figures[seed][name] for seed in seeds if arm_figures[seed].get(name) is not None]
         out[name] = statistics.median(values) if values else None
     out["wall_seconds"] = {str(seed): arm_figures[seed].get("wall_seconds") for seed in seeds}
