@@ -29,9 +29,9 @@ Arms run in sequence, each as its own `trace-jax train` process (`run_arm_proces
 Resume: an arm whose run directory holds `summary.json` is finished and skipped; an unfinished one is rerun in its
 directory, where `train` resumes from its checkpoint. An arm whose parsed config equals an earlier arm's
 (`mark_repeats`) shares that arm's run instead of repeating it. Each arm's directory records its bindings
-(`study_arm.json`); a rerun whose arm has other bindings stops with an error instead of mixing configs. After every arm, `results.json` and the
-plots are rewritten from the finished arms (`aggregate`; `results.md` holds `results_table`), so a partial study
-has partial results.
+(`study_arm.json`); a rerun whose arm has other bindings stops with an error instead of mixing configs. After
+every arm, `results.json` and the plots are rewritten from the finished arms (`aggregate`; `results.md` holds
+`results_table`), so a partial study has partial results.
 
 This module knows study files, run directories and the metrics files; training is `run_train`'s.
 """
@@ -298,7 +298,8 @@ def arm_results(arm_dir: str | Path) -> dict:
     it), the median over RL steps of the step over the same step without its reference scoring
     (`median_scoring_ratio`: `time/step` / (`time/step` - `time/scoring`), the method's cost over GRPO's on the same
     trajectories; about 1 for methods without scoring), each of `DIAGNOSTICS` averaged over the RL steps that
-    logged it (None when none did) and the run's wall seconds (its last record's `wall_time`, which continues across resumes: build, any warm start, evaluations and steps)."""
+    logged it (None when none did) and the run's wall seconds (its last record's `wall_time`, which continues
+    across resumes: build, any warm start, evaluations and steps)."""
     records = read_metrics(arm_dir)
     accuracy = _series(records, "eval/accuracy")
     tool_calls = _series(records, "tool_calls")
