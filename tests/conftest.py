@@ -18,13 +18,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 # The suite's time is mostly XLA:CPU compiling small programs that then run for milliseconds, so the tests compile
-# without LLVM's optimisation passes (JAX_DISABLE_MOST_OPTIMIZATIONS: XLA's backend optimisation level 0 and LLVM's
-# expensive passes off): the same HLO passes and the same programs, with less optimised machine code. Every test
-# compares values, never speed; a test's two sides, and its `trace-jax` subprocesses (they inherit the variable),
-# compile alike. Modules whose time goes to running real-model programs rather than compiling them take the
-# `optimized_xla` fixture. TRACE_JAX_TEST_OPTIMIZED_XLA=1 keeps XLA's default optimisation everywhere.
-if os.environ.get("TRACE_JAX_TEST_OPTIMIZED_XLA") != "1":
-    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# without LLVM's optimisation passes: the same HLO passes and the same programs, with less optimised machine code.
+# Every test compares values, never speed; a test's two sides (and its `trace-jax` subprocesses, which inherit
+# XLA_FLAGS) compile alike. TRACE_JAX_TEST_OPTIMIZED_XLA=1 keeps XLA's default optimisation.
+# Tests that start processes with a device count of their own add TRACE_JAX_TEST_XLA_OPTIONS (these options, or
+# nothing) to those processes' XLA_FLAGS.
+if (os.environ.get("TRACE_JAX_TEST_OPTIMIZED_XLA") != "1"
+        and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
+    os.environ["TRACE_JAX_TEST_XLA_OPTIONS"] = ("--xla_backend_optimization_level=0 "
+                                                "--xla_llvm_disable_expensive_passes=true")
+    os.environ["XLA_FLAGS"] += " " + os.environ["TRACE_JAX_TEST_XLA_OPTIONS"]
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit
     import shutil
@@ -96,22 +99,6 @@ def no_persistent_cache_writes():
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
     yield
     jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
-
-
-@pytest.fixture(scope="module")
-def optimized_xla():
-    """XLA's full optimisation while a module runs (`pytestmark = pytest.mark.usefixtures("optimized_xla")`), for
-    modules whose time goes to running programs of a real model's size rather than compiling them. Measured on the
-    suite, two full idle runs on 2 cores, each module's summed test seconds at opt level 0 / fully optimised:
-    test_rl_smollm2 166 / 103, test_rollout_smollm2 42 / 33; the whole suite fully optimised took 30:28 against
-    20:17. Programs this process compiled before keep their level (JAX's in-memory
-    caches do not key on it); the persistent cache does, through the compile options."""
-    import jax
-
-    before = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", False)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,6 @@ from trace_jax.rl.pipeline import RLPipeline, check_compatible
 from trace_jax.train.optimizer import make_optimizer
 from trace_jax.train.state import init_train_state
 
-# a real model's programs run longer than they compile: XLA's full optimisation (conftest.optimized_xla)
-pytestmark = pytest.mark.usefixtures("optimized_xla")
-
 # smollm2.gin as shipped, cut to CPU-test size: one group of 2 samples, one row per micro-batch as shipped, one
 # tool call of up to 32 tokens; 768 positions hold the 636-token prompt (the tool schemas are ~570 of them), the
 # call, its observation and the start of an answer (the step's cost grows with the positions: 1024 took ~1.5x)

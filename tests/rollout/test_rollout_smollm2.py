@@ -16,8 +16,7 @@ from trace_jax.models.chat import ChatFormat
 from trace_jax.models.tokenizer import load_tokenizer
 from trace_jax.rollout import STATUSES, RolloutConfig, SamplingConfig, ScriptedPolicy, run_episodes
 
-# a real model's programs run longer than they compile: XLA's full optimisation (conftest.optimized_xla)
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("optimized_xla")]
+pytestmark = pytest.mark.slow
 
 
 def test_smollm2_runs_procedural_episodes_end_to_end(smollm2_hf_dir):

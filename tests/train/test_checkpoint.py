@@ -24,7 +24,7 @@ def _env(cache_dir):
                # compiled once, loaded by the later processes (keeps each run short; the executable is the same)
                JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    env["XLA_FLAGS"] = ""  # one CPU device, as a plain process has
+    env["XLA_FLAGS"] = os.environ.get("TRACE_JAX_TEST_XLA_OPTIONS", "")  # one CPU device, as a plain process has
     return env
 
 

@@ -35,7 +35,8 @@ def _launch(args: list[str], num_processes: int, cwd: Path, log_dir: Path) -> li
     procs = []
     for index in range(num_processes):
         env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+               "XLA_FLAGS": ("--xla_force_host_platform_device_count=4 "
+                             + os.environ.get("TRACE_JAX_TEST_XLA_OPTIONS", "")).strip(),
                "TRACE_JAX_COORDINATOR": f"127.0.0.1:{port}", "TRACE_JAX_NUM_PROCESSES": str(num_processes),
                "TRACE_JAX_PROCESS_ID": str(index)}
         log = open(log_dir / f"process{index}.log", "w")
