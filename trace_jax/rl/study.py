@@ -33,7 +33,7 @@ directory, where `train` resumes from its checkpoint. An arm whose parsed config
 every arm, `results.json` and the plots are rewritten from the finished arms (`aggregate`; `results.md` holds
 `results_table`), so a partial study has partial results.
 
-This module knows study files, run directories and the metrics files; training is `run_train`'s.
+This module knows study files, run directories and the metrics files; training is the arm's `trace-jax train` process's.
 """
 
 from __future__ import annotations
