@@ -15,8 +15,13 @@ from trace_jax.train.config import CheckpointConfig
 
 pytestmark = pytest.mark.slow  # two short runs of the small config
 
-WARM = SMALL + ("WarmStartConfig.steps = 2\nWarmStartConfig.num_trajectories = 4\nWarmStartConfig.batch_size = 2\n"
-                "TrainConfig.steps = 0\n")
+# Neither run takes an RL step: the claims are about the policy a run starts from (its step 0 reference) and its
+# first evaluation, which both runs make before any step. One SFT batch of all 4 trajectories: both warm-start
+# steps pad to the same length, so the SFT step compiles once. Each turn's 16 tokens in one decode dispatch (the
+# same tokens as two of 8): half the decode programs. The second run's evaluations reuse the first's programs (same
+# model, same shapes, same process).
+RUN = SMALL + "RolloutConfig.sync_every = 16\nTrainConfig.steps = 0\n"
+WARM = RUN + "WarmStartConfig.steps = 2\nWarmStartConfig.num_trajectories = 4\nWarmStartConfig.batch_size = 4\n"
 
 
 def _initial_params(run_dir):
@@ -37,7 +42,7 @@ def warm_run(tmp_path_factory):
 
 def test_a_run_started_from_another_starts_from_its_warm_started_params_without_a_warm_start(warm_run):
     gin = warm_run / "reuse.gin"
-    gin.write_text(SMALL + "TrainConfig.steps = 1\n")
+    gin.write_text(RUN)
     lines = []
     config = parse([str(gin)], [f"TrainConfig.init_from = {str(warm_run / 'warm')!r}"])
     summary = train(config, warm_run / "reuse", progress=False, log=lines.append)

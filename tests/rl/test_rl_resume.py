@@ -2,9 +2,11 @@
 metrics and params as an uninterrupted run (the grain iterator state of the prompt order, rollout keys and the
 train state's PRNG key are checkpointed).
 
-The three processes (uninterrupted, killed, resumed) run one after another and share a persistent XLA compilation
-cache (the suite's, else one in the test's directory), so only the first compiles: the rest load its programs
-(bit-identical executables, which is also what a resumed run on the same machine gets with the cache on).
+The three runs (uninterrupted, killed, resumed) run one after another. The killed one is a `trace-jax train`
+process, since SIGKILL is what is under test; the other two run the same command in the test's own process
+(`cli.main`). They share a persistent XLA compilation cache (the suite's, which tests/conftest.py sets up), so
+only the first compiles: the killed process loads its programs (bit-identical executables, which is also what a
+resumed run on the same machine gets with the cache on) and the resumed run reuses them in the same process.
 """
 
 from __future__ import annotations
@@ -28,16 +30,21 @@ KILL_AFTER = 2  # the victim dies once this step's checkpoint is complete
 _VOLATILE = ("wall_time", "time/", "tokens_per_s", "tflops", "mfu", "eval/seconds", "compile_seconds")
 
 
-def _command(gin_file: Path, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "trace_jax.cli", "train", "--gin-file", str(gin_file), "--run-dir", str(run_dir),
-            "--no-progress"]
+def _arguments(gin_file: Path, run_dir: Path) -> list[str]:
+    """`trace-jax train`'s arguments, for `cli.main` here and for the killed process alike."""
+    return ["train", "--gin-file", str(gin_file), "--run-dir", str(run_dir), "--no-progress"]
 
 
-def _env(cache: Path) -> dict:
-    """The suite's compilation cache where it has one (programs the in-process tests compiled alike load too),
-    else `cache`."""
+def _train_here(gin_file: Path, run_dir: Path) -> int:
+    from trace_jax import cli
+
+    return cli.main(_arguments(gin_file, run_dir))
+
+
+def _env() -> dict:
+    """The suite's compilation cache (JAX_COMPILATION_CACHE_DIR, which this process compiles into too), every
+    program cached."""
     return {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
-            "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR", str(cache)),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
@@ -68,20 +75,20 @@ def _final_params(run_dir: Path):
 
 
 @pytest.mark.slow
-def test_sigkilled_run_resumes_to_the_same_prompts_metrics_and_params(tmp_path):
+def test_sigkilled_run_resumes_to_the_same_prompts_metrics_and_params(tmp_path, capsys):
     import jax
 
     gin_file = tmp_path / "small.gin"
     # an evaluation at step 3, after the kill: the resumed run must restore the initial one from the host state;
-    # 4 training tasks, 2 a step: steps 3-4 are the second epoch, which the resumed order must reshuffle alike
+    # 4 training tasks, 2 a step: steps 3-4 are the second epoch, which the resumed order must reshuffle alike.
+    # One tool call an episode (then the answer turn) and each turn's 16 tokens in one decode dispatch (the same
+    # tokens as two of 8): fewer decode and append shapes to compile, which the resume does not depend on.
     gin_file.write_text(SMALL + f"TrainConfig.steps = {STEPS}\nEvalConfig.every_steps = 3\n"
-                        "DataConfig.num_train_tasks = 4\n")
-    straight, killed, env = tmp_path / "straight", tmp_path / "killed", _env(tmp_path / "xla_cache")
-    uninterrupted = subprocess.run(_command(gin_file, straight), env=env, cwd=REPO, capture_output=True, text=True,
-                                   timeout=900)
-    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
-    victim = subprocess.Popen(_command(gin_file, killed), env=env, cwd=REPO, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+                        "DataConfig.num_train_tasks = 4\nRolloutConfig.max_turns = 1\nRolloutConfig.sync_every = 16\n")
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert _train_here(gin_file, straight) == 0
+    victim = subprocess.Popen([sys.executable, "-m", "trace_jax.cli", *_arguments(gin_file, killed)], env=_env(),
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 900
     # kill once step 2's checkpoint is complete (orbax renames a finished step's directory into place)
     while not (killed / "checkpoints" / str(KILL_AFTER)).is_dir() and victim.poll() is None \
@@ -91,10 +98,9 @@ def test_sigkilled_run_resumes_to_the_same_prompts_metrics_and_params(tmp_path):
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     assert not (killed / "summary.json").exists()
-    resumed = subprocess.run(_command(gin_file, killed), env=env, cwd=REPO, capture_output=True, text=True,
-                             timeout=900)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming from the checkpoint of step" in resumed.stdout
+    capsys.readouterr()
+    assert _train_here(gin_file, killed) == 0
+    assert "resuming from the checkpoint of step" in capsys.readouterr().out
 
     prompts = _step_prompts(killed)
     assert sorted(prompts) == list(range(1, STEPS + 1))

@@ -232,21 +232,38 @@ def test_results_aggregate_mean_and_std_over_seeds_per_method(tmp_path):
     assert "| trace | 1 | 10.0 | 50.0 | not reached |" in study_module.results_table(results)
 
 
-@pytest.mark.slow  # ~15-60 s under load (compiles one rollout, update and evaluation)
-def test_study_command_runs_one_real_arm_end_to_end(tmp_path, capsys):
-    path = _write(tmp_path, """
+@pytest.mark.slow  # ~10-30 s under load (compiles one rollout, update and evaluation of a one-layer policy)
+def test_study_command_runs_one_real_arm_end_to_end(tmp_path, capsys, monkeypatch):
+    # The arm's own `trace-jax train` command line, run in this process: the study's process boundary (its own
+    # process, signals passed on) is test_an_arm_runs_as_its_own_process_and_a_sigterm_to_the_study_reaches_it's.
+    # The policy and sizes are the RL tests' SMALL config (tests/rl/test_rl_pipeline.py), whose programs those
+    # tests compile alike.
+    import sys
+
+    from tests.rl.test_rl_pipeline import SMALL
+    from trace_jax.cli import main
+
+    launched = []
+
+    def run_arm_in_this_process(arm, *, progress=True):
+        argv = arm.run.argv(sys.executable) + ([] if progress else ["--no-progress"])
+        assert argv[:4] == [sys.executable, "-m", "trace_jax.cli", "train"]
+        launched.append(arm.name)
+        return main(argv[3:])
+
+    monkeypatch.setattr(study_module, "run_arm_process", run_arm_in_this_process)
+    base = _write(tmp_path, SMALL, "small.gin")
+    path = _write(tmp_path, f"""
 study.name = 'e2e'
-study.base = ['configs/tiny.gin']
-study.params = ['TrainConfig.steps = 1', 'TrainConfig.prompts_per_step = 2', 'RolloutConfig.group_size = 2',
-                'WarmStartConfig.steps = 0', 'DataConfig.num_train_tasks = 8', 'DataConfig.num_eval_tasks = 4',
-                'EvalConfig.num_tasks = 4', 'TrainConfig.receipts = 0', 'RolloutConfig.max_context = 256']
-study.methods = {'grpo': ['configs/credit/grpo.gin']}
+study.base = [{base!r}]
+study.params = ['TrainConfig.steps = 1']
+study.methods = {{'grpo': ['configs/credit/grpo.gin']}}
 study.seeds = [3]
 """)
     out = tmp_path / "study"
-    from trace_jax.cli import main
 
     assert main(["study", path, "--dir", str(out), "--no-progress"]) == 0
+    assert launched == ["grpo/seed3"]
     assert (out / "grpo/seed3/summary.json").exists()
     results = json.loads((out / "results.json").read_text())
     assert results["methods"]["grpo"]["accuracy"]["steps"] == [0, 1]
@@ -254,6 +271,7 @@ study.seeds = [3]
     capsys.readouterr()
     assert main(["study", path, "--dir", str(out), "--no-progress"]) == 0
     assert "grpo/seed3 finished before, skipped" in capsys.readouterr().out
+    assert launched == ["grpo/seed3"]
 
 
 def test_results_hold_each_methods_credit_diagnostics_and_step_time_ratio_to_grpo(tmp_path):
