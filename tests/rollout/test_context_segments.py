@@ -33,7 +33,9 @@ WORDS = sorted({w.strip(".,()") for d in DOCS for w in (d["title"] + " " + d["te
                {"search", "open", "find", "query", "id", "answer", "Where", "was", "the", "of", "city", "born"})
 TASKS = [types.SimpleNamespace(task_id="q0", question="Where was the mayor of Beta city born?", answer="Gamma"),
          types.SimpleNamespace(task_id="q1", question="Where does the Alpha river flow?", answer="Paris")]
-BASE = dict(group_size=1, max_turns=8, max_context=512, turn_token_budget=48, system_prompt="Use tools.",
+# max_context holds the whole episode uncompacted, so the runs with the option off or never reached use the same
+# cache shape as the compacting ones and reuse their compiled sampler programs
+BASE = dict(group_size=1, max_turns=8, max_context=1024, turn_token_budget=48, system_prompt="Use tools.",
             with_tools=False, sync_every=1, context_record_tokens=96)
 BUDGET = 230  # small enough to compact every two or three turns
 
@@ -171,12 +173,12 @@ def test_segment_turn_indices_are_the_episodes_turns(compacted):
 def test_off_by_default_and_a_budget_never_reached_give_the_same_arrays(setup):
     chat, config, params, browser = setup
     hook = ScriptedPolicy(scripts(chat), config.vocab_size)
-    wide = {**BASE, "max_context": 1024}
-    off = run_episodes(config, params, chat, TASKS, browser, RolloutConfig(**wide), jax.random.PRNGKey(0),
+    width = BASE["max_context"]
+    off = run_episodes(config, params, chat, TASKS, browser, RolloutConfig(**BASE), jax.random.PRNGKey(0),
                        logits_hook=hook).batch
-    unreached = run_episodes(config, params, chat, TASKS, browser, RolloutConfig(**wide, context_budget=1024),
+    unreached = run_episodes(config, params, chat, TASKS, browser, RolloutConfig(**BASE, context_budget=width),
                              jax.random.PRNGKey(0), logits_hook=hook).batch
-    assert int(off.lengths.max()) < 1024 and int(off.num_turns[0]) == 7  # the whole episode fits uncompacted
+    assert int(off.lengths.max()) < width and int(off.num_turns[0]) == 7  # the whole episode fits uncompacted
     np.testing.assert_array_equal(off.episode, [0, 1])
     np.testing.assert_array_equal(off.first_turn, [0, 0])
     assert not off.segmented

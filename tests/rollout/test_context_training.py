@@ -70,8 +70,9 @@ def test_an_rl_step_trains_on_compacted_episodes(step):
 
 def test_credit_receipts_are_one_per_episode(step):
     config, environment, rl, state, _, _, _, root = step
-    tasks = environment.train_tasks[:1]
+    # as many tasks as a step has prompts: the receipts' rollout and scoring reuse the step's compiled programs
+    tasks = environment.train_tasks[:config.train.prompts_per_step]
     paths = write_credit_receipts(rl.pipeline, rl.placement.rollout_params(state.train.params), state.reference,
                                   tasks, jax.random.PRNGKey(3), root / "receipts")
-    assert len(paths) == config.rollout.group_size and all(p.exists() for p in paths)
+    assert len(paths) == len(tasks) * config.rollout.group_size and all(p.exists() for p in paths)
 

@@ -28,7 +28,9 @@ WORDS = sorted({w.strip(".,") for d in DOCS for w in (d["title"] + " " + d["text
 TASKS = [types.SimpleNamespace(task_id="q0", question="Which city does the Alpha river flow through?",
                                answer="Paris", aliases=()),
          types.SimpleNamespace(task_id="q1", question="Who is the mayor of Beta city?", answer="Lina Voss")]
-ROLLOUT = RolloutConfig(group_size=1, max_turns=2, max_context=512, turn_token_budget=48, system_prompt="Use tools.",
+# Two samples of each task (4 rows): one scripted rollout serves the exact-layout test, the credit/scorer test and
+# the sharded comparison (`scripted`), so its programs compile once for the module.
+ROLLOUT = RolloutConfig(group_size=2, max_turns=2, max_context=512, turn_token_budget=48, system_prompt="Use tools.",
                         with_tools=False, sync_every=1)
 
 
@@ -58,6 +60,19 @@ def scripts(chat):
     ]
 
 
+def row_scripts(chat):
+    """The script of every row: both samples of a task follow that task's script."""
+    return [script for script in scripts(chat) for _ in range(ROLLOUT.group_size)]
+
+
+@pytest.fixture(scope="module")
+def scripted(setup):
+    """The scripted episodes of both tasks on one device (the forced tokens do not depend on the key)."""
+    chat, config, params, browser = setup
+    return run_episodes(config, params, chat, TASKS, browser, ROLLOUT, jax.random.PRNGKey(0),
+                        logits_hook=ScriptedPolicy(row_scripts(chat), config.vocab_size))
+
+
 def expected_row(chat, browser, task, turns, executed):
     """Replay the script by hand: the token list, masks, turn indices and boundaries the loop must produce."""
     browser = browser.fork()
@@ -76,16 +91,15 @@ def expected_row(chat, browser, task, turns, executed):
     return ids, mask, turn_index, boundaries
 
 
-def test_scripted_episode_gives_exact_tokens_masks_turns_and_boundaries(setup):
+def test_scripted_episode_gives_exact_tokens_masks_turns_and_boundaries(setup, scripted):
     chat, config, params, browser = setup
     script = scripts(chat)
     assert script[0][0][-1] in chat.assistant_stop_ids  # the word tokenizer has </tool_call> as one token
-    result = run_episodes(config, params, chat, TASKS, browser, ROLLOUT, jax.random.PRNGKey(0),
-                          logits_hook=ScriptedPolicy(script, config.vocab_size))
-    batch = result.batch
-    assert batch.tokens.shape == (2, 512) and batch.boundaries.shape == (2, 3)
-    for row in range(2):
-        ids, mask, turn_index, boundaries = expected_row(chat, browser, TASKS[row], script[row], executed=2)
+    batch = scripted.batch
+    assert batch.tokens.shape == (4, 512) and batch.boundaries.shape == (4, 3)
+    for row in range(4):
+        task = row // ROLLOUT.group_size
+        ids, mask, turn_index, boundaries = expected_row(chat, browser, TASKS[task], script[task], executed=2)
         length = len(ids)
         assert int(batch.lengths[row]) == length
         np.testing.assert_array_equal(batch.tokens[row, :length], ids)
@@ -95,14 +109,14 @@ def test_scripted_episode_gives_exact_tokens_masks_turns_and_boundaries(setup):
         assert not np.asarray(batch.loss_mask[row, length:]).any()
         assert (np.asarray(batch.turn_index[row, length:]) == -1).all()
         np.testing.assert_array_equal(batch.positions[row], np.arange(512))
-    np.testing.assert_array_equal(batch.num_turns, [2, 2])
-    np.testing.assert_array_equal(batch.status, [STATUS_CODES["answered"], STATUS_CODES["max_turns"]])
-    np.testing.assert_allclose(batch.reward, [1.0, 0.0])
-    first, second = result.episodes
-    assert first.answer == "Paris" and first.num_tool_errors == 1
-    assert first.observations[1].startswith("Error: the text inside <tool_call></tool_call> is not valid JSON")
-    assert second.observations[0].startswith("Error: ") and second.num_tool_errors == 1
-    assert len(second.observations) == 2 and second.status == "max_turns"
+    np.testing.assert_array_equal(batch.num_turns, [2, 2, 2, 2])
+    np.testing.assert_array_equal(batch.status, [STATUS_CODES["answered"]] * 2 + [STATUS_CODES["max_turns"]] * 2)
+    np.testing.assert_allclose(batch.reward, [1.0, 1.0, 0.0, 0.0])
+    for first, second in (scripted.episodes[0::2], scripted.episodes[1::2]):  # each sample of the two tasks
+        assert first.answer == "Paris" and first.num_tool_errors == 1
+        assert first.observations[1].startswith("Error: the text inside <tool_call></tool_call> is not valid JSON")
+        assert second.observations[0].startswith("Error: ") and second.num_tool_errors == 1
+        assert len(second.observations) == 2 and second.status == "max_turns"
     # forced tokens have log-prob ~0 under the hooked logits; prompt and observations have 0
     lp = np.asarray(batch.sampler_logprobs)
     assert np.abs(lp).max() < 1e-3
@@ -127,15 +141,9 @@ def test_observation_that_does_not_fit_ends_the_episode_as_context_overflow(setu
     np.testing.assert_array_equal(batch.group_id, [0, 0])
 
 
-def test_batch_feeds_credit_and_scorer_without_reshaping(setup):
+def test_batch_feeds_credit_and_scorer_without_reshaping(setup, scripted):
     chat, config, params, browser = setup
-    rollout = RolloutConfig(group_size=2, max_turns=2, max_context=512, turn_token_budget=48,
-                            system_prompt=ROLLOUT.system_prompt, with_tools=False, sync_every=1)
-    script = scripts(chat)
-    result = run_episodes(config, params, chat, TASKS, browser, rollout, jax.random.PRNGKey(1),
-                          logits_hook=ScriptedPolicy([script[0], script[0], script[1], script[1]],
-                                                     config.vocab_size))
-    batch = result.batch
+    batch = scripted.batch
     n, length = batch.tokens.shape
     turns = batch.boundaries.shape[1] - 1
     np.testing.assert_array_equal(batch.group_id, [0, 0, 1, 1])
@@ -162,12 +170,12 @@ def test_batch_feeds_credit_and_scorer_without_reshaping(setup):
     assert trace.token_advantages.shape == (n, length)
 
 
-def test_sharded_rollout_equals_single_device(setup):
-    """Rows over `data`, kv heads / mlp / vocab over `tensor`: the same episode, token for token."""
+def test_sharded_rollout_equals_single_device(setup, scripted):
+    """Rows over `data`, kv heads / mlp / vocab over `tensor`: the same episodes, token for token."""
     chat, config, params, browser = setup
     mesh = models.make_mesh({"data": 2, "tensor": 2}, devices=jax.devices()[:4])
-    hook = ScriptedPolicy(scripts(chat), config.vocab_size)
-    single = run_episodes(config, params, chat, TASKS, browser, ROLLOUT, jax.random.PRNGKey(0), logits_hook=hook)
+    hook = ScriptedPolicy(row_scripts(chat), config.vocab_size)
+    single = scripted
     sharded = run_episodes(config, models.shard_params(params, config, mesh), chat, TASKS, browser, ROLLOUT,
                            jax.random.PRNGKey(0), mesh=mesh, logits_hook=hook)
     for name in ("tokens", "loss_mask", "turn_index", "boundaries", "num_turns", "status", "reward"):

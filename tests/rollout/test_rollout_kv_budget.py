@@ -24,10 +24,13 @@ WORDS = ["Alpha", "river", "flows", "through", "Paris", "search", "open", "query
 TASKS = [types.SimpleNamespace(task_id="q0", question="Where does the Alpha river flow?", answer="Paris"),
          types.SimpleNamespace(task_id="q1", question="Which river flows through Paris?", answer="Alpha")]
 GROUP = 4  # 2 prompts x 4 samples = 8 rows
-# Short turns and observations: few length buckets, so few programs to compile (the cost of these tests).
-SAMPLED = RolloutConfig(group_size=GROUP, max_turns=1, max_context=96, turn_token_budget=6, max_observation_chars=24,
-                        system_prompt="Use tools.", with_tools=False, sync_every=6,
-                        sampling=SamplingConfig(temperature=1.5))
+# Few programs to compile (the cost of these tests): short turns and observations give few length buckets, and
+# prompts of 60 and 72 tokens in a 128-token cache make every decode step attend the whole cache (with rows shorter
+# than ~58 tokens `generate` first attends a 64-slot bucket, a second program), so each batch shape and sampling
+# mode compiles one decode program.
+SAMPLED = RolloutConfig(group_size=GROUP, max_turns=1, max_context=128, turn_token_budget=6, max_observation_chars=24,
+                        system_prompt="Use tools. Search the river, open its page, then answer.", with_tools=False,
+                        sync_every=6, sampling=SamplingConfig(temperature=1.5))
 GREEDY = dataclasses.replace(SAMPLED, sampling=SamplingConfig(greedy=True))
 FIELDS = ("tokens", "loss_mask", "turn_index", "boundaries", "num_turns", "status", "reward", "lengths")
 
@@ -111,16 +114,18 @@ def test_rows_within_budget_fits_the_budget_in_whole_rows_per_chip(setup):
     assert rows_within_budget(config, one_per_chip, mesh=mesh, rows=6) == 4
     assert rows_within_budget(config, one_per_chip, mesh=mesh, rows=3) == 1
     # what the 4 rows cost a chip (one each), and plan's override of the config's budget
-    assert kv_bytes_per_chip(config, one_per_chip, 4, mesh=mesh) == kv_bytes_per_row(config, 96, mesh=mesh)
-    assert kv_bytes_per_chip(config, one_per_chip, 3, mesh=mesh) == 3 * kv_bytes_per_row(config, 96, mesh=mesh)
+    row = kv_bytes_per_row(config, SAMPLED.max_context, mesh=mesh)
+    assert kv_bytes_per_chip(config, one_per_chip, 4, mesh=mesh) == row
+    assert kv_bytes_per_chip(config, one_per_chip, 3, mesh=mesh) == 3 * row
     assert rows_within_budget(config, SAMPLED, mesh=mesh, budget_gib=one_per_chip.kv_budget_gib) == 4
 
 
 def test_a_budget_that_holds_no_row_is_refused_naming_the_field_and_the_row_size(setup):
     _, config, _, _ = setup
     tiny = dataclasses.replace(SAMPLED, kv_budget_gib=_budget(config, SAMPLED, 0) / 2)
-    with pytest.raises(ValueError, match=r"kv_budget_gib .* holds no row: one row of max_context = 96 takes "
-                                         rf"{kv_bytes_per_row(config, 96)} bytes"):
+    row = kv_bytes_per_row(config, SAMPLED.max_context)
+    with pytest.raises(ValueError, match=rf"kv_budget_gib .* holds no row: one row of max_context = "
+                                         rf"{SAMPLED.max_context} takes {row} bytes"):
         rows_within_budget(config, tiny, mesh=None, rows=8)
 
 
@@ -151,11 +156,12 @@ def test_a_row_is_admitted_while_others_are_mid_episode_and_hooks_see_rows_not_c
     chat, config, _, _ = setup
     answer = chat.assistant_content_ids("<answer>Paris</answer>") + [chat.im_end_id]
     hook = ScriptedPolicy([[answer]], config.vocab_size)
-    two = dataclasses.replace(GREEDY, kv_budget_gib=_budget(config, GREEDY, 2))
-    result, record = _run(setup, two, logits_hook=hook)
+    # three cache rows, as in the test above: its admission and append programs serve
+    three = dataclasses.replace(GREEDY, kv_budget_gib=_budget(config, GREEDY, 3))
+    result, record = _run(setup, three, logits_hook=hook)
     reference, _ = _run(setup, GREEDY, logits_hook=hook)
-    assert record["admitted"][0] == [0, 1]
-    assert record["admitted"][1] == [0]  # one free cache row; six rows were waiting
+    assert record["admitted"][0] == [0, 1, 2]
+    assert record["admitted"][1] == [0]  # one free cache row; five rows were waiting
     assert result.episodes[0].status == "answered" and len(result.episodes[1].turn_texts) > 1
     _assert_same_episodes(result, reference)
 

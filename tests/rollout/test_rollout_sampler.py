@@ -46,11 +46,14 @@ def test_sampler_logprobs_match_token_logprobs_of_the_model(model):
     """The recorded log-probs are the raw model's (T=1, unfiltered), even when sampling is tempered/filtered."""
     config, params = model
     _, gen = cached_generate(config, params, FILTERED, jax.random.PRNGKey(5), budget=20)
+    sequences = [prompt + gen.tokens[row].tolist() for row, prompt in enumerate(PROMPTS)]
+    width = max(len(sequence) for sequence in sequences)
+    # every row in one call (one program): the padding follows each row's tokens, which a causal model never reads
+    padded = jnp.asarray([sequence + [0] * (width - len(sequence)) for sequence in sequences])
+    trainer_rows = np.asarray(models.to_token_aligned(models.token_logprobs(config, params, padded)))
     gaps = []
     for row, prompt in enumerate(PROMPTS):
-        sequence = jnp.asarray([prompt + gen.tokens[row].tolist()])
-        trainer = np.asarray(models.to_token_aligned(models.token_logprobs(config, params, sequence)))[0]
-        recomputed = trainer[len(prompt):len(prompt) + len(gen.tokens[row])]
+        recomputed = trainer_rows[row, len(prompt):len(prompt) + len(gen.tokens[row])]
         gaps.append(np.abs(recomputed - gen.logprobs[row]).max())
         # the sampled distribution is sharper than the model's: its log-probs are higher on average
         assert gen.sampling_logprobs[row].mean() > gen.logprobs[row].mean()
@@ -75,12 +78,12 @@ def test_rows_stop_at_stop_ids_and_budgets(model):
 
 def test_generate_with_no_active_row_returns_an_empty_generation(model):
     config, params = model
-    state = S.append(config, params, S.init_state(config, 2, MAX_LEN), [[1, 2], [3]])
-    state, gen = S.generate(config, params, state, rng=jax.random.PRNGKey(0), active=np.zeros(2, bool),
+    state = S.append(config, params, S.init_state(config, 4, MAX_LEN), [[1, 2], [3], [4, 5, 6], [7]])
+    state, gen = S.generate(config, params, state, rng=jax.random.PRNGKey(0), active=np.zeros(4, bool),
                             max_new_tokens=4, stop_ids=[5], sampling=GREEDY)
-    assert gen.steps == 0 and [len(t) for t in gen.tokens] == [0, 0]
-    assert gen.stop_reason.tolist() == [S.RUNNING, S.RUNNING]
-    np.testing.assert_array_equal(state.lengths, [2, 1])
+    assert gen.steps == 0 and [len(t) for t in gen.tokens] == [0, 0, 0, 0]
+    assert gen.stop_reason.tolist() == [S.RUNNING] * 4
+    np.testing.assert_array_equal(state.lengths, [2, 1, 3, 1])
 
 
 def test_rows_stop_when_the_cache_is_full(model):
@@ -150,15 +153,16 @@ def test_decode_step_compiles_once_across_calls_and_prompt_lengths(model):
 
 
 def test_sharded_sampler_equals_single_device(model):
-    """Rows over `data` (4) and kv heads / mlp / vocab over `tensor` (2) on 8 fake CPU devices."""
+    """Rows over `data` (4) and kv heads / mlp / vocab over `tensor` (2) on 8 fake CPU devices. Eight tokens: two
+    host syncs that attend the same 16 cache slots, so one sharded decode program compiles."""
     config, params = model
     mesh = models.make_mesh({"data": 4, "tensor": 2})
     sharded_params = models.shard_params(params, config, mesh)
     sampling = FILTERED
     rng = jax.random.PRNGKey(9)
-    state, sharded = cached_generate(config, sharded_params, sampling, rng, mesh=mesh)
+    state, sharded = cached_generate(config, sharded_params, sampling, rng, budget=8, mesh=mesh)
     assert len(state.cache.k.sharding.device_set) == 8
-    _, single = cached_generate(config, params, sampling, rng)
+    _, single = cached_generate(config, params, sampling, rng, budget=8)
     for row in range(len(PROMPTS)):
         np.testing.assert_array_equal(sharded.tokens[row], single.tokens[row])
         np.testing.assert_allclose(sharded.logprobs[row], single.logprobs[row], atol=1e-5)
@@ -176,20 +180,19 @@ def test_out_of_range_token_ids_raise_naming_the_row():
                                  sampling=S.SamplingConfig(greedy=True))
 
 
-def test_group_prefill_equals_prefilling_every_row():
+def test_group_prefill_equals_prefilling_every_row(model):
     """G samples of a prompt share one prefill: same cache and pending logits as appending the prompt to each row."""
-    config = models.get_preset("tiny-qwen3")
-    params = models.init_params(config, jax.random.PRNGKey(0))
-    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
-    shared = S.prefill_groups(config, params, S.init_state(config, 6, 32), prompts, 3)
-    each = S.append(config, params, S.init_state(config, 6, 32), [p for p in prompts for _ in range(3)])
-    assert shared.lengths.tolist() == each.lengths.tolist() == [5, 5, 5, 3, 3, 3]
+    config, params = model
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]  # x 2 samples: the four rows of the other tests' states
+    shared = S.prefill_groups(config, params, S.init_state(config, 4, MAX_LEN), prompts, 2)
+    each = S.append(config, params, S.init_state(config, 4, MAX_LEN), [p for p in prompts for _ in range(2)])
+    assert shared.lengths.tolist() == each.lengths.tolist() == [5, 5, 3, 3]
     np.testing.assert_allclose(np.asarray(shared.logits), np.asarray(each.logits), atol=1e-5)
-    for row, prompt in enumerate(p for p in prompts for _ in range(3)):
+    for row, prompt in enumerate(p for p in prompts for _ in range(2)):
         np.testing.assert_allclose(np.asarray(shared.cache.k[:, row, :len(prompt)]),
                                    np.asarray(each.cache.k[:, row, :len(prompt)]), atol=1e-5)
     with pytest.raises(ValueError, match="rows must be prompts x group"):
-        S.prefill_groups(config, params, S.init_state(config, 5, 32), prompts, 3)
+        S.prefill_groups(config, params, S.init_state(config, 5, MAX_LEN), prompts, 2)
 
 
 def test_prefill_rows_equals_resetting_the_rows_and_appending(model):
@@ -201,7 +204,7 @@ def test_prefill_rows_equals_resetting_the_rows_and_appending(model):
     def running():  # four rows that have decoded a few tokens (deterministic: built twice, states are donated)
         state = S.append(config, params, S.init_state(config, 4, MAX_LEN), PROMPTS)
         return S.generate(config, params, state, rng=jax.random.PRNGKey(1), active=np.ones(4, bool),
-                          max_new_tokens=5, stop_ids=(), sampling=GREEDY, sync_every=5)[0]
+                          max_new_tokens=5, stop_ids=(), sampling=GREEDY, sync_every=4)[0]
 
     rows, prompts = [3, 1, 0], [[21, 22, 23], [40] * 20, [21, 22, 23]]
     before = running()
@@ -225,7 +228,7 @@ def test_prefill_rows_equals_resetting_the_rows_and_appending(model):
                                        np.asarray(getattr(reference.cache, name)[:, row, :length]), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(fast.cache.k[:, 2]), kept_k)
     continuations = [S.generate(config, params, state, rng=jax.random.PRNGKey(2), active=np.ones(4, bool),
-                                max_new_tokens=8, stop_ids=(), sampling=GREEDY, sync_every=8)[1].tokens
+                                max_new_tokens=8, stop_ids=(), sampling=GREEDY, sync_every=4)[1].tokens
                      for state in (fast, reference)]
     for a, b in zip(*continuations):
         np.testing.assert_array_equal(a, b)

@@ -11,6 +11,10 @@ from trace_jax import models, train
 from trace_jax.train.synthetic import synthetic_batch
 
 ROWS, LENGTH = 8, 16
+# Tests whose one-device step is the same program share its compilation (the persistent compilation cache): the
+# one-device side of the fsdp x tensor step is the reference test's step from reference params, and the float32
+# side of the bfloat16 test is the token-mean full batch of the micro-batch test.
+KL_LOSS = train.LossConfig(micro_batches=2, kl_coef=0.1, kl_estimator="k3")
 
 
 def _sgd_update(config, loss_config, batch, *, mesh=None, rules=None, params=None, reference=None):
@@ -48,7 +52,7 @@ def test_micro_batches_give_the_full_batch_update_for_every_aggregation(dense, a
 
 def test_one_step_on_fsdp_x_tensor_equals_one_device(dense):
     batch = synthetic_batch(dense.vocab_size, ROWS, LENGTH, seed=2)
-    cfg = train.LossConfig(micro_batches=2, kl_coef=0.05)
+    cfg = KL_LOSS
     single, single_metrics, _ = _sgd_update(dense, cfg, batch, reference=models.init_params(dense,
                                                                                             jax.random.PRNGKey(7)))
     mesh = models.make_mesh({"fsdp": 2, "tensor": 4})
@@ -87,9 +91,9 @@ def test_moe_step_on_fsdp_x_expert_equals_one_device():
 
 def test_reference_logprobs_from_reference_params_equal_the_batch_supplied_ones(dense):
     reference = models.init_params(dense, jax.random.PRNGKey(5))
-    batch = synthetic_batch(dense.vocab_size, 4, LENGTH, seed=4)
+    batch = synthetic_batch(dense.vocab_size, ROWS, LENGTH, seed=4)
     ref_lp = train.policy_logprobs(dense, reference, batch.tokens)[0]
-    cfg = train.LossConfig(kl_coef=0.1, kl_estimator="k3")
+    cfg = KL_LOSS
     from_params, m1, _ = _sgd_update(dense, cfg, batch, reference=reference)
     from_batch, m2, _ = _sgd_update(dense, cfg, batch.replace(reference_logprobs=ref_lp), reference=None)
     _assert_trees_close(from_params, from_batch, atol=1e-6)
@@ -112,7 +116,7 @@ def test_the_donated_state_leaves_the_initial_params_and_reference_usable(dense)
 
 
 def test_bfloat16_compute_keeps_float32_master_weights_and_tracks_the_float32_loss(dense):
-    batch = synthetic_batch(dense.vocab_size, 4, LENGTH, seed=6)
+    batch = synthetic_batch(dense.vocab_size, ROWS, LENGTH, seed=6)
     _, m32, _ = _sgd_update(dense, train.LossConfig(), batch)
     _, m16, state = _sgd_update(dense.replace(dtype="bfloat16"), train.LossConfig(), batch)
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(state.params))
