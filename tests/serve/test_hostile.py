@@ -1,7 +1,9 @@
 """`trace-jax serve` against a hostile client, through real HTTP on 127.0.0.1 (issue 26): every failed case of the
 issue's table and every serve scope item, each followed by a normal request that must still succeed.
 
-One server for the module: the tiny checkpoint, an API key, two rows (as in the issue), a 64 KiB body limit."""
+One server for the module: the tiny checkpoint, an API key, a queue of two, a 64 KiB body limit, and the rows and
+context of the other serve tests' server (`served`), so the two share their compiled programs (the issue's server
+had two rows; no case depends on the row count but `n` over it, here 9)."""
 
 import json
 import socket
@@ -16,15 +18,16 @@ from serve_helpers import SEARCH_TOOL
 KEY = "hostile-test-key"
 PLAIN = [{"role": "user", "content": "Hello world"}]
 BODY_LIMIT = 64 * 1024
+ROWS = 8  # as `served` (tests/serve/conftest.py): the same program shapes
 
 
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-    """(base url, backend) of a served tiny checkpoint with an API key and two rows."""
+    """(base url, backend) of a served tiny checkpoint with an API key, a queue of two and `served`'s shapes."""
     from trace_jax.serve import EngineConfig, ModelBackend, ServeConfig, ServerThread, create_app
 
     backend = ModelBackend.from_checkpoint(str(tiny_checkpoint), name="tiny", engine=EngineConfig(
-        max_batch=2, max_context=512, max_queue=2))
+        max_batch=ROWS, max_context=512, max_queue=2))
     config = ServeConfig(api_key=KEY, max_body_bytes=BODY_LIMIT)
     with ServerThread(create_app(backend, config), "127.0.0.1") as thread:
         yield thread.url, backend
@@ -184,7 +187,7 @@ def test_docs_and_openapi_need_the_key(server, http):
 
 # -- every field bounded ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("field, value", [
-    ("n", 0), ("n", 10 ** 6), ("n", 3),  # 3: more than the server's two rows
+    ("n", 0), ("n", 10 ** 6), ("n", ROWS + 1),  # more than the server's rows
     ("max_tokens", 0), ("max_tokens", 10 ** 12), ("max_tokens", 2 ** 31), ("max_tokens", 600),
     ("max_completion_tokens", -1), ("stop", ["a", "b", "c", "d", "e"]), ("stop", "x" * 257), ("stop", [""]),
     ("temperature", float("nan")), ("temperature", 2.5), ("top_p", 0), ("top_p", float("inf")),
@@ -316,7 +319,7 @@ def test_health_is_a_503_and_requests_are_refused_once_the_engine_died(tiny_chec
     from trace_jax.serve import EngineConfig, ModelBackend, ServeConfig, ServerThread, create_app
 
     backend = ModelBackend.from_checkpoint(str(tiny_checkpoint), name="tiny", engine=EngineConfig(
-        max_batch=2, max_context=512))
+        max_batch=ROWS, max_context=512))
     with ServerThread(create_app(backend, ServeConfig()), "127.0.0.1") as thread:
         assert httpx.get(thread.url + "/health", timeout=10).status_code == 200
 

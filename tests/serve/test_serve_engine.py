@@ -59,6 +59,16 @@ class _IdsTokenizer:
         return " ".join(str(i) for i in ids)
 
 
+# One engine shape (4 rows, 320 cache slots, slices of 4) for every model test but the warm-up's: a program compiles
+# once per shape and cache-read bucket, so the tests share their programs; 320 slots hold the stop-string test's
+# 300 tokens. The greedy references (`greedy_ids`, batch 1) use the same context.
+CONTEXT = 320
+
+
+def _engine_config(**fields):
+    return EngineConfig(**{"max_batch": 4, "max_context": CONTEXT, "slice_tokens": 4, "batch_wait_s": 0.0, **fields})
+
+
 @pytest.fixture(scope="module")
 def tiny_model():
     import jax
@@ -100,8 +110,7 @@ def test_unstreamed_requests_get_only_the_finished_text_which_equals_the_streame
     from trace_jax.serve.engine import Finished, TextDelta
 
     config, params = tiny_model
-    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=EngineConfig(
-        max_batch=4, max_context=64, slice_tokens=4, batch_wait_s=0.0)).start()
+    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=_engine_config()).start()
     try:
         results = {}
         for stream in (True, False):
@@ -120,7 +129,7 @@ def test_unstreamed_requests_get_only_the_finished_text_which_equals_the_streame
     assert len([e for e in streamed if isinstance(e, TextDelta)]) > 1
     assert "".join(e.text for e in streamed if isinstance(e, TextDelta)) == streamed[-1].text
     assert unstreamed == [streamed[-1]] and isinstance(unstreamed[0], Finished)
-    assert unstreamed[0].token_ids == greedy_ids(config, params, (5, 9, 17, 33), 14, 64)
+    assert unstreamed[0].token_ids == greedy_ids(config, params, (5, 9, 17, 33), 14, CONTEXT)
     cut = streamed_text[:streamed_text.find(stop)]
     assert results[False, "stop"] == [results[True, "stop"][-1]] == [Finished(0, "stop", cut,
                                                                                results[True, "stop"][-1].token_ids)]
@@ -136,8 +145,7 @@ def test_requests_admitted_into_a_running_batch_decode_as_if_alone(tiny_model):
     config, params = tiny_model
     jobs = [((5, 9, 17, 33), 40, 1), ((100, 3), 6, 1), ((44, 45, 46, 47, 48, 49, 50), 9, 2), ((7,), 13, 1),
             ((100, 3), 5, 1), (tuple(range(60, 90)), 7, 1)]
-    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=EngineConfig(
-        max_batch=4, max_context=64, slice_tokens=4, batch_wait_s=0.0)).start()
+    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=_engine_config()).start()
     try:
         pending = []
         for prompt, max_tokens, n in jobs:
@@ -152,7 +160,7 @@ def test_requests_admitted_into_a_running_batch_decode_as_if_alone(tiny_model):
     for (prompt, max_tokens, n), collect in zip(jobs, pending):
         finished = sorted((e for e in collect.events if isinstance(e, Finished)), key=lambda e: e.choice)
         assert [e.choice for e in finished] == list(range(n)), collect.events
-        expected = greedy_ids(config, params, prompt, max_tokens, 64)
+        expected = greedy_ids(config, params, prompt, max_tokens, CONTEXT)
         for event in finished:
             assert event.token_ids == expected and event.reason == "length", (prompt, event)
 
@@ -164,8 +172,7 @@ def test_a_failed_prefill_fails_its_requests_and_the_server_goes_on(tiny_model, 
     from trace_jax.serve.engine import Failed, Finished
 
     config, params = tiny_model
-    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=EngineConfig(
-        max_batch=4, max_context=64, slice_tokens=2, batch_wait_s=0.0))
+    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=_engine_config())
     real_prefill, calls = engine._prefill, []
 
     def flaky(state, admitted):
@@ -179,7 +186,7 @@ def test_a_failed_prefill_fails_its_requests_and_the_server_goes_on(tiny_model, 
     engine._prefill = flaky
     engine.start()
     try:
-        running = _submit(engine, (5, 9, 17, 33), 40)
+        running = _submit(engine, (5, 9, 17, 33), 48)  # 12 slices: still running when `broken` comes
         while engine.stats["slices"] == 0:
             running.done.wait(0.005)
         broken = _submit(engine, (100, 3), 6)
@@ -193,8 +200,8 @@ def test_a_failed_prefill_fails_its_requests_and_the_server_goes_on(tiny_model, 
         assert isinstance(running.events[-1], Failed)
     else:
         assert running.events[-1] == Finished(0, "length", running.events[-1].text,
-                                              greedy_ids(config, params, (5, 9, 17, 33), 40, 64))
-    assert later.events[-1].token_ids == greedy_ids(config, params, (7, 8), 5, 64)
+                                              greedy_ids(config, params, (5, 9, 17, 33), 48, CONTEXT))
+    assert later.events[-1].token_ids == greedy_ids(config, params, (7, 8), 5, CONTEXT)
 
 
 def test_warmup_compiles_every_prefill_shape_the_requests_then_meet(tiny_model):
@@ -222,7 +229,8 @@ def test_warmup_compiles_every_prefill_shape_the_requests_then_meet(tiny_model):
     assert (sampler.compiled_programs("prefill_rows"), sampler.compiled_programs("decode")) == compiled
     for (prompt, max_tokens, n), collect in zip(jobs + [((9,) * 17, 4, 1)], pending + [later]):
         finished = [e for e in collect.events if isinstance(e, Finished)]
-        assert len(finished) == n and all(e.token_ids == greedy_ids(config, params, prompt, max_tokens, 32)
+        # the reference's cache size does not change its greedy tokens: CONTEXT's programs are the other tests'
+        assert len(finished) == n and all(e.token_ids == greedy_ids(config, params, prompt, max_tokens, CONTEXT)
                                           for e in finished)
     with pytest.raises(ValueError, match="warmup_tokens"):
         EngineConfig(max_context=64, warmup_tokens=65)
@@ -230,8 +238,7 @@ def test_warmup_compiles_every_prefill_shape_the_requests_then_meet(tiny_model):
 
 def test_a_failed_warmup_is_raised_by_start(tiny_model):
     config, _ = tiny_model
-    engine = Engine(config, {}, _IdsTokenizer(), stop_ids=(), engine=EngineConfig(max_batch=2, max_context=32,
-                                                                                   warmup_tokens=8))
+    engine = Engine(config, {}, _IdsTokenizer(), stop_ids=(), engine=_engine_config(warmup_tokens=8))
     with pytest.raises(RuntimeError, match="warm-up failed"):
         engine.start()
 
@@ -251,8 +258,7 @@ def test_requests_of_different_sampling_values_share_a_batch_and_draw_as_if_alon
     from trace_jax.serve.engine import Finished
 
     config, params = tiny_model
-    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=EngineConfig(
-        max_batch=4, max_context=64, slice_tokens=4, batch_wait_s=0.0))
+    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=_engine_config())
     cool = dict(sampling=SamplingConfig(temperature=0.7), seed=5)
     hot = dict(sampling=SamplingConfig(temperature=1.5, top_p=0.8), seed=2 ** 63 - 1)
     first, second = _collect(), _collect()  # queued before the engine starts: admitted into one batch
@@ -269,7 +275,7 @@ def test_requests_of_different_sampling_values_share_a_batch_and_draw_as_if_alon
         engine.close()
     batched = [e for e in first.events if isinstance(e, Finished)]
     assert batched == [e for e in alone.events if isinstance(e, Finished)]
-    assert batched[0].token_ids != greedy_ids(config, params, (5, 9, 17), 10, 64)  # it really sampled
+    assert batched[0].token_ids != greedy_ids(config, params, (5, 9, 17), 10, CONTEXT)  # it really sampled
     choices = [e.token_ids for e in second.events if isinstance(e, Finished)]
     assert len(choices) == 2 and choices[0] != choices[1]  # n choices draw from different keys
 
@@ -280,8 +286,7 @@ def test_an_error_in_one_request_fails_only_that_request(tiny_model):
     from trace_jax.serve.engine import Failed, TextDelta
 
     config, params = tiny_model
-    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=EngineConfig(
-        max_batch=4, max_context=64, slice_tokens=4, batch_wait_s=0.0))
+    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=_engine_config())
     broken, healthy = _collect(), _Collect()
 
     def explode(event):
@@ -299,7 +304,7 @@ def test_an_error_in_one_request_fails_only_that_request(tiny_model):
         assert engine.health()["alive"] and engine.stats["failed"] == 1
     finally:
         engine.close()
-    assert healthy.events[-1].token_ids == greedy_ids(config, params, (7, 8), 12, 64)
+    assert healthy.events[-1].token_ids == greedy_ids(config, params, (7, 8), 12, CONTEXT)
     assert isinstance(broken.events[-1], Failed) and "bug in one request" in broken.events[-1].message
 
 
@@ -319,8 +324,7 @@ def test_health_reports_a_stalled_and_a_dead_engine(tiny_model):
     from trace_jax.serve.engine import EngineDead
 
     config, params = tiny_model
-    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=EngineConfig(
-        max_batch=4, max_context=64, slice_tokens=4, batch_wait_s=0.0, heartbeat_timeout_s=0.3))
+    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=_engine_config(heartbeat_timeout_s=0.3))
     release, prefill = threading.Event(), engine._prefill
 
     def stuck(state, admitted):
@@ -360,8 +364,7 @@ def test_stop_string_scanning_is_linear_in_the_text(tiny_model):
 
     config, params = tiny_model
     tokenizer = _CountingIdsTokenizer()
-    engine = Engine(config, params, tokenizer, stop_ids=(), engine=EngineConfig(
-        max_batch=2, max_context=320, slice_tokens=4, batch_wait_s=0.0)).start()
+    engine = Engine(config, params, tokenizer, stop_ids=(), engine=_engine_config()).start()
     try:
         collect = _submit(engine, (5, 9, 17), 300, stop=("never appears",), stream=True)
         assert collect.done.wait(300)
