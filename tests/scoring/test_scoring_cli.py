@@ -23,11 +23,16 @@ MALFORMED = DATA / "credit_malformed.jsonl"
 
 @pytest.fixture(scope="module")
 def reference_dir(tmp_path_factory):
-    """A random tiny Qwen3 saved with save_pretrained next to a word tokenizer over the oracle's vocabulary."""
+    """A random one-layer Qwen3 saved with save_pretrained next to a word tokenizer over the oracle's vocabulary.
+
+    One layer and width 32 (the RL tests' SMALL policy): every claim here compares the CLI with the API on the same
+    model, which any size shows, and the trajectories are long enough that a larger model's compiles and passes
+    were most of this module's time."""
     directory = tmp_path_factory.mktemp("credit_reference")
     build_word_tokenizer(trajectory_vocabulary(), directory)
     vocab = len(load_tokenizer(directory))
-    config = models.get_preset("tiny-qwen3", vocab_size=-(-vocab // 64) * 64)
+    config = models.get_preset("tiny-qwen3", vocab_size=-(-vocab // 64) * 64, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     params = models.init_params(config, jax.random.PRNGKey(0))
     params = jax.tree_util.tree_map(lambda p: p * 4.0 if p.ndim >= 2 else p, params)  # less uniform scores
     models.save_pretrained(directory, config, params)
@@ -361,7 +366,7 @@ def test_nonfinite_scores_are_never_written(reference_dir, tmp_path, monkeypatch
         return scores
 
     monkeypatch.setattr(cli, "score_records", with_nan)
-    path = _write(tmp_path / "in.jsonl", _sample_records()[:3])
+    path = _write(tmp_path / "in.jsonl", _sample_records())  # the sample's batch shape: its programs are compiled
     assert _run(reference_dir, path, tmp_path / "out", "--no-plot") == 0
     assert "1 with non-finite scores" in capsys.readouterr().err
 
