@@ -20,6 +20,8 @@ from trace_jax.train.optimizer import make_optimizer
 from trace_jax.train.state import init_train_state
 from trace_jax.train.step import make_train_step
 
+# The RL tests' small run. sync_every = 16: each turn's 16 tokens in one decode dispatch (the same tokens as two
+# of 8), so a batch shape compiles one decode program instead of two attention buckets.
 SMALL = """
 include 'configs/tiny.gin'
 model_preset.hidden_size = 32
@@ -35,6 +37,7 @@ RolloutConfig.group_size = 2
 RolloutConfig.max_turns = 2
 RolloutConfig.max_context = 512
 RolloutConfig.turn_token_budget = 16
+RolloutConfig.sync_every = 16
 WarmStartConfig.steps = 0
 TrainConfig.steps = 3
 TrainConfig.prompts_per_step = 2
