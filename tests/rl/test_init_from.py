@@ -17,10 +17,9 @@ pytestmark = pytest.mark.slow  # two short runs of the small config
 
 # Neither run takes an RL step: the claims are about the policy a run starts from (its step 0 reference) and its
 # first evaluation, which both runs make before any step. One SFT batch of all 4 trajectories: both warm-start
-# steps pad to the same length, so the SFT step compiles once. Each turn's 16 tokens in one decode dispatch (the
-# same tokens as two of 8): half the decode programs. The second run's evaluations reuse the first's programs (same
-# model, same shapes, same process).
-RUN = SMALL + "RolloutConfig.sync_every = 16\nTrainConfig.steps = 0\n"
+# steps pad to the same length, so the SFT step compiles once. The second run's evaluations reuse the first's
+# programs (same model, same shapes, same process).
+RUN = SMALL + "TrainConfig.steps = 0\n"
 WARM = RUN + "WarmStartConfig.steps = 2\nWarmStartConfig.num_trajectories = 4\nWarmStartConfig.batch_size = 4\n"
 
 

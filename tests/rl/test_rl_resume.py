@@ -81,10 +81,10 @@ def test_sigkilled_run_resumes_to_the_same_prompts_metrics_and_params(tmp_path, 
     gin_file = tmp_path / "small.gin"
     # an evaluation at step 3, after the kill: the resumed run must restore the initial one from the host state;
     # 4 training tasks, 2 a step: steps 3-4 are the second epoch, which the resumed order must reshuffle alike.
-    # One tool call an episode (then the answer turn) and each turn's 16 tokens in one decode dispatch (the same
-    # tokens as two of 8): fewer decode and append shapes to compile, which the resume does not depend on.
+    # One tool call an episode (then the answer turn): fewer decode and append shapes to compile, which the resume
+    # does not depend on.
     gin_file.write_text(SMALL + f"TrainConfig.steps = {STEPS}\nEvalConfig.every_steps = 3\n"
-                        "DataConfig.num_train_tasks = 4\nRolloutConfig.max_turns = 1\nRolloutConfig.sync_every = 16\n")
+                        "DataConfig.num_train_tasks = 4\nRolloutConfig.max_turns = 1\n")
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert _train_here(gin_file, straight) == 0
     victim = subprocess.Popen([sys.executable, "-m", "trace_jax.cli", *_arguments(gin_file, killed)], env=_env(),

@@ -212,12 +212,10 @@ def test_two_processes_run_the_rl_loop_and_only_process_0_writes_the_record(tmp_
     # mini-batches gather rows across the processes; greedy rollouts are the same tokens whichever process (and
     # whichever key) samples a row, so one process of 8 devices must train the same. 4 held-out tasks, greedy like
     # the rollouts: each process's evaluations run the batch shape of its rollouts (4 rows), so they reuse the
-    # rollouts' decode and append programs; one tool call an episode and each turn's 16 tokens in one decode
-    # dispatch (the same tokens as two of 8): fewer decode and append shapes to compile.
+    # rollouts' decode and append programs; one tool call an episode: fewer decode and append shapes to compile.
     gin_file.write_text(SMALL + f"TrainConfig.prompts_per_step = 4\nTrainConfig.steps = {LOOP_STEPS}\n"
                         "UpdateConfig.mini_batches = 2\nSamplingConfig.greedy = True\n"
-                        "DataConfig.num_eval_tasks = 4\nEvalConfig.num_tasks = 4\nRolloutConfig.max_turns = 1\n"
-                        "RolloutConfig.sync_every = 16\n")
+                        "DataConfig.num_eval_tasks = 4\nEvalConfig.num_tasks = 4\nRolloutConfig.max_turns = 1\n")
     run_dir = tmp_path / "run"
     procs = _launch(["-m", "trace_jax.cli", "train", "--gin-file", str(gin_file), "--run-dir", str(run_dir),
                      "--no-progress"], 2, REPO, tmp_path)
