@@ -114,6 +114,14 @@ def test_bad_binding_in_an_arm_names_the_study_file_arm_and_binding(tmp_path, ca
     assert "s.gin" in err and "grpo/seed0" in err and "stepz" in err
 
 
+def test_results_only_of_a_missing_study_directory_is_an_error_naming_it(tmp_path, capsys):
+    from trace_jax.cli import main
+
+    missing = tmp_path / "no-such-study"
+    assert main(["study", _write(tmp_path, SMALL), "--dir", str(missing), "--results-only"]) == 2
+    assert f"no study directory {missing}" in capsys.readouterr().err and not missing.exists()
+
+
 def test_gin_params_of_the_command_reach_every_arm_after_the_study_params(tmp_path, capsys):
     from trace_jax.cli import main
 
@@ -132,7 +140,8 @@ def test_gin_params_of_the_command_reach_every_arm_after_the_study_params(tmp_pa
 
 def _fake_arm(directory: Path, accuracy: dict[int, float], tool_calls: dict[int, float], seconds: list[float],
               finished: bool = True, diagnostics: dict[int, dict[str, float]] | None = None,
-              scoring: list[float] | None = None, compile: list[float] | None = None) -> None:
+              scoring: list[float] | None = None, compile: list[float] | None = None,
+              comparison: dict | None = None) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     lines = []
     for step in sorted(set(accuracy) | set(tool_calls)):
@@ -149,7 +158,8 @@ def _fake_arm(directory: Path, accuracy: dict[int, float], tool_calls: dict[int,
         lines.append(encode_line(step, float(step), metrics))
     (directory / "metrics.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
     if finished:
-        (directory / "summary.json").write_text("{}", encoding="utf-8")
+        summary = {} if comparison is None else {"comparison": comparison}
+        (directory / "summary.json").write_text(json.dumps(summary), encoding="utf-8")
 
 
 def test_resume_skips_finished_arms_and_reruns_an_unfinished_one(tmp_path):
@@ -196,11 +206,15 @@ def test_results_aggregate_mean_and_std_over_seeds_per_method(tmp_path):
     study = load_study(_write(tmp_path, SMALL))
     out = tmp_path / "out"
     arms = {a.name: a for a in expand(study, out)}
-    _fake_arm(Path(arms["grpo/seed0"].run.run_dir), {0: 0.1, 2: 0.3}, {1: 4.0, 2: 6.0}, [1.0, 3.0])
-    _fake_arm(Path(arms["grpo/seed1"].run.run_dir), {0: 0.2, 2: 0.6}, {1: 5.0, 2: 7.0}, [2.0, 4.0])
+    _fake_arm(Path(arms["grpo/seed0"].run.run_dir), {0: 0.1, 2: 0.3}, {1: 4.0, 2: 6.0}, [1.0, 3.0],
+              comparison={"difference": 0.2, "se": 0.04})
+    _fake_arm(Path(arms["grpo/seed1"].run.run_dir), {0: 0.2, 2: 0.6}, {1: 5.0, 2: 7.0}, [2.0, 4.0],
+              comparison={"difference": 0.4, "se": 0.05})
     _fake_arm(Path(arms["trace/seed0"].run.run_dir), {0: 0.1, 2: 0.5}, {1: 4.0, 2: 4.0}, [5.0, 7.0],
-              scoring=[1.0, 0.0])  # 5 / (5 - 1) = 1.25 and 1.0: median 1.125
-    _fake_arm(Path(arms["ablation/horizon=0/seed0"].run.run_dir), {0: 0.1, 2: 0.2}, {1: 3.0, 2: 3.0}, [1.0, 1.0])
+              scoring=[1.0, 0.0], comparison={"difference": 0.4, "se": 0.045})  # 5 / (5 - 1) = 1.25, 1.0: 1.125
+    _fake_arm(Path(arms["ablation/horizon=0/seed0"].run.run_dir), {0: 0.1, 2: 0.2}, {1: 3.0, 2: 3.0}, [1.0, 1.0],
+              diagnostics={1: {"credit/terminal_fill_share": 0.5}, 2: {"credit/terminal_fill_share": 0.3}},
+              comparison={"difference": 0.1, "se": 0.03})
     results = write_results(study, out, plots=True)
     grpo = results["methods"]["grpo"]
     assert grpo["seeds"] == [0, 1]
@@ -226,10 +240,17 @@ def test_results_aggregate_mean_and_std_over_seeds_per_method(tmp_path):
     table = (out / "results.md").read_text()
     assert results["methods"]["trace"]["median_scoring_ratio"] == pytest.approx(1.125)
     assert grpo["median_scoring_ratio"] is None  # no time/scoring logged
-    assert "| grpo | 2 | 15.0 +- 7.1 | 45.0 +- 21.2 | 2 | 5.50 | 2.5 | 1.00 | - | - |" in table
-    assert "| trace | 1 | 10.0 | 50.0 | 2 | 4.00 | 6.0 | 2.40 | - | 1.125 |" in table
+    # the runs' own paired comparisons: mean +- std over seeds, or one seed's difference with its SE
+    assert grpo["difference"]["mean"] == pytest.approx(0.3) and grpo["difference"]["se"] == [0.04, 0.05]
+    # trace's final 0.5 against GRPO's 0.3 on seed 0, the one seed both have
+    assert results["difference_from_grpo"]["trace"]["per_seed"] == {"0": pytest.approx(0.2)}
+    assert "| grpo | 2 | 15.0 +- 7.1 | 45.0 +- 21.2 | +30.0 +- 14.1 | - | 2 | 5.50 | 2.5 | 1.00 | - | - |" in table
+    assert "| trace | 1 | 10.0 | 50.0 | +40.0 (SE 4.5) | +20.0 | 2 | 4.00 | 6.0 | 2.40 | - | 1.125 |" in table
     results["steps_to_grpo_final"]["trace"] = None
-    assert "| trace | 1 | 10.0 | 50.0 | not reached |" in study_module.results_table(results)
+    assert "| trace | 1 | 10.0 | 50.0 | +40.0 (SE 4.5) | +20.0 | not reached |" in study_module.results_table(results)
+    # the ablations' own table, below the methods': the terminal-fill share is the mean over the arm's steps
+    assert "| trace ablation | seeds |" in table
+    assert "| horizon=0 | 1 | 10.0 | 20.0 | +10.0 (SE 3.0) | 3.00 | 0.40 | - |" in table
 
 
 @pytest.mark.slow  # ~10-30 s under load (compiles one rollout, update and evaluation of a one-layer policy)

@@ -31,7 +31,7 @@ directory, where `train` resumes from its checkpoint. An arm whose parsed config
 (`mark_repeats`) shares that arm's run instead of repeating it. Each arm's directory records its bindings
 (`study_arm.json`); a rerun whose arm has other bindings stops with an error instead of mixing configs. After
 every arm, `results.json` and the plots are rewritten from the finished arms (`aggregate`; `results.md` holds
-`results_table`), so a partial study has partial results.
+`results_table` and `ablation_table`), so a partial study has partial results.
 
 This module knows study files, run directories and the metrics files; training is the arm's `trace-jax train` process's.
 """
@@ -59,9 +59,10 @@ from trace_jax.rl.sweep import Run, parse_spec_file, validate_runs, value_text
 SEED_FIELDS = ("TrainConfig.seed", "DataConfig.shuffle_seed", "WarmStartConfig.oracle_seed")
 # The per-step credit diagnostics (trace_jax/rl/credit_diagnostics.py) results.json averages per method.
 DIAGNOSTICS = ("credit/detour_turn_credit", "credit/on_path_turn_credit", "credit/detour_turn_share",
-               "credit/progress_spearman", "zero_signal_groups", "zero_signal_groups_with_turn_credit")
+               "credit/progress_spearman", "zero_signal_groups", "zero_signal_groups_with_turn_credit",
+               "credit/terminal_fill_share")
 RESULTS_FILE = "results.json"
-TABLE_FILE = "results.md"  # results_table(): the table docs/results.md quotes
+TABLE_FILE = "results.md"  # results_table() and ablation_table(): the tables docs/results.md quotes
 ARM_FILE = "study_arm.json"
 PLOTS_DIR = "plots"
 EXPECTED = ("expected study.name, study.base, study.methods, study.seeds and optionally study.params, "
@@ -298,9 +299,15 @@ def arm_results(arm_dir: str | Path) -> dict:
     it), the median over RL steps of the step over the same step without its reference scoring
     (`median_scoring_ratio`: `time/step` / (`time/step` - `time/scoring`), the method's cost over GRPO's on the same
     trajectories; about 1 for methods without scoring), each of `DIAGNOSTICS` averaged over the RL steps that
-    logged it (None when none did) and the run's wall seconds (its last record's `wall_time`, which continues
-    across resumes: build, any warm start, evaluations and steps)."""
+    logged it (None when none did), the run's wall seconds (its last record's `wall_time`, which continues
+    across resumes: build, any warm start, evaluations and steps) and, from `summary.json`'s comparison of the
+    evaluations before and after RL, the difference and its paired standard error (None where it has none)."""
     records = read_metrics(arm_dir)
+    try:
+        comparison = json.loads((Path(arm_dir) / SUMMARY_FILE).read_text(encoding="utf-8")).get("comparison")
+    except (OSError, ValueError, AttributeError):
+        comparison = None
+    comparison = comparison if isinstance(comparison, dict) else {}
     accuracy = _series(records, "eval/accuracy")
     tool_calls = _series(records, "tool_calls")
     step_seconds = [r["time/step"] for r in records if r.get("time/step") is not None]
@@ -320,7 +327,8 @@ def arm_results(arm_dir: str | Path) -> dict:
             "median_step_seconds": statistics.median(step_seconds) if step_seconds else None,
             "median_steady_step_seconds": statistics.median(steady) if steady else None,
             "median_scoring_ratio": statistics.median(scoring_ratios) if scoring_ratios else None,
-            "wall_seconds": max(walls) if walls else None}
+            "wall_seconds": max(walls) if walls else None,
+            "difference": comparison.get("difference"), "difference_se": comparison.get("se")}
 
 
 def _group(arm_figures: Mapping[int, dict]) -> dict:
@@ -335,10 +343,17 @@ def _group(arm_figures: Mapping[int, dict]) -> dict:
                                                   for seed in seeds},
                      "mean": [m for m, _ in stats], "std": [s for _, s in stats]}
     for key, pick in (("initial_accuracy", min), ("final_accuracy", max)):  # step 0 (after any warm start), last
-        values = [arm_figures[seed]["accuracy"][pick(arm_figures[seed]["accuracy"])] for seed in seeds
-                  if arm_figures[seed]["accuracy"]]
+        by_seed = {str(seed): arm_figures[seed]["accuracy"][pick(arm_figures[seed]["accuracy"])] for seed in seeds
+                   if arm_figures[seed]["accuracy"]}
+        values = list(by_seed.values())
         mean, std = _mean_std(values) if values else (None, None)
-        out[key] = {"per_seed": values, "mean": mean, "std": std}
+        out[key] = {"per_seed": values, "by_seed": by_seed, "mean": mean, "std": std}
+    # the run's own paired comparison (after RL - after warm start, on the same held-out tasks), per seed
+    differences = [arm_figures[seed].get("difference") for seed in seeds]
+    known = [d for d in differences if d is not None]
+    mean, std = _mean_std(known) if known else (None, None)
+    out["difference"] = {"per_seed": differences, "se": [arm_figures[seed].get("difference_se") for seed in seeds],
+                         "mean": mean, "std": std}
     calls = [statistics.fmean(arm_figures[seed]["tool_calls"].values()) for seed in seeds
              if arm_figures[seed]["tool_calls"]]
     out["tool_calls_per_episode"] = statistics.fmean(calls) if calls else None
@@ -365,6 +380,21 @@ def _step_time_ratios(methods: Mapping[str, dict], name: str = "median_step_seco
     return {m: group[name] / base for m, group in methods.items() if group.get(name) is not None}
 
 
+def _difference_from(methods: Mapping[str, dict], base: str = "grpo") -> dict[str, dict]:
+    """Per method, its final held-out accuracy minus `base`'s on the same seed (the seeds both have), with the mean
+    and sample std over those seeds; empty without `base`."""
+    if base not in methods:
+        return {}
+    base_final = methods[base]["final_accuracy"]["by_seed"]
+    out = {}
+    for method, group in methods.items():
+        per_seed = {seed: final - base_final[seed] for seed, final in group["final_accuracy"]["by_seed"].items()
+                    if seed in base_final}
+        mean, std = _mean_std(list(per_seed.values())) if per_seed else (None, None)
+        out[method] = {"per_seed": per_seed, "mean": mean, "std": std}
+    return out
+
+
 def _steps_to_reach(methods: Mapping[str, dict], base: str = "grpo") -> dict[str, int | None]:
     """Per method, the first evaluation step at which its mean held-out accuracy over seeds reaches GRPO's final
     mean (the seed table's "steps to reach GRPO's final accuracy"); None where it never does; empty without GRPO."""
@@ -380,35 +410,78 @@ def _steps_to_reach(methods: Mapping[str, dict], base: str = "grpo") -> dict[str
     return out
 
 
+def _percent(figures: Mapping[str, Any] | None, *, signed: bool = False) -> str:
+    """`mean +- std` in percent (points) of a {mean, std} figure; the mean alone for one seed; "-" for none."""
+    figures = figures or {}
+    if figures.get("mean") is None:
+        return "-"
+    std = figures.get("std")
+    return f"{100 * figures['mean']:{'+' if signed else ''}.1f}" + (f" +- {100 * std:.1f}" if std is not None else "")
+
+
+def _difference(group: Mapping[str, Any]) -> str:
+    """After RL - after warm start in points: mean +- std over seeds, or for one seed the run's paired SE."""
+    figures = group.get("difference") or {}
+    text = _percent(figures, signed=True)
+    ses = [se for se in figures.get("se", []) if se is not None]
+    if text != "-" and len(group.get("seeds", [])) == 1 and ses:
+        text += f" (SE {100 * ses[0]:.1f})"
+    return text
+
+
 def results_table(results: Mapping[str, Any]) -> str:
     """The main table of docs/results.md (the seed paper's layout) from `results.json`: one row per method with
-    held-out accuracy after the warm start and after RL (mean +- sample std over seeds), the steps to reach GRPO's
-    final mean, tool calls per episode, the median in-loop step, its ratio to GRPO's with and without compile time
-    and the step over the same step without reference scoring (TRACE's own cost on its own trajectories)."""
+    held-out accuracy after the warm start and after RL (mean +- sample std over seeds), the run's gain (after RL
+    - after warm start; for one seed with its paired SE), the difference from GRPO's final on the same seed, the
+    steps to reach GRPO's final mean, tool calls per episode, the median in-loop step, its ratio to GRPO's with and
+    without compile time and the step over the same step without reference scoring (TRACE's own cost on its own
+    trajectories)."""
     def pct(group, key):
-        figures = group.get(key) or {}
-        if figures.get("mean") is None:
-            return "-"
-        std = figures.get("std")
-        return f"{100 * figures['mean']:.1f}" + (f" +- {100 * std:.1f}" if std is not None else "")
+        return _percent(group.get(key))
 
+    from_grpo = results.get("difference_from_grpo", {})
     reach = results.get("steps_to_grpo_final", {})
     ratios = results.get("step_time_ratio_to_grpo", {})
     steady = results.get("steady_step_time_ratio_to_grpo", {})
-    lines = ["| method | seeds | held out after warm start (%) | held out after RL (%) | steps to GRPO's final | "
-             "tool calls / episode | median step (s) | step / GRPO | steady step / GRPO | step / same step unscored |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | seeds | held out after warm start (%) | held out after RL (%) | RL gain (points) | "
+             "vs GRPO, same seed (points) | steps to GRPO's final | tool calls / episode | median step (s) | "
+             "step / GRPO | steady step / GRPO | step / same step unscored |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, group in results.get("methods", {}).items():
         calls = group.get("tool_calls_per_episode")
         seconds = group.get("median_step_seconds")
         step = reach.get(method, "-")  # None: never reached; "-": no GRPO to reach
         lines.append(" | ".join([
             f"| {method}", str(len(group.get("seeds", []))), pct(group, "initial_accuracy"),
-            pct(group, "final_accuracy"), "not reached" if step is None else str(step),
+            pct(group, "final_accuracy"), _difference(group),
+            "-" if method == "grpo" else _percent(from_grpo.get(method), signed=True),
+            "not reached" if step is None else str(step),
             "-" if calls is None else f"{calls:.2f}", "-" if seconds is None else f"{seconds:.1f}",
             "-" if method not in ratios else f"{ratios[method]:.2f}",
             "-" if method not in steady else f"{steady[method]:.2f}",
             "-" if group.get("median_scoring_ratio") is None else f"{group['median_scoring_ratio']:.3f}"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def ablation_table(results: Mapping[str, Any]) -> str:
+    """The ablations of `results.json` as a table: one row per ablation arm (binding = value, in the study file's
+    order) with the main table's accuracy columns, tool calls per episode, TRACE's terminal-fill share (the share
+    of tool turns whose look-ahead window reaches the episode's end; mean over steps) and the step over the same
+    step without reference scoring; "" without ablations."""
+    ablations = {k: v for k, v in (results.get("ablations") or {}).items() if k != "method"}
+    if not ablations:
+        return ""
+    lines = [f"| {results['ablations'].get('method', '')} ablation | seeds | held out after warm start (%) | "
+             "held out after RL (%) | RL gain (points) | tool calls / episode | terminal-fill share | "
+             "step / same step unscored |", "|---|---|---|---|---|---|---|---|"]
+    for name, group in ablations.items():
+        calls = group.get("tool_calls_per_episode")
+        fill = ((group.get("diagnostics") or {}).get("credit/terminal_fill_share") or {}).get("mean")
+        ratio = group.get("median_scoring_ratio")
+        lines.append(" | ".join([
+            f"| {name}", str(len(group.get("seeds", []))), _percent(group.get("initial_accuracy")),
+            _percent(group.get("final_accuracy")), _difference(group), "-" if calls is None else f"{calls:.2f}",
+            "-" if fill is None else f"{fill:.2f}", "-" if ratio is None else f"{ratio:.3f}"]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -437,6 +510,7 @@ def aggregate(study: Study, directory: str | Path, arms: Sequence[Arm] | None = 
             "(docs/credit.md, 'Credit diagnostics')", "arms": listing,
             "methods": methods, "step_time_ratio_to_grpo": _step_time_ratios(methods),
             "steady_step_time_ratio_to_grpo": _step_time_ratios(methods, "median_steady_step_seconds"),
+            "difference_from_grpo": _difference_from(methods),
             "steps_to_grpo_final": _steps_to_reach(methods),
             "wall_seconds_finished_arms": sum(w for w in walls.values() if w is not None),
             "ablations": {"method": study.ablation_method, **{k: _group(v) for k, v in by_ablation.items()}}
@@ -503,7 +577,9 @@ def write_results(study: Study, directory: str | Path, arms: Sequence[Arm] | Non
     directory = Path(directory)
     results = _json_safe(aggregate(study, directory, arms))
     (directory / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    (directory / TABLE_FILE).write_text(results_table(results), encoding="utf-8")
+    ablations = ablation_table(results)
+    (directory / TABLE_FILE).write_text(results_table(results) + (f"\n{ablations}" if ablations else ""),
+                                        encoding="utf-8")
     if plots:
         write_plots(results, directory / PLOTS_DIR)
     return results
@@ -561,6 +637,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"# {arm.name}: the run of {arm.repeat_of}" if arm.repeat_of else arm.run.command())
         return 0
     if args.results_only:
+        if not directory.is_dir():
+            print(f"error: no study directory {directory} (the study's runs are there; --dir names another)",
+                  file=sys.stderr)
+            return 2
         write_results(study, directory, arms)
         return 0
 
