@@ -26,39 +26,6 @@ def tiny_run():
     return parse(["configs/tiny.gin"], SMALL)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _each_program_compiled_once():
-    """Each distinct program is compiled for the TPU topology once in this module, and its figures reused.
-
-    The tiny step's 1- and 2-layer unrolled variants of 4 rows are compiled by two tests each: at 256 tokens by
-    the plan's own estimate and the extension in tokens, at 128 by the whole-step check and the extension in
-    tokens; 10-15 CPU seconds of libtpu each. JAX cannot reuse them (libtpu's compile-only executables do not
-    load back from the persistent cache, and `plan` clears the in-memory caches after each compile), so
-    `plan._compile` is wrapped: a lowering whose HLO text (the program and its shardings) was compiled before
-    gets the figures that compile filled in (memory, cost, out of HBM); anything else is compiled. Every compile
-    here is for v5e:2x2, and the compiler is deterministic, so the figures are the ones a second compile would
-    give."""
-    import dataclasses
-
-    compile_program = plan._compile
-    filled = {}  # HLO text -> the report fields its compile set
-
-    def compile_once(report, lower, argument_bytes):
-        lowered = lower()
-        key = (lowered.as_text(), argument_bytes)
-        if key not in filled:
-            before = dataclasses.asdict(report)
-            compile_program(report, lambda: lowered, argument_bytes)
-            filled[key] = {name: value for name, value in dataclasses.asdict(report).items()
-                           if value != before[name]}
-        for name, value in filled[key].items():
-            setattr(report, name, value)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(plan, "_compile", compile_once)
-        yield
-
-
 @pytest.mark.parametrize("text, chip, shape, chips", [
     ("v5e:4x4", "v5e", (4, 4), 16),
     ("v5e-16", "v5e", (4, 4), 16),
@@ -139,6 +106,31 @@ def test_plan_of_the_tiny_config_on_v5e_2x2_compiles_every_program_of_the_step_a
     assert "resident per chip across phases: train state" in out and "rollout copy" in out
     assert "rollout: 4 of 4 rows at once under no KV budget" in out
     assert "step time estimate per chip: rollout" in out and "+ score" in out and "+ update" in out
+
+
+@needs_libtpu
+def test_a_program_lowered_again_alike_is_not_compiled_again_and_gets_the_same_figures(tiny_run, monkeypatch):
+    # libtpu's compile-only executables do not load back from JAX's caches, so `plan` remembers what each
+    # distinct program's compile gave (the estimate's variants and repeated plans lower the same programs again)
+    import jax
+
+    config = plan.PlanConfig("v5e:2x2", programs=("reshard", "score"), estimate_time=False)
+    first = plan.plan(tiny_run, config, model_preset="tiny-qwen3")
+    compiles = []
+    compile_lowered = jax.stages.Lowered.compile
+
+    def counted(self, *args, **kwargs):
+        compiles.append(self)
+        return compile_lowered(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", counted)
+    again = plan.plan(tiny_run, config, model_preset="tiny-qwen3")
+    assert compiles == []
+    assert again.programs == first.programs and all(r.temp_bytes is not None for r in again.programs)
+    # another topology's devices are another target: compiled, not taken from v5e's figures
+    other = plan.plan(tiny_run, plan.PlanConfig("v5p-8", programs=("reshard",), estimate_time=False),
+                      model_preset="tiny-qwen3")
+    assert len(compiles) == 1 and other.programs[0].temp_bytes is not None
 
 
 @needs_libtpu

@@ -407,11 +407,42 @@ def loops_in(jaxpr) -> int:
     return count
 
 
-def _compile(report: ProgramReport, lower, argument_bytes: int) -> None:
-    """Compile, and fill `report` from the compiler's memory and cost analyses. A compile that runs out of HBM
-    is a result, not an error: its temporaries come from the compiler's message, its arguments from the shapes."""
-    start = time.perf_counter()
+# The report fields each compile filled, by (target devices, HLO text digest, argument bytes): a program lowered
+# again in this process, alike, gets the figures of its first compile (`_compile`).
+_COMPILED: dict[tuple, dict[str, Any]] = {}
+
+
+def _compile(report: ProgramReport, lower, argument_bytes: int, devices) -> None:
+    """Compile for `devices` (the mesh's, in order), and fill `report` from the compiler's memory and cost analyses.
+    A compile that runs out of HBM is a result, not an error: its temporaries come from the compiler's message,
+    its arguments from the shapes.
+
+    Each distinct program is compiled once per process: a lowering whose HLO text (the program and its shardings),
+    argument bytes and target devices match an earlier compile's gets that compile's figures, `compile_seconds`
+    included, without compiling again (the compiler is deterministic). `plan` and `estimate_train_time` lower
+    some programs more than once (the step's variants at two contexts, the estimate's own variants), libtpu's
+    compile-only executables do not load back from JAX's persistent cache, and `plan` clears JAX's in-memory
+    caches after each compile to bound memory, so without this each repeat is compiled again (10-15 CPU seconds
+    each for the tiny config on v5e:2x2)."""
+    import hashlib
+
     lowered = lower()
+    key = (tuple((d.platform, d.device_kind, d.id) for d in devices),
+           hashlib.sha256(lowered.as_text().encode()).hexdigest(), argument_bytes)
+    if key not in _COMPILED:
+        _compile_now(report, lowered, argument_bytes)
+        _COMPILED[key] = {name: getattr(report, name) for name in _COMPILE_FIELDS}
+    for name, value in _COMPILED[key].items():
+        setattr(report, name, value)
+
+
+# What a compile fills in a report (`_compile_now`)
+_COMPILE_FIELDS = ("argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "flops", "bytes_accessed", "seconds",
+                   "compile_seconds", "out_of_memory", "cost_keys", "raw_seconds")
+
+
+def _compile_now(report: ProgramReport, lowered, argument_bytes: int) -> None:
+    start = time.perf_counter()
     try:
         compiled = lowered.compile()
     except Exception as error:  # jax raises JaxRuntimeError (RESOURCE_EXHAUSTED) for a compile-time HBM OOM
@@ -698,6 +729,7 @@ class _Programs:
         from trace_jax.train.optimizer import make_optimizer
 
         self.config, self.run, self.mesh, self.plan = model_config, run_config, mesh, plan
+        self.devices = tuple(mesh.devices.flat)
         # the run's logical-axis rules (`MeshConfig.rules`), as `loop.Placement` takes them
         mesh_config = mesh_config or run_config.mesh
         self.rules, self.rollout_rules = mesh_config.train_rules(), mesh_config.rollout_rules()
@@ -759,7 +791,7 @@ class _Programs:
             def lower():
                 with jax.set_mesh(self.mesh):
                     return traced.lower()
-        _compile(report, lower, device_bytes((self.state, batch)))
+        _compile(report, lower, device_bytes((self.state, batch)), self.devices)
 
     def score_shape(self) -> tuple[int, int, int, int, str]:
         """The scorer's padded (rows, tokens, states, answer tokens) and layout, by `fork.padded_shape`'s rule."""
@@ -789,7 +821,8 @@ class _Programs:
         report.resident_other_bytes = device_bytes(self.state)  # the policy's train state stays during scoring
         program = fork.fork_scores_program(self.config, layout=layout, logprob_chunk=256, query_chunk=0,
                                            with_token_logprobs=with_token_lp, mesh=self.mesh)
-        _compile(report, lambda: program.lower(self.reference, *args), device_bytes((self.reference, args)))
+        _compile(report, lambda: program.lower(self.reference, *args), device_bytes((self.reference, args)),
+                 self.devices)
 
     def reshard(self, report: ProgramReport):
         """The policy's params from the train layout to the rollout layout (`Placement.rollout_params`)."""
@@ -800,7 +833,7 @@ class _Programs:
         # The rest of the train state and the reference stay; the train-layout params are the program's argument.
         report.resident_other_bytes = (device_bytes(self.state) - device_bytes(params) + device_bytes(self.reference))
         program = models.reshard_program(self.rollout_shardings)
-        _compile(report, lambda: program.lower(params), device_bytes(params))
+        _compile(report, lambda: program.lower(params), device_bytes(params), self.devices)
 
     def _sampler_state(self, rows: int):
         import jax
@@ -843,7 +876,7 @@ class _Programs:
         report.resident_other_bytes = self._rollout_resident()
         program = sampler.prefill_program(self.config, group, sampler.state_layout(state))
         _compile(report, lambda: program.lower(self.rollout_params, state, tokens, num_new),
-                 device_bytes((self.rollout_params, state, tokens, num_new)))
+                 device_bytes((self.rollout_params, state, tokens, num_new)), self.devices)
 
     def decode(self, report: ProgramReport):
         import jax
@@ -874,7 +907,7 @@ class _Programs:
                         f"({self.config.dtype})")
         report.resident_other_bytes = self._rollout_resident()
         program = sampler.decode_program(self.config, steps, None)
-        _compile(report, lambda: program.lower(*args), device_bytes(args))
+        _compile(report, lambda: program.lower(*args), device_bytes(args), self.devices)
 
 
 def _advice(report: PlanReport, run_config, model_config) -> list[str]:
