@@ -328,9 +328,11 @@ def test_an_arm_runs_as_its_own_process_and_a_sigterm_to_the_study_reaches_it(tm
     from trace_jax.rl.sweep import Run
 
     marker = tmp_path / "started"
-    script = ("import signal, sys, time, pathlib\n"
+    # the marker appears whole (written aside, then renamed): the SIGTERM it triggers cannot meet an empty file
+    script = ("import os, signal, sys, time, pathlib\n"
               "signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\n"
-              f"pathlib.Path({str(marker)!r}).write_text(str(__import__('os').getpid()))\n"
+              f"pathlib.Path({str(marker) + '.part'!r}).write_text(str(os.getpid()))\n"
+              f"os.replace({str(marker) + '.part'!r}, {str(marker)!r})\n"
               "time.sleep(60)\n")
 
     class ScriptRun(Run):
