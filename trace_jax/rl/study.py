@@ -436,9 +436,6 @@ def results_table(results: Mapping[str, Any]) -> str:
     steps to reach GRPO's final mean, tool calls per episode, the median in-loop step, its ratio to GRPO's with and
     without compile time and the step over the same step without reference scoring (TRACE's own cost on its own
     trajectories)."""
-    def pct(group, key):
-        return _percent(group.get(key))
-
     from_grpo = results.get("difference_from_grpo", {})
     reach = results.get("steps_to_grpo_final", {})
     ratios = results.get("step_time_ratio_to_grpo", {})
@@ -452,8 +449,8 @@ def results_table(results: Mapping[str, Any]) -> str:
         seconds = group.get("median_step_seconds")
         step = reach.get(method, "-")  # None: never reached; "-": no GRPO to reach
         lines.append(" | ".join([
-            f"| {method}", str(len(group.get("seeds", []))), pct(group, "initial_accuracy"),
-            pct(group, "final_accuracy"), _difference(group),
+            f"| {method}", str(len(group.get("seeds", []))), _percent(group.get("initial_accuracy")),
+            _percent(group.get("final_accuracy")), _difference(group),
             "-" if method == "grpo" else _percent(from_grpo.get(method), signed=True),
             "not reached" if step is None else str(step),
             "-" if calls is None else f"{calls:.2f}", "-" if seconds is None else f"{seconds:.1f}",
