@@ -18,7 +18,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 # The suite's time is mostly XLA:CPU compiling small programs that then run for milliseconds, so the tests compile
-# without LLVM's optimisation passes: the same HLO passes and the same programs, with less optimised machine code.
+# without LLVM's optimisation passes and with XLA:CPU's elemental fusion emitters instead of its MLIR ones (about half
+# the compile time of a tiny train step: 3.1 s against 5.9): the same HLO passes and the same programs, with less
+# optimised machine code. (libtpu aborts on XLA:CPU flags: `plan.tpu_devices` keeps them from it.)
 # Every test compares values, never speed; a test's two sides (and its `trace-jax` subprocesses, which inherit
 # XLA_FLAGS) compile alike. TRACE_JAX_TEST_OPTIMIZED_XLA=1 keeps XLA's default optimisation.
 # Tests that start processes with a device count of their own add TRACE_JAX_TEST_XLA_OPTIONS (these options, or
@@ -26,7 +28,8 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 if (os.environ.get("TRACE_JAX_TEST_OPTIMIZED_XLA") != "1"
         and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
     os.environ["TRACE_JAX_TEST_XLA_OPTIONS"] = ("--xla_backend_optimization_level=0 "
-                                                "--xla_llvm_disable_expensive_passes=true")
+                                                "--xla_llvm_disable_expensive_passes=true "
+                                                "--xla_cpu_use_fusion_emitters=false")
     os.environ["XLA_FLAGS"] += " " + os.environ["TRACE_JAX_TEST_XLA_OPTIONS"]
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit
@@ -89,16 +92,23 @@ def _release_compiled_programs():
 
 
 @pytest.fixture(scope="module")
-def no_persistent_cache_writes():
-    """For modules that compile for TPU topologies on this CPU host: libtpu's compile-only client writes its
-    executables to the persistent cache but cannot load them back (JAX warns and compiles again), so while such a
-    module runs nothing is written (`pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")`)."""
+def tpu_compiles():
+    """For modules that compile for TPU topologies on this CPU host (`pytestmark =
+    pytest.mark.usefixtures("tpu_compiles")`):
+
+    - libtpu's compile-only client writes its executables to the persistent cache but cannot load them back (JAX
+      warns and compiles again), so while such a module runs nothing is written;
+    - `plan.tpu_devices` takes the XLA:CPU flags out of XLA_FLAGS for good (libtpu aborts on them); the module's
+      end puts them back, so the `trace-jax` processes later tests start compile as every other process does.
+    """
     import jax
 
     before = jax.config.jax_persistent_cache_min_compile_time_secs
+    flags = os.environ["XLA_FLAGS"]
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
     yield
     jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+    os.environ["XLA_FLAGS"] = flags
 
 
 @pytest.fixture(scope="session")

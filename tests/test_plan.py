@@ -4,6 +4,8 @@ compile for a real TPU topology (v5e:2x2) on this CPU host with a FIT verdict an
 The compile tests need `libtpu` (the `tpu` extra, which CI installs); without it they skip and say so.
 """
 
+import os
+
 import pytest
 
 from trace_jax import cli
@@ -11,7 +13,7 @@ from trace_jax import plan
 from trace_jax.rl.gin_setup import parse
 from trace_jax.train import MeshConfig
 
-pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")  # TPU executables do not load back
+pytestmark = pytest.mark.usefixtures("tpu_compiles")  # see tests/conftest.py
 GIB = 1024**3
 needs_libtpu = pytest.mark.skipif(not plan.libtpu_installed(),
                                   reason="libtpu is not installed: pip install -e '.[tpu]' (the tpu extra) to "
@@ -109,6 +111,16 @@ def test_plan_of_the_tiny_config_on_v5e_2x2_compiles_every_program_of_the_step_a
 
 
 @needs_libtpu
+def test_libtpu_is_not_shown_the_xla_cpu_flags_it_aborts_on(monkeypatch):
+    # XLA:CPU's flags (this suite runs with `--xla_cpu_use_fusion_emitters=false`) make libtpu abort the process
+    monkeypatch.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"] + " --xla_cpu_enable_fast_math=false")
+    assert len(plan.tpu_devices(plan.parse_topology("v5e:2x2"))) == 4
+    flags = os.environ["XLA_FLAGS"].split()
+    assert not any(flag.startswith("--xla_cpu_") for flag in flags)
+    assert "--xla_force_host_platform_device_count=8" in flags
+
+
+@needs_libtpu
 def test_a_program_lowered_again_alike_is_not_compiled_again_and_gets_the_same_figures(tiny_run, monkeypatch):
     # libtpu's compile-only executables do not load back from JAX's caches, so `plan` remembers what each
     # distinct program's compile gave (the estimate's variants and repeated plans lower the same programs again)
@@ -144,7 +156,7 @@ def test_a_kv_budget_sets_the_rollout_rows_at_once_in_whole_rows_per_chip(tiny_r
     run = dataclasses.replace(tiny_run, train=dataclasses.replace(tiny_run.train, prompts_per_step=64),
                               rollout=dataclasses.replace(tiny_run.rollout, group_size=64, max_context=16384))
     mesh = models.make_mesh({"data": 1, "fsdp": 4, "tensor": 1, "expert": 1},
-                            plan._tpu_devices(plan.parse_topology("v5e:2x2")))
+                            plan.tpu_devices(plan.parse_topology("v5e:2x2")))
     config = models.get_preset("tiny-qwen3")
     programs = plan._Programs(config, run, mesh, plan.PlanConfig("v5e:2x2", kv_budget_gib=1.0))
     row = 8 * 1024**2 + 4
@@ -255,7 +267,7 @@ def test_the_step_time_estimate_matches_compiling_the_whole_step_unrolled(tiny_r
     from trace_jax import models
 
     topology = plan.parse_topology("v5e:2x2")
-    mesh = models.make_mesh({"data": 1, "fsdp": 4, "tensor": 1, "expert": 1}, plan._tpu_devices(topology))
+    mesh = models.make_mesh({"data": 1, "fsdp": 4, "tensor": 1, "expert": 1}, plan.tpu_devices(topology))
     # 8 rows in 2 micro-batches of 4: a micro-batch holds one row per batch shard, as the scaling table's cells do
     # (a micro-batch with fewer rows than shards is sharded differently from the one-micro-batch variants)
     run = dataclasses.replace(tiny_run, loss=dataclasses.replace(tiny_run.loss, micro_batches=2),
@@ -295,7 +307,7 @@ def test_variants_at_a_shorter_context_extended_in_tokens_match_the_full_context
     from trace_jax import models
 
     topology = plan.parse_topology("v5e:2x2")
-    mesh = models.make_mesh({"data": 1, "fsdp": 4, "tensor": 1, "expert": 1}, plan._tpu_devices(topology))
+    mesh = models.make_mesh({"data": 1, "fsdp": 4, "tensor": 1, "expert": 1}, plan.tpu_devices(topology))
     # 4 rows (2 prompts x 2 samples), one per batch shard
     run = dataclasses.replace(tiny_run, rollout=dataclasses.replace(tiny_run.rollout, max_context=512))
     assert run.loss.micro_batches == 1
@@ -319,7 +331,7 @@ def test_variants_at_a_shorter_context_extended_in_tokens_match_the_full_context
 @pytest.mark.parametrize("topology, hbm_bandwidth", [("v5e:2x2", 819e9), ("v6e:2x4", 1640e9)])
 def test_the_compilers_memory_rate_is_near_the_chips_hbm_bandwidth(topology, hbm_bandwidth):
     # the rate behind the roofline fallback for negative optimal_seconds (v6e): bytes over time of a copy-like op
-    device = plan._tpu_devices(plan.parse_topology(topology))[0]
+    device = plan.tpu_devices(plan.parse_topology(topology))[0]
     assert 0.7 * hbm_bandwidth < plan.compiler_memory_rate(device) <= 1.05 * hbm_bandwidth
 
 

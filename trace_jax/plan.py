@@ -340,16 +340,26 @@ def libtpu_installed() -> bool:
     return importlib.util.find_spec("libtpu") is not None
 
 
-def _tpu_devices(topology: Topology):
+def tpu_devices(topology: Topology):
+    """The devices of `topology`'s slice, from libtpu's compile-only client (no TPU is opened)."""
     if not libtpu_installed():
         raise PlanError(f"planning for {topology.name} needs libtpu to compile TPU programs on this host: install "
                         "the `tpu` extra (pip install -e '.[tpu]', in a venv of its own: libtpu makes JAX probe "
                         "for a TPU at import) and run with JAX_PLATFORMS=cpu")
+    import jax
     from jax.experimental import topologies
 
     # Compiling opens no TPU, so libtpu's one-process-per-host lock (/tmp/libtpu_lockfile) only makes concurrent
     # plans (and pytest workers) fail; it must be lifted before libtpu initialises.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # libtpu reads XLA_FLAGS once, at its first compile, and aborts the process on a flag its XLA does not know,
+    # which includes XLA:CPU's own (`--xla_cpu_use_fusion_emitters`, ...). Those configure this host's CPU backend,
+    # which reads them as it starts (so it starts here first), and mean nothing to a TPU compile: they leave this
+    # process's XLA_FLAGS (and what the processes it starts inherit) for good.
+    jax.devices("cpu")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_cpu_" in flags:
+        os.environ["XLA_FLAGS"] = " ".join(flag for flag in flags.split() if not flag.startswith("--xla_cpu_"))
     try:
         return topologies.get_topology_desc(topology_name=topology.name, platform="tpu").devices
     except Exception as error:  # libtpu's message for a shape it does not know
@@ -971,7 +981,7 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
         axes = mesh_config.axis_sizes(topology.num_chips)
     except TrainConfigError as error:
         raise PlanError(f"{topology.name} has {topology.num_chips} chips: {error}") from None
-    devices = _tpu_devices(topology) if topology.chip.platform == "tpu" else None  # fail before any work
+    devices = tpu_devices(topology) if topology.chip.platform == "tpu" else None  # fail before any work
     model_config, how = resolve_model(run_config, preset=model_preset)
     model_config = _override_model(model_config, plan_config, topology.chip.platform)
     rows = run_config.train.prompts_per_step * run_config.rollout.group_size

@@ -20,16 +20,15 @@ if importlib.util.find_spec("libtpu") is None:
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.experimental import topologies  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from trace_jax import models  # noqa: E402
+from trace_jax import models, plan  # noqa: E402
 from trace_jax.models.cache import init_cache  # noqa: E402
 from trace_jax.rollout import sampler  # noqa: E402
 from trace_jax.scoring import fork  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")  # TPU executables do not load back
+pytestmark = pytest.mark.usefixtures("tpu_compiles")  # see tests/conftest.py
 
 MESHES = {"fsdp=4": {"fsdp": 4}, "fsdp=2,tensor=2": {"fsdp": 2, "tensor": 2}}
 KERNEL = 'custom_call_target="tpu_custom_call"'  # the Mosaic kernel in the compiled program
@@ -42,7 +41,7 @@ def config():
 
 @pytest.fixture(scope="module", params=list(MESHES), ids=list(MESHES))
 def mesh(request):
-    devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
+    devices = plan.tpu_devices(plan.parse_topology("v5e:2x2"))
     return models.make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1} | MESHES[request.param], devices)
 
 

@@ -15,17 +15,17 @@ if importlib.util.find_spec("libtpu") is None:
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.experimental import topologies  # noqa: E402
 from jax.sharding import SingleDeviceSharding  # noqa: E402
 
+from trace_jax import plan  # noqa: E402
 from trace_jax.models import attention  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("no_persistent_cache_writes")  # TPU executables do not load back
+pytestmark = pytest.mark.usefixtures("tpu_compiles")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")
 def tpu_device():
-    return topologies.get_topology_desc(platform="tpu", topology_name="v5e:1x1").devices[0]
+    return plan.tpu_devices(plan.parse_topology("v5e:1x1"))[0]
 
 
 def compile_for(device, fn, *shapes):
@@ -66,7 +66,7 @@ def test_pallas_tpu_attention_and_its_gradient_compile_on_a_multi_chip_v5e_mesh(
 
     from trace_jax.models.sharding import make_mesh
 
-    devices = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2").devices
+    devices = plan.tpu_devices(plan.parse_topology("v5e:2x2"))
     axes = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1} | mesh_shape
     assert math.prod(axes.values()) == len(devices) == 4
     mesh = make_mesh(axes, devices)

@@ -266,7 +266,8 @@ def test_decode_step_writes_the_cache_once_outside_loops_and_conditionals(model)
     state = S.init_state(config, len(PROMPTS), MAX_LEN)
     batch = len(PROMPTS)
     hlo = S._decode_jit.lower(config, GREEDY, params, state, jnp.ones(batch, bool), jnp.full(batch, 4, jnp.int32),
-                              jnp.asarray([-1], jnp.int32), jax.random.PRNGKey(0), None).compile().as_text()
+                              jnp.asarray([-1], jnp.int32), jax.random.PRNGKey(0), None).compile(
+        {"xla_cpu_use_fusion_emitters": True}).as_text()  # as users compile it (tests/conftest.py turns them off)
     cache_shape = "f32[" + ",".join(str(d) for d in state.cache.k.shape) + "]"
     nested, entry = hlo.split("\nENTRY ", 1)
     is_write = lambda line: f"= {cache_shape}" in line and "scatter" in line  # noqa: E731
