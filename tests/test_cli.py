@@ -3,6 +3,7 @@
 import pathlib
 import shlex
 import subprocess
+import sys
 
 import pytest
 
@@ -12,11 +13,18 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_every_listed_command_exists_and_parses_help(capsys):
-    for name in ("credit", "convert-gguf", "make-tasks"):
+    for name in cli.COMMANDS:
         with pytest.raises(SystemExit) as exit_info:
             cli.main([name, "--help"])
         assert exit_info.value.code == 0
         assert name in capsys.readouterr().out
+
+
+def test_the_command_list_imports_only_the_standard_library():
+    """`trace-jax --help` (and a typo) answer at once: a sub-command's module, and JAX with it, loads only when named."""
+    code = "import sys\nfrom trace_jax import cli\ncli.build_parser([])\nprint(sorted(m for m in ('jax', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.strip() == "[]"
 
 
 def test_unknown_command_is_a_usage_error(capsys):

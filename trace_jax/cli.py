@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 
 # name -> (module implementing add_arguments/run, one-line help)
@@ -31,21 +30,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _module_exists(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # the parent package is missing
-        return False
-
-
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The full parser; only the sub-command named by `argv[0]` imports its module and adds its arguments."""
     parser = argparse.ArgumentParser(prog="trace-jax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     wanted = argv[0] if argv else None
     for name, (module_name, help_text) in COMMANDS.items():
-        if not _module_exists(module_name):
-            continue
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
         command_parser.set_defaults(_module=module_name)
         if name == wanted:
