@@ -21,8 +21,9 @@ def test_every_listed_command_exists_and_parses_help(capsys):
 
 
 def test_the_command_list_imports_only_the_standard_library():
-    """`trace-jax --help` (and a typo) answer at once: a sub-command's module, and JAX with it, loads only when named."""
-    code = "import sys\nfrom trace_jax import cli\ncli.build_parser([])\nprint(sorted(m for m in ('jax', 'numpy') if m in sys.modules))"
+    """`trace-jax --help` (and a typo) answer at once: a sub-command's module, and JAX, load only when named."""
+    code = ("import sys\nfrom trace_jax import cli\ncli.build_parser([])\n"
+            "print(sorted(m for m in ('jax', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert out.strip() == "[]"
 
