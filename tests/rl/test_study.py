@@ -223,7 +223,8 @@ def test_results_aggregate_mean_and_std_over_seeds_per_method(tmp_path):
     assert grpo["accuracy"]["mean"] == pytest.approx([0.15, 0.45])
     assert grpo["accuracy"]["std"] == pytest.approx([statistics.stdev([0.1, 0.2]), statistics.stdev([0.3, 0.6])])
     assert grpo["final_accuracy"]["mean"] == pytest.approx(0.45)
-    assert grpo["initial_accuracy"]["per_seed"] == [0.1, 0.2]  # the warm start's spread over seeds
+    assert grpo["final_accuracy"]["per_seed"] == {"0": 0.3, "1": 0.6}  # keyed by seed, like every per-seed figure
+    assert grpo["initial_accuracy"]["per_seed"] == {"0": 0.1, "1": 0.2}  # the warm start's spread over seeds
     assert grpo["tool_calls"]["mean"] == pytest.approx([4.5, 6.5])
     assert grpo["tool_calls_per_episode"] == pytest.approx(5.5)
     assert grpo["median_step_seconds"] == pytest.approx(2.5)  # median over seeds of each seed's median (2, 3)
@@ -241,7 +242,8 @@ def test_results_aggregate_mean_and_std_over_seeds_per_method(tmp_path):
     assert results["methods"]["trace"]["median_scoring_ratio"] == pytest.approx(1.125)
     assert grpo["median_scoring_ratio"] is None  # no time/scoring logged
     # the runs' own paired comparisons: mean +- std over seeds, or one seed's difference with its SE
-    assert grpo["difference"]["mean"] == pytest.approx(0.3) and grpo["difference"]["se"] == [0.04, 0.05]
+    assert grpo["difference"]["mean"] == pytest.approx(0.3) and grpo["difference"]["se"] == {"0": 0.04, "1": 0.05}
+    assert grpo["difference"]["per_seed"] == {"0": pytest.approx(0.2), "1": pytest.approx(0.4)}
     # trace's final 0.5 against GRPO's 0.3 on seed 0, the one seed both have
     assert results["difference_from_grpo"]["trace"]["per_seed"] == {"0": pytest.approx(0.2)}
     assert "| grpo | 2 | 15.0 +- 7.1 | 45.0 +- 21.2 | +30.0 +- 14.1 | - | 2 | 5.50 | 2.5 | 1.00 | - | - |" in table

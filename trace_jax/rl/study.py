@@ -343,17 +343,16 @@ def _group(arm_figures: Mapping[int, dict]) -> dict:
                                                   for seed in seeds},
                      "mean": [m for m, _ in stats], "std": [s for _, s in stats]}
     for key, pick in (("initial_accuracy", min), ("final_accuracy", max)):  # step 0 (after any warm start), last
-        by_seed = {str(seed): arm_figures[seed]["accuracy"][pick(arm_figures[seed]["accuracy"])] for seed in seeds
-                   if arm_figures[seed]["accuracy"]}
-        values = list(by_seed.values())
-        mean, std = _mean_std(values) if values else (None, None)
-        out[key] = {"per_seed": values, "by_seed": by_seed, "mean": mean, "std": std}
+        per_seed = {str(seed): arm_figures[seed]["accuracy"][pick(arm_figures[seed]["accuracy"])] for seed in seeds
+                    if arm_figures[seed]["accuracy"]}
+        mean, std = _mean_std(list(per_seed.values())) if per_seed else (None, None)
+        out[key] = {"per_seed": per_seed, "mean": mean, "std": std}
     # the run's own paired comparison (after RL - after warm start, on the same held-out tasks), per seed
-    differences = [arm_figures[seed].get("difference") for seed in seeds]
-    known = [d for d in differences if d is not None]
+    differences = {str(seed): arm_figures[seed].get("difference") for seed in seeds}
+    known = [d for d in differences.values() if d is not None]
     mean, std = _mean_std(known) if known else (None, None)
-    out["difference"] = {"per_seed": differences, "se": [arm_figures[seed].get("difference_se") for seed in seeds],
-                         "mean": mean, "std": std}
+    out["difference"] = {"per_seed": differences, "se": {str(seed): arm_figures[seed].get("difference_se")
+                                                         for seed in seeds}, "mean": mean, "std": std}
     calls = [statistics.fmean(arm_figures[seed]["tool_calls"].values()) for seed in seeds
              if arm_figures[seed]["tool_calls"]]
     out["tool_calls_per_episode"] = statistics.fmean(calls) if calls else None
@@ -385,10 +384,10 @@ def _difference_from(methods: Mapping[str, dict], base: str = "grpo") -> dict[st
     and sample std over those seeds; empty without `base`."""
     if base not in methods:
         return {}
-    base_final = methods[base]["final_accuracy"]["by_seed"]
+    base_final = methods[base]["final_accuracy"]["per_seed"]
     out = {}
     for method, group in methods.items():
-        per_seed = {seed: final - base_final[seed] for seed, final in group["final_accuracy"]["by_seed"].items()
+        per_seed = {seed: final - base_final[seed] for seed, final in group["final_accuracy"]["per_seed"].items()
                     if seed in base_final}
         mean, std = _mean_std(list(per_seed.values())) if per_seed else (None, None)
         out[method] = {"per_seed": per_seed, "mean": mean, "std": std}
@@ -423,7 +422,7 @@ def _difference(group: Mapping[str, Any]) -> str:
     """After RL - after warm start in points: mean +- std over seeds, or for one seed the run's paired SE."""
     figures = group.get("difference") or {}
     text = _percent(figures, signed=True)
-    ses = [se for se in figures.get("se", []) if se is not None]
+    ses = [se for se in (figures.get("se") or {}).values() if se is not None]
     if text != "-" and len(group.get("seeds", [])) == 1 and ses:
         text += f" (SE {100 * ses[0]:.1f})"
     return text
