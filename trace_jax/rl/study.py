@@ -331,6 +331,13 @@ def arm_results(arm_dir: str | Path) -> dict:
             "difference": comparison.get("difference"), "difference_se": comparison.get("se")}
 
 
+def _over_seeds(per_seed: dict[str, float | None]) -> dict:
+    """A per-seed figure keyed by seed, with the mean and sample std of the seeds that have it (None without)."""
+    values = [v for v in per_seed.values() if v is not None]
+    mean, std = _mean_std(values) if values else (None, None)
+    return {"per_seed": per_seed, "mean": mean, "std": std}
+
+
 def _group(arm_figures: Mapping[int, dict]) -> dict:
     """Per-seed series and their mean / std over seeds at the steps every seed has."""
     seeds = sorted(arm_figures)
@@ -345,14 +352,10 @@ def _group(arm_figures: Mapping[int, dict]) -> dict:
     for key, pick in (("initial_accuracy", min), ("final_accuracy", max)):  # step 0 (after any warm start), last
         per_seed = {str(seed): arm_figures[seed]["accuracy"][pick(arm_figures[seed]["accuracy"])] for seed in seeds
                     if arm_figures[seed]["accuracy"]}
-        mean, std = _mean_std(list(per_seed.values())) if per_seed else (None, None)
-        out[key] = {"per_seed": per_seed, "mean": mean, "std": std}
+        out[key] = _over_seeds(per_seed)
     # the run's own paired comparison (after RL - after warm start, on the same held-out tasks), per seed
-    differences = {str(seed): arm_figures[seed].get("difference") for seed in seeds}
-    known = [d for d in differences.values() if d is not None]
-    mean, std = _mean_std(known) if known else (None, None)
-    out["difference"] = {"per_seed": differences, "se": {str(seed): arm_figures[seed].get("difference_se")
-                                                         for seed in seeds}, "mean": mean, "std": std}
+    out["difference"] = {**_over_seeds({str(seed): arm_figures[seed].get("difference") for seed in seeds}),
+                         "se": {str(seed): arm_figures[seed].get("difference_se") for seed in seeds}}
     calls = [statistics.fmean(arm_figures[seed]["tool_calls"].values()) for seed in seeds
              if arm_figures[seed]["tool_calls"]]
     out["tool_calls_per_episode"] = statistics.fmean(calls) if calls else None
@@ -363,10 +366,8 @@ def _group(arm_figures: Mapping[int, dict]) -> dict:
     out["wall_seconds"] = {str(seed): arm_figures[seed].get("wall_seconds") for seed in seeds}
     out["diagnostics"] = {}
     for name in DIAGNOSTICS:
-        per_seed = {str(seed): arm_figures[seed]["diagnostics"].get(name) for seed in seeds}
-        values = [v for v in per_seed.values() if v is not None]
-        mean, std = _mean_std(values) if values else (None, None)
-        out["diagnostics"][name] = {"per_seed": per_seed, "mean": mean, "std": std}
+        out["diagnostics"][name] = _over_seeds({str(seed): arm_figures[seed]["diagnostics"].get(name)
+                                                for seed in seeds})
     return out
 
 
@@ -387,10 +388,9 @@ def _difference_from(methods: Mapping[str, dict], base: str = "grpo") -> dict[st
     base_final = methods[base]["final_accuracy"]["per_seed"]
     out = {}
     for method, group in methods.items():
-        per_seed = {seed: final - base_final[seed] for seed, final in group["final_accuracy"]["per_seed"].items()
-                    if seed in base_final}
-        mean, std = _mean_std(list(per_seed.values())) if per_seed else (None, None)
-        out[method] = {"per_seed": per_seed, "mean": mean, "std": std}
+        finals = group["final_accuracy"]["per_seed"]
+        out[method] = _over_seeds({seed: final - base_final[seed] for seed, final in finals.items()
+                                   if seed in base_final})
     return out
 
 
