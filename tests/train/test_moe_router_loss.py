@@ -20,7 +20,7 @@ def test_router_aux_equals_transformers_aux_loss_and_enters_the_loss(tmp_path):
     models.save_pretrained(tmp_path, config, params)
     torch_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     out = torch_model(input_ids=torch.tensor(np.asarray(batch.tokens), dtype=torch.long), output_router_logits=True)
-    np.testing.assert_allclose(float(router_aux), float(out.aux_loss), rtol=1e-4)
+    np.testing.assert_allclose(float(router_aux), float(out.aux_loss.detach()), rtol=1e-4)
 
     def loss(p, with_aux):
         cfg = train.LossConfig(router_aux=with_aux)
