@@ -12,8 +12,9 @@ template says unless `--thinking`) using the reference checkpoint's tokenizer, w
 A record that ends on a tool message (cut at max turns) keeps its last state: the generation prompt is appended and
 the state after the last observation is scored too. The reference model (any directory `models.load_pretrained`
 reads) scores the answer continuation (`continuation.build_answer_continuation`: the format's answer prefix, the
-open tag and the gold answer tokenised jointly) after every state; `credit.compute_advantages` runs the estimator
-chosen with `--estimator` on the whole file, with the options of `CreditConfig` from the flags.
+`--answer-template` text before `{answer}` and the gold answer tokenised jointly) after every state;
+`credit.compute_advantages` runs the estimator chosen with `--estimator` on the whole file, with the options of
+`CreditConfig` from the flags.
 
 Groups: records sharing `--group-key` form a prompt group. A record without a group is a group of one (outcome
 advantage 0, so TRACE's terminal fill is 0 too); a record without a reward gets reward 0 in a group of its own, so
@@ -45,9 +46,11 @@ import numpy as np
 
 from trace_jax.credit.config import DEFAULTS, CreditConfig
 from trace_jax.jsonl import LineError, jsonl_lines, parse_chat_record, parse_line
+from trace_jax.scoring.continuation import ANSWER_PLACEHOLDER, ANSWER_TAG_TEMPLATE, check_answer_template
 from trace_jax.scoring.fork import LAYOUTS, METHODS
 
 THINKING_CHOICES = ("auto", "none", "hybrid", "off", "always")
+ANSWER_TAG_NAME = "answer_tag"  # the name `--answer-template` and `UpdateConfig.answer_template` share
 # CreditConfig fields exposed as flags: (choices or None, help). Defaults come from CreditConfig, never from here.
 _CREDIT_FLAGS = {
     "std": ("outcome advantage normalisation", ("population", "sample", "none")),
@@ -84,8 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="field holding the final reward (optional per record)")
     io.add_argument("--group-key", "--group_key", default="group",
                     help="field grouping trajectories of one prompt for outcome advantages (missing: a group of one)")
-    io.add_argument("--answer-template", "--answer_template", default="<answer>",
-                    help="open tag conditioned on right before the gold answer (not scored); '' for none")
+    io.add_argument("--answer-template", "--answer_template", default=ANSWER_TAG_NAME,
+                    help=f"what the reference is conditioned on before the gold answer it scores, after the chat "
+                         f"format's answer prefix: '{ANSWER_TAG_NAME}' ({ANSWER_TAG_TEMPLATE!r}), or a template with "
+                         f"{ANSWER_PLACEHOLDER} at its end (e.g. ' The answer is {ANSWER_PLACEHOLDER}', the opening "
+                         "of a policy warm-started on the oracle's demonstrations); text without braces is an open "
+                         "tag put right before the answer ('' for none)")
     io.add_argument("--score-close-tag", "--score_close_tag", action="store_true",
                     help="append </answer> to the continuation and score it with the answer")
     io.add_argument("--thinking", choices=THINKING_CHOICES, default="auto",
@@ -110,6 +117,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     output.add_argument("--no-plot", "--no_plot", action="store_true", help="skip the PNG summary plot")
     output.add_argument("--excerpt-chars", "--excerpt_chars", type=int, default=160,
                         help="observation excerpt length in receipts")
+
+
+def answer_template_from_flag(value: str) -> str:
+    """The answer template `--answer-template VALUE` means: the name 'answer_tag' -> `ANSWER_TAG_TEMPLATE`; a value
+    holding braces -> a template (`check_answer_template`); other text -> an open tag (the flag's older meaning:
+    `X` -> `X{answer}`, '' -> `{answer}`). ValueError names the problem."""
+    if value == ANSWER_TAG_NAME:
+        return ANSWER_TAG_TEMPLATE
+    if "{" not in value and "}" not in value:
+        return value + ANSWER_PLACEHOLDER
+    return check_answer_template(value, where="--answer-template")
 
 
 def credit_config_from_args(args: argparse.Namespace) -> CreditConfig:
@@ -223,6 +241,10 @@ def prepare_record(line_number: int, text: bytes | str, chat, tokenizer, args, c
     from trace_jax.credit.gigpo import state_keys
     from trace_jax.scoring.continuation import build_answer_continuation
 
+    try:
+        template = answer_template_from_flag(args.answer_template)
+    except ValueError as error:  # `run` checks the flag first; a direct caller learns it here
+        raise RecordError(str(error)) from None
     record, messages, answer = parse_chat_record(text, args.answer_key, error=RecordError)
     reward = record.get(args.reward_key)
     if reward is not None and not _finite_number(reward):
@@ -235,7 +257,7 @@ def prepare_record(line_number: int, text: bytes | str, chat, tokenizer, args, c
     except (ValueError, TypeError, AttributeError) as error:
         raise RecordError(f"messages cannot be rendered: {error}") from None
     try:
-        continuation = build_answer_continuation(tokenizer, chat, answer, open_tag=args.answer_template,
+        continuation = build_answer_continuation(tokenizer, chat, answer, template=template,
                                                  score_close_tag=args.score_close_tag)
     except ValueError as error:
         raise RecordError(f"field {args.answer_key!r}: {error}") from None
@@ -495,6 +517,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         config = credit_config_from_args(args)
+        answer_template_from_flag(args.answer_template)
     except ValueError as error:
         print(f"credit: {error}", file=sys.stderr)
         return 2
@@ -557,7 +580,8 @@ def run(args: argparse.Namespace) -> int:
         (out_dir / "credit.jsonl").write_text("", encoding="utf-8")
     flag_counts = Counter(flag for record in results for flag in record["flags"])
     settings = {"credit": config.to_dict(), **{k: getattr(args, k) for k in (
-        "answer_template", "score_close_tag", "thinking", "method", "layout", "dtype")}, "chat_thinking": chat.thinking}
+        "answer_template", "score_close_tag", "thinking", "method", "layout", "dtype")}, "chat_thinking": chat.thinking,
+        "scored_template": answer_template_from_flag(args.answer_template)}
     summary = {"input": str(input_path), "reference": str(args.reference), "estimator": config.estimator,
                "records": total, "scored": len(results), "skipped": len(errors),
                "groups": len(set(groups.group_id.tolist())) if groups else 0,
