@@ -5,6 +5,11 @@ Each sub-command lives in the module that owns the job and exposes two functions
 This module only dispatches; it imports a sub-command's module when that sub-command is asked for,
 so `trace-jax --help` stays fast and a broken optional part cannot break the others.
 
+A command whose module runs parts of a package above its own gets them from `EXTENSIONS`: the named function
+returns keyword arguments for its `run`. So `trace_jax.scoring` and `trace_jax.serve` never import `trace_jax.abc`
+(`tests/test_cli_layers.py`), yet `trace-jax credit` scores ABC estimators and `trace-jax serve` serves ABC's
+scripted judge.
+
 Every command's flags are `--kebab-case`; a multi-word flag also takes its snake_case spelling (`--run-dir` and
 `--run_dir`), listed second (`tests/test_cli_flags.py` checks every command).
 """
@@ -28,6 +33,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "study": ("trace_jax.rl.study", "methods x seeds (+ ablations) as resumable runs; results.json and plots"),
     "plan": ("trace_jax.plan", "AOT-compile a config's train/score/decode programs for a TPU topology: HBM fit"),
 }
+# name -> (module, function) giving keyword arguments of the command's `run`, composed here (see the docstring).
+EXTENSIONS: dict[str, tuple[str, str]] = {
+    "credit": ("trace_jax.abc.cli", "credit_extensions"),
+    "serve": ("trace_jax.abc.cli", "serve_extensions"),
+}
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -46,7 +56,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
-    return int(importlib.import_module(args._module).run(args) or 0)
+    extras = {}
+    if args.command in EXTENSIONS:
+        module_name, function = EXTENSIONS[args.command]
+        extras = getattr(importlib.import_module(module_name), function)()
+    return int(importlib.import_module(args._module).run(args, **extras) or 0)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-"""The answer continuation: joint tokenisation scores the tokens the model would produce, in every think format."""
+"""The answer continuation: joint tokenisation scores the tokens the model would produce, in every think format,
+after any answer template."""
+
+import random
 
 import pytest
 
 from trace_jax.models.chat import EMPTY_THINK_BLOCK, ChatFormat, thinking_mode_of
 from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
-from trace_jax.scoring.continuation import build_answer_continuation
+from trace_jax.scoring.continuation import ANSWER_TAG_TEMPLATE, build_answer_continuation, check_answer_template
 
 # Qwen2/3's pre-tokenizer split: one non-letter may lead a run of letters, so ">Paris" is one pre-token.
 QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -108,3 +111,63 @@ def test_word_tokenizer_scores_only_the_gold_tokens(tmp_path):
 def test_blank_gold_is_rejected(bpe):
     with pytest.raises(ValueError, match="blank"):
         build_answer_continuation(bpe, None, "  ")
+
+
+def test_the_default_template_is_the_answer_tag(bpe):
+    chat = ChatFormat(bpe, thinking="hybrid")
+    assert ANSWER_TAG_TEMPLATE == "<answer>{answer}"
+    assert build_answer_continuation(bpe, chat, "Paris") == build_answer_continuation(bpe, chat, "Paris",
+                                                                                      template=ANSWER_TAG_TEMPLATE)
+
+
+def test_a_templates_opening_is_conditioned_on_and_only_the_gold_is_scored(bpe):
+    chat = ChatFormat(bpe, thinking="none")
+    continuation = build_answer_continuation(bpe, chat, "Paris", template="The answer is {answer}")
+    assert continuation.text == "The answer is Paris"
+    assert list(continuation.ids) == chat.assistant_content_ids("The answer is Paris")  # jointly, as generated
+    assert bpe.decode(continuation.template_ids) + bpe.decode(continuation.answer_ids) == "The answer is Paris"
+    assert bpe.decode(continuation.answer_ids).strip() == "Paris"
+    assert continuation.scored_span == (len("The answer is "), len("The answer is Paris"))
+
+
+def test_the_close_tag_is_scored_after_any_template(bpe):
+    chat = ChatFormat(bpe, thinking="none")
+    continuation = build_answer_continuation(bpe, chat, "Paris", template="The answer is {answer}",
+                                             score_close_tag=True)
+    assert continuation.text == "The answer is Paris</answer>"
+    assert bpe.decode(continuation.answer_ids).endswith("Paris</answer>")
+
+
+def test_a_bare_placeholder_conditions_on_the_formats_answer_prefix_alone(bpe):
+    continuation = build_answer_continuation(bpe, ChatFormat(bpe, thinking="hybrid"), "Paris", template="{answer}")
+    assert continuation.text == EMPTY_THINK_BLOCK + "Paris"
+    assert bpe.decode(continuation.template_ids) == EMPTY_THINK_BLOCK
+
+
+@pytest.mark.parametrize("template, message", [
+    ("<answer>", "0 times"), ("{answer} or {answer}", "2 times"), ("The answer is {answer}.", "text after"),
+    ("{answr}: {answer}", "braces"), ("{{answer}}", "braces"), (None, "must be a string")])
+def test_malformed_templates_are_rejected_naming_the_fix(bpe, template, message):
+    with pytest.raises(ValueError, match=message):
+        check_answer_template(template)
+    with pytest.raises(ValueError, match=message):
+        build_answer_continuation(bpe, None, "Paris", template=template)
+
+
+def test_scored_tokens_are_those_a_decoding_reference_puts_over_the_gold(tmp_path):
+    """The offset mask against a naive reference on random templates and answers: token k covers the characters
+    between the decoded lengths of the first k and k + 1 tokens, and is scored when that span meets the gold's."""
+    words = ["Paris", "New", "York", "answer", "is", "The", "river", "Kalo"]
+    tokenizer = load_tokenizer(build_word_tokenizer(words, tmp_path))
+    rng = random.Random(0)
+    pieces = words + ["<answer>", ":", ".", " ", "\n", "-", "zq", "42"]
+    for _ in range(60):
+        opening = "".join(rng.choice(pieces) + rng.choice(["", " "]) for _ in range(rng.randrange(0, 5)))
+        gold = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 4))).strip() or "Paris"
+        continuation = build_answer_continuation(tokenizer, None, gold, template=opening + "{answer}")
+        ids = list(continuation.ids)
+        start = len(opening)
+        ends = [len(tokenizer.decode(ids[:k])) for k in range(len(ids) + 1)]
+        expected = [int(ends[k + 1] > start) for k in range(len(ids))]
+        assert tokenizer.decode(ids) == opening + gold
+        assert list(continuation.mask) == expected, (opening, gold)

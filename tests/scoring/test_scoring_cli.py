@@ -54,12 +54,13 @@ def sample_run(reference_dir, tmp_path_factory):
     return out, _read_jsonl(out / "credit.jsonl")
 
 
-def _api_scores(reference_dir, records):
-    """The same trajectories through ChatFormat + score_answer_prefixes directly, in file order."""
+def _api_scores(reference_dir, records, opening="<answer>"):
+    """The same trajectories through ChatFormat + score_answer_prefixes directly, in file order, the gold answer
+    scored after `opening` (encoded on its own: right for an opening that ends where a pre-token must end)."""
     config, params = models.load_pretrained(reference_dir)
     tokenizer = load_tokenizer(reference_dir)
     chat = ChatFormat(tokenizer)
-    template = tokenizer.encode("<answer>", add_special_tokens=False)
+    template = tokenizer.encode(opening, add_special_tokens=False)
     convs = [chat.messages_to_ids(r["messages"], r.get("tools")) for r in records]
     answers = [template + tokenizer.encode(r["answer"], add_special_tokens=False) for r in records]
     n, length = len(records), max(len(c.ids) for c in convs)
@@ -146,6 +147,39 @@ def test_credit_flags_reach_the_credit_api(reference_dir, sample_run, tmp_path):
         np.testing.assert_allclose(result["answer_scores"], default["answer_scores"], atol=1e-6)
         np.testing.assert_allclose(result["turn_credit"], np.diff(result["answer_scores"]), atol=1e-5)  # K=1: r=delta
         np.testing.assert_allclose(result["turn_advantage"], result["outcome_advantage"], atol=1e-6)  # GRPO
+
+
+def test_answer_template_flag_scores_the_gold_after_the_given_opening(reference_dir, sample_run, tmp_path):
+    _, default_results = sample_run
+    records = _read_jsonl(SAMPLE)
+    assert _run(reference_dir, SAMPLE, tmp_path, "--answer-template", "The answer is:{answer}", "--no-receipts",
+                "--no-plot") == 0
+    results = _read_jsonl(tmp_path / "credit.jsonl")
+    scores, num_states = _api_scores(reference_dir, records, opening="The answer is:")
+    tokenizer = load_tokenizer(reference_dir)
+    for i, (result, default) in enumerate(zip(results, default_results)):
+        assert tokenizer.decode(result["template_token_ids"]) == "The answer is:"
+        assert result["answer_token_ids"] == default["answer_token_ids"]  # the same gold tokens, other context
+        np.testing.assert_allclose(result["answer_scores"], scores[i, :num_states[i]], atol=1e-5)
+        assert not np.allclose(result["answer_scores"], default["answer_scores"], atol=1e-3)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["settings"]["scored_template"] == "The answer is:{answer}"
+
+
+@pytest.mark.parametrize("flag, template", [
+    ("answer_tag", "<answer>{answer}"), ("<answer>", "<answer>{answer}"), ("", "{answer}"),
+    ("Answer: ", "Answer: {answer}"), (" The answer is {answer}", " The answer is {answer}")])
+def test_answer_template_flag_takes_a_name_a_template_or_an_open_tag(flag, template):
+    from trace_jax.scoring.cli import answer_template_from_flag
+
+    assert answer_template_from_flag(flag) == template
+
+
+def test_a_malformed_answer_template_is_a_usage_error(reference_dir, tmp_path, capsys):
+    assert _run(reference_dir, SAMPLE, tmp_path, "--answer-template", "The answer is {answer}.") == 2
+    assert "--answer-template" in capsys.readouterr().err
+    assert _run(reference_dir, SAMPLE, tmp_path, "--answer-template", "{answr}") == 2
+    assert "holds {answer} 0 times" in capsys.readouterr().err
 
 
 def test_missing_input_or_reference_is_a_usage_error(reference_dir, tmp_path, capsys):

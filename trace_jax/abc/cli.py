@@ -340,6 +340,44 @@ def _write_outputs(prepared, counts, recovered, out_dir: Path, args) -> list[dic
     return results
 
 
+# ------------------------------------------------------------------------------ ABC parts of other commands
+# `trace-jax credit` (trace_jax.scoring) and `trace-jax serve` (trace_jax.serve) sit below this package and never
+# import it; the dispatcher (`trace_jax.cli.EXTENSIONS`) passes them these keyword arguments of their `run`.
+
+
+def credit_step_counts(record: dict, messages: list, answer: str) -> list[StepCounts]:
+    """ABC rubric counts per step of a `trace-jax credit` record, from its clue chain (`RuleBasedStepScorer`);
+    ValueError names the missing or malformed field."""
+    from trace_jax.abc.rules import RuleBasedStepScorer
+
+    if not isinstance(record.get("clues"), list):
+        raise ValueError("field 'clues' (the gold clue chain, a list of {docid, entity, relation, value, kind}) is "
+                         "needed by the ABC estimators (abc_grpo, abc_sft); oracle records from `trace-jax make-tasks "
+                         "--oracle` carry it")
+    aliases = record.get("aliases") or []
+    gold = [answer] + [str(a) for a in aliases if isinstance(a, str)]
+    try:
+        return RuleBasedStepScorer().score(question="", gold=gold, clues=record["clues"],
+                                           steps=steps_from_messages(messages))
+    except ValueError as error:
+        raise ValueError(f"field 'clues': {error}") from None
+
+
+def credit_extensions() -> dict[str, Any]:
+    """`trace_jax.scoring.cli.run`'s ABC keyword: the rule-based step counts of its records."""
+    from trace_jax.abc.scorer import counts_to_arrays
+    from trace_jax.scoring.cli import StepCounting
+
+    return {"step_counting": StepCounting(count=credit_step_counts, to_arrays=counts_to_arrays)}
+
+
+def serve_extensions() -> dict[str, Any]:
+    """`trace_jax.serve.cli.run`'s ABC keyword: the deterministic rubric judge `--scripted-judge` serves."""
+    from trace_jax.abc.judge import scripted_rubric_reply
+
+    return {"scripted_reply": scripted_rubric_reply}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trace-jax abc-score", description=__doc__.splitlines()[0])
     add_arguments(parser)

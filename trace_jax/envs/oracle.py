@@ -37,9 +37,12 @@ from trace_jax.envs.search_index import SearchIndex
 from trace_jax.envs.tasks import IDENTIFY_NP, Clue, Task
 from trace_jax.envs.world import FACT_TEMPLATES, LIST_TEMPLATES, World, join_names, vocabulary, words
 
+# The harness's answer format (the system prompt asks for it; `answers.extract_answer` reads the last one).
+ANSWER_TAGS = "<answer>{answer}</answer>"
 SYSTEM_PROMPT = (
     "You are a research agent. Answer the question by searching and reading documents with the browser tools. "
-    "Think step by step, then give the final answer as <answer>your answer</answer>.\n\n" + BROWSER_INSTRUCTIONS
+    "Think step by step, then give the final answer as " + ANSWER_TAGS.format(answer="your answer") + ".\n\n"
+    + BROWSER_INSTRUCTIONS
 )
 # What the oracle says before each tool call (words come from this text, the tasks and the world).
 SAY_SEARCH = "I will search for {query}."
@@ -48,9 +51,11 @@ SAY_WRONG_OPEN = "Result {id} might help. I will open it."
 SAY_BACK = "This page is not the one I need. I will go back to the results and open result {id}, {title}."
 SAY_FIND = "I will look for {pattern} on this page."
 SAY_SCROLL = "I will read further down the page."
-SAY_ANSWER = "The answer is {answer}.\n<answer>{answer}</answer>"
-SAY_GIVE_UP = "I could not find the answer.\n<answer>unknown</answer>"
+SAY_ANSWER = "The answer is {answer}.\n" + ANSWER_TAGS
+SAY_GIVE_UP = "I could not find the answer.\n" + ANSWER_TAGS.format(answer="unknown")
 UNKNOWN_ANSWER = "unknown"
+# Joins the facts confirmed since the oracle's last message (its notes) and what it says next, in one message.
+NOTE_SEPARATOR = " "
 
 # Relation -> find patterns tried in order (they match the fact templates of world.py).
 FIND_KEYWORDS = {
@@ -248,7 +253,7 @@ class _Episode:
         call_id = f"call_{self.steps}"
         arguments_json = json.dumps(arguments, ensure_ascii=False)
         observation = self.browser.step(name, arguments_json)
-        say = " ".join(self.notes + [say])
+        say = NOTE_SEPARATOR.join(self.notes + [say])
         self.notes = []
         self.messages.append({"role": "assistant", "content": say, "tool_calls": [
             {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments_json}}]})
@@ -377,13 +382,39 @@ def fact_sentence(clue: Clue) -> str:
     return templates[0].format(s=clue.entity, o=clue.value)
 
 
+def final_message(notes: Sequence[str], answer: str | None) -> str:
+    """The oracle's final assistant message: its notes (the facts confirmed by the last tool call), then
+    `SAY_ANSWER` with `answer`, or `SAY_GIVE_UP` when `answer` is None."""
+    return NOTE_SEPARATOR.join([*notes, SAY_GIVE_UP if answer is None else SAY_ANSWER.format(answer=answer)])
+
+
+def answer_template(*, after_notes: bool = True) -> str:
+    """The text the oracle's final message puts right before the answer, with `{answer}` in the answer's place: the
+    opening a policy warm-started on its demonstrations writes before the answer (`trace_jax.scoring.continuation`
+    scores the gold answer after it).
+
+    `after_notes` (default): the opening as it follows the notes, `NOTE_SEPARATOR` first (" The answer is {answer}").
+    Every procedural episode has notes there: the last tool call confirms the last clue, whose fact sentence the
+    final message says first ("Kalo lies on the Venmir River. The answer is Venmir River."). Without notes (clues
+    without a fact sentence, e.g. external tasks' evidence documents) the message starts with "The answer is".
+    """
+    opening = SAY_ANSWER.partition("{answer}")[0]
+    return (NOTE_SEPARATOR if after_notes else "") + opening + "{answer}"
+
+
+def chat_answer_template() -> str:
+    """The harness's own answer opening, `ANSWER_TAGS` up to the answer ("<answer>{answer}"): what the system prompt
+    asks any model for, and what a chat model that was not taught another format writes (after its think block)."""
+    return ANSWER_TAGS.partition("{answer}")[0] + "{answer}"
+
+
 def solve(browser: Browser, task: Task, config: OracleConfig = OracleConfig()) -> OracleResult:
     """Solve ``task`` with ``browser`` (reset first) and return the trajectory and outcome (deterministic)."""
     browser.reset()
     digest = hashlib.sha256(f"{config.seed}:{task.task_id}".encode("utf-8")).digest()
     episode = _Episode(browser, task, random.Random(int.from_bytes(digest[:8], "big")), config)
     answer, complete = episode.run()
-    final = " ".join(episode.notes + [SAY_ANSWER.format(answer=answer) if complete else SAY_GIVE_UP])
+    final = final_message(episode.notes, answer if complete else None)
     episode.messages.append({"role": "assistant", "content": final})
     solved = answer_reward(final, task.gold_answers).exact
     return OracleResult(task=task, messages=episode.messages, answer=answer, solved=solved,

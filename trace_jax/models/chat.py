@@ -45,7 +45,8 @@ Think blocks (`ChatFormat(thinking=...)`, one of `THINKING_MODES`, matching the 
               `<think>`: "none"; a generation prompt that opens `<think>`: "always"; otherwise "hybrid")
 
 `answer_prefix_text` is what a model of that format writes between an assistant header and a direct answer (an
-empty think block where the format expects one); the answer continuation scored by TRACE starts with it.
+empty think block where the format expects one); the answer continuation scored by TRACE starts with it, then the
+run's answer template (`trace_jax.scoring.continuation`).
 
 This module knows nothing about models, sampling, rewards or answer checking.
 """

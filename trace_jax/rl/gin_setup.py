@@ -341,6 +341,12 @@ class RunConfig:
                 raise ValueError(f"RunConfig.{configurable.concern} must be a {configurable.name}, got "
                                  f"{getattr(self, configurable.concern)!r}")
 
+    @property
+    def warm_started(self) -> bool:
+        """The run's initial RL policy was fine-tuned on the oracle's demonstrations: by this run's warm start, or it
+        is another run's policy after its warm start (`TrainConfig.init_from`)."""
+        return self.warmstart.steps > 0 or bool(self.train.init_from)
+
 
 class ConfigError(ValueError):
     """An unknown or invalid gin binding; the message names the binding and the fix."""

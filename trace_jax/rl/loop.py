@@ -666,7 +666,8 @@ def make_rl_step(run_config: RunConfig, environment: "Environment", *, placement
                           run_config.credit, run_config.loss, run_config.update, optimizer,
                           mesh=placement.process_mesh, rules=placement.rules, rollout_rules=placement.rollout_rules,
                           train_step=make_train_step(environment.model_config, run_config.loss, optimizer,
-                                                     mesh=placement.mesh, rules=placement.rules))
+                                                     mesh=placement.mesh, rules=placement.rules),
+                          warm_started=run_config.warm_started)
     return RLStep(pipeline, placement, optimizer, run_config.train.seed, peak_flops)
 
 
@@ -870,7 +871,7 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
         if latest is None:
             writer = RunWriter(run_dir, total_steps=train_config.steps, progress=progress, write_files=primary)
             evals: dict[str, dict] = {}
-            warm_started = run_config.warmstart.steps > 0 or bool(train_config.init_from)
+            warm_started = run_config.warm_started
             if train_config.init_from:
                 params = _initial_policy_of(train_config.init_from, placement)
                 log(f"initial policy from {train_config.init_from} (its policy after its warm start; no warm start "

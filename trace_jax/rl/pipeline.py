@@ -61,6 +61,7 @@ from trace_jax.models.alignment import to_token_aligned
 from trace_jax.rl.abc_scoring import ABCScorerConfig, ABCStepScoring
 from trace_jax.rl.credit_diagnostics import credit_diagnostics
 from trace_jax.rl.evaluate import episode_correct
+from trace_jax.rl.warmstart import check_answer_template_choice, resolve_answer_template
 from trace_jax.rollout.agent import Rollout, RolloutConfig, run_episodes
 from trace_jax.rollout.batch import STATUSES, episode_view
 from trace_jax.rollout.budget import GIB
@@ -72,6 +73,9 @@ from trace_jax.train.loss import LossBatch, batch_logprobs, length_bucket, real_
 from trace_jax.train.step import make_train_step
 
 SCORING_METHODS = ("fork", "naive")
+# The answer template TRACE scores after each state unless a run binds `UpdateConfig.answer_template`. Set by the
+# credit-quality report (docs/credit.md, "The answer continuation"), which measures both named templates.
+DEFAULT_ANSWER_TEMPLATE = "answer_tag"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +89,10 @@ class UpdateConfig:
       length_multiple: the padded length of the step's arrays is the longest row rounded up to this.
       scoring: "fork" (the one-pass prefix-fork scorer) or "naive" (one forward per state; for contrast only).
       scoring_batch: rows per scorer call (0 = all rows at once).
+      answer_template: the text the reference is conditioned on before the gold answer it scores (after the chat
+        format's `answer_prefix_text`): "answer_tag" (`<answer>{answer}`), "policy" (the policy's own opening,
+        `warmstart.policy_answer_template`: " The answer is {answer}" for a policy warm-started on the oracle's
+        demonstrations) or a literal template with `{answer}` at its end. Default `DEFAULT_ANSWER_TEMPLATE`.
       kl_metric: log `kl_ref`, the k3 estimate of KL(pi_old || pi_ref) on the sampled tokens, from the reference's
         log-probs of the trajectories; costs the reference's LM head over every token (with `LossConfig.kl_coef >
         0` the update computes those anyway and the train step logs `kl`).
@@ -97,6 +105,7 @@ class UpdateConfig:
     length_multiple: int = 64
     scoring: str = "fork"
     scoring_batch: int = 0
+    answer_template: str = DEFAULT_ANSWER_TEMPLATE
     kl_metric: bool = False
     abc: ABCScorerConfig = ABCScorerConfig()
 
@@ -109,6 +118,7 @@ class UpdateConfig:
         if not isinstance(self.scoring_batch, int) or self.scoring_batch < 0:
             raise ValueError(f"UpdateConfig.scoring_batch must be an int >= 0 (0 = all rows), got "
                              f"{self.scoring_batch!r}")
+        check_answer_template_choice(self.answer_template, where="UpdateConfig.answer_template")
         if not isinstance(self.abc, ABCScorerConfig):
             raise ValueError(f"UpdateConfig.abc must be an ABCScorerConfig (bind `UpdateConfig.abc = "
                              f"@ABCScorerConfig()`), got {self.abc!r}")
@@ -195,10 +205,13 @@ class RLPipeline:
         `MeshConfig.rollout_rules()`); None = `models.rollout_rules(rules)`.
       train_step: a compiled `make_train_step(model_config, loss, optimizer, ...)` to reuse (pipelines that share
         model, loss and optimizer then compile the update once); None builds one.
+      warm_started: the policy was fine-tuned on the oracle's demonstrations (`RunConfig.warm_started`); it decides
+        what the answer template "policy" is (`UpdateConfig.answer_template`).
     """
 
     def __init__(self, model_config, chat, browser, rollout: RolloutConfig, credit: CreditConfig, loss: LossConfig,
-                 update: UpdateConfig, optimizer, *, mesh=None, rules=None, rollout_rules=None, train_step=None):
+                 update: UpdateConfig, optimizer, *, mesh=None, rules=None, rollout_rules=None, train_step=None,
+                 warm_started: bool = False):
         self.model_config, self.chat, self.browser = model_config, chat, browser
         self.rollout, self.credit, self.loss, self.update_config = rollout, credit, loss, update
         self.mesh, self.rules = mesh, rules
@@ -206,18 +219,26 @@ class RLPipeline:
             models.rollout_rules(models.DEFAULT_RULES if rules is None else rules)
         self.estimator = get_estimator(credit.estimator)
         self.train_step = train_step or make_train_step(model_config, loss, optimizer, mesh=mesh, rules=rules)
+        self.warm_started = warm_started
         self._continuations: dict[str, Any] = {}
         self._credit_fns: dict[int, Any] = {}
         self.step_rewards_needed = "step_rewards" in self.estimator.requires
         self.scores_needed = "answer_scores" in self.estimator.requires
+        # resolved here, so a template this policy cannot use fails before any compute
+        self.answer_template = resolve_answer_template(update.answer_template, chat, warm_started=warm_started) \
+            if self.scores_needed else None
         self._abc_scoring: ABCStepScoring | None = None
         self._logprob_fn = None
 
     # ---------------------------------------------------------------------------------------------- pieces
     def continuation(self, gold: str):
-        """The answer continuation of `gold` (cached; `build_answer_continuation`, the one builder)."""
+        """The answer continuation of `gold` (cached; `build_answer_continuation`, the one builder) under
+        `UpdateConfig.answer_template`."""
         if gold not in self._continuations:
-            self._continuations[gold] = build_answer_continuation(self.chat.tokenizer, self.chat, gold)
+            template = self.answer_template or resolve_answer_template(
+                self.update_config.answer_template, self.chat, warm_started=self.warm_started)
+            self._continuations[gold] = build_answer_continuation(self.chat.tokenizer, self.chat, gold,
+                                                                  template=template)
         return self._continuations[gold]
 
     def collect(self, params, tasks: Sequence[Any], rng) -> Rollout:

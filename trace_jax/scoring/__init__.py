@@ -7,7 +7,8 @@
 `trace-jax credit` (trace_jax.scoring.cli) applies it to JSONL trajectories in the OpenAI chat format and writes
 TRACE credit, HTML receipts and a summary plot. See docs/scoring.md.
 
-This package knows the model API and the credit API; it knows nothing about rollouts or training.
+This package knows the model API and the credit API; it knows nothing about rollouts, training, environments or
+ABC (`trace_jax.abc` sits above it: the `trace-jax` dispatcher composes ABC step counts into `trace-jax credit`).
 """
 
 from trace_jax.scoring.fork import (

@@ -12,8 +12,9 @@ template says unless `--thinking`) using the reference checkpoint's tokenizer, w
 A record that ends on a tool message (cut at max turns) keeps its last state: the generation prompt is appended and
 the state after the last observation is scored too. The reference model (any directory `models.load_pretrained`
 reads) scores the answer continuation (`continuation.build_answer_continuation`: the format's answer prefix, the
-open tag and the gold answer tokenised jointly) after every state; `credit.compute_advantages` runs the estimator
-chosen with `--estimator` on the whole file, with the options of `CreditConfig` from the flags.
+`--answer-template` text before `{answer}` and the gold answer tokenised jointly) after every state;
+`credit.compute_advantages` runs the estimator chosen with `--estimator` on the whole file, with the options of
+`CreditConfig` from the flags.
 
 Groups: records sharing `--group-key` form a prompt group. A record without a group is a group of one (outcome
 advantage 0, so TRACE's terminal fill is 0 too); a record without a reward gets reward 0 in a group of its own, so
@@ -24,6 +25,10 @@ Output (in --out): `credit.jsonl` (one line per scored record), `receipts/<id>.h
 `summary.json`. Non-finite numbers are never written: a record whose scores are not finite gets `null` for every
 score-derived field and the flag `nonfinite_scores`. Malformed records are reported on stderr with their line number
 and skipped. Exit status: 0 when at least one record was scored, 1 when none was, 2 for unusable arguments.
+
+ABC estimators (abc_grpo, abc_sft) need step counts from a step scorer, which lives in `trace_jax.abc`, above this
+package: the `trace-jax` dispatcher composes it in (`run(args, step_counting=...)`, built by
+`trace_jax.abc.cli.credit_extensions`), so this package never imports `trace_jax.abc`.
 
 This module is host code: file handling, tokenisation and formatting. Device work is in `fork.py` and the credit API.
 """
@@ -39,15 +44,17 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from trace_jax.credit.config import DEFAULTS, CreditConfig
 from trace_jax.jsonl import LineError, jsonl_lines, parse_chat_record, parse_line
+from trace_jax.scoring.continuation import ANSWER_PLACEHOLDER, ANSWER_TAG_TEMPLATE, check_answer_template
 from trace_jax.scoring.fork import LAYOUTS, METHODS
 
 THINKING_CHOICES = ("auto", "none", "hybrid", "off", "always")
+ANSWER_TAG_NAME = "answer_tag"  # the name `--answer-template` and `UpdateConfig.answer_template` share
 # CreditConfig fields exposed as flags: (choices or None, help). Defaults come from CreditConfig, never from here.
 _CREDIT_FLAGS = {
     "std": ("outcome advantage normalisation", ("population", "sample", "none")),
@@ -84,8 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="field holding the final reward (optional per record)")
     io.add_argument("--group-key", "--group_key", default="group",
                     help="field grouping trajectories of one prompt for outcome advantages (missing: a group of one)")
-    io.add_argument("--answer-template", "--answer_template", default="<answer>",
-                    help="open tag conditioned on right before the gold answer (not scored); '' for none")
+    io.add_argument("--answer-template", "--answer_template", default=ANSWER_TAG_NAME,
+                    help=f"what the reference is conditioned on before the gold answer it scores, after the chat "
+                         f"format's answer prefix: '{ANSWER_TAG_NAME}' ({ANSWER_TAG_TEMPLATE!r}), or a template with "
+                         f"{ANSWER_PLACEHOLDER} at its end (e.g. ' The answer is {ANSWER_PLACEHOLDER}', the opening "
+                         "of a policy warm-started on the oracle's demonstrations); text without braces is an open "
+                         "tag put right before the answer ('' for none)")
     io.add_argument("--score-close-tag", "--score_close_tag", action="store_true",
                     help="append </answer> to the continuation and score it with the answer")
     io.add_argument("--thinking", choices=THINKING_CHOICES, default="auto",
@@ -112,6 +123,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="observation excerpt length in receipts")
 
 
+def answer_template_from_flag(value: str) -> str:
+    """The answer template `--answer-template VALUE` means: the name 'answer_tag' -> `ANSWER_TAG_TEMPLATE`; a value
+    holding braces -> a template (`check_answer_template`); other text -> an open tag (the flag's older meaning:
+    `X` -> `X{answer}`, '' -> `{answer}`). ValueError names the problem."""
+    if value == ANSWER_TAG_NAME:
+        return ANSWER_TAG_TEMPLATE
+    if "{" not in value and "}" not in value:
+        return value + ANSWER_PLACEHOLDER
+    return check_answer_template(value, where="--answer-template")
+
+
 def credit_config_from_args(args: argparse.Namespace) -> CreditConfig:
     """The `CreditConfig` the flags ask for (unset flags keep CreditConfig's defaults); ValueError if illegal."""
     given = {name: getattr(args, name) for name in _CREDIT_FLAGS if getattr(args, name, None) is not None}
@@ -121,6 +143,22 @@ def credit_config_from_args(args: argparse.Namespace) -> CreditConfig:
 # ---------------------------------------------------------------------------------------------------- records
 class RecordError(ValueError):
     """A record that cannot be scored; the message says which field and what was expected."""
+
+
+@dataclass(frozen=True)
+class StepCounting:
+    """Where ABC step counts come from, for estimators that require `step_rewards` (abc_grpo, abc_sft). The
+    `trace-jax` dispatcher passes one built by `trace_jax.abc.cli.credit_extensions`.
+
+    Attributes:
+      count: `(record, messages, answer) -> counts`, one per step, each with integer `n_found`, `n_excluded`,
+        `n_rejected` and `ans`; ValueError (naming the field and the fix) for a record it cannot count.
+      to_arrays: per-record counts -> `{"n_found", "n_excluded", "n_rejected", "ans": int [N, S], "num_steps":
+        int [N]}`, zero-padded.
+    """
+
+    count: Callable[[dict, list, str], list]
+    to_arrays: Callable[[list], dict]
 
 
 @dataclass
@@ -214,15 +252,20 @@ def _finite_number(value: Any) -> bool:
 
 
 def prepare_record(line_number: int, text: bytes | str, chat, tokenizer, args, config: CreditConfig, *,
-                   max_positions: int | None = None) -> Prepared:
+                   max_positions: int | None = None, step_counting: StepCounting | None = None) -> Prepared:
     """Parse and tokenise one JSONL line; raises RecordError naming the problem.
 
     With `max_positions` (the reference's `max_position_embeddings`), a record whose scoring pass would use a
-    position at or past it is refused: the model was never trained there, so its scores would mean nothing."""
+    position at or past it is refused: the model was never trained there, so its scores would mean nothing.
+    `step_counting` gives the ABC step counts of estimators that need them (RecordError without it)."""
     from trace_jax.credit import get_estimator
     from trace_jax.credit.gigpo import state_keys
     from trace_jax.scoring.continuation import build_answer_continuation
 
+    try:
+        template = answer_template_from_flag(args.answer_template)
+    except ValueError as error:  # `run` checks the flag first; a direct caller learns it here
+        raise RecordError(str(error)) from None
     record, messages, answer = parse_chat_record(text, args.answer_key, error=RecordError)
     reward = record.get(args.reward_key)
     if reward is not None and not _finite_number(reward):
@@ -235,7 +278,7 @@ def prepare_record(line_number: int, text: bytes | str, chat, tokenizer, args, c
     except (ValueError, TypeError, AttributeError) as error:
         raise RecordError(f"messages cannot be rendered: {error}") from None
     try:
-        continuation = build_answer_continuation(tokenizer, chat, answer, open_tag=args.answer_template,
+        continuation = build_answer_continuation(tokenizer, chat, answer, template=template,
                                                  score_close_tag=args.score_close_tag)
     except ValueError as error:
         raise RecordError(f"field {args.answer_key!r}: {error}") from None
@@ -260,7 +303,13 @@ def prepare_record(line_number: int, text: bytes | str, chat, tokenizer, args, c
                           "record (fewer turns or shorter observations) or use a reference with a longer context")
     step_counts = None
     if "step_rewards" in get_estimator(config.estimator).requires:  # abc_grpo, abc_sft
-        step_counts = _abc_step_counts(record, messages, answer, config.estimator)
+        if step_counting is None:
+            raise RecordError(f"--estimator {config.estimator} needs ABC step counts and none were given; run it as "
+                              "`trace-jax credit`, which takes them from trace_jax.abc")
+        try:
+            step_counts = step_counting.count(record, messages, answer)
+        except ValueError as error:
+            raise RecordError(str(error)) from None
     group = record.get(args.group_key)
     record_id = record.get("id", record.get("task_id", f"line-{line_number}"))
     question = next((_content_text(m) for m in messages if m.get("role") == "user"), "")
@@ -272,23 +321,6 @@ def prepare_record(line_number: int, text: bytes | str, chat, tokenizer, args, c
                     state_keys=keys, ended_on_tool=ended_on_tool,
                     turns=turn_summaries(messages, num_turns, args.excerpt_chars), question=question,
                     step_counts=step_counts)
-
-
-def _abc_step_counts(record: dict, messages: list, answer: str, estimator: str) -> list:
-    """ABC rubric counts per step from the record's clue chain (`RuleBasedStepScorer`)."""
-    from trace_jax.abc.rules import RuleBasedStepScorer, steps_from_messages
-
-    if not isinstance(record.get("clues"), list):
-        raise RecordError("field 'clues' (the gold clue chain, a list of {docid, entity, relation, value, kind}) is "
-                          f"needed by --estimator {estimator}; oracle records from `trace-jax make-tasks --oracle` "
-                          "carry it")
-    aliases = record.get("aliases") or []
-    gold = [answer] + [str(a) for a in aliases if isinstance(a, str)]
-    try:
-        return RuleBasedStepScorer().score(question="", gold=gold, clues=record["clues"],
-                                           steps=steps_from_messages(messages))
-    except ValueError as error:
-        raise RecordError(f"field 'clues': {error}") from None
 
 
 # ---------------------------------------------------------------------------------------------------- scoring
@@ -362,14 +394,13 @@ def group_records(prepared: list[Prepared], incomplete_groups: set[str]) -> Grou
 
 
 def credit_inputs_for(prepared: list[Prepared], scores: list[np.ndarray], groups: GroupInfo, *,
-                      answer_step: str = "fold"):
+                      answer_step: str = "fold", step_counting: StepCounting | None = None):
     """`CreditInputs` for the whole file, padded to the longest record (non-finite score rows zeroed; they are
-    reported as null afterwards). ABC step counts have their answer turn folded into the last tool step unless
-    `answer_step` (`CreditConfig.abc_answer_step`) is "separate"."""
+    reported as null afterwards). ABC step counts (packed by `step_counting.to_arrays`) have their answer turn
+    folded into the last tool step unless `answer_step` (`CreditConfig.abc_answer_step`) is "separate"."""
     import jax.numpy as jnp
 
     from trace_jax.credit import CreditInputs, abc_step_rewards, anchor_key_ids, fold_answer_steps
-    from trace_jax.abc import counts_to_arrays
 
     n = len(prepared)
     length = max(len(p.ids) for p in prepared)
@@ -384,7 +415,7 @@ def credit_inputs_for(prepared: list[Prepared], scores: list[np.ndarray], groups
             answer_scores[i, :len(scores[i])] = scores[i]
     extra = {}
     if prepared[0].step_counts is not None:
-        counts = counts_to_arrays([p.step_counts for p in prepared])
+        counts = step_counting.to_arrays([p.step_counts for p in prepared])
         arrays = [jnp.asarray(counts[k]) for k in ("n_found", "n_excluded", "n_rejected", "ans")]
         num_steps = jnp.asarray(counts["num_steps"])
         if answer_step == "fold":
@@ -481,7 +512,8 @@ def _skipped_group(text: bytes, group_key: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------------- main
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, *, step_counting: StepCounting | None = None) -> int:
+    """`trace-jax credit` (see the module docstring); `step_counting` is what ABC estimators count steps with."""
     input_path, out_dir = Path(args.input), Path(args.out)
     if not input_path.is_file():
         print(f"credit: input {str(input_path)!r} is not a file; pass a JSONL of trajectories", file=sys.stderr)
@@ -495,8 +527,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         config = credit_config_from_args(args)
+        answer_template_from_flag(args.answer_template)
     except ValueError as error:
         print(f"credit: {error}", file=sys.stderr)
+        return 2
+    from trace_jax.credit import get_estimator
+
+    if "step_rewards" in get_estimator(config.estimator).requires and step_counting is None:
+        print(f"credit: --estimator {config.estimator} needs ABC step counts, which come from trace_jax.abc; run it "
+              "as `trace-jax credit` (the dispatcher composes them in)", file=sys.stderr)
         return 2
 
     from trace_jax import models
@@ -519,7 +558,8 @@ def run(args: argparse.Namespace) -> int:
         total += 1
         try:
             prepared.append(prepare_record(line_number, text, chat, tokenizer, args, config,
-                                           max_positions=model_config.max_position_embeddings))
+                                           max_positions=model_config.max_position_embeddings,
+                                           step_counting=step_counting))
         except RecordError as error:
             errors.append((line_number, str(error)))
             group = _skipped_group(text, args.group_key)
@@ -533,7 +573,8 @@ def run(args: argparse.Namespace) -> int:
     if prepared:
         scores = score_records(model_config, params, prepared, method=args.method, layout=args.layout,
                                batch_size=args.batch_size)
-        inputs = credit_inputs_for(prepared, scores, groups, answer_step=config.abc_answer_step)
+        inputs = credit_inputs_for(prepared, scores, groups, answer_step=config.abc_answer_step,
+                                   step_counting=step_counting)
         try:
             result = compute_advantages(config, inputs, check=True)
         except ValueError as error:
@@ -557,7 +598,8 @@ def run(args: argparse.Namespace) -> int:
         (out_dir / "credit.jsonl").write_text("", encoding="utf-8")
     flag_counts = Counter(flag for record in results for flag in record["flags"])
     settings = {"credit": config.to_dict(), **{k: getattr(args, k) for k in (
-        "answer_template", "score_close_tag", "thinking", "method", "layout", "dtype")}, "chat_thinking": chat.thinking}
+        "answer_template", "score_close_tag", "thinking", "method", "layout", "dtype")}, "chat_thinking": chat.thinking,
+        "scored_template": answer_template_from_flag(args.answer_template)}
     summary = {"input": str(input_path), "reference": str(args.reference), "estimator": config.estimator,
                "records": total, "scored": len(results), "skipped": len(errors),
                "groups": len(set(groups.group_id.tolist())) if groups else 0,
@@ -582,6 +624,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """This module alone: every estimator but the ABC ones (`trace-jax credit` composes their step counts in)."""
     parser = argparse.ArgumentParser(prog="trace-jax credit", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

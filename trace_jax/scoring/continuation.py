@@ -1,23 +1,28 @@
 """The answer continuation TRACE scores after every state: one builder for `trace-jax credit` and the trainer.
 
-After a state boundary (the start of an assistant generation) the reference is teacher-forced on the text a model
-of this chat format would write to answer at once: the format's `answer_prefix_text` (an empty think block for
-thinking formats), the open tag, the gold answer and, by flag, the close tag. That text is tokenised *jointly*, as
-the policy's own output is (`ChatFormat.assistant_content_ids`), and the scored tokens are picked by character
-offsets: every token that overlaps the gold answer's characters (and the close tag's, when it is scored).
+After a state boundary (the start of an assistant generation) the reference is teacher-forced on an answer
+template with the gold answer in its place: the format's `answer_prefix_text` (an empty think block for thinking
+formats), the template's text up to `{answer}` (conditioned on, not scored), the gold answer and, by flag, the close
+tag. Which template is a choice: `ANSWER_TAG_TEMPLATE` (`<answer>{answer}`, the answer tag alone) or the text the
+policy itself writes before its answer (its builder lives with the harness that taught the policy to write it,
+`trace_jax.rl.warmstart.policy_answer_template`; this module is told the template, never where it came from).
+The text is tokenised *jointly*, as the policy's own output is (`ChatFormat.assistant_content_ids`), and the
+scored tokens are picked by character offsets: every token that overlaps the gold answer's characters (and the
+close tag's, when it is scored).
 
 Why jointly: byte-level BPE tokenisers (Qwen2/3) merge across the tag, e.g. `<answer>Paris` becomes
 `<`, `answer`, `>P`, `aris`, while `encode("<answer>") + encode("Paris")` gives `<`, `answer`, `>`, `P`, `aris`, a
-sequence the model never produces. A token straddling the tag and the answer (`>P`) is scored: it is the
+sequence the model never produces. A token straddling the template and the answer (`>P`) is scored: it is the
 model's only way to emit the answer's first character.
 
-Example (Qwen3 tokenizer, thinking="hybrid", gold "Paris", close tag not scored)::
+Example (Qwen3 tokenizer, thinking="hybrid", gold "Paris", template "<answer>{answer}", close tag not scored)::
 
     text    "<think>\\n\\n</think>\\n\\n<answer>Paris"
     tokens  <think> | \\n\\n | </think> | \\n\\n | < | answer | >P | aris
     mask      0        0        0         0     0     0       1     1       -> score = mean log-prob of >P, aris
 
-This module knows the tokenizer and the chat format; it knows nothing about models or credit.
+This module knows the tokenizer and the chat format; it knows nothing about models, credit, environments or how
+a policy was trained.
 """
 
 from __future__ import annotations
@@ -26,6 +31,34 @@ import dataclasses
 
 ANSWER_OPEN = "<answer>"
 ANSWER_CLOSE = "</answer>"
+ANSWER_PLACEHOLDER = "{answer}"
+# The answer tag alone: what the scorer conditioned on before templates were a choice.
+ANSWER_TAG_TEMPLATE = ANSWER_OPEN + ANSWER_PLACEHOLDER
+
+
+def check_answer_template(template, *, where: str = "answer template") -> str:
+    """`template` if it is a usable answer template, else ValueError naming `where`, the problem and the fix.
+
+    A template is a string holding `{answer}` exactly once, at its end: the text before it is conditioned on, the
+    gold answer takes its place and is scored. No other braces (a misspelt `{answr}` would otherwise be scored as
+    literal text) and no text after `{answer}` (it would be neither conditioned on nor scored; to score the close
+    tag use `score_close_tag`).
+    """
+    example = f"e.g. {ANSWER_TAG_TEMPLATE!r} or 'The answer is {ANSWER_PLACEHOLDER}'"
+    if not isinstance(template, str):
+        raise ValueError(f"{where} must be a string holding {ANSWER_PLACEHOLDER} once ({example}), got {template!r}")
+    count = template.count(ANSWER_PLACEHOLDER)
+    if count != 1:
+        raise ValueError(f"{where} {template!r} holds {ANSWER_PLACEHOLDER} {count} times; it marks the gold "
+                         f"answer's place exactly once ({example})")
+    opening, _, after = template.partition(ANSWER_PLACEHOLDER)
+    if "{" in opening or "}" in opening:
+        raise ValueError(f"{where} {template!r} has braces besides {ANSWER_PLACEHOLDER}; the only placeholder is "
+                         f"{ANSWER_PLACEHOLDER} ({example})")
+    if after:
+        raise ValueError(f"{where} {template!r} has text after {ANSWER_PLACEHOLDER} ({after!r}); the template ends "
+                         "with the answer (text after it is never scored; score the close tag with score_close_tag)")
+    return template
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,15 +93,17 @@ class AnswerContinuation:
         return list(self.ids[self.num_template:])
 
 
-def build_answer_continuation(tokenizer, chat_format, gold: str, *, open_tag: str = ANSWER_OPEN,
+def build_answer_continuation(tokenizer, chat_format, gold: str, *, template: str = ANSWER_TAG_TEMPLATE,
                               close_tag: str = ANSWER_CLOSE, score_close_tag: bool = False) -> AnswerContinuation:
-    """Tokenise `prefix + open_tag + gold (+ close_tag)` jointly and mark the gold answer's tokens by offsets.
+    """Tokenise `answer_prefix_text + template(gold) (+ close_tag)` jointly; mark the gold answer's tokens by offsets.
 
     Args:
       tokenizer: the reference's Hugging Face fast tokenizer (offsets are needed).
       chat_format: a `ChatFormat` (its `answer_prefix_text` opens the continuation), or None for no prefix.
       gold: the gold answer text (not stripped; must not be blank).
-      open_tag: conditioned-on text right before the answer ('' for none).
+      template: the answer's opening with `{answer}` at its end (`check_answer_template`): its text before
+        `{answer}` is conditioned on, not scored. `ANSWER_TAG_TEMPLATE` ("<answer>{answer}") is the answer tag
+        alone; `"{answer}"` conditions on nothing but the format's prefix.
       close_tag: the answer's closing tag.
       score_close_tag: append `close_tag` and score it with the answer (the answer's end is then part of the
         score); default False: the continuation ends with the answer.
@@ -77,12 +112,13 @@ def build_answer_continuation(tokenizer, chat_format, gold: str, *, open_tag: st
       `AnswerContinuation`.
 
     Raises:
-      ValueError: a blank gold answer, a tokenizer without offsets, or a tokenisation in which no token covers
-        the answer.
+      ValueError: a malformed template, a blank gold answer, a tokenizer without offsets, or a tokenisation in
+        which no token covers the answer.
     """
+    opening = check_answer_template(template).partition(ANSWER_PLACEHOLDER)[0]
     if not isinstance(gold, str) or not gold.strip():
         raise ValueError(f"gold answer {gold!r} is blank; give the answer text to score")
-    prefix = (chat_format.answer_prefix_text if chat_format is not None else "") + open_tag
+    prefix = (chat_format.answer_prefix_text if chat_format is not None else "") + opening
     text = prefix + gold + (close_tag if score_close_tag else "")
     start, end = len(prefix), len(text)
     try:
@@ -97,4 +133,3 @@ def build_answer_continuation(tokenizer, chat_format, gold: str, *, open_tag: st
     first = mask.index(1)
     mask[first:] = [1] * (len(mask) - first)  # zero-width tokens inside the answer (rare) stay scored
     return AnswerContinuation(ids=tuple(ids), mask=tuple(mask), text=text, scored_span=(start, end))
-

@@ -1,6 +1,8 @@
 """`trace-jax serve CHECKPOINT`: serve a checkpoint behind the OpenAI API on loopback (see docs/serve.md).
 
-Host code only: argument checking, loading, and handing the app to uvicorn.
+Host code only: argument checking, loading, and handing the app to uvicorn. `--scripted-judge` serves a reply
+function this package does not own (ABC's rubric judge): the `trace-jax` dispatcher passes it to `run`
+(`trace_jax.abc.cli.serve_extensions`), so this package never imports `trace_jax.abc`.
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any, Callable
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", "--log_level", choices=("critical", "error", "warning", "info", "debug"),
                         default="info", help="uvicorn's log level; 'info' logs every request")
     parser.add_argument("--scripted-judge", "--scripted_judge", action="store_true",
-                        help="serve the deterministic rubric judge of trace_jax.abc.judge instead of a checkpoint "
+                        help="serve the deterministic rubric judge of ABC (trace_jax.abc) instead of a checkpoint "
                              "(offline dry runs of `trace-jax abc-score` on tasks with known clue chains)")
 
 
@@ -76,7 +79,9 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return key
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, *, scripted_reply: Callable[[dict], Any] | None = None) -> int:
+    """`trace-jax serve` (see the module docstring); `scripted_reply` is the reply function `--scripted-judge`
+    serves (a `ScriptedBackend` reply)."""
     from trace_jax.serve.app import ServeConfig, create_app
     from trace_jax.serve.backend import ModelBackend, ScriptedBackend
     from trace_jax.serve.engine import EngineConfig
@@ -90,9 +95,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"serve: {error}", file=sys.stderr)
         return 2
     if args.scripted_judge:
-        from trace_jax.abc.judge import scripted_rubric_reply
-
-        backend = ScriptedBackend(scripted_rubric_reply, name=args.model_name or "scripted-judge")
+        if scripted_reply is None:
+            print("serve: --scripted-judge needs the rubric judge's reply function; run it as `trace-jax serve`, "
+                  "which passes it in", file=sys.stderr)
+            return 2
+        backend = ScriptedBackend(scripted_reply, name=args.model_name or "scripted-judge")
     else:
         if args.checkpoint is None or not os.path.isdir(args.checkpoint):
             print(f"serve: checkpoint {args.checkpoint!r} is not a directory; pass a Hugging Face checkpoint "
