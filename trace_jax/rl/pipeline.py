@@ -51,14 +51,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax import models
-from trace_jax.abc import counts_to_arrays
-from trace_jax.credit import (abc_step_rewards, compute_advantages, episode_states, fold_answer_steps,
-                              segment_token_advantages, trace_values, turn_layout)
+from trace_jax.credit import (compute_advantages, episode_states, segment_token_advantages, trace_values,
+                              turn_layout)
 from trace_jax.credit.config import CreditConfig
 from trace_jax.credit.gigpo import anchor_key_ids, state_keys
 from trace_jax.credit.registry import CreditInputs, CreditResult, get_estimator
 from trace_jax.models.alignment import to_token_aligned
-from trace_jax.rl.abc_scoring import ABCScorerConfig, ABCStepScoring
+from trace_jax.rl.abc_scoring import ABCScorerConfig, ABCStepScoring, step_rewards_from_counts
 from trace_jax.rl.credit_diagnostics import credit_diagnostics
 from trace_jax.rl.evaluate import episode_correct
 from trace_jax.rollout.agent import Rollout, RolloutConfig, run_episodes
@@ -274,15 +273,10 @@ class RLPipeline:
         `UpdateConfig.abc` on each episode; with `CreditConfig.abc_answer_step = 'fold'` the answer turn is part of
         the last tool step (`fold_answer_steps`)."""
         counts, metrics = self.abc_scoring.score(rollout.episodes)
-        arrays = counts_to_arrays(counts, num_steps_max=self.rollout.max_turns + 1)
-        found, excluded, rejected, ans = (jnp.asarray(arrays[k]) for k in ("n_found", "n_excluded", "n_rejected",
-                                                                             "ans"))
-        num_steps = jnp.asarray(arrays["num_steps"])
-        if self.credit.abc_answer_step == "fold":
-            found, excluded, rejected, ans, num_steps = fold_answer_steps(
-                found, excluded, rejected, ans, num_steps, jnp.asarray(episode_view(rollout.batch).num_turns))
-        rewards = abc_step_rewards(found, excluded, rejected, ans)
-        return np.asarray(rewards, np.float32), np.asarray(num_steps, np.int32), metrics
+        rewards, num_steps = step_rewards_from_counts(counts, episode_view(rollout.batch).num_turns,
+                                                      answer_step=self.credit.abc_answer_step,
+                                                      num_steps_max=self.rollout.max_turns + 1)
+        return rewards, num_steps, metrics
 
     def _credit_fn(self, num_groups: int):
         if num_groups not in self._credit_fns:

@@ -390,7 +390,8 @@ def credit_inputs_for(prepared: list[Prepared], scores: list[np.ndarray], groups
         if answer_step == "fold":
             *arrays, num_steps = fold_answer_steps(*arrays, num_steps,
                                                    jnp.asarray([p.num_turns for p in prepared], jnp.int32))
-        extra["step_rewards"] = abc_step_rewards(*arrays)
+        # an answer turn makes no tool call, so folding never moves a tool error
+        extra["step_rewards"] = abc_step_rewards(*arrays, jnp.asarray(counts["tool_error"]))
         extra["num_steps"] = num_steps
         # ABC-SFT's filter: the answer step's own check (`ans` = +1 on an exact match with the gold answer)
         extra["correct"] = jnp.asarray([any(c.ans == 1 for c in p.step_counts) for p in prepared])
