@@ -37,7 +37,7 @@ SCORERS = ("rules", "judge")
 
 @dataclasses.dataclass(frozen=True)
 class ABCScorerConfig:
-    """The ABC step scorer of `abc_grpo` / `abc_sft` training (see the module docstring).
+    """The ABC step scorer of `abc_grpo` / `abc_sft_online` training (see the module docstring).
 
     Attributes:
       scorer: "rules" (the rule-based scorer on the task's clue chain) or "judge" (the LLM judge).

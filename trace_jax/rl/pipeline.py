@@ -6,7 +6,7 @@
          one pass; only when the estimator `requires` answer_scores), on the answer
          continuation of `scoring.continuation.build_answer_continuation`              phase "scoring"
          (the builder `trace-jax credit` uses), ABC step counts from the step
-         scorer of `UpdateConfig.abc` (rules or the LLM judge; abc_grpo, abc_sft)
+         scorer of `UpdateConfig.abc` (rules or the LLM judge; abc_grpo, abc_sft_online)
          with the answer turn folded into the last step (`CreditConfig.
          abc_answer_step`), GiGPO anchor keys (gigpo, `CreditConfig.gigpo_anchor`)
       -> `compute_advantages(CreditConfig, ...)`: per-token advantages              phase "credit"
@@ -26,7 +26,8 @@ reward per episode in its group's statistics, turns numbered across its rows), a
 broadcast onto the rows' tokens (`credit.segment_token_advantages`). The `LossBatch` has one row per segment,
 padded with empty rows (loss mask 0) to a multiple of `P x G`, so the update compiles for a few row counts only.
 
-ABC-SFT is the estimator `abc_sft`: its "advantages" are the per-token SFT weights `abc_sft_weights(step rewards)`,
+ABC-SFT online (ours; the paper's ABC-SFT is the warm start, `trace_jax.rl.warmstart`) is the estimator
+`abc_sft_online`: its "advantages" are the per-token SFT weights `abc_sft_weights(step rewards)`,
 it runs with `LossConfig.mode = 'sft'`, and by default it keeps only trajectories whose answer is verified correct
 (`CreditResult.row_mask`: the dropped rows' loss mask is zeroed, so they count in neither sum nor count; a step
 or a mini-batch whose rows are all dropped makes no optimizer step, logged as `skipped_mini_batches`).
@@ -87,7 +88,7 @@ class UpdateConfig:
       kl_metric: log `kl_ref`, the k3 estimate of KL(pi_old || pi_ref) on the sampled tokens, from the reference's
         log-probs of the trajectories; costs the reference's LM head over every token (with `LossConfig.kl_coef >
         0` the update computes those anyway and the train step logs `kl`).
-      abc: the ABC step scorer of abc_grpo / abc_sft (`ABCScorerConfig`: `rules` or the LLM `judge`; bind
+      abc: the ABC step scorer of abc_grpo / abc_sft_online (`ABCScorerConfig`: `rules` or the LLM `judge`; bind
         `UpdateConfig.abc = @ABCScorerConfig()`).
     """
 
@@ -116,12 +117,12 @@ class UpdateConfig:
 def check_compatible(credit: CreditConfig, loss: LossConfig, update: UpdateConfig, rows: int) -> None:
     """Raise ValueError naming the bindings when the estimator, the loss and the update cannot work together."""
     estimator = get_estimator(credit.estimator)
-    if credit.estimator == "abc_sft" and loss.mode != "sft":
-        raise ValueError("CreditConfig.estimator = 'abc_sft' is weighted SFT: bind LossConfig.mode = 'sft' "
-                         "(configs/credit/abc_sft.gin does)")
-    if loss.mode == "sft" and credit.estimator != "abc_sft":
+    if credit.estimator == "abc_sft_online" and loss.mode != "sft":
+        raise ValueError("CreditConfig.estimator = 'abc_sft_online' is weighted SFT: bind LossConfig.mode = 'sft' "
+                         "(configs/credit/abc_sft_online.gin does)")
+    if loss.mode == "sft" and credit.estimator != "abc_sft_online":
         raise ValueError(f"LossConfig.mode = 'sft' trains on the estimator's output as SFT weights; only "
-                         f"'abc_sft' produces weights, got CreditConfig.estimator = {credit.estimator!r}; bind "
+                         f"'abc_sft_online' produces weights, got CreditConfig.estimator = {credit.estimator!r}; bind "
                          "LossConfig.mode = 'rl'")
     if loss.mode == "rl" and estimator.ratio != loss.ratio_level:
         raise ValueError(f"estimator {credit.estimator!r} is meant for LossConfig.ratio_level = "

@@ -259,7 +259,7 @@ def prepare_record(line_number: int, text: bytes | str, chat, tokenizer, args, c
                           f"is {max_positions} (max_position_embeddings) and nothing past it is scored. Shorten the "
                           "record (fewer turns or shorter observations) or use a reference with a longer context")
     step_counts = None
-    if "step_rewards" in get_estimator(config.estimator).requires:  # abc_grpo, abc_sft
+    if "step_rewards" in get_estimator(config.estimator).requires:  # abc_grpo, abc_sft_online
         step_counts = _abc_step_counts(record, messages, answer, config.estimator)
     group = record.get(args.group_key)
     record_id = record.get("id", record.get("task_id", f"line-{line_number}"))
