@@ -67,10 +67,10 @@ def trajectories():
     b.tool("search", {"query": "Alpha river"})
     b.open_result("d1")
     out.append(("rejected", b.answer("Lyon"), [(0, 0, 0, 0), (1, 0, 0, 0), (0, 0, 1, -1)]))
-    c = _Agent()  # cut off after two tool calls: no answer step
+    c = _Agent()  # cut off after two tool calls: no answer step, so it failed (ans = no_answer = -1 by default)
     c.tool("search", {"query": "Gamma"})
     c.open_result("d3")
-    out.append(("cut_off", c.steps, [(0, 0, 0, 0), (0, 1, 0, 0)]))
+    out.append(("cut_off", c.steps, [(0, 0, 0, 0), (0, 1, 0, -1)]))
     d = _Agent()  # answers at once, wrongly, having seen nothing
     out.append(("guess", d.answer("Rome"), [(0, 0, 0, -1)]))
     return out

@@ -258,3 +258,43 @@ def test_a_cache_that_stops_being_writable_mid_run_warns_once(judge_server, tmp_
         counts = scorer.score(question=QUESTION, gold=GOLD, clues=CLUES, steps=steps)
     assert as_tuples(counts) == expected
     assert sum(issubclass(w.category, JudgeStorageWarning) for w in caught) == 1
+
+
+def _step(text, observation=None):
+    from trace_jax.abc.scorer import Step
+
+    return Step(assistant=text, observation=observation)
+
+
+CUT_AT_CAP = [_step("search", "[0] Search results for `Gamma`\nL0: nothing"), _step("<tool_call>")]
+WITH_ERROR = [_step("open", "Error: No pages are open yet; call search first."),
+              _step("The answer is Paris.\n<answer>Paris</answer>")]
+
+
+@pytest.mark.parametrize("no_answer", [-1, 0])
+def test_judge_scores_an_episode_that_runs_out_of_turns_with_no_answer(judge_server, no_answer):
+    counts = _scorer(judge_server[0], "rubric-judge", no_answer=no_answer).score(
+        question=QUESTION, gold=GOLD, clues=CLUES, steps=CUT_AT_CAP)
+    assert [c.ans for c in counts] == [0, no_answer]
+
+
+def test_judge_scores_a_failed_tool_call_at_the_floor_without_asking_by_default(judge_server):
+    url, backend = judge_server
+    before = backend.calls
+    counts = _scorer(url, "rubric-judge").score(question=QUESTION, gold=GOLD, clues=CLUES, steps=WITH_ERROR)
+    assert backend.calls - before == 1  # only the answer step is judged
+    assert [(c.tool_error, c.n_found, c.ans) for c in counts] == [(True, 0, 0), (False, 0, 1)]
+
+
+def test_judge_with_error_step_neutral_judges_a_failed_tool_call_as_any_step(judge_server):
+    url, backend = judge_server
+    before = backend.calls
+    counts = _scorer(url, "rubric-judge", error_step="neutral").score(question=QUESTION, gold=GOLD, clues=CLUES,
+                                                                      steps=WITH_ERROR)
+    assert backend.calls - before == 2
+    assert [c.tool_error for c in counts] == [False, False] and not any(c.flagged for c in counts)
+
+
+def test_judge_config_names_a_bad_episode_option():
+    with pytest.raises(ValueError, match="JudgeConfig.no_answer"):
+        JudgeConfig(endpoint=EndpointConfig(base_url="http://127.0.0.1:1/v1", model="m"), no_answer=-2)

@@ -48,11 +48,19 @@ BRIDGE_QUESTION = "In what year was the university where Halbo Selni studied fou
 def rewards_of(counts):
     arrays = counts_to_arrays([counts])
     return np.asarray(credit.abc_step_rewards(arrays["n_found"], arrays["n_excluded"], arrays["n_rejected"],
-                                              arrays["ans"]))[0]
+                                              arrays["ans"], arrays["tool_error"]))[0]
 
 
-def score(messages, clues, gold):
-    return RuleBasedStepScorer().score(question="q", gold=gold, clues=clues, steps=steps_from_messages(messages))
+def score(messages, clues, gold, **options):
+    return RuleBasedStepScorer(**options).score(question="q", gold=gold, clues=clues,
+                                                steps=steps_from_messages(messages))
+
+
+# An episode cut at the turn cap: its last turn is a tool call that got no observation (the rollout stopped it).
+CUT_AT_CAP = [call("search", query="Halbo Selni"), tool(results(0, "Halbo Selni", "Halbo Selni")),
+              call("open", id=0)]
+WITH_ERROR = [call("search", query="Halbo Selni"), tool("Error: No pages are open yet; call search first."),
+              answer("1786")]
 
 
 def test_rule_scorer_implements_the_step_scorer_interface():
@@ -151,11 +159,11 @@ def test_known_docid_replaces_the_page_title_rule():
     assert found(Step("x", text)) == 0
 
 
-def test_a_record_cut_on_a_tool_message_has_no_answer_step():
+def test_a_record_cut_on_a_tool_message_has_no_answer_step_and_has_failed():
     messages = [call("open", id=0), tool(page(0, "Halbo Selni", "Halbo Selni studied at Sika Institute."))]
     steps = steps_from_messages(messages)
     assert len(steps) == 1 and steps[0].tool_call == ("open", {"id": 0})
-    assert [c.ans for c in score(messages, BRIDGE_CLUES, ["1786"])] == [0]
+    assert [c.ans for c in score(messages, BRIDGE_CLUES, ["1786"])] == [-1]
 
 
 def test_clue_dicts_from_records_are_accepted_and_bad_ones_named():
@@ -200,3 +208,50 @@ def test_on_oracle_trajectories_the_rules_find_exactly_the_clues_the_oracle_conf
                               steps=steps_from(result))
         assert sum(c.n_found + c.n_excluded for c in counts) == sum(result.confirmed), task.question
         assert counts[-1].ans == (1 if result.solved else -1)
+
+
+def test_an_episode_that_runs_out_of_turns_scores_its_last_step_as_a_wrong_answer_by_default():
+    counts = score(CUT_AT_CAP, BRIDGE_CLUES, ["1786"])
+    assert [c.ans for c in counts] == [0, -1]
+    np.testing.assert_allclose(rewards_of(counts), [1.0, 0.0])
+
+
+def test_no_answer_zero_scores_an_episode_that_runs_out_of_turns_neutral():
+    counts = score(CUT_AT_CAP, BRIDGE_CLUES, ["1786"], no_answer=0)
+    assert [c.ans for c in counts] == [0, 0]
+    np.testing.assert_allclose(rewards_of(counts), [1.0, 1.0])
+
+
+def test_a_final_turn_without_an_answer_tag_has_not_answered():
+    messages = CUT_AT_CAP[:2] + [{"role": "assistant", "content": "I think it is 1786."}]
+    assert [c.ans for c in score(messages, BRIDGE_CLUES, ["1786"])] == [0, -1]
+    assert [c.ans for c in score(messages, BRIDGE_CLUES, ["1786"], no_answer=0)] == [0, 0]
+
+
+def test_a_failed_tool_call_scores_the_floor_by_default():
+    counts = score(WITH_ERROR, BRIDGE_CLUES, ["1786"])
+    assert [c.tool_error for c in counts] == [True, False]
+    np.testing.assert_allclose(rewards_of(counts), [0.0, 2.0])
+
+
+def test_error_step_neutral_scores_a_failed_tool_call_like_any_step():
+    counts = score(WITH_ERROR, BRIDGE_CLUES, ["1786"], error_step="neutral")
+    assert [c.tool_error for c in counts] == [False, False]
+    np.testing.assert_allclose(rewards_of(counts), [1.0, 2.0])
+
+
+def test_a_failed_tool_call_folded_with_the_answer_keeps_the_answers_sign():
+    # the error floor is a -1 term: with the answer turn folded in, a correct answer lifts it back to 1.0
+    counts = score(WITH_ERROR, BRIDGE_CLUES, ["1786"])
+    arrays = counts_to_arrays([counts])
+    *folded, num_steps = credit.fold_answer_steps(arrays["n_found"], arrays["n_excluded"], arrays["n_rejected"],
+                                                  arrays["ans"], arrays["num_steps"], np.array([1]))
+    rewards = credit.abc_step_rewards(*folded, arrays["tool_error"])
+    assert int(num_steps[0]) == 1 and float(rewards[0, 0]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("options, field", [({"no_answer": 1}, "no_answer"), ({"no_answer": True}, "no_answer"),
+                                            ({"error_step": "zero"}, "error_step"), ({"error_step": 1}, "error_step")])
+def test_bad_episode_options_name_the_field(options, field):
+    with pytest.raises(ValueError, match=f"RuleBasedStepScorer.{field}"):
+        RuleBasedStepScorer(**options)

@@ -67,26 +67,33 @@ def _sft_inputs(correct):
         num_steps=jnp.ones(len(correct), jnp.int32), correct=jnp.asarray(correct))
 
 
-def test_abc_sft_drops_incorrect_trajectories_by_default():
-    result = credit.compute_advantages("abc_sft", _sft_inputs([True, False, True]))
+def test_abc_sft_online_drops_incorrect_trajectories_by_default():
+    result = credit.compute_advantages("abc_sft_online", _sft_inputs([True, False, True]))
     np.testing.assert_array_equal(np.asarray(result.row_mask), [1.0, 0.0, 1.0])
     tokens = np.asarray(result.token_advantages)
     np.testing.assert_allclose(tokens[1], 0.0)
     np.testing.assert_allclose(tokens[0][tokens[0] != 0], 2 / (1 + np.exp(-2 * 0.4)), rtol=1e-6)  # w(1.4)
 
 
-def test_abc_sft_admits_every_trajectory_with_the_flag():
-    config = credit.CreditConfig(estimator="abc_sft", abc_sft_correct_only=False)
+def test_abc_sft_online_admits_every_trajectory_with_the_flag():
+    config = credit.CreditConfig(estimator="abc_sft_online", abc_sft_correct_only=False)
     result = credit.compute_advantages(config, _sft_inputs([True, False, True]))
     np.testing.assert_array_equal(np.asarray(result.row_mask), [1.0, 1.0, 1.0])
     trained = np.asarray(_sft_inputs([True]).loss_mask)[0] > 0
     assert np.all(np.asarray(result.token_advantages)[1][trained] > 0)
 
 
-def test_abc_sft_without_the_correctness_flags_is_named():
+def test_abc_sft_online_without_the_correctness_flags_is_named():
     inputs = _sft_inputs([True])._replace(correct=None)
     with pytest.raises(ValueError, match="CreditInputs.correct"):
-        credit.validate_credit_inputs("abc_sft", inputs)
+        credit.validate_credit_inputs("abc_sft_online", inputs)
+
+
+def test_the_old_name_abc_sft_is_an_error_that_says_the_new_name():
+    with pytest.raises(ValueError, match="CreditConfig.estimator: 'abc_sft' was renamed 'abc_sft_online'"):
+        credit.CreditConfig(estimator="abc_sft")
+    with pytest.raises(ValueError, match="renamed 'abc_sft_online'.*WarmStartConfig.weighting = 'abc'"):
+        credit.compute_advantages("abc_sft", _sft_inputs([True]))
 
 
 @pytest.mark.parametrize("field, value", [("abc_answer_step", "merge"), ("abc_sft_correct_only", 1),

@@ -169,3 +169,40 @@ def test_initial_messages_match_the_start_of_oracle_trajectories(sample):
     from trace_jax.envs.oracle import initial_messages
 
     assert sample[0].messages[:2] == initial_messages(sample[0].task)
+
+
+def test_a_wrong_page_failure_answers_the_title_of_a_wrong_result_it_opened(browser, sample):
+    results = solve_all(browser, [r.task for r in sample[:40]], OracleConfig(failure="wrong_page", seed=3))
+    assert not any(r.solved for r in results)
+    answered = [r for r in results if r.answer != "unknown"]
+    assert len(answered) >= 30  # the few without another search result give up instead
+    for result in answered:
+        opened = [m["content"] for m in result.messages if m["role"] == "tool"][-1]
+        assert opened.split("\n", 1)[0].startswith("[") and result.answer in opened.split("\n", 1)[0]
+        assert f"<answer>{result.answer}</answer>" in result.messages[-1]["content"]
+
+
+def test_a_give_up_failure_stops_before_the_last_clue_and_answers_unknown(browser, sample):
+    tasks = [r.task for r in sample[:40]]
+    results = solve_all(browser, tasks, OracleConfig(failure="give_up", seed=3))
+    assert not any(r.solved for r in results) and {r.answer for r in results} == {"unknown"}
+    assert all(not all(r.confirmed) for r in results)
+    # it stops somewhere along the chain: sometimes at once, sometimes after some of it
+    assert {0} < {r.num_tool_calls for r in results}
+
+
+def test_failures_are_seeded_and_in_the_closed_vocabulary(browser, sample):
+    tasks = [r.task for r in sample[:30]]
+    vocab = set(trajectory_vocabulary())
+    for failure in ("wrong_page", "give_up"):
+        first = solve_all(browser, tasks, OracleConfig(failure=failure, seed=4))
+        assert [r.messages for r in first] == [r.messages for r in solve_all(browser, tasks,
+                                                                              OracleConfig(failure=failure, seed=4))]
+        assert [r.messages for r in first] != [r.messages for r in solve_all(browser, tasks,
+                                                                              OracleConfig(failure=failure, seed=5))]
+        assert all(set(message_words(r.messages)) <= vocab for r in first)
+
+
+def test_an_unknown_failure_names_the_field():
+    with pytest.raises(ValueError, match="OracleConfig.failure"):
+        OracleConfig(failure="crash")

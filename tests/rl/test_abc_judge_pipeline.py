@@ -60,7 +60,7 @@ def env(tmp_path_factory):
     return config, params, chat, browser, rollout
 
 
-def _pipeline(env, update, credit=CreditConfig(estimator="abc_sft"), loss=LossConfig(mode="sft")):
+def _pipeline(env, update, credit=CreditConfig(estimator="abc_sft_online"), loss=LossConfig(mode="sft")):
     config, params, chat, browser, _ = env
     optimizer = make_optimizer(OptimizerConfig(learning_rate=1e-3))
     check_compatible(credit, loss, update, ROLLOUT.group_size)

@@ -19,7 +19,7 @@ def test_the_shipped_configs_exist():
     names = {p.name for p in RUN_CONFIGS}
     assert {"base.gin", "tiny.gin", "smollm2.gin", "qwen3_4b.gin", "qwen3_30b_a3b.gin"} <= names
     assert {"trace.gin", "grpo.gin", "gspo.gin", "trace_raw_delta.gin", "trace_linear_gap.gin", "abc_grpo.gin",
-            "abc_sft.gin"} <= {p.name for p in CREDIT_CONFIGS}
+            "abc_sft_online.gin"} <= {p.name for p in CREDIT_CONFIGS}
     assert len(SWEEPS) >= 4
 
 

@@ -76,7 +76,7 @@ def _pipeline(config, environment, credit: CreditConfig, loss: LossConfig, updat
 ESTIMATORS = {
     "grpo": {}, "gspo": {"ratio_level": "sequence", "aggregation": "seq-mean-token-mean"}, "trace": {},
     "trace_raw_delta": {}, "trace_linear_gap": {},
-    "gigpo": {}, "abc_grpo": {}, "abc_sft": {"mode": "sft"},
+    "gigpo": {}, "abc_grpo": {}, "abc_sft_online": {"mode": "sft"},
 }
 
 
@@ -103,7 +103,7 @@ def test_every_estimator_runs_three_steps_without_nan(setup, estimator):
     if estimator.startswith("trace"):  # turn credit is non-zero even when every reward is 0, so params move
         assert prepared.answer_scores is not None and "credit/mean_abs_turn_credit" in values
         assert not np.array_equal(np.asarray(leaves[0]), np.asarray(before)), "three updates left the params unchanged"
-    if estimator in ("abc_grpo", "abc_sft"):
+    if estimator in ("abc_grpo", "abc_sft_online"):
         assert prepared.step_rewards is not None
 
 
@@ -158,7 +158,7 @@ def test_an_abc_sft_mini_batch_whose_rows_are_all_dropped_takes_no_optimizer_ste
     config, environment = setup
     update = UpdateConfig(mini_batches=2)
     loss = dataclasses.replace(config.loss, mode="sft")
-    pipeline, state = _pipeline(config, environment, CreditConfig(estimator="abc_sft"), loss, update)
+    pipeline, state = _pipeline(config, environment, CreditConfig(estimator="abc_sft_online"), loss, update)
     rollout = pipeline.collect(state.params, environment.train_tasks[:PROMPTS], jax.random.PRNGKey(5))
     prepared = pipeline.prepare(rollout, environment.params, num_prompts=PROMPTS)
     rows = prepared.loss_batch.shape[0]
@@ -168,7 +168,7 @@ def test_an_abc_sft_mini_batch_whose_rows_are_all_dropped_takes_no_optimizer_ste
     mask[dropped] = 0.0  # the second mini-batch's rows all dropped (as ABC-SFT drops wrong answers)
     prepared.loss_batch = prepared.loss_batch.replace(loss_mask=jnp.asarray(mask))
     prepared.credit = prepared.credit._replace(row_mask=jnp.asarray(mask.any(axis=1)))
-    _, alone = _pipeline(config, environment, CreditConfig(estimator="abc_sft"), loss, update)
+    _, alone = _pipeline(config, environment, CreditConfig(estimator="abc_sft_online"), loss, update)
     mini = jax.tree_util.tree_map(lambda x: x[jnp.asarray(kept)], prepared.loss_batch)
     alone, _ = pipeline.train_step(alone, mini, None)  # one optimizer step on the kept mini-batch
     state, metrics = pipeline.update(state, prepared, seed=0)
@@ -182,6 +182,6 @@ def test_incompatible_estimator_and_loss_fail_naming_the_binding():
     with pytest.raises(ValueError, match="LossConfig.ratio_level = 'sequence'"):
         check_compatible(CreditConfig(estimator="gspo"), LossConfig(), UpdateConfig(), 4)
     with pytest.raises(ValueError, match="LossConfig.mode = 'sft'"):
-        check_compatible(CreditConfig(estimator="abc_sft"), LossConfig(), UpdateConfig(), 4)
+        check_compatible(CreditConfig(estimator="abc_sft_online"), LossConfig(), UpdateConfig(), 4)
     with pytest.raises(ValueError, match="UpdateConfig.mini_batches"):
         check_compatible(CreditConfig(estimator="grpo"), LossConfig(), UpdateConfig(mini_batches=3), 4)

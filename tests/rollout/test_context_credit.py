@@ -16,7 +16,7 @@ REWARD = np.array([1.0, 0.0, 0.0, 1.0], np.float32)
 NUM_TURNS = np.array([4, 1, 2, 0])
 SLOTS = 5  # max_turns + 1
 SEGMENTS = [(0, 0, 1), (0, 2, 3), (0, 4, 4), (1, 0, 1), (2, 0, 2), (3, 0, 0)]  # (episode, first turn, last turn)
-ESTIMATORS = ("grpo", "gspo", "trace", "abc_grpo", "abc_sft", "gigpo")
+ESTIMATORS = ("grpo", "gspo", "trace", "abc_grpo", "abc_sft_online", "gigpo")
 
 
 def row_layout(turns):

@@ -138,7 +138,8 @@ def abc_credit(per_record: Sequence[Sequence[StepCounts]], groups: Sequence[str 
 
     arrays = counts_to_arrays(per_record)
     rewards = abc_step_rewards(jnp.asarray(arrays["n_found"]), jnp.asarray(arrays["n_excluded"]),
-                               jnp.asarray(arrays["n_rejected"]), jnp.asarray(arrays["ans"]))
+                               jnp.asarray(arrays["n_rejected"]), jnp.asarray(arrays["ans"]),
+                               jnp.asarray(arrays["tool_error"]))
     weights = abc_sft_weights(rewards)
     group_ids: dict[str, int] = {}
     ids = [group_ids.setdefault(g if g is not None else f"\0single-{i}", len(group_ids))
@@ -311,7 +312,7 @@ def _write_outputs(prepared, counts, recovered, out_dir: Path, args) -> list[dic
                 "num_steps": len(p["steps"]), "scorer": "judge", "clue_source": p.get("clue_source", "record"),
                 "clues": [c.to_dict() for c in p["clues"]],
                 "counts": [{"n_found": c.n_found, "n_excluded": c.n_excluded, "n_rejected": c.n_rejected,
-                            "ans": c.ans} for c in step_counts],
+                            "ans": c.ans, "tool_error": c.tool_error} for c in step_counts],
                 "flagged": [c.flagged for c in step_counts], "notes": [c.note for c in step_counts],
                 "step_rewards": _floats(credit["step_rewards"][i]), "sft_weights": _floats(credit["sft_weights"][i]),
                 "advantages": _floats(credit["advantages"][i]),
@@ -352,7 +353,7 @@ def credit_step_counts(record: dict, messages: list, answer: str) -> list[StepCo
 
     if not isinstance(record.get("clues"), list):
         raise ValueError("field 'clues' (the gold clue chain, a list of {docid, entity, relation, value, kind}) is "
-                         "needed by the ABC estimators (abc_grpo, abc_sft); oracle records from `trace-jax make-tasks "
+                         "needed by the ABC estimators (abc_grpo, abc_sft_online); oracle records from `trace-jax make-tasks "
                          "--oracle` carry it")
     aliases = record.get("aliases") or []
     gold = [answer] + [str(a) for a in aliases if isinstance(a, str)]

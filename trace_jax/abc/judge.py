@@ -5,8 +5,10 @@ For every step `k` the judge receives the question, the gold answer, the numbere
 including step `k` (observations cut to `observation_chars`), and must reply with exactly one JSON object
 `{"n_found": int, "n_excluded": int, "n_rejected": int}` (an optional "reason" string is allowed) counting only what
 step `k` itself adds: clues first revealed by its tool response, not ones an earlier step already showed. `ans` is
-not asked of the model: it is checked locally on the answer step with `trace_jax.envs.answers` (+1 exact match with
-the gold answer or an alias, -1 otherwise, 0 without an `<answer>`), as the rule-based scorer does.
+not asked of the model: it is checked locally on the last step (`trace_jax.abc.rules.answer_outcome`: +1 exact match
+with the gold answer or an alias, -1 otherwise, `JudgeConfig.no_answer` (-1 by default) when the trajectory ended
+without an answer), as the rule-based scorer does. A step whose tool call failed (`rules.is_tool_error`) is not sent
+to the judge under `JudgeConfig.error_step = 0` (default): it is marked `tool_error` and scores the rubric's floor.
 
 Robustness:
   * strict parsing (`parse_counts`): one JSON object, bare or in one ```json fence (the rule of
@@ -53,6 +55,7 @@ from typing import Any, Mapping, Sequence
 
 from trace_jax.abc.replies import MalformedReply, parse_json_object
 from trace_jax.abc.retry import Deadline, retry_delay
+from trace_jax.abc.rules import answer_outcome, check_episode_options, is_tool_error
 from trace_jax.abc.scorer import Step, StepCounts
 from trace_jax.envs.answers import answer_reward, extract_answer, normalize_answer
 from trace_jax.envs.tasks import Clue, clue_matches
@@ -97,6 +100,9 @@ class JudgeConfig:
       concurrency: steps of one trajectory judged at the same time (their prompts do not depend on each other).
       cache_dir: directory of the judgement cache (None: no cache).
       audit_path: JSONL file every call is appended to (None: no audit).
+      no_answer: `ans` of the last step of a trajectory that ended without an answer (-1, as a wrong answer; or 0).
+      error_step: 0: a step whose tool call failed is not judged, it scores the floor r = 0 (`tool_error`);
+        'neutral': it is judged as any other step.
     """
 
     endpoint: EndpointConfig
@@ -110,8 +116,11 @@ class JudgeConfig:
     concurrency: int = 4
     cache_dir: str | None = None
     audit_path: str | None = None
+    no_answer: int = -1
+    error_step: int | str = 0
 
     def __post_init__(self):
+        check_episode_options("JudgeConfig", self.no_answer, self.error_step)
         if not isinstance(self.endpoint, EndpointConfig):
             raise ValueError("JudgeConfig.endpoint must be an EndpointConfig (base_url, model, api_key, timeout_s)")
         for name in ("max_attempts", "max_tokens", "observation_chars", "concurrency"):
@@ -225,14 +234,6 @@ def validate_counts(value: Mapping[str, Any], clues: Sequence[Clue]) -> tuple[in
     return tuple(counts)
 
 
-def answer_outcome(gold: Sequence[str], steps: Sequence[Step], k: int) -> int:
-    """`ans` of step `k`: +1/-1 for a correct/wrong `<answer>` on the final step without an observation, else 0."""
-    step = steps[k]
-    if k != len(steps) - 1 or step.observation is not None or extract_answer(step.assistant) is None:
-        return 0
-    return 1 if answer_reward(step.assistant, list(gold)).exact else -1
-
-
 # ---------------------------------------------------------------------------------------------------- scorer
 class LLMJudgeStepScorer:
     """The `StepScorer` "judge": one endpoint call per step (cached), counts parsed strictly, failures neutral."""
@@ -271,7 +272,9 @@ class LLMJudgeStepScorer:
             return list(pool.map(lambda k: self._score_step(question, gold, chain, steps, k), range(len(steps))))
 
     def _score_step(self, question, gold, chain, steps, k) -> StepCounts:
-        ans = answer_outcome(gold, steps, k)
+        ans = answer_outcome(gold, steps, k, no_answer=self.config.no_answer)
+        if self.config.error_step == 0 and is_tool_error(steps[k]):
+            return StepCounts(ans=ans, tool_error=True)  # the floor; an error message reveals nothing to judge
         payload = case_payload(question, gold, chain, steps, k, self.config.observation_chars)
         key = self._cache_key(payload)
         cached = self._cache_read(key, chain, k)

@@ -10,8 +10,15 @@ claims, so a scorer cannot be talked into credit:
 - **n_excluded**: exclude clues (`kind == "exclude"`: a candidate's fact that rules it out, counting questions)
   first revealed by this step, under the same rule.
 - **n_rejected**: see `RuleBasedStepScorer`.
-- **ans**: on the last step only, when it holds an `<answer>` tag: +1 for an exact match with the gold answer or an
-  alias (`answers.answer_reward`), -1 otherwise; 0 when the trajectory ended without an answer.
+- **ans**: on the last step only (`answer_outcome`), when it holds an `<answer>` tag: +1 for an exact match with the
+  gold answer or an alias (`answers.answer_reward`), -1 otherwise. A trajectory that ended without an answer (turn
+  cap, context overflow: its last step has an observation or no `<answer>`) has failed: `no_answer` (-1 by default,
+  as a wrong answer; 0 = the old neutral reading, under which running out of turns scores 1.0 and a wrong answer 0).
+- **tool_error**: a step whose tool call failed (its observation is an error, `is_tool_error`) is marked, and with
+  `error_step = 0` (default) its counts are 0, so it scores the rubric's floor `r = 0`; `error_step = 'neutral'`
+  scores it like any other step (1.0 unless it reveals something, which an error message never does).
+  Both options are our reading of "irrelevant or harmful actions get zero or negative scores" (credit-spec
+  section 3, docs/abc.md).
 
 This module knows tasks' clue records, answer checking and the browser's observation layout; it knows nothing about
 models, tokenizers or the credit arithmetic (`trace_jax.credit.abc_step_rewards` turns the counts into rewards).
@@ -25,13 +32,44 @@ from typing import Any, Mapping, Sequence
 
 from trace_jax.abc.scorer import Step, StepCounts
 from trace_jax.envs.answers import answer_reward, extract_answer, normalize_answer
+from trace_jax.envs.browser import ERROR_PREFIX
 from trace_jax.envs.tasks import Clue, clue_matches
+
+NO_ANSWER_CHOICES = (-1, 0)  # `ans` of the last step of a trajectory that ended without an answer
+ERROR_STEP_CHOICES = (0, "neutral")  # a failed tool call's step: the rubric's floor r = 0, or scored as usual
 
 # The browser's page header: "[3] Selru (https://wiki.local/Selru)" and, for find results,
 # "[4] Find results for text: `born` in `Selru` (https://wiki.local/Selru/find?pattern=born)".
 _HEADER = re.compile(r"^\[\d+\] (?P<title>.*) \((?P<url>[^()\s]*)\)\s*$")
 _FIND_TITLE = re.compile(r"^Find results for text: `.*` in `(?P<title>.*)`$")
 _VIEWING = re.compile(r"^\*\*viewing lines .*\*\*\s*$")
+
+
+def check_episode_options(owner: str, no_answer: Any, error_step: Any) -> None:
+    """ValueError naming `owner.no_answer` / `owner.error_step` when either is not one of its choices."""
+    if isinstance(no_answer, bool) or no_answer not in NO_ANSWER_CHOICES:
+        raise ValueError(f"{owner}.no_answer must be -1 (an episode that ends without an answer has failed, as a "
+                         f"wrong answer) or 0 (neutral), got {no_answer!r}")
+    if isinstance(error_step, bool) or error_step not in ERROR_STEP_CHOICES:
+        raise ValueError(f"{owner}.error_step must be 0 (a failed tool call scores the floor r = 0) or 'neutral', "
+                         f"got {error_step!r}")
+
+
+def answer_outcome(gold: Sequence[str], steps: Sequence[Step], k: int, *, no_answer: int = -1) -> int:
+    """`ans` of step `k`: 0 before the last step; on the last step +1/-1 for a correct/wrong `<answer>` on a step
+    without an observation, and `no_answer` when the trajectory ended without one (turn cap, context overflow)."""
+    if k != len(steps) - 1:
+        return 0
+    step = steps[k]
+    if step.observation is not None or extract_answer(step.assistant) is None:
+        return no_answer
+    return 1 if answer_reward(step.assistant, list(gold)).exact else -1
+
+
+def is_tool_error(step: Step) -> bool:
+    """Whether the step's tool call failed: it could not be parsed or run, and its observation is the error
+    (`trace_jax.rollout.agent.error_observation` and the browser's errors share `ERROR_PREFIX`)."""
+    return step.observation is not None and step.observation.startswith(ERROR_PREFIX)
 
 
 def observation_page(observation: str) -> tuple[str | None, str]:
@@ -153,9 +191,18 @@ class RuleBasedStepScorer:
 
     Example (a bridge question whose last clue's value is the answer `Kaol`): steps `search`, `open` the page
     showing the clue, answer `Selru` -> counts `(0,0,0,0)`, `(1,0,0,0)`, `(0,0,1,-1)` -> rewards `1.0, 1.8, 0.0`.
+
+    Args:
+      no_answer: `ans` of the last step of a trajectory that ended without an answer (-1 default, or 0).
+      error_step: 0 (default): a step whose tool call failed is marked `tool_error` and scores the floor r = 0;
+        'neutral': it is scored as any other step.
     """
 
     name = "rules"
+
+    def __init__(self, *, no_answer: int = -1, error_step: int | str = 0):
+        check_episode_options("RuleBasedStepScorer", no_answer, error_step)
+        self.no_answer, self.error_step = no_answer, error_step
 
     def score(self, *, question: str, gold: Sequence[str], clues: Sequence[Any],
               steps: Sequence[Step]) -> list[StepCounts]:
@@ -172,13 +219,15 @@ class RuleBasedStepScorer:
             seen |= revealed
             n_found = sum(chain[i].kind != "exclude" for i in revealed)
             n_excluded = sum(chain[i].kind == "exclude" for i in revealed)
-            ans = n_rejected = 0
+            ans = answer_outcome(gold, steps, index, no_answer=self.no_answer)
+            n_rejected = 0
             if index == len(steps) - 1 and step.observation is None and extract_answer(step.assistant) is not None:
-                correct = answer_reward(step.assistant, gold).exact
-                ans = 1 if correct else -1
-                n_rejected = int(not correct and answer_seen)
+                n_rejected = int(ans == -1 and answer_seen)
             answer_seen = answer_seen or any(chain[i].kind != "exclude" and normalize_answer(chain[i].value)
                                              in gold_norm for i in revealed)
+            if self.error_step == 0 and is_tool_error(step):  # an error message reveals nothing anyway
+                out.append(StepCounts(ans=ans, tool_error=True))
+                continue
             out.append(StepCounts(n_found=n_found, n_excluded=n_excluded, n_rejected=n_rejected, ans=ans))
         return out
 

@@ -5,7 +5,9 @@ A *step* is one assistant turn (reasoning + tool call) with the tool response it
 answered trajectory is the answer turn and has no observation (credit-spec.md section 3). A scorer returns, for every
 step, the counts of the rubric: `n_found` (gold clues discovered or verified in the step), `n_excluded` (wrong
 candidates correctly ruled out), `n_rejected` (gold clues wrongly rejected) and `ans` (+1 correct final answer, -1
-wrong, 0 no answer in this step). `trace_jax.credit.abc_step_rewards` turns counts into rewards.
+wrong, 0 no answer in this step; the last step of a trajectory that ended without an answer gets the scorer's
+`no_answer`, -1 by default), plus `tool_error` (the step's tool call failed; with the scorer's `error_step = 0`,
+the default, such a step scores the rubric's floor). `trace_jax.credit.abc_step_rewards` turns counts into rewards.
 
 Implementations: a rule-based scorer for generated tasks, whose clue chain is known exactly, and an LLM judge for
 external tasks. Both take the same inputs and return the same records, so the trainer's ABC-GRPO and ABC-SFT modes
@@ -43,6 +45,8 @@ class Step:
 class StepCounts:
     """The rubric's counts for one step, plus an audit flag.
 
+    `tool_error` marks a step whose tool call failed, scored at the rubric's floor (`abc_step_rewards` subtracts
+    its `w_error`; a scorer sets it only under `error_step = 0`, and leaves that step's other counts 0).
     `flagged` marks a record the scorer could not produce normally (for example malformed judge output that fell
     back to neutral); `note` says why. A neutral step (all counts 0) has reward 1.0.
     """
@@ -53,6 +57,7 @@ class StepCounts:
     ans: int = 0
     flagged: bool = False
     note: str = ""
+    tool_error: bool = False
 
     def __post_init__(self):
         for name in ("n_found", "n_excluded", "n_rejected"):
@@ -61,6 +66,8 @@ class StepCounts:
                 raise ValueError(f"StepCounts.{name} must be a non-negative int, got {value!r}")
         if self.ans not in (-1, 0, 1):
             raise ValueError(f"StepCounts.ans must be -1 (wrong answer), 0 (no answer) or +1 (correct), got {self.ans!r}")
+        if not isinstance(self.tool_error, (bool, np.bool_)):
+            raise ValueError(f"StepCounts.tool_error must be True or False, got {self.tool_error!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,20 +100,21 @@ class StepScorer(Protocol):
 def counts_to_arrays(per_trajectory: Sequence[Sequence[StepCounts]], num_steps_max: int | None = None) -> dict[str, np.ndarray]:
     """Pack per-trajectory counts into padded arrays for `trace_jax.credit.abc_step_rewards`.
 
-    Returns a dict with `n_found`, `n_excluded`, `n_rejected`, `ans` (int32 `[N, S]`, zero-padded), `num_steps`
-    (int32 `[N]`) and `flagged` (bool `[N, S]`). `S` is `num_steps_max` or the longest trajectory (at least 1).
+    Returns a dict with `n_found`, `n_excluded`, `n_rejected`, `ans`, `tool_error` (int32 `[N, S]`, zero-padded),
+    `num_steps` (int32 `[N]`) and `flagged` (bool `[N, S]`). `S` is `num_steps_max` or the longest trajectory (at least 1).
     """
     longest = max((len(steps) for steps in per_trajectory), default=0)
     width = max(1, longest if num_steps_max is None else num_steps_max)
     if longest > width:
         raise ValueError(f"counts_to_arrays: a trajectory has {longest} steps, more than num_steps_max={width}")
     n = len(per_trajectory)
-    out = {name: np.zeros((n, width), np.int32) for name in ("n_found", "n_excluded", "n_rejected", "ans")}
+    names = ("n_found", "n_excluded", "n_rejected", "ans", "tool_error")
+    out = {name: np.zeros((n, width), np.int32) for name in names}
     out["flagged"] = np.zeros((n, width), bool)
     out["num_steps"] = np.array([len(steps) for steps in per_trajectory], np.int32)
     for row, steps in enumerate(per_trajectory):
         for col, counts in enumerate(steps):
-            for name in ("n_found", "n_excluded", "n_rejected", "ans"):
+            for name in names:
                 out[name][row, col] = getattr(counts, name)
             out["flagged"][row, col] = counts.flagged
     return out

@@ -18,30 +18,41 @@ from trace_jax.credit.trace import discount_matrix
 from trace_jax.credit.config import ABC_NORMALIZE_MODES as NORMALIZE_MODES
 
 
-def abc_step_rewards(n_found, n_excluded, n_rejected, answer_outcome, *, base: float = 1.0, w_found: float = 0.8,
-                     w_excluded: float = 0.4, w_rejected: float = 0.8, w_answer: float = 1.0,
-                     low: float = 0.0, high: float = 2.0):
+def abc_step_rewards(n_found, n_excluded, n_rejected, answer_outcome, tool_error=None, *, base: float = 1.0,
+                     w_found: float = 0.8, w_excluded: float = 0.4, w_rejected: float = 0.8, w_answer: float = 1.0,
+                     w_error: float = 1.0, low: float = 0.0, high: float = 2.0):
     """Step score against the clue set.
 
-        r_t = clip(base + w_found*n_found + w_excluded*n_excluded - w_rejected*n_rejected + w_answer*ans, low, high)
-            = clip(1.0 + 0.8*n_found + 0.4*n_excluded - 0.8*n_rejected + 1.0*ans, 0, 2)   (defaults)
+        r_t = clip(base + w_found*n_found + w_excluded*n_excluded - w_rejected*n_rejected + w_answer*ans
+                   - w_error*tool_error, low, high)
+            = clip(1.0 + 0.8*n_found + 0.4*n_excluded - 0.8*n_rejected + 1.0*ans - 1.0*tool_error, 0, 2)
+
+    `tool_error` (ours, credit-spec section 3) marks a step whose tool call failed: a scorer leaves its other counts
+    0, so on its own it scores the floor `r = 0`; folded with the answer turn, the answer's +-1 still counts.
 
     Args (all the same shape, e.g. `[..., G, T]`; counts may exceed 1):
       n_found: correct clues discovered or verified in the step.
       n_excluded: wrong candidates correctly ruled out.
       n_rejected: correct clues wrongly rejected.
-      answer_outcome: +1 correct final answer in this step, -1 wrong, 0 none.
+      answer_outcome: +1 correct final answer in this step, -1 wrong (or no answer at the end: the scorer's
+        `no_answer`), 0 none.
+      tool_error: 1 where the step's tool call failed (scored at the floor), else 0; None = no step failed.
 
     Returns:
       float32 step rewards of the same shape.
     """
     arrays = [jnp.asarray(a) for a in (n_found, n_excluded, n_rejected, answer_outcome)]
+    if tool_error is not None:
+        arrays.append(jnp.asarray(tool_error))
     shapes = {a.shape for a in arrays}
     if len(shapes) != 1:
-        raise ValueError(f"n_found, n_excluded, n_rejected and answer_outcome must share one shape, got {shapes}")
+        raise ValueError(f"n_found, n_excluded, n_rejected, answer_outcome (and tool_error) must share one shape, "
+                         f"got {shapes}")
     dtype = compute_dtype(*arrays)
-    n_found, n_excluded, n_rejected, answer_outcome = (a.astype(dtype) for a in arrays)
+    n_found, n_excluded, n_rejected, answer_outcome, *error = (a.astype(dtype) for a in arrays)
     raw = base + w_found * n_found + w_excluded * n_excluded - w_rejected * n_rejected + w_answer * answer_outcome
+    if error:
+        raw = raw - w_error * error[0]
     return jnp.clip(raw, low, high)
 
 

@@ -66,8 +66,8 @@ class CreditConfig:
         answer turn is part of the last tool step, judged with it and trained with its value; `"separate"`: the
         answer turn is a step of its own. Read where step counts become step rewards (the trainer's pipeline,
         `fold_answer_steps`).
-      abc_sft_correct_only: ABC-SFT trains only on trajectories whose final answer is verified correct (default;
-        ABC backtracks from a correct answer); False admits every trajectory.
+      abc_sft_correct_only: ABC-SFT online (`abc_sft_online`) trains only on trajectories whose final answer is
+        verified correct (default; ABC backtracks from a correct answer); False admits every trajectory.
 
       gigpo_gamma: GiGPO discount of step returns, in [0, 1] (paper default 0.95).
       gigpo_omega: GiGPO weight of the step-level advantage, `A = A_episode + omega * A_step` (>= 0).
@@ -100,8 +100,10 @@ class CreditConfig:
     gigpo_anchor: str = "observation"
 
     def __post_init__(self):
-        from trace_jax.credit.registry import estimator_names
+        from trace_jax.credit.registry import RENAMED, estimator_names
 
+        if self.estimator in RENAMED:
+            raise ValueError(f"CreditConfig.estimator: {RENAMED[self.estimator]}")
         if self.estimator not in estimator_names():
             raise ValueError(f"CreditConfig.estimator={self.estimator!r} is not registered; choose one of "
                              f"{estimator_names()} (or register_estimator your own first)")

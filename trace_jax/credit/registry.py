@@ -1,7 +1,7 @@
 """Advantage estimators by name: one common input structure in, per-token advantages out.
 
 The trainer and the CLI pick an estimator with a `CreditConfig` (or just its name): `grpo`, `gspo`, `trace`,
-`trace_raw_delta`, `trace_linear_gap`, `abc_grpo`, `abc_sft`, `gigpo`; research code can register its own.
+`trace_raw_delta`, `trace_linear_gap`, `abc_grpo`, `abc_sft_online`, `gigpo`; research code can register its own.
 Registering a name twice raises: a silent override is how a sweep ends up running the wrong method. Built-in
 estimators take their options from `CreditConfig` (the one place their defaults are written) through
 `Estimator.options`.
@@ -132,11 +132,22 @@ def unregister_estimator(name: str) -> None:
     del _REGISTRY[name]
 
 
+# Names an estimator had before, with what to say instead of "unknown".
+RENAMED = {
+    "abc_sft": "'abc_sft' was renamed 'abc_sft_online' (weighted SFT on the policy's own rollouts, an online arm of "
+               "ours); the paper's ABC-SFT is the supervised warm start, WarmStartConfig.weighting = 'abc' "
+               "(configs/credit/abc_pipeline.gin runs it before ABC-GRPO)",
+}
+
+
 def get_estimator(name: str) -> Estimator:
-    """The estimator registered under `name`; `ValueError` listing the registered names otherwise."""
+    """The estimator registered under `name`; `ValueError` naming the new name of a renamed one, or listing the
+    registered names."""
     try:
         return _REGISTRY[name]
     except KeyError:
+        if name in RENAMED:
+            raise ValueError(f"credit estimator {RENAMED[name]}") from None
         raise ValueError(f"unknown credit estimator {name!r}; registered: {sorted(_REGISTRY)}") from None
 
 
@@ -289,10 +300,12 @@ def _abc_grpo(inputs, num_groups, *, gamma, normalize, std_eps):
     return CreditResult(tokens, None, steps)
 
 
-@register_estimator("abc_sft", requires=("step_rewards", "num_steps", "correct"),
+@register_estimator("abc_sft_online", requires=("step_rewards", "num_steps", "correct"),
                     options={"correct_only": "abc_sft_correct_only"},
-                    description="ABC-SFT: per-token SFT weights 2 sigmoid(2 (r - 1)) of the ABC step rewards, on "
-                                "trajectories whose answer is verified correct (LossConfig.mode = 'sft').")
+                    description="ABC-SFT online (ours): per-token SFT weights 2 sigmoid(2 (r - 1)) of the ABC step "
+                                "rewards of the policy's own rollouts, on trajectories whose answer is verified "
+                                "correct (LossConfig.mode = 'sft'). The paper's ABC-SFT is the warm start "
+                                "(WarmStartConfig.weighting = 'abc').")
 def _abc_sft(inputs, num_groups, *, correct_only):
     del num_groups
     weights = abc_sft_weights(jnp.asarray(inputs.step_rewards, jnp.float32))

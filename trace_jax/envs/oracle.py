@@ -9,6 +9,12 @@ with "unknown" otherwise, so its solve rate measures whether the tasks are answe
 Optional realistic detours (``OracleConfig.detour_prob``): open a wrong search result and go back to the results
 page by cursor, or try a ``find`` pattern that is not on the page.
 
+Failed demonstrations on purpose (``OracleConfig.failure``; ABC-SFT trains on correct and incorrect teacher
+trajectories, credit-spec section 3): ``"wrong_page"`` follows the chain to its last clue, then opens a wrong result
+of that clue's search and answers that page's title; ``"give_up"`` follows the chain up to a clue drawn at random
+(the episode's seed) and answers "unknown". Either answer is wrong by construction (a wrong page whose title is the
+gold answer, or a search with no other result, gives up instead).
+
 Trajectories use the OpenAI chat messages format: ``system``, ``user`` (the question), ``assistant`` messages with
 ``tool_calls`` (``{"id", "type": "function", "function": {"name", "arguments": <JSON string>}}``), ``tool`` messages
 with ``tool_call_id``, and a final ``assistant`` message containing ``<answer>...</answer>``.
@@ -56,6 +62,7 @@ SAY_GIVE_UP = "I could not find the answer.\n" + ANSWER_TAGS.format(answer="unkn
 UNKNOWN_ANSWER = "unknown"
 # Joins the facts confirmed since the oracle's last message (its notes) and what it says next, in one message.
 NOTE_SEPARATOR = " "
+FAILURES = ("", "wrong_page", "give_up")  # OracleConfig.failure: "" = solve as well as the tools allow
 
 # Relation -> find patterns tried in order (they match the fact templates of world.py).
 FIND_KEYWORDS = {
@@ -165,16 +172,21 @@ class OracleConfig:
       seed: seed of the detour choices.
       topn: results requested per search.
       max_steps: tool calls after which the oracle gives up.
+      failure: "" (default) to solve; "wrong_page" or "give_up" to fail on purpose (module docstring). The choices
+        within a failure (which wrong result, where to give up) are drawn from the episode's seed.
     """
 
     detour_prob: float = 0.0
     seed: int = 0
     topn: int = 10
     max_steps: int = 80
+    failure: str = ""
 
     def __post_init__(self):
         if not 0.0 <= self.detour_prob <= 1.0:
             raise ValueError(f"OracleConfig.detour_prob must be in [0, 1], got {self.detour_prob!r}.")
+        if self.failure not in FAILURES:
+            raise ValueError(f"OracleConfig.failure must be one of {FAILURES}, got {self.failure!r}.")
         if self.topn < 1 or self.max_steps < 1:
             raise ValueError("OracleConfig.topn and max_steps must be >= 1.")
 
@@ -357,8 +369,9 @@ class _Episode:
                 return
             loc = shown.last_line + 1
 
-    def run(self) -> tuple[str, bool]:
-        for index, clue in enumerate(self.task.clues):
+    def run(self, until: int | None = None) -> tuple[str, bool]:
+        """Confirm the clues in order (the first `until` of them; all by default); `(answer, complete)`."""
+        for index, clue in enumerate(self.task.clues[:until]):
             if self.confirmed[index]:
                 continue
             if self.out_of_steps() or not self.reach(clue, index):
@@ -368,6 +381,33 @@ class _Episode:
             if not self.confirmed[index]:
                 return UNKNOWN_ANSWER, False
         return self.task.answer, True
+
+    def fail(self, failure: str) -> str:
+        """The final message of a failure on purpose (module docstring); its answer is never the gold one."""
+        clues = self.task.clues
+        stop = len(clues) - 1 if failure == "wrong_page" else self.rng.randrange(len(clues))
+        _, complete = self.run(until=stop)
+        if failure == "wrong_page" and complete and not self.out_of_steps():
+            title = self.open_wrong(clues[stop], stop)
+            message = SAY_ANSWER.format(answer=title) if title else ""
+            if title and not answer_reward(message, self.task.gold_answers).exact:
+                return message
+        return SAY_GIVE_UP
+
+    def open_wrong(self, clue: Clue, index: int) -> str | None:
+        """Search for `clue`'s page and open a result that is not it; that result's title, or None."""
+        for query in self.queries_for(clue, index):
+            if self.out_of_steps():
+                return None
+            results = self.call(SAY_SEARCH.format(query=query), "search", {"query": query, "topn": self.config.topn})
+            if not results.ok or results.page is None:
+                continue
+            others = [link for link in results.page.links.values() if link.docid != clue.docid and link.title]
+            if others:
+                wrong = others[self.rng.randrange(len(others))]
+                opened = self.call(SAY_WRONG_OPEN.format(id=wrong.id), "open", {"id": wrong.id})
+                return wrong.title if opened.ok else None
+        return None
 
 
 def fact_sentence(clue: Clue) -> str:
@@ -413,12 +453,15 @@ def solve(browser: Browser, task: Task, config: OracleConfig = OracleConfig()) -
     browser.reset()
     digest = hashlib.sha256(f"{config.seed}:{task.task_id}".encode("utf-8")).digest()
     episode = _Episode(browser, task, random.Random(int.from_bytes(digest[:8], "big")), config)
-    answer, complete = episode.run()
-    final = final_message(episode.notes, answer if complete else None)
+    if config.failure and task.clues:
+        final = NOTE_SEPARATOR.join([*episode.notes, episode.fail(config.failure)])
+    else:
+        answer, complete = episode.run()
+        final = final_message(episode.notes, answer if complete else None)
     episode.messages.append({"role": "assistant", "content": final})
-    solved = answer_reward(final, task.gold_answers).exact
-    return OracleResult(task=task, messages=episode.messages, answer=answer, solved=solved,
-                        confirmed=list(episode.confirmed), clue_progress=episode.progress)
+    result = answer_reward(final, task.gold_answers)
+    return OracleResult(task=task, messages=episode.messages, answer=result.answer or UNKNOWN_ANSWER,
+                        solved=result.exact, confirmed=list(episode.confirmed), clue_progress=episode.progress)
 
 
 def group_browsers(world_or_corpus: World | Corpus, group_size: int, *, retrieval_noise: float = 0.0, seed: int = 0,

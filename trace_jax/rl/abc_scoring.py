@@ -11,9 +11,17 @@ clue chain of each episode comes from, and the step counts of a batch of episode
             values) gets one from the clue-recovery agent
             (`trace_jax.abc.recover`) at the same endpoint, over the rollouts' corpus, once per (question, answer).
 
+Episodes that fail without answering and failed tool calls (credit-spec section 3, "ours"; docs/abc.md): the last
+step of an episode that ends without an answer (turn cap, context overflow) gets `ans = ABCScorerConfig.no_answer`
+(-1, as a wrong answer, by default; 0 is the old neutral reading), and a step whose tool call failed scores the
+rubric's floor `r = 0` (`ABCScorerConfig.error_step = 0`, default; 'neutral' scores it as any step). Both scorers
+apply them.
+
 `ABCStepScoring.score(episodes)` returns one list of `StepCounts` per episode (steps as `steps_from_episode` cuts
-them: one per generated turn) and the batch's scoring statistics. Folding the answer turn into the last tool step
-is credit arithmetic (`trace_jax.credit.fold_answer_steps`), done by the caller on the count arrays.
+them: one per generated turn) and the batch's scoring statistics. `step_rewards_from_counts` turns them into the
+step rewards the credit estimators read, calling the credit arithmetic (`trace_jax.credit.fold_answer_steps`, which
+folds the answer turn into the last tool step, and `abc_step_rewards`); the RL step and the ABC-SFT warm start
+(`trace_jax.rl.warmstart`) both use it.
 
 This module knows the ABC scorers, clue recovery and the episode records; it knows nothing about models, arrays on
 device or the train step.
@@ -29,7 +37,7 @@ SCORERS = ("rules", "judge")
 
 @dataclasses.dataclass(frozen=True)
 class ABCScorerConfig:
-    """The ABC step scorer of `abc_grpo` / `abc_sft` training (see the module docstring).
+    """The ABC step scorer of `abc_grpo` / `abc_sft_online` training (see the module docstring).
 
     Attributes:
       scorer: "rules" (the rule-based scorer on the task's clue chain) or "judge" (the LLM judge).
@@ -43,6 +51,11 @@ class ABCScorerConfig:
       audit_path: JSONL of every judge call ('' = none).
       recover_clues: give tasks without a clue chain one from the clue-recovery agent (judge only).
       recover_max_turns: model calls the recovery agent may make per question.
+      no_answer: `ans` of the last step of an episode that ends without an answer (turn cap, context overflow): -1
+        (default: it has failed, as a wrong answer) or 0 (neutral; then running out of turns scores 1.0 where a
+        wrong answer scores 0, and group normalisation pays the policy never to answer).
+      error_step: 0 (default): a step whose tool call failed (an error observation) scores the rubric's floor
+        r = 0; 'neutral': it is scored as any other step (1.0 when it reveals nothing).
     """
 
     scorer: str = "rules"
@@ -56,8 +69,13 @@ class ABCScorerConfig:
     audit_path: str = ""
     recover_clues: bool = True
     recover_max_turns: int = 16
+    no_answer: int = -1
+    error_step: int | str = 0
 
     def __post_init__(self):
+        from trace_jax.abc.rules import check_episode_options
+
+        check_episode_options("ABCScorerConfig", self.no_answer, self.error_step)
         if self.scorer not in SCORERS:
             raise ValueError(f"ABCScorerConfig.scorer must be one of {SCORERS}, got {self.scorer!r}")
         for name in ("max_attempts", "concurrency", "recover_max_turns"):
@@ -98,7 +116,7 @@ class ABCStepScoring:
         if config.scorer == "rules":
             from trace_jax.abc.rules import RuleBasedStepScorer
 
-            self.scorer = RuleBasedStepScorer()
+            self.scorer = RuleBasedStepScorer(no_answer=config.no_answer, error_step=config.error_step)
         else:
             from trace_jax.abc.judge import JudgeConfig, LLMJudgeStepScorer
 
@@ -106,7 +124,7 @@ class ABCStepScoring:
             self.scorer = LLMJudgeStepScorer(JudgeConfig(
                 endpoint=self.endpoint, max_attempts=config.max_attempts, backoff_s=config.backoff_s,
                 concurrency=config.concurrency, cache_dir=config.cache_dir or None,
-                audit_path=config.audit_path or None))
+                audit_path=config.audit_path or None, no_answer=config.no_answer, error_step=config.error_step))
 
     @property
     def recovers(self) -> bool:
@@ -158,7 +176,7 @@ class ABCStepScoring:
                 counts.append(self.scorer.score(question=episode.question, gold=episode.gold, clues=clues,
                                                 steps=steps))
             except too_long as error:  # one episode the judge cannot read must not stop a training run
-                counts.append(self._neutral(episode, steps, str(error)))
+                counts.append(self._neutral(episode, steps, str(error), self.config))
         steps = [c for row in counts for c in row]
         n = max(1, len(episodes))
         metrics = {"abc/flagged_steps": sum(c.flagged for c in steps) / max(1, len(steps)),
@@ -166,12 +184,14 @@ class ABCStepScoring:
         return counts, metrics
 
     @staticmethod
-    def _neutral(episode, steps, note: str) -> list:
-        from trace_jax.abc.judge import answer_outcome
+    def _neutral(episode, steps, note: str, config: ABCScorerConfig) -> list:
+        from trace_jax.abc.rules import answer_outcome, is_tool_error
         from trace_jax.abc.scorer import StepCounts
 
         gold = list(episode.gold)
-        return [StepCounts(ans=answer_outcome(gold, steps, k), flagged=True, note=note) for k in range(len(steps))]
+        return [StepCounts(ans=answer_outcome(gold, steps, k, no_answer=config.no_answer), flagged=True, note=note,
+                           tool_error=config.error_step == 0 and is_tool_error(step))
+                for k, step in enumerate(steps)]
 
     def close(self) -> None:
         if self._client is not None:
@@ -180,3 +200,29 @@ class ABCStepScoring:
         close = getattr(self.scorer, "close", None)
         if close is not None:
             close()
+
+
+def step_rewards_from_counts(counts: Sequence[Sequence[Any]], num_turns: Sequence[int], *, answer_step: str = "fold",
+                             num_steps_max: int | None = None):
+    """ABC step rewards `[N, S]` (float32) and steps per episode `[N]` (int32) from per-episode `StepCounts`.
+
+    The counts are packed (`trace_jax.abc.counts_to_arrays`), the answer turn is folded into the last tool step
+    when `answer_step == 'fold'` (`CreditConfig.abc_answer_step`; `trace_jax.credit.fold_answer_steps`, given each
+    episode's tool calls `num_turns`) and the rubric is applied (`trace_jax.credit.abc_step_rewards`, failed tool
+    calls included). `S` is `num_steps_max` or the longest episode's step count.
+    """
+    import jax.numpy as jnp
+    import numpy as np
+
+    from trace_jax.abc.scorer import counts_to_arrays
+    from trace_jax.credit import abc_step_rewards, fold_answer_steps
+
+    arrays = counts_to_arrays(counts, num_steps_max=num_steps_max)
+    found, excluded, rejected, ans = (jnp.asarray(arrays[k]) for k in ("n_found", "n_excluded", "n_rejected", "ans"))
+    num_steps = jnp.asarray(arrays["num_steps"])
+    if answer_step == "fold":
+        found, excluded, rejected, ans, num_steps = fold_answer_steps(
+            found, excluded, rejected, ans, num_steps, jnp.asarray(np.asarray(num_turns, np.int32)))
+    # an answer turn makes no tool call, so folding it never moves a tool error: the array stays as packed
+    rewards = abc_step_rewards(found, excluded, rejected, ans, jnp.asarray(arrays["tool_error"]))
+    return np.asarray(rewards, np.float32), np.asarray(num_steps, np.int32)

@@ -73,12 +73,13 @@ from trace_jax.envs.corpus_browser import corpus_browser
 from trace_jax.envs.oracle import make_browser, trajectory_vocabulary
 from trace_jax.models.chat import ChatFormat
 from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
+from trace_jax.rl.abc_scoring import ABCStepScoring
 from trace_jax.rl.credit_diagnostics import OPTIONAL_METRICS
 from trace_jax.rl.evaluate import EvalResult, compare, evaluate, format_comparison
 from trace_jax.rl.gin_setup import RunConfig, reference_checkpoint_parts
 from trace_jax.rl.metrics import PhaseTimer, RunWriter, progress_bar
 from trace_jax.rl.pipeline import RLPipeline, check_compatible
-from trace_jax.rl.warmstart import oracle_trajectories, sft_arrays
+from trace_jax.rl.warmstart import abc_sft_weighted, oracle_trajectories, sft_arrays
 from trace_jax.rollout.batch import episode_view
 from trace_jax.rollout.budget import rows_within_budget
 from trace_jax.scoring.receipts import excerpt, safe_filename, write_receipt
@@ -264,6 +265,13 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
     arrays = sft_arrays(environment.chat, ws.render_rollout(run_config.rollout), environment.browser, results,
                         length_multiple=ws.length_multiple, max_length=ws.max_length,
                         answer_weight=ws.answer_weight)
+    if ws.weighting == "abc":  # ABC-SFT: the RL step's ABC scorer weighs each demonstration step
+        scoring = ABCStepScoring(run_config.update.abc, getattr(environment.browser, "corpus", None))
+        try:
+            arrays, abc_metrics = abc_sft_weighted(arrays, scoring, answer_step=run_config.credit.abc_answer_step)
+        finally:
+            scoring.close()
+        log("warm start: ABC-SFT weights, " + ", ".join(f"{k} {v:.3f}" for k, v in abc_metrics.items()))
     optimizer = make_optimizer(ws.optimizer)
     step_fn = make_train_step(environment.model_config, LossConfig(mode="sft", entropy_metric=False), optimizer,
                               mesh=mesh, rules=rules)

@@ -6,7 +6,7 @@
          one pass; only when the estimator `requires` answer_scores), on the answer
          continuation of `scoring.continuation.build_answer_continuation`              phase "scoring"
          (the builder `trace-jax credit` uses), ABC step counts from the step
-         scorer of `UpdateConfig.abc` (rules or the LLM judge; abc_grpo, abc_sft)
+         scorer of `UpdateConfig.abc` (rules or the LLM judge; abc_grpo, abc_sft_online)
          with the answer turn folded into the last step (`CreditConfig.
          abc_answer_step`), GiGPO anchor keys (gigpo, `CreditConfig.gigpo_anchor`)
       -> `compute_advantages(CreditConfig, ...)`: per-token advantages              phase "credit"
@@ -26,7 +26,8 @@ reward per episode in its group's statistics, turns numbered across its rows), a
 broadcast onto the rows' tokens (`credit.segment_token_advantages`). The `LossBatch` has one row per segment,
 padded with empty rows (loss mask 0) to a multiple of `P x G`, so the update compiles for a few row counts only.
 
-ABC-SFT is the estimator `abc_sft`: its "advantages" are the per-token SFT weights `abc_sft_weights(step rewards)`,
+ABC-SFT online (ours; the paper's ABC-SFT is the warm start, `trace_jax.rl.warmstart`) is the estimator
+`abc_sft_online`: its "advantages" are the per-token SFT weights `abc_sft_weights(step rewards)`,
 it runs with `LossConfig.mode = 'sft'`, and by default it keeps only trajectories whose answer is verified correct
 (`CreditResult.row_mask`: the dropped rows' loss mask is zeroed, so they count in neither sum nor count; a step
 or a mini-batch whose rows are all dropped makes no optimizer step, logged as `skipped_mini_batches`).
@@ -51,14 +52,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax import models
-from trace_jax.abc import counts_to_arrays
-from trace_jax.credit import (abc_step_rewards, compute_advantages, episode_states, fold_answer_steps,
-                              segment_token_advantages, trace_values, turn_layout)
+from trace_jax.credit import (compute_advantages, episode_states, segment_token_advantages, trace_values,
+                              turn_layout)
 from trace_jax.credit.config import CreditConfig
 from trace_jax.credit.gigpo import anchor_key_ids, state_keys
 from trace_jax.credit.registry import CreditInputs, CreditResult, get_estimator
 from trace_jax.models.alignment import to_token_aligned
-from trace_jax.rl.abc_scoring import ABCScorerConfig, ABCStepScoring
+from trace_jax.rl.abc_scoring import ABCScorerConfig, ABCStepScoring, step_rewards_from_counts
 from trace_jax.rl.credit_diagnostics import credit_diagnostics
 from trace_jax.rl.evaluate import episode_correct
 from trace_jax.rl.warmstart import check_answer_template_choice, resolve_answer_template
@@ -96,7 +96,7 @@ class UpdateConfig:
       kl_metric: log `kl_ref`, the k3 estimate of KL(pi_old || pi_ref) on the sampled tokens, from the reference's
         log-probs of the trajectories; costs the reference's LM head over every token (with `LossConfig.kl_coef >
         0` the update computes those anyway and the train step logs `kl`).
-      abc: the ABC step scorer of abc_grpo / abc_sft (`ABCScorerConfig`: `rules` or the LLM `judge`; bind
+      abc: the ABC step scorer of abc_grpo / abc_sft_online (`ABCScorerConfig`: `rules` or the LLM `judge`; bind
         `UpdateConfig.abc = @ABCScorerConfig()`).
     """
 
@@ -127,12 +127,12 @@ class UpdateConfig:
 def check_compatible(credit: CreditConfig, loss: LossConfig, update: UpdateConfig, rows: int) -> None:
     """Raise ValueError naming the bindings when the estimator, the loss and the update cannot work together."""
     estimator = get_estimator(credit.estimator)
-    if credit.estimator == "abc_sft" and loss.mode != "sft":
-        raise ValueError("CreditConfig.estimator = 'abc_sft' is weighted SFT: bind LossConfig.mode = 'sft' "
-                         "(configs/credit/abc_sft.gin does)")
-    if loss.mode == "sft" and credit.estimator != "abc_sft":
+    if credit.estimator == "abc_sft_online" and loss.mode != "sft":
+        raise ValueError("CreditConfig.estimator = 'abc_sft_online' is weighted SFT: bind LossConfig.mode = 'sft' "
+                         "(configs/credit/abc_sft_online.gin does)")
+    if loss.mode == "sft" and credit.estimator != "abc_sft_online":
         raise ValueError(f"LossConfig.mode = 'sft' trains on the estimator's output as SFT weights; only "
-                         f"'abc_sft' produces weights, got CreditConfig.estimator = {credit.estimator!r}; bind "
+                         f"'abc_sft_online' produces weights, got CreditConfig.estimator = {credit.estimator!r}; bind "
                          "LossConfig.mode = 'rl'")
     if loss.mode == "rl" and estimator.ratio != loss.ratio_level:
         raise ValueError(f"estimator {credit.estimator!r} is meant for LossConfig.ratio_level = "
@@ -295,15 +295,10 @@ class RLPipeline:
         `UpdateConfig.abc` on each episode; with `CreditConfig.abc_answer_step = 'fold'` the answer turn is part of
         the last tool step (`fold_answer_steps`)."""
         counts, metrics = self.abc_scoring.score(rollout.episodes)
-        arrays = counts_to_arrays(counts, num_steps_max=self.rollout.max_turns + 1)
-        found, excluded, rejected, ans = (jnp.asarray(arrays[k]) for k in ("n_found", "n_excluded", "n_rejected",
-                                                                             "ans"))
-        num_steps = jnp.asarray(arrays["num_steps"])
-        if self.credit.abc_answer_step == "fold":
-            found, excluded, rejected, ans, num_steps = fold_answer_steps(
-                found, excluded, rejected, ans, num_steps, jnp.asarray(episode_view(rollout.batch).num_turns))
-        rewards = abc_step_rewards(found, excluded, rejected, ans)
-        return np.asarray(rewards, np.float32), np.asarray(num_steps, np.int32), metrics
+        rewards, num_steps = step_rewards_from_counts(counts, episode_view(rollout.batch).num_turns,
+                                                      answer_step=self.credit.abc_answer_step,
+                                                      num_steps_max=self.rollout.max_turns + 1)
+        return rewards, num_steps, metrics
 
     def _credit_fn(self, num_groups: int):
         if num_groups not in self._credit_fns:

@@ -4,6 +4,16 @@ A policy that starts from random weights (the embedded CPU default) cannot disco
 so it is first fine-tuned on oracle trajectories (`trace_jax.envs.oracle`). This stage is ours, clearly labelled:
 the paper starts from pretrained Qwen3 and does no SFT.
 
+ABC-SFT (credit-spec section 3, the ABC paper's supervised stage) is this stage with `WarmStartConfig.weighting =
+'abc'` and a share of failed demonstrations (`failed_share`: the oracle answering from a wrong page or giving up,
+`OracleConfig.failure`; the paper's data is 5.5K correct and 3.0K incorrect trajectories). Each demonstration's
+steps are scored by the scorer the RL step uses (`trace_jax.rl.abc_scoring.ABCStepScoring` of
+`UpdateConfig.abc`: the rules on procedural tasks, the LLM judge for external sets) on the replayed episode, the
+counts become step rewards as in the RL step (`step_rewards_from_counts`: answer turn folded into the last tool
+step), and each step's assistant tokens are weighted by `w_t = 2 sigmoid(2 (r_t - 1))`
+(`trace_jax.credit.abc_sft_weights`, broadcast by `trace_jax.credit.step_values_to_tokens`). ABC-GRPO then starts
+from its checkpoint (`configs/credit/abc_pipeline.gin`).
+
 What the policy is trained on must be what it will later see and generate. So an oracle episode is *replayed*
 through the agent loop's own pieces rather than rendered from its chat messages:
 
@@ -26,14 +36,16 @@ the oracle's final message, so the answer template TRACE scores after each state
 `trace_jax.scoring.continuation`) is derived here from the oracle's, and `tests/rl/test_policy_answer_template.py`
 checks it against real demonstrations, token ids included.
 
-This module knows the oracle, the chat format and the agent loop's conventions; it knows nothing about the train
-step or credit estimators (ABC-SFT weights arrive as per-turn numbers from the caller). It describes the warm
-start's optimizer as an `OptimizerConfig` (`WarmStartConfig.optimizer`) but does not build it.
+This module knows the oracle, the chat format, the agent loop's conventions and (for ABC-SFT) the ABC step scorer
+and the credit functions that turn its scores into token weights; it knows nothing about the train step or the
+credit estimators of the RL step. It describes the warm start's optimizer as an `OptimizerConfig`
+(`WarmStartConfig.optimizer`) but does not build it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -42,10 +54,13 @@ from trace_jax.envs.browser import Browser, tool_schemas
 from trace_jax.envs.oracle import OracleConfig, OracleResult, answer_template, chat_answer_template, solve
 from trace_jax.models.chat import ChatFormat, ToolCall, parse_tool_call
 from trace_jax.rollout.agent import RolloutConfig, error_observation
-from trace_jax.rollout.batch import build_batch
+from trace_jax.rollout.batch import EpisodeRecord, build_batch
 from trace_jax.scoring.continuation import ANSWER_PLACEHOLDER, ANSWER_TAG_TEMPLATE, check_answer_template
 from trace_jax.train.config import OptimizerConfig, TrainConfigError
 from trace_jax.train.loss import length_bucket
+
+
+WEIGHTINGS = ("uniform", "abc")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +96,14 @@ class WarmStartConfig:
         a mean over all ~100 generated tokens of an episode, of which only the first mention of the answer value
         needs the observation; the protocol tokens are learned early and then dominate the batch. Pass it to
         `sft_arrays(..., answer_weight=...)`.
+      weighting: "uniform" (plain SFT: every assistant token weight 1) or "abc" (ABC-SFT: each step's assistant
+        tokens weighted by `2 sigmoid(2 (r_t - 1))` of its ABC step score; the scorer is `UpdateConfig.abc`, the
+        answer turn joins its step as `CreditConfig.abc_answer_step` says). Multiplies `answer_weight`.
+      failed_share: share of the `num_trajectories` demonstrations on which the oracle fails on purpose, answering
+        from a wrong page or giving up (`OracleConfig.failure`, half each on average); exactly
+        `round(failed_share * num_trajectories)` of them, chosen by `oracle_seed`. Failed demonstrations are kept
+        whatever `only_solved` says (it drops the others that the oracle could not solve). The paper's ABC-SFT
+        data: 3.0K of 8.5K, 0.35.
     """
 
     steps: int = 0
@@ -100,8 +123,14 @@ class WarmStartConfig:
     max_length: int = 0
     max_turns: int = 0
     answer_weight: float = 1.0
+    weighting: str = "uniform"
+    failed_share: float = 0.0
 
     def __post_init__(self):
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"WarmStartConfig.weighting must be one of {WEIGHTINGS}, got {self.weighting!r}")
+        if isinstance(self.failed_share, bool) or not 0.0 <= self.failed_share < 1.0:
+            raise ValueError(f"WarmStartConfig.failed_share must be in [0, 1), got {self.failed_share!r}")
         for name in ("num_trajectories", "batch_size", "oracle_topn", "length_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"WarmStartConfig.{name} must be >= 1, got {getattr(self, name)!r}")
@@ -151,6 +180,8 @@ class SFTArrays:
       turn_index: int32 [N, L] the agent loop's turn index (-1 off the generated tokens).
       lengths: int32 [N] real tokens per row.
       task_ids: the task of each row.
+      episodes: each row's replayed episode as the rollouts record it (`EpisodeRecord`: turn texts, tool calls, the
+        observations the replay got, the task's clues), what ABC's step scorer reads.
     """
 
     tokens: np.ndarray
@@ -160,6 +191,7 @@ class SFTArrays:
     turn_index: np.ndarray
     lengths: np.ndarray
     task_ids: tuple[str, ...]
+    episodes: tuple[EpisodeRecord, ...] = ()
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -194,12 +226,13 @@ def oracle_assistant_turns(chat: ChatFormat, result: OracleResult) -> list[list[
 
 
 def replay_row(chat: ChatFormat, rollout: RolloutConfig, question: str, turns: Sequence[Sequence[int]],
-               browser: Browser) -> dict[str, Any]:
+               browser: Browser, episode: EpisodeRecord | None = None) -> dict[str, Any]:
     """One episode's row (the `build_batch` row format) from scripted assistant turns, replayed like the agent loop.
 
     Every turn but the last must be a tool call: it is parsed, run on `browser` (a fresh fork) and its observation
     appended. The last turn is the final answer. Raises ValueError when the replay does not fit
-    `rollout.max_context` or has more tool turns than `rollout.max_turns` (the rollout would have cut it).
+    `rollout.max_context` or has more tool turns than `rollout.max_turns` (the rollout would have cut it). When
+    `episode` is given, the turns' texts, calls and observations are recorded in it as `run_episodes` records them.
     """
     if not turns:
         raise ValueError("an episode needs at least one assistant turn")
@@ -216,11 +249,19 @@ def replay_row(chat: ChatFormat, rollout: RolloutConfig, question: str, turns: S
         row["loss_mask"] += [1.0] * len(turn)
         row["turn_index"] += [k] * len(turn)
         if k == len(turns) - 1:
+            if episode is not None:
+                episode.turn_texts.append(chat.tokenizer.decode(turn, skip_special_tokens=False))
+                episode.final_text = episode.turn_texts[-1]
             break
-        call = parse_tool_call(chat.tokenizer.decode(turn, skip_special_tokens=False))
-        observation = (browser.execute(call.name, call.arguments) if isinstance(call, ToolCall)
-                       else error_observation(call.message))
-        response = chat.tool_response_ids(rollout.cut_observation(observation), previous_ids=turn)
+        text = chat.tokenizer.decode(turn, skip_special_tokens=False)
+        call = parse_tool_call(text)
+        observation = rollout.cut_observation(browser.execute(call.name, call.arguments) if isinstance(call, ToolCall)
+                                              else error_observation(call.message))
+        if episode is not None:
+            episode.turn_texts.append(text)
+            episode.tool_calls.append((call.name, call.arguments) if isinstance(call, ToolCall) else call.message)
+            episode.observations.append(observation)
+        response = chat.tool_response_ids(observation, previous_ids=turn)
         row["tokens"] += response
         row["loss_mask"] += [0.0] * len(response)
         row["turn_index"] += [-1] * len(response)
@@ -231,15 +272,27 @@ def replay_row(chat: ChatFormat, rollout: RolloutConfig, question: str, turns: S
     return row
 
 
+def failing_demonstrations(config: WarmStartConfig) -> dict[int, str]:
+    """`{demonstration index: OracleConfig.failure}` of the demonstrations that fail on purpose: exactly
+    `round(failed_share * num_trajectories)` indices and their failure ("wrong_page" or "give_up"), drawn from
+    `oracle_seed`."""
+    count = round(config.failed_share * config.num_trajectories)
+    rng = random.Random(f"failed-demonstrations:{config.oracle_seed}")
+    return {i: rng.choice(("wrong_page", "give_up")) for i in sorted(rng.sample(range(config.num_trajectories),
+                                                                                 count))}
+
+
 def oracle_trajectories(tasks: Sequence[Any], browser: Browser, config: WarmStartConfig) -> list[OracleResult]:
-    """Oracle episodes for `config.num_trajectories` tasks (cycling through `tasks`), only solved ones when
-    `config.only_solved`."""
+    """Oracle episodes for `config.num_trajectories` tasks (cycling through `tasks`): the `failing_demonstrations`
+    fail on purpose and are kept; of the others, only solved ones when `config.only_solved`."""
     if not tasks:
         raise ValueError("warm start needs at least one training task")
+    failing = failing_demonstrations(config)
     results = []
     for i in range(config.num_trajectories):
-        result = solve(browser.fork(), tasks[i % len(tasks)], config.oracle)
-        if result.solved or not config.only_solved:
+        oracle = dataclasses.replace(config.oracle, failure=failing[i]) if i in failing else config.oracle
+        result = solve(browser.fork(), tasks[i % len(tasks)], oracle)
+        if result.solved or not config.only_solved or i in failing:
             results.append(result)
     if not results:
         raise ValueError("the oracle solved none of the warm-start tasks; check the browser settings "
@@ -264,15 +317,20 @@ def sft_arrays(chat: ChatFormat, rollout: RolloutConfig, browser: Browser, resul
       turn_weights: optional `(row, turn) -> weight` for per-turn SFT weights (ABC-SFT); default 1.
       answer_weight: a further factor on each row's last (answer) turn (`WarmStartConfig.answer_weight`).
     """
-    rows, kept, first_error = [], [], None
+    rows, kept, episodes, first_error = [], [], [], None
     for result in results:
+        task = result.task
+        episode = EpisodeRecord(task_id=task.task_id, question=task.question,  # as run_episodes records it
+                                gold=(str(task.answer),) + tuple(str(a) for a in getattr(task, "aliases", ()) or ()),
+                                clues=tuple(getattr(task, "clues", ()) or ()))
         try:
-            row = replay_row(chat, rollout, result.task.question, oracle_assistant_turns(chat, result), browser)
+            row = replay_row(chat, rollout, task.question, oracle_assistant_turns(chat, result), browser, episode)
             if max_length and len(row["tokens"]) > max_length:
                 raise ValueError(f"task {result.task.task_id}: the rendered trajectory has {len(row['tokens'])} "
                                  f"tokens, more than WarmStartConfig.max_length={max_length}")
             rows.append(row)
             kept.append(result)
+            episodes.append(episode)
         except ValueError as error:
             first_error = first_error or error
     if not rows:
@@ -297,7 +355,40 @@ def sft_arrays(chat: ChatFormat, rollout: RolloutConfig, browser: Browser, resul
         weights = np.where((turn_index == last_turn) & (loss_mask > 0), weights * answer_weight, weights)
     return SFTArrays(tokens=np.asarray(batch.tokens), positions=np.asarray(batch.positions), loss_mask=loss_mask,
                      weights=weights, turn_index=turn_index, lengths=np.asarray(batch.lengths),
-                     task_ids=tuple(r.task.task_id for r in kept))
+                     task_ids=tuple(r.task.task_id for r in kept), episodes=tuple(episodes))
+
+
+def abc_sft_weighted(arrays: SFTArrays, scoring, *, answer_step: str = "fold") -> tuple[SFTArrays, dict[str, float]]:
+    """ABC-SFT: `arrays` with each step's assistant tokens' weight multiplied by `2 sigmoid(2 (r_t - 1))`.
+
+    `scoring` is the RL step's `trace_jax.rl.abc_scoring.ABCStepScoring`; it scores the replayed episodes
+    (`arrays.episodes`), `step_rewards_from_counts` turns the counts into step rewards exactly as the RL step does
+    (`answer_step`: `CreditConfig.abc_answer_step`), `trace_jax.credit.abc_sft_weights` weighs them and
+    `trace_jax.credit.step_values_to_tokens` puts step `min(k, num_steps - 1)`'s weight on turn `k`'s tokens.
+    Returns the arrays and statistics: the scorer's, `abc_sft/mean_step_weight` (over real steps),
+    `abc_sft/correct_share` and `abc_sft/failed_share` (demonstrations whose last step's answer checks -1).
+    """
+    import jax.numpy as jnp
+
+    from trace_jax.credit import abc_sft_weights, step_values_to_tokens
+    from trace_jax.rl.abc_scoring import step_rewards_from_counts
+
+    if len(arrays.episodes) != len(arrays):
+        raise ValueError(f"abc_sft_weighted needs the replayed episode of every row ({len(arrays)} rows, "
+                         f"{len(arrays.episodes)} episodes): make the arrays with sft_arrays")
+    counts, metrics = scoring.score(arrays.episodes)
+    rewards, num_steps = step_rewards_from_counts(counts, [len(e.observations) for e in arrays.episodes],
+                                                  answer_step=answer_step)
+    step_weights = abc_sft_weights(jnp.asarray(rewards))
+    tokens = step_values_to_tokens(step_weights, jnp.asarray(arrays.turn_index), jnp.asarray(arrays.loss_mask),
+                                   jnp.asarray(num_steps))
+    real = np.arange(rewards.shape[1])[None, :] < num_steps[:, None]
+    answers = [next((c.ans for c in reversed(row) if c.ans), 0) for row in counts]
+    metrics = {**metrics, "abc_sft/mean_step_weight": float(np.asarray(step_weights)[real].mean()),
+               "abc_sft/correct_share": answers.count(1) / max(1, len(answers)),
+               "abc_sft/failed_share": answers.count(-1) / max(1, len(answers))}
+    weights = (arrays.weights * np.asarray(tokens, np.float32)).astype(np.float32)
+    return dataclasses.replace(arrays, weights=weights), metrics
 
 
 # ---------------------------------------------------------------------------------------------- answer templates

@@ -26,7 +26,7 @@ Output (in --out): `credit.jsonl` (one line per scored record), `receipts/<id>.h
 score-derived field and the flag `nonfinite_scores`. Malformed records are reported on stderr with their line number
 and skipped. Exit status: 0 when at least one record was scored, 1 when none was, 2 for unusable arguments.
 
-ABC estimators (abc_grpo, abc_sft) need step counts from a step scorer, which lives in `trace_jax.abc`, above this
+ABC estimators (abc_grpo, abc_sft_online) need step counts from a step scorer, which lives in `trace_jax.abc`, above this
 package: the `trace-jax` dispatcher composes it in (`run(args, step_counting=...)`, built by
 `trace_jax.abc.cli.credit_extensions`), so this package never imports `trace_jax.abc`.
 
@@ -147,7 +147,7 @@ class RecordError(ValueError):
 
 @dataclass(frozen=True)
 class StepCounting:
-    """Where ABC step counts come from, for estimators that require `step_rewards` (abc_grpo, abc_sft). The
+    """Where ABC step counts come from, for estimators that require `step_rewards` (abc_grpo, abc_sft_online). The
     `trace-jax` dispatcher passes one built by `trace_jax.abc.cli.credit_extensions`.
 
     Attributes:
@@ -302,7 +302,7 @@ def prepare_record(line_number: int, text: bytes | str, chat, tokenizer, args, c
                           f"is {max_positions} (max_position_embeddings) and nothing past it is scored. Shorten the "
                           "record (fewer turns or shorter observations) or use a reference with a longer context")
     step_counts = None
-    if "step_rewards" in get_estimator(config.estimator).requires:  # abc_grpo, abc_sft
+    if "step_rewards" in get_estimator(config.estimator).requires:  # abc_grpo, abc_sft_online
         if step_counting is None:
             raise RecordError(f"--estimator {config.estimator} needs ABC step counts and none were given; run it as "
                               "`trace-jax credit`, which takes them from trace_jax.abc")
@@ -421,7 +421,8 @@ def credit_inputs_for(prepared: list[Prepared], scores: list[np.ndarray], groups
         if answer_step == "fold":
             *arrays, num_steps = fold_answer_steps(*arrays, num_steps,
                                                    jnp.asarray([p.num_turns for p in prepared], jnp.int32))
-        extra["step_rewards"] = abc_step_rewards(*arrays)
+        # an answer turn makes no tool call, so folding never moves a tool error
+        extra["step_rewards"] = abc_step_rewards(*arrays, jnp.asarray(counts["tool_error"]))
         extra["num_steps"] = num_steps
         # ABC-SFT's filter: the answer step's own check (`ans` = +1 on an exact match with the gold answer)
         extra["correct"] = jnp.asarray([any(c.ans == 1 for c in p.step_counts) for p in prepared])
