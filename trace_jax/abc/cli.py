@@ -353,8 +353,8 @@ def credit_step_counts(record: dict, messages: list, answer: str) -> list[StepCo
 
     if not isinstance(record.get("clues"), list):
         raise ValueError("field 'clues' (the gold clue chain, a list of {docid, entity, relation, value, kind}) is "
-                         "needed by the ABC estimators (abc_grpo, abc_sft_online); oracle records from `trace-jax make-tasks "
-                         "--oracle` carry it")
+                         "needed by the ABC estimators (abc_grpo, abc_sft_online); oracle records from "
+                         "`trace-jax make-tasks --oracle` carry it")
     aliases = record.get("aliases") or []
     gold = [answer] + [str(a) for a in aliases if isinstance(a, str)]
     try:

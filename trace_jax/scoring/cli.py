@@ -26,8 +26,8 @@ Output (in --out): `credit.jsonl` (one line per scored record), `receipts/<id>.h
 score-derived field and the flag `nonfinite_scores`. Malformed records are reported on stderr with their line number
 and skipped. Exit status: 0 when at least one record was scored, 1 when none was, 2 for unusable arguments.
 
-ABC estimators (abc_grpo, abc_sft_online) need step counts from a step scorer, which lives in `trace_jax.abc`, above this
-package: the `trace-jax` dispatcher composes it in (`run(args, step_counting=...)`, built by
+ABC estimators (abc_grpo, abc_sft_online) need step counts from a step scorer, which lives in `trace_jax.abc`,
+above this package: the `trace-jax` dispatcher composes it in (`run(args, step_counting=...)`, built by
 `trace_jax.abc.cli.credit_extensions`), so this package never imports `trace_jax.abc`.
 
 This module is host code: file handling, tokenisation and formatting. Device work is in `fork.py` and the credit API.
