@@ -268,7 +268,7 @@ def test_a_bfloat16_reference_is_held_sharded_in_bfloat16_and_scores_near_float3
     assert not np.array_equal(scores, record["scores"][0])  # scored in bfloat16, not float32
 
 
-# ------------------------------------------------------------------------------------------------ the rollout copy's dtype
+# --------------------------------------------------------------------------------------------- the rollout copy's dtype
 def test_a_bfloat16_rollout_copy_is_the_policy_rounded_in_the_rollout_layout(runs):
     record = runs["fsdp4_tensor2"]
     config, environment = record["config"], record["environment"]
