@@ -747,14 +747,16 @@ class _Programs:
         self.state = abstract_train_state(model_config, self.optimizer, mesh=mesh, rules=self.rules)
         shapes = jax.eval_shape(lambda: models.init_params(model_config, jax.random.PRNGKey(0), dtype="float32"))
         # The frozen reference: the initial policy cast to TrainConfig.reference_dtype in the train layout
-        # (loop.Placement.frozen); the rollout copy: the policy's params resharded to the rollout layout
-        # (Placement.rollout_params), in their own dtype.
+        # (loop.Placement.frozen); the rollout copy: the policy's params cast to TrainConfig.rollout_dtype and
+        # resharded to the rollout layout (Placement.rollout_params).
         reference_dtype = jnp.dtype(run_config.train.reference_dtype)
         self.reference = _abstract(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, reference_dtype),
                                                           shapes), models.param_shardings(model_config, mesh,
                                                                                           self.rules))
         self.rollout_shardings = models.param_shardings(model_config, mesh, self.rollout_rules)
-        self.rollout_params = _abstract(shapes, self.rollout_shardings)
+        rollout_dtype = jnp.dtype(run_config.train.rollout_dtype)
+        self.rollout_params = _abstract(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, rollout_dtype),
+                                                               shapes), self.rollout_shardings)
         self.rows = run_config.train.prompts_per_step * run_config.rollout.group_size
         self.length = run_config.rollout.max_context
         # Rollout rows at once: all of them, or as many as the per-chip KV budget holds.
@@ -836,12 +838,22 @@ class _Programs:
 
     def reshard(self, report: ProgramReport):
         """The policy's params from the train layout to the rollout layout (`Placement.rollout_params`)."""
+        import jax
+        import jax.numpy as jnp
+
         from trace_jax import models
 
-        params = self.state.params
+        train_params = self.state.params
+        # Placement.rollout_params casts to TrainConfig.rollout_dtype in the train layout first (elementwise, a fresh
+        # copy), so the reshard reads params of that dtype while the float32 train params stay.
+        rollout_dtype = jnp.dtype(self.run.train.rollout_dtype)
+        params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, rollout_dtype, sharding=x.sharding),
+                                        train_params)
+        cast = any(x.dtype != rollout_dtype for x in jax.tree_util.tree_leaves(train_params))
         report.shape = "policy params, train layout -> rollout layout"
         # The rest of the train state and the reference stay; the train-layout params are the program's argument.
-        report.resident_other_bytes = (device_bytes(self.state) - device_bytes(params) + device_bytes(self.reference))
+        report.resident_other_bytes = (device_bytes(self.state) - (0 if cast else device_bytes(train_params))
+                                       + device_bytes(self.reference))
         program = models.reshard_program(self.rollout_shardings)
         _compile(report, lambda: program.lower(params), device_bytes(params), self.devices)
 
@@ -983,6 +995,7 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
         raise PlanError(f"{topology.name} has {topology.num_chips} chips: {error}") from None
     devices = tpu_devices(topology) if topology.chip.platform == "tpu" else None  # fail before any work
     model_config, how = resolve_model(run_config, preset=model_preset)
+    model_config = run_config.train.policy_model(model_config)
     model_config = _override_model(model_config, plan_config, topology.chip.platform)
     rows = run_config.train.prompts_per_step * run_config.rollout.group_size
     settings = dict(rows=rows, length=run_config.rollout.max_context, micro_batches=run_config.loss.micro_batches,
@@ -1084,15 +1097,19 @@ def _gpu_report(topology, axes, model_config, how, settings, run_config, plan_co
     cache_per_device = cache // max(1, settings["batch_shards"])
     train = ProgramReport("train", f"{rows // run_config.update.mini_batches} rows x {length} tokens")
     train.model_flops = flops_per_token(model_config, length) * (rows // run_config.update.mini_batches) * length
-    train.resident_other_bytes = per_device_params
     decode = ProgramReport("decode", f"{rows} rows, KV cache of {length} tokens")
+    # the frozen reference in TrainConfig.reference_dtype (the params above are float32)
+    reference_dtype = run_config.train.reference_dtype
+    reference_bytes = per_device_params * np.dtype(jax.numpy.dtype(reference_dtype)).itemsize // 4
+    settings = dict(settings, reference_dtype=reference_dtype)
+    train.resident_other_bytes = reference_bytes
     report = PlanReport(topology, axes, how, settings, [train, decode],
-                        {"train state": state_bytes, "reference": per_device_params}, checked=False)
+                        {"train state": state_bytes, "reference": reference_bytes}, checked=False)
     report.notes += [
         f"GPU target {topology.chip.name} x {topology.num_chips}: no GPU compiler runs on this CPU host, so only "
         "what shapes and shardings determine is checked here.",
         f"checked: mesh {axes} matches {topology.num_chips} GPUs; per device the float32 train state (params + "
-        f"AdamW) {state_bytes / GIB:.2f} GiB, the reference {per_device_params / GIB:.2f} GiB, the rollout KV "
+        f"AdamW) {state_bytes / GIB:.2f} GiB, the reference {reference_bytes / GIB:.2f} GiB, the rollout KV "
         f"cache {cache_per_device / GIB:.2f} GiB (rows over the batch rule's axes); model FLOPs per update "
         f"{train.model_flops:.3g}.",
         "not checked: activation temporaries, XLA's buffer assignment and the step time; run `trace-jax plan` on "

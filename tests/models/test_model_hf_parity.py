@@ -166,3 +166,57 @@ def test_unsupported_model_type_without_architectures(checkpoints, tmp_path):
     path = _copy_checkpoint(checkpoints["llama-gqa4-tied"][1], tmp_path, edit_config=edit)
     with pytest.raises(models.ConfigError, match="model_type.*gemma"):
         models.load_pretrained(path)
+
+
+# YaRN (Qwen3's documented context extension): positions far beyond original_max_position_embeddings, where the
+# interpolated frequencies and the cos/sin attention factor both matter.
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+YARN_LENGTH = 200
+
+
+@pytest.fixture(scope="module")
+def yarn_checkpoint(tmp_path_factory):
+    hf_config = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=256, rope_parameters=dict(YARN_ROPE))
+    torch.manual_seed(3)
+    model = transformers.Qwen3ForCausalLM(hf_config).eval()
+    directory = str(tmp_path_factory.mktemp("qwen3-yarn"))
+    model.save_pretrained(directory)
+    config, params = models.load_pretrained(directory)
+    return model, config, params
+
+
+def test_yarn_config_loads_from_a_transformers_checkpoint(yarn_checkpoint):
+    _, config, _ = yarn_checkpoint
+    assert (config.rope_type, config.rope_scaling_factor, config.rope_original_max_position) == ("yarn", 4.0, 64)
+
+
+def test_yarn_logits_match_transformers_beyond_the_original_context(yarn_checkpoint):
+    model, config, params = yarn_checkpoint
+    tokens = random_tokens(2, YARN_LENGTH, seed=4)
+    ours = np.asarray(models.forward(config, params, jnp.asarray(tokens)))
+    np.testing.assert_allclose(ours, torch_logits(model, tokens), atol=1e-5, rtol=0)
+
+
+def test_yarn_cached_decode_matches_transformers_beyond_the_original_context(yarn_checkpoint):
+    model, config, params = yarn_checkpoint
+    tokens = random_tokens(2, YARN_LENGTH, seed=5)
+    expected = torch_logits(model, tokens)
+    prompt = 150
+    cache = models.init_cache(config, 2, YARN_LENGTH)
+    logits, cache = models.extend(config, params, cache, jnp.asarray(tokens[:, :prompt]), jnp.full((2,), prompt),
+                                  return_logits="all")
+    np.testing.assert_allclose(np.asarray(logits), expected[:, :prompt], atol=1e-5, rtol=0)
+    for t in range(prompt, YARN_LENGTH):
+        logits, cache = models.extend(config, params, cache, jnp.asarray(tokens[:, t:t + 1]), jnp.ones((2,), jnp.int32))
+        np.testing.assert_allclose(np.asarray(logits), expected[:, t], atol=1e-5, rtol=0)
+
+
+def test_yarn_checkpoint_saved_by_us_reloads_in_transformers(yarn_checkpoint, tmp_path):
+    model, config, params = yarn_checkpoint
+    models.save_pretrained(tmp_path, config, params)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert reloaded.config.rope_parameters["rope_type"] == "yarn"
+    tokens = random_tokens(1, YARN_LENGTH, seed=6)
+    np.testing.assert_allclose(torch_logits(reloaded, tokens), torch_logits(model, tokens), atol=1e-6, rtol=0)

@@ -268,6 +268,21 @@ def test_a_bfloat16_reference_is_held_sharded_in_bfloat16_and_scores_near_float3
     assert not np.array_equal(scores, record["scores"][0])  # scored in bfloat16, not float32
 
 
+# --------------------------------------------------------------------------------------------- the rollout copy's dtype
+def test_a_bfloat16_rollout_copy_is_the_policy_rounded_in_the_rollout_layout(runs):
+    record = runs["fsdp4_tensor2"]
+    config, environment = record["config"], record["environment"]
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, rollout_dtype="bfloat16"))
+    placement = Placement(config, environment.model_config)
+    policy = placement.policy(environment.params)
+    rollout = placement.rollout_params(policy)
+    assert {x.dtype for x in jax.tree_util.tree_leaves(rollout)} == {np.dtype(jax.numpy.bfloat16)}
+    assert {k: _shard(x) for k, x in _flat(rollout).items()} == record["rollout_shards"]
+    assert {x.dtype for x in jax.tree_util.tree_leaves(policy)} == {np.dtype(np.float32)}  # master weights stay
+    for key, value in _flat(rollout).items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(_flat(policy)[key]).astype(jax.numpy.bfloat16))
+
+
 # ------------------------------------------------------------------------------------------------ the record
 def test_a_run_records_its_mesh_in_the_summary_and_its_first_log_line(tmp_path):
     gin = tmp_path / "run.gin"

@@ -7,6 +7,7 @@ import types
 import numpy as np
 import pytest
 
+from trace_jax import models
 from trace_jax.rl import evaluate as evaluate_module
 from trace_jax.rl.evaluate import EvalConfig, evaluate
 from trace_jax.rl.gin_setup import parse
@@ -23,6 +24,21 @@ def test_paper_configs_carry_the_papers_numbers(name):
     assert config.update.mini_batches > 1
     rows_per_update = 16 * 8 // config.update.mini_batches
     assert rows_per_update % config.loss.micro_batches == 0
+
+
+@pytest.mark.parametrize("name, preset", [("qwen3_4b.gin", "qwen3-4b"), ("qwen3_30b_a3b.gin", "qwen3-30b-a3b")])
+def test_paper_configs_extend_the_32k_model_to_48k_with_yarn(name, preset):
+    config = parse([f"configs/{name}"])
+    model = config.train.policy_model(models.get_preset(preset))
+    assert (model.rope_type, model.rope_original_max_position, model.rope_scaling_factor) == ("yarn", 32768, 1.5)
+    assert model.max_position_embeddings == config.rollout.max_context == 48 * 1024
+
+
+@pytest.mark.parametrize("name", ["qwen3_4b.gin", "qwen3_30b_a3b.gin"])
+def test_paper_configs_sample_and_score_in_bfloat16_with_tis(name):
+    config = parse([f"configs/{name}"])
+    assert (config.train.rollout_dtype, config.train.reference_dtype) == ("bfloat16", "bfloat16")
+    assert config.loss.tis == "token"
 
 
 def test_eval_max_turns_defaults_to_the_rollouts():

@@ -13,7 +13,7 @@ import pytest
 from gin import config_parser as gin_config_parser
 
 from trace_jax.rl import gin_setup
-from trace_jax.rl.gin_setup import CONFIGURABLES, RunConfig, parse, register_configurables
+from trace_jax.rl.gin_setup import CONFIGURABLES, ConfigError, RunConfig, parse, register_configurables
 from trace_jax.rl.sweep import load_sweep
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -210,3 +210,12 @@ def test_config_diff_names_the_run_and_field_a_gin_edit_changes(tmp_path):
     report = config_diff.compare_trees(old, new)
     assert report == {("configs/tiny.gin",): ["credit.horizon: 3 -> 5"],
                       ("configs/tiny.gin", "configs/credit/grpo.gin"): ["credit.horizon: 3 -> 5"]}
+
+
+def test_rope_parameters_are_checked_at_parse_and_stored_hashable():
+    config = parse([str(CONFIGS / "tiny.gin")], ["TrainConfig.rope_parameters = {'rope_type': 'yarn', 'factor': 2.0}"])
+    assert dict(config.train.rope_parameters) == {"rope_type": "yarn", "factor": 2.0}
+    hash(config.train)
+    assert config.train.policy_model(config.train.model).rope_type == "yarn"
+    with pytest.raises(ConfigError, match="TrainConfig.rope_parameters.factor is missing"):
+        parse([str(CONFIGS / "tiny.gin")], ["TrainConfig.rope_parameters = {'rope_type': 'yarn'}"])

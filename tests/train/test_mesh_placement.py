@@ -89,6 +89,13 @@ def test_a_reference_dtype_other_than_float32_or_bfloat16_names_the_field():
         TrainConfig(model=models.get_preset("tiny-qwen3"), reference_dtype="float16")
 
 
+def test_a_rollout_dtype_other_than_float32_or_bfloat16_names_the_field():
+    from trace_jax.rl.gin_setup import TrainConfig
+
+    with pytest.raises(ValueError, match="TrainConfig.rollout_dtype must be 'float32' or 'bfloat16'"):
+        TrainConfig(model=models.get_preset("tiny-qwen3"), rollout_dtype="float16")
+
+
 # ------------------------------------------------------------------------------------------------ MeshConfig.rules
 def test_mesh_config_without_rule_overrides_uses_the_default_rules():
     assert MeshConfig().train_rules() == models.DEFAULT_RULES

@@ -3,6 +3,8 @@
 `ModelConfig` describes a Qwen3 dense, Qwen3-MoE or Llama-family (SmolLM2, Llama 3) decoder. It validates itself
 on construction and is used as a *static* argument of jitted functions, so it must stay hashable (tuples, not
 lists). `ModelConfig.from_hf` reads a Hugging Face `config.json`; `ModelConfig.to_hf_dict` writes one back.
+`ModelConfig.with_rope_parameters` applies a Hugging Face `rope_parameters` / `rope_scaling` dict (e.g. the YaRN
+block of Qwen3's model cards) to a config read elsewhere.
 
 This module knows nothing about parameters, checkpoints or meshes.
 """
@@ -23,6 +25,7 @@ _ARCHITECTURE_TO_MODEL_TYPE = {
 _MODEL_TYPE_TO_ARCHITECTURE = {v: k for k, v in _ARCHITECTURE_TO_MODEL_TYPE.items()}
 _DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+ROPE_TYPES = ("default", "llama3", "yarn")  # see trace_jax.models.decoder.rope_tables
 ATTENTION_IMPLS = ("auto", "xla", "dense", "cudnn", "pallas_tpu")  # see trace_jax.models.attention
 MOE_DISPATCHES = ("auto", "sort", "all_to_all")  # see trace_jax.models.expert_parallel
 
@@ -56,6 +59,14 @@ class ModelConfig:
     `trace_jax.models.expert_parallel`.
     `scan_unroll`: unroll the scans over layers and log-prob chunks (same values). Only for ahead-of-time cost
     analysis, which counts a loop body once (`trace-jax plan`'s step-time variants); never for running.
+
+    Rotary embeddings (`rope_*`, Hugging Face's `rope_parameters` keys in brackets): `rope_type` "default",
+    "llama3" (Llama 3.1 frequency bands: `rope_scaling_factor` [factor], `rope_low_freq_factor`,
+    `rope_high_freq_factor`, `rope_original_max_position` [original_max_position_embeddings]) or "yarn" (YaRN,
+    arXiv:2309.00071, as transformers' `_compute_yarn_parameters`: `rope_scaling_factor` [factor],
+    `rope_original_max_position`, `rope_beta_fast`, `rope_beta_slow`, `rope_truncate` [truncate] shape the
+    interpolation ramp; cos/sin are multiplied by `rope_attention_factor` [attention_factor], 0 = derived from the
+    factor and `rope_mscale` / `rope_mscale_all_dim` [mscale, mscale_all_dim], 0 = unset).
     """
 
     model_type: str
@@ -68,11 +79,17 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_type: str = "default"  # "default" | "llama3"
+    rope_type: str = "default"  # one of ROPE_TYPES
     rope_scaling_factor: float = 1.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_attention_factor: float = 0.0  # 0 = derived (yarn)
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
+    rope_truncate: bool = True
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     qk_norm: bool = False
@@ -118,12 +135,26 @@ class ModelConfig:
         need(self.head_dim % 2 == 0, "head_dim", f"must be even for rotary embeddings, got {self.head_dim}")
         need(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps}")
         need(self.rope_theta > 0, "rope_theta", f"must be > 0, got {self.rope_theta}")
-        need(self.rope_type in ("default", "llama3"), "rope_type",
-             f"unsupported rope type {self.rope_type!r}; supported: 'default', 'llama3'")
+        need(self.rope_type in ROPE_TYPES, "rope_type",
+             f"unsupported rope type {self.rope_type!r}; supported: {', '.join(map(repr, ROPE_TYPES))}")
         if self.rope_type == "llama3":
             need(self.rope_scaling_factor > 0, "rope_scaling_factor", "must be > 0 for llama3 rope")
             need(self.rope_high_freq_factor > self.rope_low_freq_factor, "rope_high_freq_factor",
                  "must exceed rope_low_freq_factor for llama3 rope")
+        if self.rope_type == "yarn":
+            need(self.rope_scaling_factor >= 1, "rope_scaling_factor",
+                 f"must be >= 1 for yarn rope (target context / original context), got {self.rope_scaling_factor}")
+            need(isinstance(self.rope_original_max_position, int) and self.rope_original_max_position > 0,
+                 "rope_original_max_position", "must be a positive int for yarn rope (the pretraining context, e.g. "
+                 f"32768 for Qwen3), got {self.rope_original_max_position!r}")
+            need(self.rope_beta_fast > 0 and self.rope_beta_slow > 0, "rope_beta_fast",
+                 f"rope_beta_fast and rope_beta_slow must be > 0, got {self.rope_beta_fast}, {self.rope_beta_slow}")
+            need(self.rope_beta_fast >= self.rope_beta_slow, "rope_beta_fast",
+                 f"must be >= rope_beta_slow (rotations bounding the ramp), got {self.rope_beta_fast} < "
+                 f"{self.rope_beta_slow}")
+            for name in ("rope_attention_factor", "rope_mscale", "rope_mscale_all_dim"):
+                need(getattr(self, name) >= 0, name, f"must be >= 0 (0 = unset), got {getattr(self, name)}")
+            need(isinstance(self.rope_truncate, bool), "rope_truncate", f"must be a bool, got {self.rope_truncate!r}")
         need(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         need(self.param_dtype in _DTYPES, "param_dtype", f"must be one of {_DTYPES}, got {self.param_dtype!r}")
         need(self.remat in REMAT_POLICIES, "remat", f"must be one of {REMAT_POLICIES}, got {self.remat!r}")
@@ -232,10 +263,8 @@ class ModelConfig:
         heads = int(field("num_attention_heads", required=True))
         rope = dict(field("rope_parameters", None) or field("rope_scaling", None) or {})
         rope_theta = float(rope.get("rope_theta", field("rope_theta", 10000.0)))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ConfigError(f"config.json field 'rope_parameters.rope_type': unsupported {rope_type!r}; "
-                              "supported: 'default', 'llama3'")
+        max_position = int(field("max_position_embeddings", 32768))
+        rope_kwargs = _rope_fields(rope, max_position, "config.json field 'rope_parameters'")
         eos = field("eos_token_id")
         kwargs = dict(
             model_type=model_type,
@@ -248,8 +277,8 @@ class ModelConfig:
             head_dim=int(field("head_dim", hidden // heads)),
             rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
-            rope_type=rope_type,
-            max_position_embeddings=int(field("max_position_embeddings", 32768)),
+            **rope_kwargs,
+            max_position_embeddings=max_position,
             tie_word_embeddings=bool(field("tie_word_embeddings", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             attention_bias=bool(field("attention_bias", False)),
@@ -257,13 +286,6 @@ class ModelConfig:
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             pad_token_id=field("pad_token_id"),
         )
-        if rope_type == "llama3":
-            kwargs.update(
-                rope_scaling_factor=float(rope["factor"]),
-                rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-                rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-                rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
-            )
         if model_type == "qwen3_moe":
             kwargs.update(
                 num_experts=int(field("num_experts", None) or field("num_local_experts", required=True)),
@@ -277,13 +299,45 @@ class ModelConfig:
         kwargs.update(overrides)
         return cls(**kwargs)
 
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The Hugging Face `config.json` contents for this config (transformers 5 layout)."""
+    def with_rope_parameters(self, rope_parameters: Mapping[str, Any], *, what: str = "rope_parameters"
+                             ) -> "ModelConfig":
+        """This config with its rotary embedding replaced by a Hugging Face `rope_parameters` (or older
+        `rope_scaling`) dict, e.g. Qwen3's model-card YaRN block `{"rope_type": "yarn", "factor": 1.5,
+        "original_max_position_embeddings": 32768}`; `rope_theta` is kept unless the dict sets it.
+
+        For "yarn" and "llama3", `max_position_embeddings` becomes `original_max_position_embeddings * factor`, the
+        extended context the factor was chosen for (what transformers checks the factor against). `what` names the
+        dict's source in errors (`ConfigError`).
+        """
+        rope = dict(rope_parameters)
+        changes = _rope_fields(rope, self.max_position_embeddings, what)
+        if "rope_theta" in rope:
+            changes["rope_theta"] = float(rope["rope_theta"])
+        if changes["rope_type"] in ("yarn", "llama3"):
+            changes["max_position_embeddings"] = int(round(changes["rope_original_max_position"]
+                                                           * changes["rope_scaling_factor"]))
+        return self.replace(**changes)
+
+    def rope_parameters(self) -> dict[str, Any]:
+        """The Hugging Face (transformers 5) `rope_parameters` dict of this config."""
         rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": self.rope_type}
         if self.rope_type == "llama3":
             rope.update(factor=self.rope_scaling_factor, low_freq_factor=self.rope_low_freq_factor,
                         high_freq_factor=self.rope_high_freq_factor,
                         original_max_position_embeddings=self.rope_original_max_position)
+        elif self.rope_type == "yarn":
+            rope.update(factor=self.rope_scaling_factor,
+                        original_max_position_embeddings=self.rope_original_max_position,
+                        beta_fast=self.rope_beta_fast, beta_slow=self.rope_beta_slow, truncate=self.rope_truncate)
+            for key, value in (("attention_factor", self.rope_attention_factor), ("mscale", self.rope_mscale),
+                               ("mscale_all_dim", self.rope_mscale_all_dim)):
+                if value:  # 0 = unset: transformers derives it
+                    rope[key] = value
+        return rope
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The Hugging Face `config.json` contents for this config (transformers 5 layout)."""
+        rope = self.rope_parameters()
         out: dict[str, Any] = {
             "architectures": [_MODEL_TYPE_TO_ARCHITECTURE[self.model_type]],
             "model_type": self.model_type,
@@ -308,7 +362,7 @@ class ModelConfig:
             "dtype": self.param_dtype,
             "use_cache": True,
         }
-        if self.rope_type == "llama3":
+        if self.rope_type != "default":  # rope_theta lives in rope_parameters, as transformers 5 writes it
             out.pop("rope_theta")
         if self.model_type == "llama":
             out["mlp_bias"] = False
@@ -322,3 +376,56 @@ class ModelConfig:
                        decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
                        output_router_logits=False, router_aux_loss_coef=self.router_aux_loss_coef)
         return out
+
+
+_YARN_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+                        "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate",
+                        "partial_rotary_factor"})
+
+
+def _rope_fields(rope: dict[str, Any], max_position_embeddings: int, what: str) -> dict[str, Any]:
+    """`ModelConfig` rope fields (all but `rope_theta`) from a Hugging Face rope dict; `what` names it in errors.
+
+    Missing values follow transformers (`standardize_rope_params`, `_compute_yarn_parameters`): YaRN's
+    `original_max_position_embeddings` defaults to `max_position_embeddings`, a null `factor` to their ratio, a
+    null or 0 `beta_fast` / `beta_slow` to 32 / 1, `truncate` to true.
+    """
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"{what}.rope_type: unsupported {rope_type!r}; supported: "
+                          f"{', '.join(map(repr, ROPE_TYPES))}")
+    if float(rope.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ConfigError(f"{what}.partial_rotary_factor: only 1.0 (rotary over the whole head) is supported, got "
+                          f"{rope['partial_rotary_factor']!r}")
+    out: dict[str, Any] = {"rope_type": rope_type}
+    if rope_type == "llama3":
+        if rope.get("factor") is None:
+            raise ConfigError(f"{what}.factor is missing (needed for llama3 rope)")
+        out.update(rope_scaling_factor=float(rope["factor"]),
+                   rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                   rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                   rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192)))
+    elif rope_type == "yarn":
+        unknown = sorted(set(rope) - _YARN_KEYS)
+        if unknown:
+            raise ConfigError(f"{what}: unknown yarn keys {unknown}; known: {sorted(_YARN_KEYS - {'type'})}")
+        if "factor" not in rope:
+            raise ConfigError(f"{what}.factor is missing (needed for yarn rope: the target context divided by "
+                              "original_max_position_embeddings, e.g. 1.5 for 48K on Qwen3's 32K)")
+        original = rope.get("original_max_position_embeddings") or max_position_embeddings
+        factor = rope["factor"] if rope["factor"] is not None else max_position_embeddings / original
+        for key in ("factor", "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+            value = factor if key == "factor" else rope.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise ConfigError(f"{what}.{key} must be a number, got {value!r}")
+        truncate = rope.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise ConfigError(f"{what}.truncate must be true or false, got {truncate!r}")
+        out.update(rope_scaling_factor=float(factor), rope_original_max_position=int(original),
+                   rope_beta_fast=float(rope.get("beta_fast") or 32.0),
+                   rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+                   rope_attention_factor=float(rope.get("attention_factor") or 0.0),
+                   rope_mscale=float(rope.get("mscale") or 0.0),
+                   rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+                   rope_truncate=truncate)
+    return out

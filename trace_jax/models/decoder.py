@@ -2,8 +2,8 @@
 
 One implementation covers Qwen3 dense (per-head q/k RMSNorm), Qwen3-MoE (top-k routed experts, dropless
 dispatch by sorting tokens by expert and `jax.lax.ragged_dot`, or by all-to-all over an `expert` mesh axis:
-`expert_parallel`) and the Llama family (SmolLM2, Llama 3, optional
-llama3 rope scaling). Layers are stacked along a leading `layers` axis and run under `lax.scan`, so compile time
+`expert_parallel`) and the Llama family (SmolLM2, Llama 3), with default, llama3 or YaRN rope scaling
+(`rope_tables`). Layers are stacked along a leading `layers` axis and run under `lax.scan`, so compile time
 does not grow with depth.
 
 Params pytree (shapes; `L` = layers, see `ModelConfig` for the other letters):
@@ -155,8 +155,13 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight.astype(x.dtype) * xf.astype(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies [Dh/2] (float32), with llama3 scaling when configured."""
+def rope_tables(config: ModelConfig) -> tuple[np.ndarray, float]:
+    """`(inv_freq [Dh/2] float32, attention_scaling)` of the config's rotary embedding, as transformers computes
+    them (`modeling_rope_utils`): "default", "llama3" (frequency bands) or "yarn" (`_compute_yarn_parameters`:
+    frequencies blended between interpolated `1/(factor * theta^(2i/Dh))` and original by a linear ramp over the
+    dimensions whose wavelengths fall between `beta_fast` and `beta_slow` rotations in the original context;
+    cos/sin scaled by `attention_scaling`, YaRN's `0.1 ln(factor) + 1` unless given). Scaling is 1.0 otherwise.
+    """
     dh = config.head_dim
     inv = (1.0 / (config.rope_theta ** (np.arange(0, dh, 2, dtype=np.int64).astype(np.float32) / dh)))
     inv = inv.astype(np.float32)
@@ -170,14 +175,52 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv = np.where(medium, smoothed, scaled).astype(np.float32)
-    return inv
+    elif config.rope_type == "yarn":
+        return _yarn_tables(config)
+    return inv, 1.0
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotary embedding (rotate-half layout). x: [B, S, N, Dh]; positions: [B, S] int."""
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_tables(config: ModelConfig) -> tuple[np.ndarray, float]:
+    # Step by step as transformers' `_compute_yarn_parameters` (float32 arrays, float64 scalars), so logits agree.
+    dh, base, factor = config.head_dim, config.rope_theta, config.rope_scaling_factor
+    if config.rope_attention_factor:
+        scaling = config.rope_attention_factor
+    elif config.rope_mscale and config.rope_mscale_all_dim:
+        scaling = _yarn_mscale(factor, config.rope_mscale) / _yarn_mscale(factor, config.rope_mscale_all_dim)
+    else:
+        scaling = _yarn_mscale(factor)
+
+    def correction_dim(rotations):  # the dimension whose wavelength makes `rotations` turns in the original context
+        return dh * math.log(config.rope_original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(config.rope_beta_fast), correction_dim(config.rope_beta_slow)
+    if config.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dh - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(dh // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation = (1 - ramp).astype(np.float32)
+    pos_freqs = (np.float32(base) ** (np.arange(0, dh, 2).astype(np.float32) / np.float32(dh))).astype(np.float32)
+    inv_extrapolation = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    inv_interpolation = (np.float32(1.0) / (np.float32(factor) * pos_freqs)).astype(np.float32)
+    inv = inv_interpolation * (1 - extrapolation) + inv_extrapolation * extrapolation
+    return inv.astype(np.float32), float(scaling)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, scaling: float = 1.0) -> jax.Array:
+    """Rotary embedding (rotate-half layout). x: [B, S, N, Dh]; positions: [B, S] int; `scaling` multiplies cos and
+    sin in float32 before the cast (YaRN's attention factor, `rope_tables`)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]  # [B, S, Dh/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if scaling != 1.0:
+        cos, sin = cos * np.float32(scaling), sin * np.float32(scaling)
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
@@ -194,8 +237,8 @@ def _project_qkv(config: ModelConfig, attn: dict, x: jax.Array, positions: jax.A
     if config.qk_norm:
         q = rms_norm(q, attn["q_norm"], config.rms_norm_eps)
         k = rms_norm(k, attn["k_norm"], config.rms_norm_eps)
-    inv_freq = rope_inv_freq(config)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    inv_freq, scaling = rope_tables(config)
+    return apply_rope(q, positions, inv_freq, scaling), apply_rope(k, positions, inv_freq, scaling), v
 
 
 def attend(config: ModelConfig, q, k, v, mask, *, self_attention: bool = False, segment_ids=None, block=None,

@@ -26,7 +26,7 @@ import os
 import re
 import tokenize
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import gin
 
@@ -176,6 +176,12 @@ class TrainConfig:
         `reference_checkpoint`. (Called `reference_step` before; that name is an error naming this one.)
       reference_dtype: the dtype the frozen reference is held and scored in on the mesh, "float32" (the policy's
         own) or "bfloat16" (half the memory; scores move by bfloat16 round-off).
+      rollout_dtype: the dtype of the policy's rollout copy (the sampler's weights; the update keeps float32
+        master weights): "float32" or "bfloat16" (half the copy's memory and bandwidth; the sampler's log-probs
+        then differ from the trainer's, which `LossConfig.tis` corrects; docs/training.md).
+      rope_parameters: a Hugging Face `rope_parameters` dict applied to the policy's model config (checkpoint or
+        `model`) with `ModelConfig.with_rope_parameters`, e.g. the YaRN block Qwen3's model cards give for long
+        contexts; None = the model's own rope. Stored as sorted `(key, value)` pairs (hashable).
       init_from: '' (build the initial policy here: init or checkpoint, then this run's warm start), or the run
         directory of an earlier `trace-jax train` run whose initial policy (after its warm start: the step 0
         checkpoint under its `reference/`) this run starts from, skipping its own warm start. The model and
@@ -195,6 +201,8 @@ class TrainConfig:
     reference_checkpoint: str = ""
     reference_swap_step: int = -1
     reference_dtype: str = "float32"
+    rollout_dtype: str = "float32"
+    rope_parameters: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None = None
     init_from: str = ""
     log_every: int = 1
     plot_every: int = 10
@@ -233,9 +241,26 @@ class TrainConfig:
         if not isinstance(self.init_from, str):
             raise ValueError(f"TrainConfig.init_from must be a run directory (a string) or '', got "
                              f"{self.init_from!r}")
-        if self.reference_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"TrainConfig.reference_dtype must be 'float32' or 'bfloat16', got "
-                             f"{self.reference_dtype!r}")
+        for name in ("reference_dtype", "rollout_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16"):
+                raise ValueError(f"TrainConfig.{name} must be 'float32' or 'bfloat16', got {getattr(self, name)!r}")
+        if self.rope_parameters is not None:
+            try:
+                rope = dict(self.rope_parameters)
+            except (TypeError, ValueError):
+                raise ValueError(f"TrainConfig.rope_parameters must be a dict like {{'rope_type': 'yarn', 'factor': "
+                                 f"1.5, 'original_max_position_embeddings': 32768}}, got {self.rope_parameters!r}"
+                                 ) from None
+            # the checkpoint's config is not read here: a preset stands in to check the dict's keys and values
+            (self.model or get_preset("tiny-qwen3")).with_rope_parameters(rope, what="TrainConfig.rope_parameters")
+            object.__setattr__(self, "rope_parameters", tuple(sorted(rope.items())))
+
+    def policy_model(self, model_config: ModelConfig) -> ModelConfig:
+        """The policy's model config as the run uses it: `model_config` (from `model` or the checkpoint's
+        config.json) with `rope_parameters` applied."""
+        if self.rope_parameters is None:
+            return model_config
+        return model_config.with_rope_parameters(dict(self.rope_parameters), what="TrainConfig.rope_parameters")
 
 
 def reference_checkpoint_parts(value: str) -> tuple[str, int | None]:

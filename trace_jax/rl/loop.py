@@ -237,6 +237,7 @@ def build_environment(run_config: RunConfig, run_dir: str | Path, *, load_params
         model_config, params = models.load_pretrained(policy_dir)
     else:
         model_config = models.ModelConfig.from_hf(str(policy_dir), param_dtype="float32")
+    model_config = train_config.policy_model(model_config)
     return Environment(splits.train, splits.heldout, browser, chat, model_config, params, eval_sets)
 
 
@@ -482,7 +483,8 @@ class Placement:
 
       * the train state: the train layout (`MeshConfig.train_rules()`: `models.DEFAULT_RULES`, FSDP x tensor x
         expert, with the run's `MeshConfig.rules` overrides) on the mesh;
-      * rollouts and evaluation read `rollout_params(params)`: the policy resharded on device to the rollout layout
+      * rollouts and evaluation read `rollout_params(params)`: the policy cast on device to
+        `TrainConfig.rollout_dtype` (float32: untouched) and resharded to the rollout layout
         (`MeshConfig.rollout_rules()`: weights whole over the batch axes, heads / mlp / vocab over `tensor`,
         experts over `expert`), on the process block;
       * the frozen reference: restored once from its checkpoint straight into the train layout, cast to
@@ -501,6 +503,11 @@ class Placement:
         self.train_shardings = models.param_shardings(model_config, self.mesh, self.rules)
         self.rollout_shardings = models.param_shardings(model_config, self.mesh, self.rollout_rules)
         self.reference_dtype = jnp.dtype(run_config.train.reference_dtype)
+        self.rollout_dtype = jnp.dtype(run_config.train.rollout_dtype)
+        # one jitted cast for every step's rollout copy (a fresh lambda per call would compile each time)
+        rollout_dtype = self.rollout_dtype
+        self._rollout_cast = jax.jit(lambda tree: jax.tree_util.tree_map(lambda x: x.astype(rollout_dtype), tree),
+                                     out_shardings=self.train_shardings)
 
     def describe(self) -> dict:
         return distributed.describe_mesh(self.mesh)
@@ -516,8 +523,10 @@ class Placement:
         return distributed.put_replicated_value(params, self.train_shardings)
 
     def rollout_params(self, params):
-        """Train-layout params -> the rollout layout on the process block (on device; a collective with several
-        processes)."""
+        """Train-layout params -> the rollout copy: cast to `rollout_dtype` (a fresh copy, in the train layout),
+        then the rollout layout on the process block (on device; a collective with several processes)."""
+        if any(x.dtype != self.rollout_dtype for x in jax.tree_util.tree_leaves(params)):
+            params = self._rollout_cast(params)
         return distributed.to_process_local(params, self.rollout_shardings)
 
     def reference(self, copies: Sequence[Checkpointer], step: int, what: str):
