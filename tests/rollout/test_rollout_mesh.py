@@ -14,11 +14,12 @@ from trace_jax.rollout import sampler as S
 PROMPTS = [[5, 9, 17, 33], [100, 3, 4], [44, 45], [7, 8, 9, 10, 11]]
 GROUP = 2  # 4 prompts x 2 samples: 8 rows, one per batch shard x tensor shard below
 GREEDY = S.SamplingConfig(greedy=True)
-# name: (preset, mesh). Both split 8 rows over 4 batch shards and 2 kv heads over tensor=2: a device holds 1/8 of
-# the cache. The MoE mesh has an expert axis dividing its 4 experts (the expert-parallel dispatch).
+# name: (preset, overrides, mesh). Both split 8 rows over 4 batch shards and 2 kv heads over tensor=2: a device holds
+# 1/8 of the cache. The dense model uses the XLA attention; the MoE mesh has an expert axis dividing its 4 experts
+# (the expert-parallel dispatch).
 MESHES = {
-    "dense_data4_tensor2": ("tiny-qwen3", {"data": 4, "tensor": 2}),
-    "moe_data2_tensor2_expert2": ("tiny-qwen3-moe", {"data": 2, "tensor": 2, "expert": 2}),
+    "dense_data4_tensor2": ("tiny-qwen3", {"attention_impl": "xla"}, {"data": 4, "tensor": 2}),
+    "moe_data2_tensor2_expert2": ("tiny-qwen3-moe", {}, {"data": 2, "tensor": 2, "expert": 2}),
 }
 
 
@@ -48,8 +49,8 @@ def tree_bytes_per_device(tree) -> dict:
 
 @pytest.fixture(scope="module", params=sorted(MESHES))
 def setting(request):
-    preset, shape = MESHES[request.param]
-    config = models.get_preset(preset)
+    preset, overrides, shape = MESHES[request.param]
+    config = models.get_preset(preset, **overrides)
     return config, models.init_params(config, jax.random.PRNGKey(0)), models.make_mesh(shape)
 
 
@@ -89,8 +90,8 @@ def _decode_args(config, params, state):
 def test_moe_decode_on_an_expert_mesh_dispatches_tokens_by_all_to_all():
     """The decode program traces under its mesh, so `expert_parallel.resolve_dispatch` sees the expert axis; the same
     jitted function lowered without the mesh (as every rollout program was) takes the global sort instead."""
-    preset, shape = MESHES["moe_data2_tensor2_expert2"]
-    config = models.get_preset(preset)
+    preset, overrides, shape = MESHES["moe_data2_tensor2_expert2"]
+    config = models.get_preset(preset, **overrides)
     mesh = models.make_mesh(shape)
     params = models.shard_params(models.init_params(config, jax.random.PRNGKey(0)), config, mesh,
                                  models.ROLLOUT_RULES)
