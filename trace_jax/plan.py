@@ -928,7 +928,7 @@ class _Programs:
         report.shape = (f"{n} rows x {steps} steps (sync_every), KV cache of {self.length} tokens "
                         f"({self.config.dtype})")
         report.resident_other_bytes = self._rollout_resident()
-        program = sampler.decode_program(self.config, steps, None)
+        program = sampler.decode_program(self.config, steps, None, self.mesh)
         _compile(report, lambda: program.lower(*args), device_bytes(args), self.devices)
 
 

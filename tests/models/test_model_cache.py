@@ -188,3 +188,22 @@ def test_long_self_attention_switches_to_bounded_memory():
 
     short, long = 2 * decoder.AUTO_CHUNK_ABOVE, 4 * decoder.AUTO_CHUNK_ABOVE
     assert temp_bytes(long) < 2.6 * temp_bytes(short)  # quadratic would be ~4x
+
+
+def test_write_rows_puts_each_rows_entries_at_its_slots_and_drops_slots_past_the_end():
+    """Against a loop over rows and entries on fresh random values; slots >= T (a full row's overflow) are dropped."""
+    from trace_jax.models.cache import write_rows
+
+    rng = np.random.RandomState(3)
+    layers, rows, slots_total, n, heads, dim = 2, 3, 8, 4, 2, 5
+    cache = rng.normal(size=(layers, rows, slots_total, heads, dim)).astype(np.float32)
+    new = rng.normal(size=(layers, rows, n, heads, dim)).astype(np.float32)
+    starts = np.asarray([0, 3, 6])  # row 2's last two entries fall past slot 7
+    slots = (starts[:, None] + np.arange(n)[None, :]).astype(np.int32)
+    want = cache.copy()
+    for row in range(rows):
+        for i in range(n):
+            if slots[row, i] < slots_total:
+                want[:, row, slots[row, i]] = new[:, row, i]
+    got = jax.jit(write_rows)(jnp.asarray(cache), jnp.asarray(new), jnp.asarray(slots))
+    np.testing.assert_array_equal(np.asarray(got), want)

@@ -178,6 +178,29 @@ def test_sharded_data_and_tensor_mesh_equals_naive(tiny, reference):
     np.testing.assert_allclose(scores, naive_scores, atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("method", ["fork", "cached"])
+def test_moe_reference_on_an_expert_mesh_equals_one_device_and_dispatches_by_all_to_all(method):
+    """The reference scoring runs under its mesh (`fork_scores_program`), so a MoE reference on a mesh with an
+    `expert` axis takes the expert-parallel all-to-all, with the scores and log-probs of one device."""
+    from trace_jax.scoring import fork
+
+    config = models.get_preset("tiny-qwen3-moe")
+    params = _sharp_params(config)
+    batch, lengths = _random_batch(1)
+    mesh = models.make_mesh({"data": 2, "tensor": 2, "expert": 2})
+    scores, token_lp = _score(config, models.shard_params(params, config, mesh), batch, method=method, mesh=mesh)
+    one_scores, one_lp = _score(config, params, batch, method=method)
+    np.testing.assert_allclose(scores, one_scores, atol=TOL, rtol=0)
+    np.testing.assert_allclose(_real(token_lp, lengths), _real(one_lp, lengths), **LP_TOL)
+    pn, pl, ps, pm = fork.padded_shape(4, 40, 5, 6, mesh=mesh)
+    row = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=fork.row_sharding(mesh, len(shape)))  # noqa
+    program = fork.fork_scores_program(config, layout="cached" if method == "cached" else "packed", mesh=mesh)
+    lowered = program.lower(models.shard_params(params, config, mesh), row((pn, pl), jnp.int32),
+                            row((pn, ps), jnp.int32), row((pn, ps), jnp.bool_), row((pn, pm), jnp.int32),
+                            row((pn, pm), jnp.int32))
+    assert "all_to_all" in lowered.as_text()
+
+
 def test_auto_layout_switches_to_cached_for_long_inputs(tiny, reference):
     assert choose_layout(1024, 17, 8, packed_max_len=4096) == "packed"
     assert choose_layout(8192, 17, 8, packed_max_len=4096) == "cached"

@@ -53,6 +53,23 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, *, dtype=None
                    lengths=jnp.zeros((batch_size,), jnp.int32))
 
 
+def write_rows(cache: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """`cache [layers, B, T, K, Dh]` with row b's new entries `new[:, b, i]` written at slot `slots[b, i]`
+    (`slots [B, n]`; a slot >= T is dropped).
+
+    One scatter whose row dimension is a *batching* dimension of both the cache and the slots: row b's entries
+    can only land in row b, so a cache whose rows are split over the mesh is written shard by shard. A scatter
+    indexed by explicit row numbers (`cache.at[:, arange(B)[:, None], slots]`) does not say so, and the partitioner
+    gathered every row's new keys/values onto every device first: a prefill of B rows of W tokens held all B rows'
+    keys/values on each device.
+    """
+    dnums = jax.lax.ScatterDimensionNumbers(update_window_dims=(0, 3, 4), inserted_window_dims=(2,),
+                                            scatter_dims_to_operand_dims=(2,), operand_batching_dims=(1,),
+                                            scatter_indices_batching_dims=(0,))
+    return jax.lax.scatter(cache, slots[:, :, None], new.astype(cache.dtype), dnums,
+                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def prefill(config: ModelConfig, params: dict, tokens: jax.Array) -> tuple[jax.Array, KVCache]:
     """One causal pass over full rows `tokens [B, S]`.
@@ -120,10 +137,8 @@ def extend(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
     k_read, v_read = (cache.k, cache.v) if read == T else (cache.k[:, :, :read], cache.v[:, :, :read])
     h, (k_new, v_new) = jax.lax.scan(layer, dec.embed_tokens(config, params, tokens),
                                      (params["layers"], k_read, v_read), unroll=config.scan_unroll)
-    rows = jnp.arange(B)[:, None]
-    new_k = cache.k.at[:, rows, write_slot].set(k_new, mode="drop")  # k_new [layers, B, n, K, Dh]
-    new_v = cache.v.at[:, rows, write_slot].set(v_new, mode="drop")
-    new_cache = KVCache(k=new_k, v=new_v, lengths=cache.lengths + num_new)
+    new_cache = KVCache(k=write_rows(cache.k, k_new, write_slot), v=write_rows(cache.v, v_new, write_slot),
+                        lengths=cache.lengths + num_new)
     if return_logits == "none":
         return None, new_cache
     if return_logits == "hidden":

@@ -2,10 +2,12 @@
 
 The device side is jitted functions with the cache donated:
 
-  * `_append_jit` runs a variable-length chunk per row through the model (`trace_jax.models.extend`) and keeps the
-    last logits of every row that received tokens. Prefill of the prompts and appending tool responses to some rows
-    are the same call. Chunks are padded to buckets (`bucket_length`: powers of two >= 16, multiples of 256 above
-    512), so it compiles once per bucket.
+  * `init_state_program` creates an empty state with `out_shardings`: each device writes its own shard, and the
+    whole cache never exists on one device.
+  * `append_program` runs a variable-length chunk per row through the model (`trace_jax.models.extend`) and keeps
+    the last logits of every row that received tokens. Prefill of the prompts and appending tool responses to some
+    rows are the same call. Chunks are padded to buckets (`bucket_length`: powers of two >= 16, multiples of 256
+    above 512), so it compiles once per bucket.
   * `_decode_step` samples one token per active row from the pending logits, feeds it to the model
     (`_decode_model`: `models.extend` with n = 1, which updates the cache in place) and updates each row's stop
     state (stop token, per-row token budget, cache full). The model runs every step, also for rows that stopped
@@ -16,10 +18,12 @@ The device side is jitted functions with the cache donated:
   * `prefill_rows_program` replaces some rows of a running batch by new prompts (a server admitting requests): only
     those prompts run through the model, on a small cache, and their keys/values are written into their rows.
 
-The public builders (`decode_program`, `prefill_program`, `prefill_rows_program`) return one jitted program object
-per set of static arguments; the host loop below and `trace-jax plan` call the same objects, so what `plan`
-compiles for a TPU topology is what a rollout runs. On a mesh, the prefills pin their output to the cache's layout
-(`state_layout`).
+The public builders (`init_state_program`, `append_program`, `decode_program`, `prefill_program`,
+`prefill_rows_program`) return one program object per set of static arguments; the host loop below and `trace-jax
+plan` call the same objects, so what `plan` compiles for a TPU topology is what a rollout runs. On a mesh, the
+programs that take a state pin their output to the cache's layout (`state_layout`) and trace and run under
+`jax.set_mesh` of its mesh (`MeshProgram`), as the update does: the model's sharding constraints and the MoE's
+expert-parallel dispatch apply in the rollout too.
 
 `generate` is the host loop around them. It reads the stop flags back every `sync_every` steps (every step when a
 logits hook is set), checks stop *strings* (tags that are not single tokens, e.g. `</tool_call>` for SmolLM2) on the
@@ -49,6 +53,7 @@ This module knows nothing about chat formats, tools, tasks or rewards.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Callable, Sequence
@@ -252,18 +257,67 @@ def state_shardings(mesh, rules=None):
                         logits=logical_to_sharding(P("batch", "vocab"), mesh, rules))
 
 
+def _hashable_rules(rules):
+    """`rules` as nested tuples (a builder's cache key), None kept."""
+    if rules is None:
+        return None
+    return tuple((name, tuple(axes) if isinstance(axes, list) else axes) for name, axes in rules)
+
+
+def abstract_state(config: ModelConfig, batch_size: int, max_len: int, *, mesh=None, rules=None,
+                   cache_dtype=None) -> SamplerState:
+    """The `ShapeDtypeStruct`s of an empty state, each with the sharding `init_state` gives it: on `mesh`, rows
+    over the batch axes and kv heads over `tensor` where divisible (`divisible_shardings`), else on the default
+    device. Nothing is allocated."""
+    dtype = jnp.dtype(cache_dtype or config.dtype)
+    shape = (config.num_hidden_layers, batch_size, max_len, config.num_key_value_heads, config.head_dim)
+    shapes = SamplerState(cache=cache_lib.KVCache(k=jax.ShapeDtypeStruct(shape, dtype),
+                                                  v=jax.ShapeDtypeStruct(shape, dtype),
+                                                  lengths=jax.ShapeDtypeStruct((batch_size,), jnp.int32)),
+                          logits=jax.ShapeDtypeStruct((batch_size, config.vocab_size), jnp.float32))
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = jax.tree_util.tree_map(lambda _: device, shapes)
+    else:
+        shardings = divisible_shardings(shapes, state_shardings(mesh, rules))
+    return jax.tree_util.tree_map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                                  shapes, shardings)
+
+
+def _empty_state(config: ModelConfig, batch_size: int, max_len: int, dtype) -> SamplerState:
+    return SamplerState(cache=cache_lib.init_cache(config, batch_size, max_len, dtype=dtype),
+                        logits=jnp.zeros((batch_size, config.vocab_size), jnp.float32))
+
+
+def init_state_program(config: ModelConfig, batch_size: int, max_len: int, mesh=None, rules=None, *,
+                       cache_dtype=None):
+    """The rollout's state initialiser: `program() -> SamplerState`, an empty state (zeros, lengths 0) created by
+    one jitted program with `out_shardings` (`abstract_state`): each device writes its own shard of the cache, and
+    no array of the whole cache ever exists on one device (an eager `jnp.zeros` then `device_put` put Qwen3-4B's
+    8-row, 48K-token cache, ~54 GiB, on chip 0 first). One program object per set of arguments: `init_state`, the
+    loop and `trace-jax plan` call the same one."""
+    dtype = jnp.dtype(cache_dtype or config.dtype)
+    rules = _hashable_rules(rules)
+
+    def build():
+        layout = jax.tree_util.tree_map(lambda s: s.sharding,
+                                        abstract_state(config, batch_size, max_len, mesh=mesh, rules=rules,
+                                                       cache_dtype=dtype))
+        return jax.jit(functools.partial(_empty_state, config, batch_size, max_len, dtype), out_shardings=layout)
+
+    return _program("init", (config, batch_size, max_len, mesh, rules, dtype), build)
+
+
 def init_state(config: ModelConfig, batch_size: int, max_len: int, *, mesh=None, rules=None,
                cache_dtype=None) -> SamplerState:
-    """An empty state for `batch_size` rows of at most `max_len` tokens (placed on `mesh` when given).
+    """An empty state for `batch_size` rows of at most `max_len` tokens, created in place (`init_state_program`):
+    on `mesh` when given, else committed to the default device.
 
     With a mesh, rows are split over its batch axes (`data`, `fsdp`, `expert`) and kv heads over `tensor` when
-    divisible; shard the params with `trace_jax.models.shard_params` on the same mesh.
+    divisible; shard the params with `trace_jax.models.shard_params` on the same mesh. The programs that take the
+    state (`append`, `prefill_groups`, `prefill_rows`, `generate`) then run under `jax.set_mesh` of its mesh.
     """
-    state = SamplerState(cache=cache_lib.init_cache(config, batch_size, max_len, dtype=cache_dtype),
-                         logits=jnp.zeros((batch_size, config.vocab_size), jnp.float32))
-    if mesh is not None:
-        state = jax.device_put(state, divisible_shardings(state, state_shardings(mesh, rules)))
-    return state
+    return init_state_program(config, batch_size, max_len, mesh, rules, cache_dtype=cache_dtype)()
 
 
 def divisible_shardings(tree, shardings):
@@ -286,6 +340,7 @@ def divisible_shardings(tree, shardings):
 
 # ---------------------------------------------------------------------------------------------------- device steps
 _PROGRAMS: dict[tuple, Callable] = {}  # (builder, its arguments) -> the jitted program: one object per program
+_KINDS = ("init", "append", "decode", "prefill", "prefill_rows")
 
 
 def _program(kind: str, key: tuple, build: Callable) -> Callable:
@@ -295,20 +350,59 @@ def _program(kind: str, key: tuple, build: Callable) -> Callable:
     return program
 
 
+class MeshProgram:
+    """A jitted rollout program with the mesh it runs on: `program(*args)` and `program.lower(*args)` trace and
+    dispatch under `jax.set_mesh(mesh)` when a mesh is given, as the train step and the reference scoring do, so
+    the model's sharding constraints (the residual stream's layout) apply, the Pallas TPU attention runs per device
+    inside `shard_map`, and an MoE layer takes the expert-parallel all-to-all (`models.expert_parallel.
+    resolve_dispatch` reads the active mesh) instead of the global sort that gathers every token onto every
+    expert shard. Without a mesh the program is the plain jitted function."""
+
+    def __init__(self, jitted, mesh):
+        self.jitted, self.mesh = jitted, mesh
+
+    def _context(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def __call__(self, *args):
+        with self._context():
+            return self.jitted(*args)
+
+    def lower(self, *args):
+        with self._context():
+            return self.jitted.lower(*args)
+
+
+def _cache_size(program) -> int:
+    return (program.jitted if isinstance(program, MeshProgram) else program)._cache_size()
+
+
 def compiled_programs(kind: str) -> int:
-    """Executables compiled so far by the programs of one builder: "decode" (`decode_program`), "prefill"
-    (`prefill_program`) or "prefill_rows" (`prefill_rows_program`). Tests use it to check that new sampling values
-    or row counts compile nothing."""
-    if kind not in ("decode", "prefill", "prefill_rows"):
-        raise ValueError(f"compiled_programs: kind must be 'decode', 'prefill' or 'prefill_rows', got {kind!r}")
-    return sum(program._cache_size() for key, program in _PROGRAMS.items() if key[0] == kind)
+    """Executables compiled so far by the programs of one builder: "init" (`init_state_program`), "append"
+    (`append_program`), "decode" (`decode_program`), "prefill" (`prefill_program`) or "prefill_rows"
+    (`prefill_rows_program`). Tests use it to check that new sampling values or row counts compile nothing."""
+    if kind not in _KINDS:
+        raise ValueError(f"compiled_programs: kind must be one of {_KINDS}, got {kind!r}")
+    return sum(_cache_size(program) for key, program in _PROGRAMS.items() if key[0] == kind)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _append_jit(config: ModelConfig, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array):
+def layout_mesh(layout):
+    """The mesh of a state's layout (`state_layout`), or None on one device: the mesh its programs run under."""
+    return None if layout is None else layout.cache.k.mesh
+
+
+def _append(config: ModelConfig, layout, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array):
     logits, cache = cache_lib.extend.__wrapped__(config, params, state.cache, tokens, num_new, return_logits="last")
     logits = jnp.where((num_new > 0)[:, None], logits, state.logits)
-    return SamplerState(cache=cache, logits=logits)
+    return _keep_layout(SamplerState(cache=cache, logits=logits), layout)
+
+
+def append_program(config: ModelConfig, layout=None) -> MeshProgram:
+    """The rollout's append program (an observation, or a prefill of rows into their own slots):
+    `program(params, state, tokens [B, W], num_new [B]) -> state` (see `append`). The state is donated; `layout`
+    (`state_layout`) pins the output to the cache's layout and the program runs under its mesh."""
+    return _program("append", (config, layout), lambda: MeshProgram(
+        jax.jit(functools.partial(_append, config, layout), donate_argnums=1), layout_mesh(layout)))
 
 
 def _decode_model(config: ModelConfig, params, cache: cache_lib.KVCache, tokens: jax.Array, active: jax.Array,
@@ -372,7 +466,7 @@ def _decode_steps(config: ModelConfig, num_steps: int, attend_len: int | None, s
     return state, tokens, lp, slp, was_active, active, reason, budget_left
 
 
-def decode_program(config: ModelConfig, num_steps: int, attend_len: int | None = None):
+def decode_program(config: ModelConfig, num_steps: int, attend_len: int | None = None, mesh=None) -> MeshProgram:
     """The rollout's decode program: `num_steps` decode steps in one dispatch (a `lax.scan` over `_decode_step`).
 
         program(sampling: RowSampling, params, state, active bool [B], budget_left int32 [B], stop_ids int32 [S],
@@ -384,12 +478,13 @@ def decode_program(config: ModelConfig, num_steps: int, attend_len: int | None =
     so both give the same tokens. `sampling` is traced: its values are data, only its static fields shape the
     program. The state is donated. `attend_len`: the cache slots attention reads, at least every row's length
     after the last step (`generate` passes a `bucket_length` above it; None = the whole cache). Rows that stopped
-    keep `reason`. One program object per (config, num_steps, attend_len): `generate` and `trace-jax plan` call the
-    same one. One dispatch instead of `num_steps`: on a small model the host round trip of each step (~0.45 ms of
-    Python and dispatch on this CPU) costs more than the step itself.
+    keep `reason`. `mesh`: the mesh the state is placed on (None on one device); the program runs under it
+    (`MeshProgram`). One program object per (config, num_steps, attend_len, mesh): `generate` and `trace-jax plan`
+    call the same one. One dispatch instead of `num_steps`: on a small model the host round trip of each step
+    (~0.45 ms of Python and dispatch on this CPU) costs more than the step itself.
     """
-    return _program("decode", (config, num_steps, attend_len),
-                    lambda: jax.jit(functools.partial(_decode_steps, config, num_steps, attend_len), donate_argnums=2))
+    return _program("decode", (config, num_steps, attend_len, mesh), lambda: MeshProgram(
+        jax.jit(functools.partial(_decode_steps, config, num_steps, attend_len), donate_argnums=2), mesh))
 
 
 def append(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Sequence[int]]) -> SamplerState:
@@ -407,7 +502,7 @@ def append(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Se
     for row, chunk in enumerate(chunks):
         dec.check_token_ids(config, np.asarray(chunk, np.int64), f"append chunk {row}")
     width = min(bucket_length(longest), bucket_length(state.max_len))
-    return _append_jit(config, params, state, *_padded(chunks, width))
+    return append_program(config, state_layout(state))(params, state, *_padded(chunks, width))
 
 
 def state_layout(state: SamplerState):
@@ -429,11 +524,16 @@ def _keep_layout(state: SamplerState, layout) -> SamplerState:
 
 def _prefill_groups(config: ModelConfig, group: int, layout, params, state: SamplerState, tokens: jax.Array,
                     num_new: jax.Array):
-    P = tokens.shape[0]
-    small = cache_lib.init_cache(config, P, state.max_len, dtype=state.cache.k.dtype)
+    # The prompts run on a cache just their width wide, whose slots are then written into the donated (empty)
+    # state in place: a temporary cache of the prompts x the state's whole context would be as large as the state
+    # itself once `group` is 1.
+    P, W = tokens.shape
+    small = cache_lib.init_cache(config, P, min(W, state.max_len), dtype=state.cache.k.dtype)
     logits, small = cache_lib.extend.__wrapped__(config, params, small, tokens, num_new, return_logits="last")
-    cache = cache_lib.KVCache(k=jnp.repeat(small.k, group, axis=1), v=jnp.repeat(small.v, group, axis=1),
-                              lengths=jnp.repeat(small.lengths, group))
+    width = small.max_len
+    cache = cache_lib.KVCache(k=state.cache.k.at[:, :, :width].set(jnp.repeat(small.k, group, axis=1)),
+                              v=state.cache.v.at[:, :, :width].set(jnp.repeat(small.v, group, axis=1)),
+                              lengths=jnp.repeat(num_new.astype(jnp.int32), group))
     return _keep_layout(SamplerState(cache=cache, logits=jnp.repeat(logits, group, axis=0)), layout)
 
 
@@ -441,10 +541,10 @@ def prefill_program(config: ModelConfig, group: int, layout=None):
     """The rollout's prefill program: `program(params, state, tokens [P, W], num_new [P]) -> state` with rows
     `p*group .. p*group+group-1` holding prompt `p` (each prompt runs through the model once; its keys/values are
     copied to its `group` rows). The empty state (P x group rows) is donated. `layout`: the state's
-    `NamedSharding`s on a mesh (`state_layout`), to which the output is pinned (None on one device).
-    `prefill_groups` and `trace-jax plan` call the same program object."""
-    return _program("prefill", (config, group, layout),
-                    lambda: jax.jit(functools.partial(_prefill_groups, config, group, layout), donate_argnums=1))
+    `NamedSharding`s on a mesh (`state_layout`), to which the output is pinned and under whose mesh the program
+    runs (None on one device). `prefill_groups` and `trace-jax plan` call the same program object."""
+    return _program("prefill", (config, group, layout), lambda: MeshProgram(
+        jax.jit(functools.partial(_prefill_groups, config, group, layout), donate_argnums=1), layout_mesh(layout)))
 
 
 def prefill_groups(config: ModelConfig, params, state: SamplerState, prompts: Sequence[Sequence[int]],
@@ -492,10 +592,10 @@ def _prefill_rows(config: ModelConfig, layout, params, state: SamplerState, toke
 def prefill_rows_program(config: ModelConfig, layout=None):
     """The server's admission program: `program(params, state, tokens [U, W], num_new [U], rows [B], source [B],
     count []) -> state`, prompt `source[i]` written into row `rows[i]` for i < count (see `prefill_rows`). The
-    state is donated; `layout` (`state_layout`) pins the output to the cache's layout on a mesh, as
-    `prefill_program` does."""
-    return _program("prefill_rows", (config, layout),
-                    lambda: jax.jit(functools.partial(_prefill_rows, config, layout), donate_argnums=1))
+    state is donated; `layout` (`state_layout`) pins the output to the cache's layout on a mesh and the program
+    runs under that mesh, as `prefill_program` does."""
+    return _program("prefill_rows", (config, layout), lambda: MeshProgram(
+        jax.jit(functools.partial(_prefill_rows, config, layout), donate_argnums=1), layout_mesh(layout)))
 
 
 
@@ -632,6 +732,8 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
     budget_dev = budget
     sync_every = 1 if logits_hook is not None else max(1, sync_every)
     rows = RowSampling.broadcast(sampling, batch)
+    mesh = layout_mesh(state_layout(state))
+    on_mesh = (lambda: jax.set_mesh(mesh)) if mesh is not None else contextlib.nullcontext
 
     # Host copies of the decoded steps, one [steps, B] block per host sync: tokens, logprobs, sampling logprobs and
     # each row's active flag *before* the step (a row's generation is its tokens at the steps it was active).
@@ -648,15 +750,16 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
             attend = bucket_length(int(lengths0.max()) + step + sync_every)
             attend = None if attend >= state.max_len else attend
             state, tokens, lp, slp, was_active, active_dev, reason_dev, budget_dev = decode_program(
-                config, sync_every, attend)(rows, params, state, active_dev, budget_dev, stop_arr, rng,
-                                            np.uint32(step), reason_dev)
+                config, sync_every, attend, mesh)(rows, params, state, active_dev, budget_dev, stop_arr, rng,
+                                                  np.uint32(step), reason_dev)
             step += sync_every
         else:
             hooked = logits_hook(step, generated)
             bias = None if hooked is None else jnp.asarray(hooked, jnp.float32)
             was_active = active_dev
-            state, tokens, lp, slp, active_dev, step_reason, budget_dev = _decode_jit(
-                config, None, params, state, active_dev, budget_dev, stop_arr, _step_keys(rng, step), bias, rows)
+            with on_mesh():  # the one-step program runs under the state's mesh, as `decode_program` does
+                state, tokens, lp, slp, active_dev, step_reason, budget_dev = _decode_jit(
+                    config, None, params, state, active_dev, budget_dev, stop_arr, _step_keys(rng, step), bias, rows)
             reason_dev = jnp.where(was_active, step_reason, reason_dev)
             step += 1
             tok_np, act_np = np.asarray(tokens), np.asarray(was_active)
@@ -693,9 +796,9 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
                     mask_np[row, np.nonzero(mask_np[row])[0][keep:]] = False
                 act_blocks = [mask_np.T]
                 host_active = new_active
-                active_dev = jnp.asarray(new_active)
-                reason_dev = jnp.asarray(reason)
-                new_lengths = jax.device_put(jnp.asarray(current, jnp.int32), state.cache.lengths.sharding)
+                active_dev = new_active
+                reason_dev = reason
+                new_lengths = jax.device_put(current.astype(np.int32), state.cache.lengths.sharding)
                 state = state.replace(cache=state.cache.replace(lengths=new_lengths))
 
     if step == 0:

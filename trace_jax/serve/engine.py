@@ -435,11 +435,10 @@ class Engine:
         return admitted
 
     def _fresh_state(self):
-        """An empty sampler state with every array committed to its device, as every program's outputs then are:
-        a program compiles once per placement of its arguments, so a state that mixed placements (fresh arrays
-        are uncommitted, outputs of programs fed committed ones are committed) would compile some shapes twice."""
-        state = sampler_lib.init_state(self.model_config, self.config.max_batch, self.config.max_context)
-        return jax.tree_util.tree_map(lambda x: jax.device_put(x, x.sharding), state)
+        """An empty sampler state, created on its device by the sampler's initialiser (`init_state_program`) and
+        so committed to it, as every program's outputs then are: a program compiles once per placement of its
+        arguments, so a state of uncommitted arrays would compile some shapes twice."""
+        return sampler_lib.init_state(self.model_config, self.config.max_batch, self.config.max_context)
 
     def _set_lengths(self, state, value: int):
         lengths = jax.device_put(np.full(self.config.max_batch, value, np.int32), state.cache.lengths.sharding)
