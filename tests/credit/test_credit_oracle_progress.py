@@ -1,4 +1,4 @@
-"""`oracle_progress`: GRPO + alpha_turn * the oracle's progress gain, mixed and broadcast as TRACE mixes its turn term."""
+"""`oracle_progress`: GRPO + alpha_turn * the oracle's progress gain, mixed and broadcast as TRACE mixes r_k."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -36,7 +36,8 @@ def test_oracle_progress_token_advantages_on_a_hand_example():
 def test_oracle_progress_with_alpha_turn_zero_is_grpo_exactly():
     inputs = random_batch(3, with_abc=True)
     got = credit.compute_advantages("oracle_progress", inputs, alpha_turn=0.0).token_advantages
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(credit.compute_advantages("grpo", inputs).token_advantages))
+    want = credit.compute_advantages("grpo", inputs).token_advantages
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_oracle_progress_mixes_exactly_as_trace_mixes_its_turn_term():
