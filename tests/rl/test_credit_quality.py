@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
 import numpy as np
 import pytest
 
+from tests.rl.test_credit_diagnostics import _episode
 from tests.rl.test_rl_pipeline import SMALL
 from trace_jax.cli import main
 from trace_jax.rl import credit_quality as cq
@@ -111,6 +113,16 @@ def test_last_state_separation_compares_correct_and_wrong_episodes_of_one_group_
                 gaps += [r.mean() - w.mean()] * int(c)
         np.testing.assert_allclose(auc[b], wins / pairs if pairs else np.nan, atol=1e-12)
         np.testing.assert_allclose(gap[b], np.mean(gaps) if gaps else np.nan, atol=1e-12)
+
+
+def test_a_chain_page_counts_as_opened_first_only_on_the_first_turn_that_shows_it():
+    episode = _episode()
+    page = episode.observations[2]  # the chain's page "Tuda Trading", opened at turn 2
+    episode = dataclasses.replace(episode, tool_calls=[*episode.tool_calls[:3], ("open", {"id": 0})],
+                                  observations=[*episode.observations[:3], page],
+                                  turn_texts=[*episode.turn_texts[:3], "o", "<answer>Kirda</answer>"])
+    assert cq.chain_page_opens(episode).tolist() == [False, False, True, False]
+    assert cq.chain_page_opens(dataclasses.replace(episode, clues=())) is None
 
 
 def test_a_template_without_the_answer_at_its_end_is_refused_naming_the_flag():
