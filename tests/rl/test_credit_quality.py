@@ -6,13 +6,17 @@ import dataclasses
 import json
 import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from tests.rl.test_credit_diagnostics import _episode
-from tests.rl.test_rl_pipeline import SMALL
+from tests.rl.test_rl_pipeline import PROMPTS, SMALL
 from trace_jax.cli import main
+from trace_jax.credit import trace_values
+from trace_jax.rl import cli as train_cli
 from trace_jax.rl import credit_quality as cq
+from trace_jax.rl.loop import TURN_SCORES_FILE
 
 
 def naive_auc(scores, positive):
@@ -140,13 +144,37 @@ def test_every_estimator_family_is_an_arm_and_trace_per_template():
     assert [a.estimator for a in arms if not a.form] == ["grpo", "gigpo", "abc_grpo", "oracle_progress"]
 
 
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A two-step GRPO run of the small config with `kl_metric` (GRPO reads no scores: kl_metric alone makes the
+    reference score its rollouts, configs/study.gin's reason)."""
+    root = tmp_path_factory.mktemp("credit_quality")
+    gin = root / "small.gin"
+    gin.write_text(SMALL + "TrainConfig.steps = 2\nCreditConfig.estimator = 'grpo'\nUpdateConfig.kl_metric = True\n")
+    assert train_cli.run_train([str(gin)], [], str(root / "run"), progress=False) == 0
+    return root / "run"
+
+
 @pytest.mark.slow
-def test_the_command_writes_json_markdown_and_plot_on_the_tiny_config(tmp_path):
-    gin = tmp_path / "small.gin"
-    gin.write_text(SMALL)
+def test_a_two_step_run_records_scores_and_values_of_every_episode_and_kl_ref(tiny_run):
+    records = [json.loads(line) for line in (tiny_run / TURN_SCORES_FILE).read_text().splitlines()]
+    rows = PROMPTS * 2  # RolloutConfig.group_size = 2 in SMALL
+    assert [r["step"] for r in records] == [1] * rows + [2] * rows
+    for r in records:
+        assert len(r["scores"]) == len(r["values"]) == r["num_turns"] + 1
+        assert 0 <= r["group"] < PROMPTS and r["reward"] in (0.0, 1.0) and isinstance(r["correct"], bool)
+        values = trace_values(jnp.asarray([r["scores"]], jnp.float32), jnp.asarray([r["num_turns"]]))
+        np.testing.assert_allclose(r["values"], np.asarray(values)[0], atol=2e-4)
+    metrics = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
+    assert all("kl_ref" in m for m in metrics if "reward" in m)
+
+
+@pytest.mark.slow
+def test_the_command_on_a_run_directory_writes_json_markdown_and_plot(tiny_run, tmp_path):
     out = tmp_path / "out"
     start = time.perf_counter()
-    assert main(["credit-quality", "--policy", "init", "--gin-file", str(gin), "--out-dir", str(out),
+    # no --gin-file: the run's own config.gin; the policy of step 2 against the run's initial policy as reference
+    assert main(["credit-quality", "--policy", f"{tiny_run}@2", "--reference", f"{tiny_run}@0", "--out-dir", str(out),
                  "--tool-turns", "6", "--max-batches", "2", "--bootstrap", "50"]) == 0
     print(f"credit-quality end to end: {time.perf_counter() - start:.1f} s")
     report = json.loads((out / "credit_quality.json").read_text())
@@ -154,6 +182,20 @@ def test_the_command_writes_json_markdown_and_plot_on_the_tiny_config(tmp_path):
     for entry in report["templates"].values():
         assert set(entry["forms"]) == set(cq.FORMS)
     assert len(report["arms"]) == len(cq.arms(cq.DEFAULT_TEMPLATES))
-    assert report["episodes"] > 0 and report["bootstrap"] == 50
+    assert report["episodes"] > 0 and report["bootstrap"] == 50 and report["reference"] == f"{tiny_run}@0"
     assert "| estimator |" in (out / "credit_quality.md").read_text()
     assert (out / "credit_quality.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_bad_template_fails_before_any_compute_naming_the_flag(tmp_path, capsys):
+    assert main(["credit-quality", "--policy", "init", "--gin-file", "configs/tiny.gin", "--out-dir",
+                 str(tmp_path / "out"), "--templates", "<answer>{answer}</answer>"]) == 2
+    assert "--templates" in capsys.readouterr().err
+
+
+def test_a_policy_that_is_no_checkpoint_fails_naming_the_flag(tmp_path, capsys):
+    gin = tmp_path / "small.gin"
+    gin.write_text(SMALL)
+    assert main(["credit-quality", "--policy", str(tmp_path / "nothing"), "--gin-file", str(gin), "--out-dir",
+                 str(tmp_path / "out")]) == 2
+    assert "--policy/--reference" in capsys.readouterr().err
