@@ -35,7 +35,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-DEFAULT_TEMPLATES = ("<answer>{answer}", "The answer is {answer}")
+# The answer tag, and the policy's own opening: the oracle's demonstrations end "<fact note>. The answer is X.", so a
+# warm-started policy writes ' The' (with its space, another token than 'The' in the word tokenizer and in BPE) before
+# the gold; the template branch's `envs.oracle.answer_template()` is the same string.
+DEFAULT_TEMPLATES = ("<answer>{answer}", " The answer is {answer}")
 FORMS = ("log_ratio", "raw_delta", "linear_gap")
 HORIZONS = (0, 1, 3, 5)
 TRACE_NAMES = {"log_ratio": "trace", "raw_delta": "trace_raw_delta", "linear_gap": "trace_linear_gap"}
@@ -586,7 +589,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output directory (default runs/credit-quality-<time>)")
     parser.add_argument("--templates", nargs="+", default=list(DEFAULT_TEMPLATES),
                         help="answer templates scored side by side, each with {answer} at its end (default: "
-                             "'<answer>{answer}' and 'The answer is {answer}')")
+                             "'<answer>{answer}' and ' The answer is {answer}', the policy's own opening)")
     parser.add_argument("--tool-turns", "--tool_turns", type=int, default=5000,
                         help="sample batches until this many tool turns (default 5000)")
     parser.add_argument("--prompts", type=int, default=None,
