@@ -92,6 +92,8 @@ def test_estimate_is_the_full_sample_and_the_percentile_interval_of_the_resample
     e = cq.estimate(values)
     assert e["value"] == 0.5
     assert e["low"] == pytest.approx(0.025) and e["high"] == pytest.approx(0.975)
+    assert e["defined"] == 401
+    assert cq.estimate(np.r_[0.5, np.nan, 1.0, np.nan])["defined"] == 1
 
 
 def test_last_state_separation_compares_correct_and_wrong_episodes_of_one_group_only():

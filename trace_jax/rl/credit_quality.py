@@ -145,13 +145,16 @@ def group_separation(values: np.ndarray, correct: np.ndarray, group: np.ndarray,
 
 
 def estimate(values: np.ndarray) -> dict[str, float | None]:
-    """`{"value", "low", "high"}`: `values[0]` (the full sample, weights 1) and the 2.5/97.5 percentiles of the
-    bootstrap resamples `values[1:]` (None where undefined)."""
+    """`{"value", "low", "high", "defined"}`: `values[0]` (the full sample, weights 1), the 2.5/97.5 percentiles of
+    the bootstrap resamples `values[1:]` where the figure is defined (None where nothing is), and how many resamples
+    that is: a figure resting on a few turns or groups (one first opening) is undefined in many resamples and its
+    interval is then too narrow; read `defined` with it."""
     point = float(values[0])
     rest = values[1:][np.isfinite(values[1:])]
     low, high = (np.percentile(rest, [2.5, 97.5]) if rest.size else (np.nan, np.nan))
-    return {k: (float(v) if math.isfinite(v) else None) for k, v in
-            (("value", point), ("low", float(low)), ("high", float(high)))}
+    out = {k: (float(v) if math.isfinite(v) else None) for k, v in
+           (("value", point), ("low", float(low)), ("high", float(high)))}
+    return {**out, "defined": int(rest.size)}
 
 
 # ------------------------------------------------------------------------------------------------ turn marks
