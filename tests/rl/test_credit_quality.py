@@ -16,6 +16,7 @@ from trace_jax.cli import main
 from trace_jax.credit import trace_values
 from trace_jax.rl import cli as train_cli
 from trace_jax.rl import credit_quality as cq
+from trace_jax.rl.credit_diagnostics import progress_gains
 from trace_jax.rl.loop import TURN_SCORES_FILE
 
 
@@ -129,6 +130,12 @@ def test_a_chain_page_counts_as_opened_first_only_on_the_first_turn_that_shows_i
                                   turn_texts=[*episode.turn_texts[:3], "o", "<answer>Kirda</answer>"])
     assert cq.chain_page_opens(episode).tolist() == [False, False, True, False]
     assert cq.chain_page_opens(dataclasses.replace(episode, clues=())) is None
+
+
+def test_progress_gains_are_the_oracle_estimators_input_one_row_per_episode_zero_without_a_chain():
+    gains = progress_gains([_episode(), _episode(clues=())], 6)
+    np.testing.assert_array_equal(gains, [[0, 0, 0.5, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
+    assert gains.dtype == np.float32
 
 
 def test_a_template_without_the_answer_at_its_end_is_refused_naming_the_flag():
