@@ -31,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("trace_jax.rl.cli", "held-out evaluation of a saved step of a training run"),
     "sweep": ("trace_jax.rl.cli", "expand a sweep gin file into runs; run them in sequence or print commands"),
     "study": ("trace_jax.rl.study", "methods x seeds (+ ablations) as resumable runs; results.json and plots"),
+    "credit-quality": ("trace_jax.rl.credit_quality", "every estimator's credit on the same sampled episodes: value "
+                       "jumps, correct-vs-wrong separation, progress correlation, with bootstrap CIs"),
     "plan": ("trace_jax.plan", "AOT-compile a config's train/score/decode programs for a TPU topology: HBM fit"),
 }
 # name -> (module, function) giving keyword arguments of the command's `run`, composed here (see the docstring).

@@ -35,6 +35,7 @@ def random_batch(seed, with_abc=False):
         num_steps=jnp.asarray(num_turns + 1) if with_abc else None,
         anchor_keys=jnp.asarray(rng.integers(0, 3, size=(N, T + 1)).astype(np.int32)) if with_abc else None,
         correct=jnp.asarray(rng.integers(0, 2, size=N).astype(bool)) if with_abc else None,
+        progress_gains=jnp.asarray(rng.uniform(0, 0.5, size=(N, T)).astype(np.float32)) if with_abc else None,
     )
     return inputs
 

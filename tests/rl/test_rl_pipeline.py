@@ -76,7 +76,7 @@ def _pipeline(config, environment, credit: CreditConfig, loss: LossConfig, updat
 ESTIMATORS = {
     "grpo": {}, "gspo": {"ratio_level": "sequence", "aggregation": "seq-mean-token-mean"}, "trace": {},
     "trace_raw_delta": {}, "trace_linear_gap": {},
-    "gigpo": {}, "abc_grpo": {}, "abc_sft_online": {"mode": "sft"},
+    "gigpo": {}, "abc_grpo": {}, "abc_sft_online": {"mode": "sft"}, "oracle_progress": {},
 }
 
 

@@ -1,6 +1,6 @@
 """`trace-jax train` killed with SIGKILL after step 2 resumes from its run directory to the same prompts (steps 3-4),
-metrics and params as an uninterrupted run (the grain iterator state of the prompt order, rollout keys and the
-train state's PRNG key are checkpointed).
+metrics, per-episode scores (turn_scores.jsonl) and params as an uninterrupted run (the grain iterator state of the
+prompt order, rollout keys and the train state's PRNG key are checkpointed).
 
 The three runs (uninterrupted, killed, resumed) run one after another. The killed one is a `trace-jax train`
 process, since SIGKILL is what is under test; the other two run the same command in the test's own process
@@ -106,6 +106,10 @@ def test_sigkilled_run_resumes_to_the_same_prompts_metrics_and_params(tmp_path, 
     assert sorted(prompts) == list(range(1, STEPS + 1))
     assert [prompts[s] for s in (3, 4)] == [_step_prompts(straight)[s] for s in (3, 4)]
     assert prompts[3] + prompts[4] != prompts[1] + prompts[2]  # a new epoch, shuffled anew
+    # the per-episode scores too: a step recorded before the kill and redone after it is recorded once
+    straight_scores, killed_scores = ((run / "turn_scores.jsonl").read_text().splitlines()
+                                      for run in (straight, killed))
+    assert straight_scores == killed_scores and len(straight_scores) == STEPS * 2 * 2  # prompts x group size
     a, b = _step_metrics(straight), _step_metrics(killed)
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     for step in a:

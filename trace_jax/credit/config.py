@@ -57,8 +57,8 @@ class CreditConfig:
       horizon: TRACE look-ahead `K >= 0` (an int).
       gamma: TRACE look-ahead and terminal-fill discount, in [0, 1].
       terminal_fill: `lambda_term`, weight of `A_out` in windows that reach the last turn.
-      alpha_out: weight of the outcome advantage on every assistant token.
-      alpha_turn: weight of the turn credit on tool-call turns (0 reproduces GRPO exactly).
+      alpha_out: weight of the outcome advantage on every assistant token (trace*, oracle_progress).
+      alpha_turn: weight of the turn credit on tool-call turns (0 reproduces GRPO exactly; trace*, oracle_progress).
 
       abc_gamma: ABC-GRPO backward accumulation factor, in [0, 1].
       abc_normalize: ABC-GRPO step-reward statistics, `"joint"` (all steps of the group) or `"per_step"`.

@@ -1,7 +1,8 @@
 """Advantage estimators by name: one common input structure in, per-token advantages out.
 
 The trainer and the CLI pick an estimator with a `CreditConfig` (or just its name): `grpo`, `gspo`, `trace`,
-`trace_raw_delta`, `trace_linear_gap`, `abc_grpo`, `abc_sft_online`, `gigpo`; research code can register its own.
+`trace_raw_delta`, `trace_linear_gap`, `abc_grpo`, `abc_sft_online`, `gigpo`, `oracle_progress`; research code can
+register its own.
 Registering a name twice raises: a silent override is how a sweep ends up running the wrong method. Built-in
 estimators take their options from `CreditConfig` (the one place their defaults are written) through
 `Estimator.options`.
@@ -13,11 +14,13 @@ import dataclasses
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 
 from trace_jax.credit import validate
 from trace_jax.credit.abc import abc_sft_weights, grouped_abc_grpo_advantages
 from trace_jax.credit.config import CreditConfig
 from trace_jax.credit.gigpo import gigpo_step_advantages
+from trace_jax.credit.oracle import progress_turn_credit
 from trace_jax.credit.outcome import grouped_outcome_advantages
 from trace_jax.credit.tokens import sequence_advantages_to_tokens, step_values_to_tokens, token_advantages
 from trace_jax.credit.trace import trace_turn_credit
@@ -39,6 +42,8 @@ class CreditInputs(NamedTuple):
         (GiGPO's anchor states; equal states, equal keys; `gigpo.state_keys` + `gigpo.anchor_key_ids` build them).
       correct: `[N]` bool, the final answer verified correct (exact match with the gold answer or an alias);
         ABC-SFT's filter.
+      progress_gains: `[N, T]` float the oracle's progress gain of each tool turn (`oracle_progress`; the RL
+        pipeline computes them with `rl.credit_diagnostics.progress_gains`).
     """
 
     rewards: Any
@@ -51,6 +56,7 @@ class CreditInputs(NamedTuple):
     num_steps: Any = None
     anchor_keys: Any = None
     correct: Any = None
+    progress_gains: Any = None
 
 
 class CreditResult(NamedTuple):
@@ -170,6 +176,14 @@ def validate_credit_inputs(name: str, inputs: CreditInputs) -> None:
         validate.validate_abc_inputs(inputs.step_rewards, inputs.num_steps)
     if "anchor_keys" in estimator.requires:
         validate.validate_anchor_keys(inputs.anchor_keys, inputs.num_turns)
+    if "progress_gains" in estimator.requires:
+        gains = np.asarray(inputs.progress_gains)
+        turns = np.asarray(inputs.num_turns)
+        if gains.ndim != 2 or gains.shape[0] != turns.shape[0] or (turns.size and gains.shape[1] < turns.max()):
+            raise ValueError(f"progress_gains has shape {gains.shape}; expected [N={turns.shape[0]}, T >= "
+                             f"{int(turns.max()) if turns.size else 0}] (one gain per tool turn)")
+        if not np.isfinite(gains.astype(np.float64)).all():
+            raise ValueError("progress_gains has non-finite values; a turn that reveals nothing gains 0")
     if "correct" in estimator.requires and tuple(inputs.correct.shape) != tuple(inputs.rewards.shape):
         raise ValueError(f"correct has shape {tuple(inputs.correct.shape)}; expected one flag per trajectory, "
                          f"{tuple(inputs.rewards.shape)} like rewards")
@@ -329,3 +343,15 @@ def _gigpo(inputs, num_groups, *, std, std_eps, gamma, omega, step_std):
                          outcome[:, None] + omega * steps, 0.0)
     tokens = step_values_to_tokens(per_turn, inputs.turn_index, inputs.loss_mask, num_turns + 1)
     return CreditResult(tokens, outcome, per_turn)
+
+
+@register_estimator("oracle_progress", requires=("progress_gains",),
+                    options={**_OUTCOME_OPTIONS, "alpha_out": "alpha_out", "alpha_turn": "alpha_turn"},
+                    description="Oracle progress: GRPO + alpha_turn * the oracle's progress gain of each tool turn "
+                                "(TRACE's mixing; the ceiling for a turn credit).")
+def _oracle_progress(inputs, num_groups, *, std, std_eps, alpha_out, alpha_turn):
+    outcome = _outcome(inputs, num_groups, std, std_eps)
+    turn = progress_turn_credit(jnp.asarray(inputs.progress_gains), jnp.asarray(inputs.num_turns))
+    tokens = token_advantages(inputs.turn_index, inputs.loss_mask, turn, outcome, inputs.num_turns,
+                              alpha_out=alpha_out, alpha_turn=alpha_turn)
+    return CreditResult(tokens, outcome, turn)

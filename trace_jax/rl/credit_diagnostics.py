@@ -68,6 +68,18 @@ def path_marks(episode: Any) -> tuple[np.ndarray, np.ndarray] | None:
     return on_path, np.pad(gain, (0, num_tool_turns - len(gain)))
 
 
+def progress_gains(episodes: Sequence[Any], num_slots: int) -> np.ndarray:
+    """float32 `[E, num_slots]`: each episode's progress gain per tool turn (`path_marks`), 0 past its tool turns and
+    for an episode whose task has no clue chain to judge against (the `oracle_progress` estimator's input)."""
+    out = np.zeros((len(episodes), num_slots), np.float32)
+    for row, episode in enumerate(episodes):
+        marks = path_marks(episode)
+        if marks is not None:
+            gain = marks[1][:num_slots]
+            out[row, :len(gain)] = gain
+    return out
+
+
 def turn_credit(token_advantages: np.ndarray, loss_mask: np.ndarray, turn_index: np.ndarray,
                 num_turns_max: int) -> np.ndarray:
     """float64 `[N, num_turns_max]`: the mean advantage over each turn's trained tokens (`loss_mask > 0` and

@@ -23,6 +23,8 @@ A run, in order (each stage logged, and timed in `summary.json`):
 Training prompts come from `prompt_stream`: a grain pipeline (`data.sources.epoch_batches`: seeded per-epoch
 shuffles by `DataConfig.shuffle_seed`, each process its block of every step's prompts); each step's task ids are
 appended to `prompts.jsonl` (process 0's share). The warm start draws its SFT batches through the same pipeline.
+Each step whose rollouts the reference scored (an estimator that reads answer scores, or `UpdateConfig.kl_metric`)
+appends one line per episode to `turn_scores.jsonl` (`turn_score_records`: scores and values of every state).
 
 Resume: the train state (params, optimizer, PRNG key) and the host state (grain's iterator state of the prompt
 order, the prompts drawn so far, the evaluations so far) are checkpointed together every
@@ -75,10 +77,10 @@ from trace_jax.models.chat import ChatFormat
 from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
 from trace_jax.rl.abc_scoring import ABCStepScoring
 from trace_jax.rl.credit_diagnostics import OPTIONAL_METRICS
-from trace_jax.rl.evaluate import EvalResult, compare, evaluate, format_comparison
+from trace_jax.rl.evaluate import EvalResult, compare, episode_correct, evaluate, format_comparison
 from trace_jax.rl.gin_setup import RunConfig, reference_checkpoint_parts
 from trace_jax.rl.metrics import PhaseTimer, RunWriter, progress_bar
-from trace_jax.rl.pipeline import RLPipeline, check_compatible
+from trace_jax.rl.pipeline import Prepared, RLPipeline, check_compatible
 from trace_jax.rl.warmstart import abc_sft_weighted, oracle_trajectories, sft_arrays
 from trace_jax.rollout.batch import episode_view
 from trace_jax.rollout.budget import rows_within_budget
@@ -466,9 +468,30 @@ def _record_prompts(run_dir: Path, step: int, tasks: list) -> None:
         out.write(json.dumps({"step": step, "task_ids": [task.task_id for task in tasks]}) + "\n")
 
 
-def _trim_prompts(run_dir: Path, last_step: int) -> None:
+TURN_SCORES_FILE = "turn_scores.jsonl"
+
+
+def turn_score_records(step: int, prepared, *, eps: float, min_score: float | None) -> list[dict]:
+    """One record per episode of a scored step (`prepared.answer_scores` not None; else none): `step`, `episode`
+    (its row in the step), `group` (its prompt group), `task_id`, `reward`, `correct`, `status`, `num_turns` T, the
+    reference's scores `scores` l_0..l_T and the values `values` V_0..V_T (`trace_values`, the run's `eps` and
+    `min_score`): what the credit-quality analysis reads after the run (docs/credit.md, "Credit quality")."""
+    if prepared.answer_scores is None:
+        return []
+    view = episode_view(prepared.rollout.batch)
+    num_turns = np.asarray(view.num_turns)
+    scores = np.asarray(prepared.answer_scores, np.float64)
+    values = np.asarray(trace_values(jnp.asarray(scores), jnp.asarray(num_turns), eps=eps, min_score=min_score))
+    return [{"step": step, "episode": row, "group": int(view.group_id[row]), "task_id": episode.task_id,
+             "reward": float(view.reward[row]), "correct": bool(episode_correct(episode)), "status": episode.status,
+             "num_turns": int(num_turns[row]), "scores": [round(float(x), 5) for x in scores[row, :num_turns[row] + 1]],
+             "values": [round(float(x), 5) for x in values[row, :num_turns[row] + 1]]}
+            for row, episode in enumerate(prepared.rollout.episodes)]
+
+
+def _trim_prompts(run_dir: Path, last_step: int, name: str = PROMPTS_FILE) -> None:
     """Drop the records of steps after `last_step` (run after a kill, before the checkpoint's step was redone)."""
-    path = run_dir / PROMPTS_FILE
+    path = run_dir / name
     if path.exists():
         lines = [line for line in path.read_text(encoding="utf-8").splitlines()
                  if line.strip() and json.loads(line)["step"] <= last_step]
@@ -643,12 +666,14 @@ class RLStep:
     def __init__(self, pipeline: RLPipeline, placement: Placement, optimizer, seed: int, peak_flops: float | None):
         self.pipeline, self.placement, self.optimizer = pipeline, placement, optimizer
         self.seed, self.peak_flops = seed, peak_flops
+        self.prepared: Prepared | None = None  # the last step's batch, for the run's turn-scores record
 
     def __call__(self, state: RLState, batch: RLBatch) -> tuple[RLState, dict[str, float]]:
         timer = PhaseTimer()
         train_state, prepared, update_metrics = rl_step(
             self.pipeline, self.placement, state.train, state.reference, list(batch.tasks), batch.key,
             seed=self.seed * 1_000_003 + batch.step - 1, timer=timer)
+        self.prepared = prepared
         train_state = train_state.replace(step=distributed.put_replicated_value(
             np.int32(batch.step), NamedSharding(self.placement.mesh, P())))
         metrics = {**prepared.metrics, **update_metrics, **timer.metrics()}
@@ -924,6 +949,7 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
             log(f"resuming from the checkpoint of step {latest}")
             if primary:
                 _trim_prompts(run_dir, latest)
+                _trim_prompts(run_dir, latest, TURN_SCORES_FILE)
             stages.update(host.get("stages", {}))
         step = int(state.step)
         swap = train_config.reference_swap_step
@@ -968,6 +994,13 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
 
         def record(step, state, metrics):
             writer.log(step, metrics)
+            if primary and rl.prepared is not None:  # this process's rows; the end-of-run record has no step
+                records = turn_score_records(step, rl.prepared, eps=run_config.credit.eps,
+                                             min_score=run_config.credit.min_score)
+                if records:
+                    with open(run_dir / TURN_SCORES_FILE, "a", encoding="utf-8") as out:
+                        out.writelines(json.dumps(r) + "\n" for r in records)
+                rl.prepared = None
 
         def receipts(step, state, metrics):
             receipt_tasks = environment.eval_tasks[:train_config.receipts] if primary else []

@@ -8,7 +8,8 @@
          (the builder `trace-jax credit` uses), ABC step counts from the step
          scorer of `UpdateConfig.abc` (rules or the LLM judge; abc_grpo, abc_sft_online)
          with the answer turn folded into the last step (`CreditConfig.
-         abc_answer_step`), GiGPO anchor keys (gigpo, `CreditConfig.gigpo_anchor`)
+         abc_answer_step`), GiGPO anchor keys (gigpo, `CreditConfig.gigpo_anchor`),
+         the oracle's progress gain per tool turn (oracle_progress)
       -> `compute_advantages(CreditConfig, ...)`: per-token advantages              phase "credit"
       -> `LossBatch` (token-aligned: behaviour log-probs are the sampler's
          `sampler_logprobs`; reference log-probs, for the KL term, the scorer's
@@ -59,7 +60,7 @@ from trace_jax.credit.gigpo import anchor_key_ids, state_keys
 from trace_jax.credit.registry import CreditInputs, CreditResult, get_estimator
 from trace_jax.models.alignment import to_token_aligned
 from trace_jax.rl.abc_scoring import ABCScorerConfig, ABCStepScoring, step_rewards_from_counts
-from trace_jax.rl.credit_diagnostics import credit_diagnostics
+from trace_jax.rl.credit_diagnostics import credit_diagnostics, progress_gains
 from trace_jax.rl.evaluate import episode_correct
 from trace_jax.rl.warmstart import check_answer_template_choice, resolve_answer_template
 from trace_jax.rollout.agent import Rollout, RolloutConfig, run_episodes
@@ -340,6 +341,8 @@ class RLPipeline:
             extra["anchor_keys"] = jnp.asarray(anchor_key_ids(keys, slots))
         if "correct" in self.estimator.requires:
             extra["correct"] = jnp.asarray([episode_correct(e) for e in rollout.episodes])
+        if "progress_gains" in self.estimator.requires:  # oracle_progress: one gain per tool turn of each episode
+            extra["progress_gains"] = jnp.asarray(progress_gains(rollout.episodes, self.rollout.max_turns + 1))
         loss_mask = batch.loss_mask[:, :width]
         turn_index = batch.turn_index[:, :width]
         if segmented:  # once per episode, one pseudo-token per turn, then onto the segment rows' tokens

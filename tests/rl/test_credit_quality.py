@@ -1,0 +1,210 @@
+"""`trace-jax credit-quality` (trace_jax/rl/credit_quality.py): each metric against a naive loop, and the command."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.rl.test_credit_diagnostics import _episode
+from tests.rl.test_rl_pipeline import PROMPTS, SMALL
+from trace_jax.cli import main
+from trace_jax.credit import trace_values
+from trace_jax.rl import cli as train_cli
+from trace_jax.rl import credit_quality as cq
+from trace_jax.rl.credit_diagnostics import progress_gains
+from trace_jax.rl.loop import TURN_SCORES_FILE
+
+
+def naive_auc(scores, positive):
+    pos = [s for s, p in zip(scores, positive) if p]
+    neg = [s for s, p in zip(scores, positive) if not p]
+    if not pos or not neg:
+        return float("nan")
+    wins = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a in pos for b in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def naive_ranks(values):
+    return [1 + sum(v < x for v in values) + (sum(v == x for v in values) - 1) / 2 for x in values]
+
+
+def naive_spearman(x, y):
+    rx, ry = np.asarray(naive_ranks(list(x)), float), np.asarray(naive_ranks(list(y)), float)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    den = np.sqrt((rx ** 2).sum() * (ry ** 2).sum())
+    return float((rx * ry).sum() / den) if den > 0 else float("nan")
+
+
+def expand(counts, group, *arrays):
+    """The bootstrap data set a row of group counts stands for: each group's items repeated count times."""
+    index = [i for g, c in enumerate(counts) for _ in range(int(c)) for i in np.nonzero(group == g)[0]]
+    return [np.asarray(a)[index] for a in arrays]
+
+
+def test_auc_matches_the_pairwise_count_with_ties():
+    rng = np.random.default_rng(0)
+    scores = rng.integers(0, 5, 40).astype(float)  # many ties
+    positive = rng.random(40) < 0.3
+    got = cq.weighted_auc(scores, positive, np.ones((1, 40)))[0]
+    assert got == pytest.approx(naive_auc(scores, positive), abs=1e-12)
+    assert cq.weighted_auc([1.0, 2.0, 3.0], [False, False, True], np.ones((1, 3)))[0] == 1.0
+    assert np.isnan(cq.weighted_auc([1.0, 2.0], [True, True], np.ones((1, 2)))[0])
+
+
+def test_spearman_with_ties_matches_average_ranks_by_loop():
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 4, 30).astype(float)
+    y = x + rng.integers(0, 3, 30)
+    assert cq.weighted_spearman(x, y, np.ones((1, 30)))[0] == pytest.approx(naive_spearman(x, y), abs=1e-12)
+    assert np.isnan(cq.weighted_spearman(x, np.zeros(30), np.ones((1, 30)))[0])
+
+
+def test_weighted_metrics_equal_the_metrics_of_the_resampled_data_set():
+    rng = np.random.default_rng(2)
+    group = np.repeat(np.arange(6), 5)
+    scores = rng.integers(0, 6, 30).astype(float)
+    positive = rng.random(30) < 0.4
+    other = rng.integers(0, 3, 30).astype(float)
+    counts = cq.group_counts(6, 20, seed=3)
+    auc = cq.weighted_auc(scores, positive, counts[:, group])
+    rho = cq.weighted_spearman(scores, other, counts[:, group])
+    mean = cq.weighted_mean(scores, counts[:, group] * positive)
+    for b, row in enumerate(counts):
+        s, p, o = expand(row, group, scores, positive, other)
+        np.testing.assert_allclose(auc[b], naive_auc(s, p), atol=1e-12)
+        np.testing.assert_allclose(rho[b], naive_spearman(s, o), atol=1e-12)
+        np.testing.assert_allclose(mean[b], s[p].mean() if p.any() else np.nan, atol=1e-12)
+
+
+def test_bootstrap_is_reproducible_with_a_seed_and_differs_with_another():
+    a, b, c = cq.group_counts(9, 50, seed=7), cq.group_counts(9, 50, seed=7), cq.group_counts(9, 50, seed=8)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert (a.sum(axis=1) == 9).all()
+
+
+def test_estimate_is_the_full_sample_and_the_percentile_interval_of_the_resamples():
+    values = np.r_[0.5, np.linspace(0.0, 1.0, 401)]
+    e = cq.estimate(values)
+    assert e["value"] == 0.5
+    assert e["low"] == pytest.approx(0.025) and e["high"] == pytest.approx(0.975)
+    assert e["defined"] == 401
+    assert cq.estimate(np.r_[0.5, np.nan, 1.0, np.nan])["defined"] == 1
+
+
+def test_last_state_separation_compares_correct_and_wrong_episodes_of_one_group_only():
+    # group 0: correct values 2, 1 vs wrong 1, 0 -> pairs (2>1, 2>0, 1=1, 1>0) = 3.5 of 4; group 1: all correct
+    # (no pairs); group 2: correct -5 vs wrong 3 -> 0 of 1. Across groups the correct -5 would beat nothing.
+    values = np.array([2.0, 1.0, 1.0, 0.0, 9.0, 9.0, -5.0, 3.0])
+    correct = np.array([1, 1, 0, 0, 1, 1, 1, 0], bool)
+    group = np.array([0, 0, 0, 0, 1, 1, 2, 2])
+    auc, gap = cq.group_separation(values, correct, group, np.ones((1, 3)))
+    assert auc[0] == pytest.approx(3.5 / 5)
+    assert gap[0] == pytest.approx(((1.5 - 0.5) + (-5 - 3)) / 2)
+    counts = cq.group_counts(3, 30, seed=0)
+    auc, gap = cq.group_separation(values, correct, group, counts)
+    for b, row in enumerate(counts):  # naive: pairs inside each drawn copy of a group
+        wins = pairs = 0.0
+        gaps = []
+        for g, c in enumerate(row):
+            r, w = values[(group == g) & correct], values[(group == g) & ~correct]
+            if r.size and w.size:
+                wins += c * naive_auc(np.r_[r, w], np.r_[np.ones(r.size), np.zeros(w.size)].astype(bool)) * r.size \
+                    * w.size
+                pairs += c * r.size * w.size
+                gaps += [r.mean() - w.mean()] * int(c)
+        np.testing.assert_allclose(auc[b], wins / pairs if pairs else np.nan, atol=1e-12)
+        np.testing.assert_allclose(gap[b], np.mean(gaps) if gaps else np.nan, atol=1e-12)
+
+
+def test_a_chain_page_counts_as_opened_first_only_on_the_first_turn_that_shows_it():
+    episode = _episode()
+    page = episode.observations[2]  # the chain's page "Tuda Trading", opened at turn 2
+    episode = dataclasses.replace(episode, tool_calls=[*episode.tool_calls[:3], ("open", {"id": 0})],
+                                  observations=[*episode.observations[:3], page],
+                                  turn_texts=[*episode.turn_texts[:3], "o", "<answer>Kirda</answer>"])
+    assert cq.chain_page_opens(episode).tolist() == [False, False, True, False]
+    assert cq.chain_page_opens(dataclasses.replace(episode, clues=())) is None
+
+
+def test_progress_gains_are_the_oracle_estimators_input_one_row_per_episode_zero_without_a_chain():
+    gains = progress_gains([_episode(), _episode(clues=())], 6)
+    np.testing.assert_array_equal(gains, [[0, 0, 0.5, 0, 0, 0], [0, 0, 0, 0, 0, 0]])
+    assert gains.dtype == np.float32
+
+
+def test_a_template_without_the_answer_at_its_end_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="--templates"):
+        cq.check_template("<answer>{answer}</answer>")
+    with pytest.raises(ValueError, match="--templates"):
+        cq.check_template("no field")
+    cq.check_template("The answer is {answer}")
+
+
+def test_every_estimator_family_is_an_arm_and_trace_per_template():
+    arms = cq.arms(["A {answer}", "B {answer}"])
+    trace = [a for a in arms if a.form]
+    assert len(trace) == 2 * 3 * 4 and {a.horizon for a in trace} == {0, 1, 3, 5}
+    assert [a.estimator for a in arms if not a.form] == ["grpo", "gigpo", "abc_grpo", "oracle_progress"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A two-step GRPO run of the small config with `kl_metric` (GRPO reads no scores: kl_metric alone makes the
+    reference score its rollouts, configs/study.gin's reason)."""
+    root = tmp_path_factory.mktemp("credit_quality")
+    gin = root / "small.gin"
+    gin.write_text(SMALL + "TrainConfig.steps = 2\nCreditConfig.estimator = 'grpo'\nUpdateConfig.kl_metric = True\n")
+    assert train_cli.run_train([str(gin)], [], str(root / "run"), progress=False) == 0
+    return root / "run"
+
+
+@pytest.mark.slow
+def test_a_two_step_run_records_scores_and_values_of_every_episode_and_kl_ref(tiny_run):
+    records = [json.loads(line) for line in (tiny_run / TURN_SCORES_FILE).read_text().splitlines()]
+    rows = PROMPTS * 2  # RolloutConfig.group_size = 2 in SMALL
+    assert [r["step"] for r in records] == [1] * rows + [2] * rows
+    for r in records:
+        assert len(r["scores"]) == len(r["values"]) == r["num_turns"] + 1
+        assert 0 <= r["group"] < PROMPTS and r["reward"] in (0.0, 1.0) and isinstance(r["correct"], bool)
+        values = trace_values(jnp.asarray([r["scores"]], jnp.float32), jnp.asarray([r["num_turns"]]))
+        np.testing.assert_allclose(r["values"], np.asarray(values)[0], atol=2e-4)
+    metrics = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
+    assert all("kl_ref" in m for m in metrics if "reward" in m)
+
+
+@pytest.mark.slow
+def test_the_command_on_a_run_directory_writes_json_markdown_and_plot(tiny_run, tmp_path):
+    out = tmp_path / "out"
+    start = time.perf_counter()
+    # no --gin-file: the run's own config.gin; the policy of step 2 against the run's initial policy as reference
+    assert main(["credit-quality", "--policy", f"{tiny_run}@2", "--reference", f"{tiny_run}@0", "--out-dir", str(out),
+                 "--tool-turns", "6", "--max-batches", "2", "--bootstrap", "50"]) == 0
+    print(f"credit-quality end to end: {time.perf_counter() - start:.1f} s")
+    report = json.loads((out / "credit_quality.json").read_text())
+    assert set(report["templates"]) == set(cq.DEFAULT_TEMPLATES)
+    for entry in report["templates"].values():
+        assert set(entry["forms"]) == set(cq.FORMS)
+    assert len(report["arms"]) == len(cq.arms(cq.DEFAULT_TEMPLATES))
+    assert report["episodes"] > 0 and report["bootstrap"] == 50 and report["reference"] == f"{tiny_run}@0"
+    assert "| estimator |" in (out / "credit_quality.md").read_text()
+    assert (out / "credit_quality.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_bad_template_fails_before_any_compute_naming_the_flag(tmp_path, capsys):
+    assert main(["credit-quality", "--policy", "init", "--gin-file", "configs/tiny.gin", "--out-dir",
+                 str(tmp_path / "out"), "--templates", "<answer>{answer}</answer>"]) == 2
+    assert "--templates" in capsys.readouterr().err
+
+
+def test_a_policy_that_is_no_checkpoint_fails_naming_the_flag(tmp_path, capsys):
+    gin = tmp_path / "small.gin"
+    gin.write_text(SMALL)
+    assert main(["credit-quality", "--policy", str(tmp_path / "nothing"), "--gin-file", str(gin), "--out-dir",
+                 str(tmp_path / "out")]) == 2
+    assert "--policy/--reference" in capsys.readouterr().err
