@@ -3,14 +3,16 @@
 # jax.distributed, and submits it with `sbatch`.
 #
 #   launch/gpu/slurm.sh --nodes N --gpus-per-node G --run-dir DIR [--gin-file F ...] [--gin-param 'X.y = z' ...]
-#       [--mode auto|env] [--port P] [--partition P] [--account A] [--time T] [--job-name J] [--requeue]
+#       [--processes node|gpu] [--port P] [--partition P] [--account A] [--time T] [--job-name J] [--requeue]
 #       [--signal-seconds S] [--sbatch-arg ARG ...] [--python PYTHON] [--dry-run]
 #
-# --mode auto (default): one process per GPU (N x G tasks); JAX reads the SLURM environment (coordinator = the first
-#   node, process id = SLURM_PROCID, local GPU = SLURM_LOCALID) with DistributedConfig.mode = "auto".
-# --mode env: one process per node driving its G GPUs, told where the coordinator is by TRACE_JAX_COORDINATOR
-#   (the first node of the allocation, port --port, default 29500), TRACE_JAX_NUM_PROCESSES (N) and
-#   TRACE_JAX_PROCESS_ID (SLURM_PROCID), which select the explicit mode.
+# --processes node (default): one process per node (N tasks) driving all G GPUs of its node, its part of one global
+#   mesh over the N x G GPUs (the host-driven work of rollouts and evaluation runs on each process's G GPUs); told
+#   where the coordinator is by TRACE_JAX_COORDINATOR (the first node of the allocation, port --port, default
+#   29500), TRACE_JAX_NUM_PROCESSES (N) and TRACE_JAX_PROCESS_ID (SLURM_PROCID), which select the explicit mode.
+# --processes gpu: one process per GPU (N x G tasks, each with a mesh part of one GPU); JAX reads the SLURM
+#   environment (coordinator = the first node, process id = SLURM_PROCID, local GPU = SLURM_LOCALID) with
+#   DistributedConfig.mode = "auto". (--mode env and --mode auto, the older spellings, mean node and gpu.)
 # Each task writes its own log, DIR/logs/slurm-<job>-<task>.log. The batch script is written to
 # DIR/launch/slurm-<time>.sbatch. SLURM sends SIGTERM --signal-seconds (default 300) before the time limit, so the
 # trainer writes a checkpoint and exits; resubmitting the same command (or --requeue after a preemption) resumes
@@ -30,14 +32,22 @@ usage() {
   exit "${1:-0}"
 }
 
-NODES="" GPUS_PER_NODE="" RUN_DIR="" MODE=auto PORT=29500 PARTITION="" ACCOUNT="" TIME_LIMIT="" JOB_NAME=trace-jax
+NODES="" GPUS_PER_NODE="" RUN_DIR="" PROCESSES=node PORT=29500 PARTITION="" ACCOUNT="" TIME_LIMIT="" JOB_NAME=trace-jax
 REQUEUE=0 SIGNAL_SECONDS=300 TRAIN_PYTHON=$PYTHON
 GIN_FILES=() GIN_PARAMS=() SBATCH_ARGS=()
 while (($#)); do
   case $1 in
     --nodes) has_value "$1" "$#"; NODES=$2; shift 2 ;;
     --gpus-per-node) has_value "$1" "$#"; GPUS_PER_NODE=$2; shift 2 ;;
-    --mode) has_value "$1" "$#"; MODE=$2; shift 2 ;;
+    --processes) has_value "$1" "$#"; PROCESSES=$2; shift 2 ;;
+    --mode)
+      has_value "$1" "$#"
+      case $2 in
+        env) PROCESSES=node ;;
+        auto) PROCESSES=gpu ;;
+        *) die "--mode must be 'env' (one process per node) or 'auto' (one per GPU), got '$2'; or use --processes" ;;
+      esac
+      shift 2 ;;
     --port) has_value "$1" "$#"; PORT=$2; shift 2 ;;
     --partition) has_value "$1" "$#"; PARTITION=$2; shift 2 ;;
     --account) has_value "$1" "$#"; ACCOUNT=$2; shift 2 ;;
@@ -67,8 +77,8 @@ one_line "$PWD" "the current directory (--chdir of the batch script)"
 if [[ -n $TIME_LIMIT && ! $TIME_LIMIT =~ ^(([0-9]+-)?[0-9]+(:[0-9]+){0,2}|UNLIMITED|infinite)$ ]]; then
   die "--time '$TIME_LIMIT': write MINUTES, HH:MM:SS, D-HH, D-HH:MM:SS or UNLIMITED"
 fi
-[[ $MODE == auto || $MODE == env ]] ||
-  die "--mode must be 'auto' (JAX reads SLURM) or 'env' (TRACE_JAX_* variables), got '$MODE'"
+[[ $PROCESSES == node || $PROCESSES == gpu ]] ||
+  die "--processes must be 'node' (one process per node, all its GPUs) or 'gpu' (one per GPU), got '$PROCESSES'"
 [[ $JOB_NAME =~ ^[A-Za-z0-9_.-]+$ ]] || die "--job-name '$JOB_NAME': letters, digits, _ . - only"
 for arg in "${SBATCH_ARGS[@]}"; do
   one_line "$arg" --sbatch-arg
@@ -86,13 +96,13 @@ check_args=(gpu --num-devices "$DEVICES" --run-dir "$RUN_DIR")
 for f in "${GIN_FILES[@]}"; do check_args+=(--gin-file "$f"); done
 for p in "${GIN_PARAMS[@]}"; do check_args+=(--gin-param "$p"); done
 preflight "${check_args[@]}"
-note "$NODES nodes x $GPUS_PER_NODE GPUs = $DEVICES devices; mesh $MESH"
+note "$NODES nodes x $GPUS_PER_NODE GPUs = $DEVICES devices, one process per $PROCESSES; mesh $MESH"
 
 [[ $RUN_DIR == /* ]] || RUN_DIR="$PWD/$RUN_DIR"
 train=("$TRAIN_PYTHON" -m trace_jax.cli train)
 for f in "${GIN_FILES[@]}"; do train+=(--gin-file "$f"); done
 for p in "${GIN_PARAMS[@]}"; do train+=(--gin-param "$p"); done
-if [[ $MODE == auto ]]; then
+if [[ $PROCESSES == gpu ]]; then
   train+=(--gin-param 'DistributedConfig.mode = "auto"')
   tasks_per_node=$GPUS_PER_NODE
 else
@@ -142,7 +152,7 @@ batch_script() {
   echo 'set -euo pipefail'
   echo "mkdir -p $(quote "$RUN_DIR/logs")"
   local srun=(srun --kill-on-bad-exit=1 "--output=$log_dir/slurm-%j-%t.log")
-  if [[ $MODE == auto ]]; then
+  if [[ $PROCESSES == gpu ]]; then
     show "${srun[@]}" "${train[@]}"
   else
     # sed, not head: head's early exit would SIGPIPE scontrol and fail the script under pipefail.

@@ -1,6 +1,7 @@
 """launch/gpu/single_host.sh and slurm.sh: the exact commands and batch scripts of --dry-run, the mesh checked against
 nodes x GPUs before anything is submitted, and a generated batch script run under a fake srun, which shows that every
-task gets the trainer's arguments intact and the jax.distributed environment of its mode."""
+task gets the trainer's arguments intact and the jax.distributed environment of its process layout (one process
+per node by default, one per GPU with --processes gpu)."""
 
 import os
 import re
@@ -44,8 +45,8 @@ TRAIN = ("/opt/venv/bin/python -m trace_jax.cli train --gin-file configs/qwen3_4
          "checkpoint = '/shared/models/Qwen3-4B'\"")
 
 
-def test_slurm_auto_mode_runs_one_task_per_gpu_and_lets_jax_read_slurm(launch):
-    assert slurm_dry_run(launch) == HEADER + [
+def test_slurm_gpu_processes_run_one_task_per_gpu_and_let_jax_read_slurm(launch):
+    assert slurm_dry_run(launch, "--processes", "gpu") == HEADER + [
         "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8", f"#SBATCH --chdir={REPO}",
         "#SBATCH --output=/shared/runs/q4b/logs/slurm-%j.out", "#SBATCH --signal=TERM@300",
         "#SBATCH --partition=gpu", "#SBATCH --time=24:00:00", "set -euo pipefail", "mkdir -p /shared/runs/q4b/logs",
@@ -54,8 +55,8 @@ def test_slurm_auto_mode_runs_one_task_per_gpu_and_lets_jax_read_slurm(launch):
         "# submitted with:", "sbatch /shared/runs/q4b/launch/slurm-TIME.sbatch"]
 
 
-def test_slurm_env_mode_runs_one_task_per_node_with_the_trace_jax_coordinator_variables(launch):
-    assert slurm_dry_run(launch, "--mode", "env", "--port", "1234", "--requeue") == HEADER + [
+def test_slurm_runs_one_process_per_node_by_default_with_the_trace_jax_coordinator_variables(launch):
+    assert slurm_dry_run(launch, "--port", "1234", "--requeue") == HEADER + [
         "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8", f"#SBATCH --chdir={REPO}",
         "#SBATCH --output=/shared/runs/q4b/logs/slurm-%j.out", "#SBATCH --signal=TERM@300",
         "#SBATCH --partition=gpu", "#SBATCH --time=24:00:00", "#SBATCH --requeue", "set -euo pipefail",
@@ -68,9 +69,15 @@ def test_slurm_env_mode_runs_one_task_per_node_with_the_trace_jax_coordinator_va
         "# submitted with:", "sbatch /shared/runs/q4b/launch/slurm-TIME.sbatch"]
 
 
+@pytest.mark.parametrize("older, processes", [("env", "node"), ("auto", "gpu")])
+def test_the_older_mode_flag_still_chooses_the_processes(launch, older, processes):
+    assert slurm_dry_run(launch, "--mode", older) == slurm_dry_run(launch, "--processes", processes)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--nodes", "0"], "--nodes must be an integer >= 1"),
-    (["--mode", "mpi"], "--mode must be 'auto'"),
+    (["--processes", "mpi"], "--processes must be 'node'"),
+    (["--mode", "mpi"], "--mode must be 'env'"),
     (["--sbatch-arg", "qos=high"], "give a long sbatch option"),
     (["--gpus-per-node", "3"], "the mesh does not fit 6 GPUs"),
 ])
@@ -94,14 +101,14 @@ done
 """
 
 
-def test_an_env_mode_batch_script_gives_each_task_its_process_id_and_the_same_train_arguments(launch, fake_gcloud,
+def test_a_per_node_batch_script_gives_each_task_its_process_id_and_the_same_train_arguments(launch, fake_gcloud,
                                                                                               tmp_path):
     trainer = tmp_path / "python"
     trainer.write_text('#!/usr/bin/env bash\necho "$TRACE_JAX_COORDINATOR $TRACE_JAX_NUM_PROCESSES '
                        '$TRACE_JAX_PROCESS_ID"\nprintf "%s\\n" "$@"\n', encoding="utf-8")
     trainer.chmod(0o755)
     run_dir = tmp_path / "shared" / "run"
-    result = launch("gpu/slurm.sh", "--nodes", "2", "--gpus-per-node", "1", "--mode", "env", "--python", str(trainer),
+    result = launch("gpu/slurm.sh", "--nodes", "2", "--gpus-per-node", "1", "--python", str(trainer),
                     "--gin-param", "TrainConfig.steps = 3", "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
     (sbatch_call,) = fake_gcloud.calls()

@@ -107,5 +107,17 @@ def test_train_then_eval_write_the_run_directory(tmp_path):
     assert {"before", "initial", "final"} <= set(summary["evaluations"])
     assert "difference" in summary["comparison"] and summary["receipts"]
     assert (run_dir / "plots" / "reward_accuracy.png").exists() and (run_dir / "config.gin").exists()
+    # every evaluation keeps each task's outcome, in the same task order
+    fields = {"task_id", "correct", "reward", "tool_calls", "turns", "tool_errors", "status", "samples_correct"}
+    assert set(summary["outcomes"]) == set(summary["evaluations"])
+    for label, sets in summary["outcomes"].items():
+        (outcomes,) = sets.values()
+        assert len(outcomes) == 2 and all(set(o) == fields for o in outcomes), label
+        assert sum(o["status"] == name for o in outcomes for name in ("answered", "max_turns", "malformed_answer",
+                                                                     "context_overflow", "running")) == 2
     assert main(["eval", "--run-dir", str(run_dir), "--step", "2"]) == 0
-    assert json.loads((run_dir / "eval_step2.json").read_text())["num_tasks"] == 2
+    written = json.loads((run_dir / "eval_step2.json").read_text())
+    assert written["num_tasks"] == 2
+    final = summary["outcomes"]["final"]["heldout"]
+    assert [o["task_id"] for o in written["outcomes"]] == [o["task_id"] for o in final]
+    assert written["sets"]["heldout"]["outcomes"] == written["outcomes"]

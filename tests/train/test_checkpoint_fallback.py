@@ -5,8 +5,11 @@ Driven through `Checkpointer` directly with a one-layer tiny model's train state
 `restore_latest` and nothing else on start-up)."""
 
 import gc
+import logging
 import os
+import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -148,3 +151,59 @@ def test_restore_latest_moves_incomplete_steps_aside_and_deletes_orbax_temporary
             restored = checkpointer.restore_latest(abstract_train_state(config, optimizer))
     assert restored.step == 3
     assert sorted(os.listdir(directory)) == ["1", "2", "3", "4.incomplete"]
+
+
+RESTORE_LATEST = """
+import sys
+from trace_jax import models, train
+from trace_jax.train.checkpoint import Checkpointer, abstract_train_state
+config = models.get_preset("tiny-qwen3", num_hidden_layers=1)
+optimizer = train.make_optimizer(train.OptimizerConfig(learning_rate=1e-3))
+with Checkpointer(train.CheckpointConfig(directory=sys.argv[1], every_steps=1, async_save=False)) as checkpointer:
+    print("restored step", checkpointer.restore_latest(abstract_train_state(config, optimizer)).step)
+"""
+
+
+def _garbage_manifest(step_dir: Path) -> Path:
+    manifest = step_dir / "state" / "manifest.ocdbt"
+    manifest.write_bytes(b"\x00garbage{")
+    return manifest
+
+
+@pytest.mark.parametrize("damage", [_truncate_largest_file, _garbage_manifest], ids=["truncated", "garbage manifest"])
+def test_falling_back_prints_one_warning_line_naming_the_step_and_no_traceback(directory, damage, tmp_path):
+    """What a resumed run shows (a fresh process running a script file: Python's own warning display, which quoted
+    the calling line of source under the warning, and orbax's logging as it is set up): the skipped step in one
+    line. A garbled manifest made orbax's abandoned reads print a traceback ("Event loop is closed") in about one
+    restore of three."""
+    damage(directory / "3")
+    script = tmp_path / "resume.py"
+    script.write_text(RESTORE_LATEST, encoding="utf-8")
+    done = subprocess.run([sys.executable, str(script), str(directory)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["restored step 2"]
+    assert "Traceback" not in done.stderr and "Exception" not in done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert re.fullmatch(rf"{re.escape(str(directory / '3'))}:0: CheckpointSkipped: checkpoint step 3 in "
+                        rf"{re.escape(str(directory))} does not restore \(\w+: .+\); skipping it and trying the "
+                        r"previous step", lines[0]), lines[0]
+
+
+def test_what_a_step_that_restores_prints_and_logs_is_kept(model, directory, capsys, caplog):
+    """Only a failed attempt's output is dropped: a restore that works prints and logs what it would have."""
+    config, optimizer, _ = model
+    restore = checkpoint.Checkpointer.restore
+
+    def chatty(self, target, step=None):
+        print("read the step", file=sys.stderr)
+        logging.getLogger("absl").warning("orbax says hello")
+        return restore(self, target, step)
+
+    with _checkpointer(directory) as checkpointer, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checkpoint.Checkpointer, "restore", chatty)
+        with caplog.at_level(logging.WARNING, logger="absl"):
+            assert checkpointer.restore_latest(abstract_train_state(config, optimizer)).step == 3
+    assert capsys.readouterr().err.count("read the step") == 1
+    assert [r.getMessage() for r in caplog.records if r.name == "absl"] == ["orbax says hello"]

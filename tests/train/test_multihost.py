@@ -3,6 +3,7 @@ each) train like one process with 8 devices, and what they checkpoint restores i
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -194,8 +195,9 @@ LOOP_STEPS = 2
 
 @pytest.mark.slow
 def test_two_processes_run_the_rl_loop_and_only_process_0_writes_the_record(tmp_path):
-    """`trace-jax train` on two processes: each rolls out 2 of the step's 4 prompts on its block of the mesh, the
-    update runs on the mesh over both, process 0 alone logs and writes metrics and summary, the checkpoint restores
+    """`trace-jax train` on two processes: each rolls out 2 of the step's 4 prompts on its block of the mesh and
+    evaluates 4 of the 8 held-out tasks, the update runs on the mesh over both, process 0 alone logs and writes
+    metrics and summary (its evaluations the one process's, task by task), the checkpoint restores
     in one process (the whole state onto a target, and the params alone as `trace-jax eval` reads them), and one
     process of 8 devices gives the same metrics and params within 1e-5."""
     from tests.rl.test_rl_pipeline import SMALL
@@ -210,12 +212,13 @@ def test_two_processes_run_the_rl_loop_and_only_process_0_writes_the_record(tmp_
 
     gin_file = tmp_path / "two.gin"
     # mini-batches gather rows across the processes; greedy rollouts are the same tokens whichever process (and
-    # whichever key) samples a row, so one process of 8 devices must train the same. 4 held-out tasks, greedy like
-    # the rollouts: each process's evaluations run the batch shape of its rollouts (4 rows), so they reuse the
-    # rollouts' decode and append programs; one tool call an episode: fewer decode and append shapes to compile.
+    # whichever key) samples a row, so one process of 8 devices must train the same. 8 held-out tasks, greedy like
+    # the rollouts: each process evaluates its 4 (and the one process all 8), the batch shape of its rollouts, so
+    # the evaluations reuse the rollouts' decode and append programs; one tool call an episode: fewer decode and
+    # append shapes to compile.
     gin_file.write_text(SMALL + f"TrainConfig.prompts_per_step = 4\nTrainConfig.steps = {LOOP_STEPS}\n"
                         "UpdateConfig.mini_batches = 2\nSamplingConfig.greedy = True\n"
-                        "DataConfig.num_eval_tasks = 4\nEvalConfig.num_tasks = 4\nRolloutConfig.max_turns = 1\n")
+                        "DataConfig.num_eval_tasks = 8\nEvalConfig.num_tasks = 8\nRolloutConfig.max_turns = 1\n")
     run_dir = tmp_path / "run"
     procs = _launch(["-m", "trace_jax.cli", "train", "--gin-file", str(gin_file), "--run-dir", str(run_dir),
                      "--no-progress"], 2, REPO, tmp_path)
@@ -229,6 +232,11 @@ def test_two_processes_run_the_rl_loop_and_only_process_0_writes_the_record(tmp_
 
     records = [r for r in read_metrics(run_dir) if "reward" in r]
     assert [r["step"] for r in records] == list(range(1, LOOP_STEPS + 1))  # one writer: no duplicate lines
+    # the evaluations, split over the processes, give the one process's figures and per-task outcomes
+    summaries = [json.loads((d / "summary.json").read_text()) for d in (run_dir, tmp_path / "one_process")]
+    assert summaries[0]["outcomes"] == summaries[1]["outcomes"]
+    assert [len(sets["heldout"]) for sets in summaries[0]["outcomes"].values()] == [8, 8]  # initial, final
+    assert summaries[0]["eval_sets"] == summaries[1]["eval_sets"]
     assert all(np.isfinite(r["loss"]) and r["updates"] == 2 for r in records)
     assert (run_dir / "summary.json").exists()
     single = [r for r in read_metrics(tmp_path / "one_process") if "reward" in r]
@@ -252,3 +260,36 @@ def test_two_processes_run_the_rl_loop_and_only_process_0_writes_the_record(tmp_
         np.testing.assert_allclose(value, single_params[name], atol=1e-5, rtol=0, err_msg=name)
     assert host["data_position"] == 4 * LOOP_STEPS  # every prompt of every step, across both processes
     assert all(np.isfinite(leaf).all() for leaf in jax.tree_util.tree_leaves(state.params))
+
+
+@pytest.mark.slow
+def test_two_processes_split_the_evaluation_and_both_get_the_one_process_result(tmp_path):
+    """`evaluate` on two processes: each runs only its part of the 5 tasks (2 and 3, greedy and sampled) and both
+    end with the result of one process evaluating every task: figures, pass@k and every task's outcome (episodes
+    scripted by task; tests/rl/test_loop_evaluate.py checks that unscripted samples do not depend on the chunk)."""
+    from tests.train import multihost_eval
+
+    multi_dir, single_dir = tmp_path / "two_processes", tmp_path / "one_process"
+    multi_dir.mkdir()
+    single_dir.mkdir()
+    procs = _launch([str(REPO / "tests" / "train" / "multihost_eval.py"), str(multi_dir)], 2, REPO, multi_dir)
+    try:
+        single = multihost_eval.run_eval(single_dir)  # meanwhile: one process
+    finally:
+        _wait(procs, multi_dir)
+    records = [json.loads((multi_dir / f"process{i}.json").read_text()) for i in range(2)]
+    assert single["processes"] == 1 and all(r["processes"] == 2 for r in records)
+    # greedy, then sampled (2 samples a task, 4 tasks a chunk): process 1's sampled chunk is not one of the
+    # one-process chunks, yet every task draws the same samples
+    assert single["calls"] == [["q0", "q1", "q2", "q3", "q4"], ["q0", "q1", "q2", "q3"], ["q4"]]
+    assert records[0]["calls"] == [["q0", "q1"]] * 2
+    assert records[1]["calls"] == [["q2", "q3", "q4"]] * 2
+    for record in records:
+        assert record["result"] == single["result"]
+    assert single["result"]["task_ids"] == ["q0", "q1", "q2", "q3", "q4"]
+    outcomes = single["result"]["outcomes"]
+    assert [o["task_id"] for o in outcomes] == single["result"]["task_ids"]
+    assert [(o["correct"], o["tool_calls"], o["status"], o["samples_correct"]) for o in outcomes] == [
+        (True, 1, "answered", 0), (False, 0, "answered", 1), (True, 0, "answered", 2), (False, 2, "max_turns", 0),
+        (False, 0, "answered", 1)]
+    assert single["result"]["pass_k"] == {"1": 0.4, "2": 0.6}  # pass@1: mean c/2; pass@2: share with c >= 1

@@ -10,11 +10,22 @@
     `1 - C(n - c, k) / C(n, k)` (Chen et al. 2021), averaged over tasks;
   * tool calls and generated turns per episode, tool errors, and how episodes ended (`rollout.STATUSES`).
 
+Every figure is a function of the per-task outcomes (`TaskOutcome`: id, correct, reward, tool calls, turns, tool
+errors, status, correct samples of pass@k), which the result keeps (`EvalResult.outcomes`) for paired analyses
+across runs; `result_from_outcomes` computes the figures from them, whatever order the tasks were run in.
+
+With several JAX processes each evaluates its contiguous part of the tasks (`distributed.process_part`) on its own
+devices, and the outcomes of every process are gathered (`distributed.gather_rows`), so every process returns the
+result one process evaluating every task would: greedy episodes do not depend on the rows batched with them, and a
+sampled episode's keys on its task's position in the whole list (`run_episodes(row_offset=...)`), not on the chunk
+or the process that runs it.
+
 `compare` turns two evaluations of the same tasks into "before -> after, difference +- SE": the SE is the paired
 one (standard error of the per-task differences) when both cover the same task ids, else the unpaired
 `sqrt(se_before^2 + se_after^2)`.
 
-This module knows the rollout API and answer checking; it knows nothing about training, optimizers or credit.
+This module knows the rollout API, answer checking and how processes share work (`train.distributed`); it knows
+nothing about training, optimizers or credit.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from trace_jax.envs.answers import exact_match
 from trace_jax.rollout.agent import RolloutConfig, run_episodes
 from trace_jax.rollout.batch import STATUSES, EpisodeRecord, episode_view
 from trace_jax.rollout.sampler import SamplingConfig
+from trace_jax.train import distributed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +113,31 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TaskOutcome:
+    """How one task's evaluation went (a record's `outcomes`, one per task in task order).
+
+    Attributes:
+      task_id: the task's `task_id` (its position in the evaluated list when it has none).
+      correct: whether its greedy episode's answer matches the gold answer or an alias (`episode_correct`).
+      reward: the greedy episode's `answer_reward`.
+      tool_calls, turns, tool_errors: of the greedy episode (turns = generated assistant turns, the answer's too).
+      status: how the greedy episode ended, a name of `rollout.STATUSES` ('answered', 'max_turns' = the turn cap,
+        'malformed_answer', 'context_overflow', ...).
+      samples_correct: with pass@k, how many of the `EvalConfig.pass_samples` sampled episodes were correct (None
+        without sampling).
+    """
+
+    task_id: str
+    correct: bool
+    reward: float
+    tool_calls: int
+    turns: int
+    tool_errors: int
+    status: str
+    samples_correct: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalResult:
     """Figures of one evaluation (see the module docstring).
 
@@ -115,6 +152,7 @@ class EvalResult:
       correct: per task, in order, whether its greedy episode was correct.
       task_ids: the tasks, in order.
       seconds: wall time of the evaluation.
+      outcomes: per task, in order, its `TaskOutcome` (empty in records written before they were kept).
     """
 
     num_tasks: int
@@ -129,6 +167,7 @@ class EvalResult:
     correct: tuple[bool, ...]
     task_ids: tuple[str, ...]
     seconds: float = 0.0
+    outcomes: tuple[TaskOutcome, ...] = ()
 
     def metrics(self, prefix: str = "eval/") -> dict[str, float]:
         """Flat scalar metrics for `metrics.jsonl` / TensorBoard."""
@@ -139,6 +178,21 @@ class EvalResult:
         out.update({f"{prefix}pass@{k}": v for k, v in self.pass_k.items()})
         out.update({f"{prefix}status/{name}": count / max(1, self.num_tasks) for name, count in self.statuses.items()})
         return out
+
+    def to_json(self) -> dict:
+        """The result as JSON values (pass@k keys as strings; `outcomes` as one dict per task)."""
+        out = dataclasses.asdict(self)
+        out["pass_k"] = {str(k): v for k, v in self.pass_k.items()}
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "EvalResult":
+        """The inverse of `to_json`; a record written before per-task outcomes were kept reads with none."""
+        data = dict(data)
+        data["pass_k"] = {int(k): v for k, v in data["pass_k"].items()}
+        data["correct"], data["task_ids"] = tuple(data["correct"]), tuple(data["task_ids"])
+        data["outcomes"] = tuple(TaskOutcome(**o) for o in data.get("outcomes") or ())
+        return cls(**data)
 
 
 def binomial_se(p: float, n: int) -> float:
@@ -166,20 +220,75 @@ def episode_correct(episode: EpisodeRecord) -> bool:
     return episode.answer is not None and exact_match(episode.answer, episode.gold)
 
 
-def _run(model_config, params, chat, tasks, browser, rollout, rng, batch_size, **kwargs):
+def _run(model_config, params, chat, tasks, browser, rollout, rng, batch_size, first_task, **kwargs):
+    """Episodes of `tasks` (the list's tasks from position `first_task` on) in chunks of `batch_size` tasks, and
+    each episode's reward. Row keys count from the first task of the whole list, so a task's samples do not depend
+    on the chunk or the process that runs it."""
     episodes: list[EpisodeRecord] = []
     rewards: list[np.ndarray] = []
     for start in range(0, len(tasks), batch_size):
         chunk = tasks[start:start + batch_size]
-        result = run_episodes(model_config, params, chat, chunk, browser, rollout, jax.random.fold_in(rng, start),
-                              **kwargs)
+        result = run_episodes(model_config, params, chat, chunk, browser, rollout, rng,
+                              row_offset=(first_task + start) * rollout.group_size, **kwargs)
         episodes += result.episodes
         rewards.append(np.asarray(result.batch.reward)[episode_view(result.batch).last_row])  # one per episode
-    return episodes, np.concatenate(rewards)
+    return episodes, (np.concatenate(rewards) if rewards else np.zeros(0, np.float32))
+
+
+# A process's outcomes travel to the others as float32 rows (exact: rewards are float32, counts small integers)
+_COLUMNS = ("index", "correct", "reward", "tool_calls", "turns", "tool_errors", "status", "samples_correct")
+
+
+def _outcome_rows(indices, episodes, rewards, samples_correct) -> np.ndarray:
+    rows = [(i, episode_correct(e), r, len(e.tool_calls), len(e.turn_texts), e.num_tool_errors,
+             STATUSES.index(e.status), -1 if c is None else c)
+            for i, e, r, c in zip(indices, episodes, rewards, samples_correct)]
+    return np.asarray(rows, np.float32).reshape(len(rows), len(_COLUMNS))
+
+
+def _outcomes_from_rows(rows: np.ndarray, task_ids: Sequence[str]) -> tuple[TaskOutcome, ...]:
+    """The outcomes of `rows` (any order, each task once) in task order."""
+    rows = rows[np.argsort(rows[:, 0], kind="stable")]
+    if rows[:, 0].astype(int).tolist() != list(range(len(task_ids))):
+        raise ValueError(f"the gathered outcomes cover tasks {rows[:, 0].astype(int).tolist()}, not each of the "
+                         f"{len(task_ids)} tasks once: every process must evaluate the same task list")
+    return tuple(TaskOutcome(task_id=task_ids[int(i)], correct=bool(c), reward=float(r), tool_calls=int(calls),
+                             turns=int(turns), tool_errors=int(errors), status=STATUSES[int(status)],
+                             samples_correct=None if hits < 0 else int(hits))
+                 for i, c, r, calls, turns, errors, status, hits in rows)
+
+
+def result_from_outcomes(outcomes: Sequence[TaskOutcome], *, pass_k: int = 0, pass_samples: int = 0,
+                         seconds: float = 0.0) -> EvalResult:
+    """The figures of an evaluation (module docstring) from its per-task outcomes, in the given task order;
+    pass@1..pass@`pass_k` from each task's `samples_correct` of `pass_samples` (pass_k = 0: none)."""
+    outcomes = tuple(outcomes)
+    n = len(outcomes)
+    if not n:
+        raise ValueError("an evaluation needs at least one task outcome")
+    accuracy = sum(o.correct for o in outcomes) / n
+    statuses = {name: 0 for name in STATUSES}
+    for o in outcomes:
+        statuses[o.status] += 1
+    pass_at = {}
+    if pass_k:
+        if any(o.samples_correct is None for o in outcomes):
+            raise ValueError(f"pass@{pass_k} needs every outcome's samples_correct (the sampled episodes' count)")
+        pass_at = {k: float(np.mean([pass_at_k(pass_samples, o.samples_correct, k) for o in outcomes]))
+                   for k in range(1, pass_k + 1)}
+    return EvalResult(
+        num_tasks=n, accuracy=accuracy, accuracy_se=binomial_se(accuracy, n),
+        mean_reward=float(np.mean([o.reward for o in outcomes])), pass_k=pass_at,
+        tool_calls_per_episode=float(np.mean([o.tool_calls for o in outcomes])),
+        turns_per_episode=float(np.mean([o.turns for o in outcomes])),
+        tool_errors_per_episode=float(np.mean([o.tool_errors for o in outcomes])), statuses=statuses,
+        correct=tuple(o.correct for o in outcomes), task_ids=tuple(o.task_id for o in outcomes), seconds=seconds,
+        outcomes=outcomes)
 
 
 def evaluate(model_config, params, chat, tasks: Sequence[Any], browser, rollout: RolloutConfig,
-             config: EvalConfig = EvalConfig(), *, mesh=None, rules=None, logits_hook=None) -> EvalResult:
+             config: EvalConfig = EvalConfig(), *, mesh=None, rules=None, logits_hook=None,
+             across_processes: bool = True) -> EvalResult:
     """Evaluate the policy on `tasks` (all of them; slice to `config.num_tasks` before calling).
 
     Greedy episodes give accuracy and the episode statistics; with `config.pass_k > 0`, `config.pass_samples`
@@ -193,43 +302,42 @@ def evaluate(model_config, params, chat, tasks: Sequence[Any], browser, rollout:
         replaced here (1 greedy sample; n sampled ones for pass@k), and its max_turns by `config.max_turns` when
         that is set.
       config: the `EvalConfig`.
-      mesh, rules, logits_hook: passed to `run_episodes` (`logits_hook`: tests only).
+      mesh, rules: passed to `run_episodes` (with several processes: this process's block of the mesh).
+      logits_hook: passed to `run_episodes` (tests only).
+      across_processes: with several JAX processes, each runs its part of the tasks and the outcomes are gathered
+        (a collective: every process calls this with the same tasks and gets the same result). False: this
+        process runs every task and talks to no other.
     """
     start = time.perf_counter()
     tasks = list(tasks)
     if not tasks:
         raise ValueError("evaluate needs at least one task")
-    rng = jax.random.PRNGKey(config.seed)
+    task_ids = [str(getattr(task, "task_id", i)) for i, task in enumerate(tasks)]
+    part = distributed.process_part(len(tasks)) if across_processes else slice(0, len(tasks))
+    mine = tasks[part]
+    # the keys the first chunk had when each chunk folded in its own start: a seed's draws stay what they were
+    key = jax.random.PRNGKey(config.seed)
     if config.max_turns is not None:
         rollout = dataclasses.replace(rollout, max_turns=config.max_turns)
     greedy = dataclasses.replace(rollout, group_size=1, sampling=SamplingConfig(greedy=True))
-    episodes, rewards = _run(model_config, params, chat, tasks, browser, greedy, rng, config.batch_size,
-                             mesh=mesh, rules=rules, logits_hook=logits_hook)
-    correct = tuple(episode_correct(e) for e in episodes)
-    n = len(tasks)
-    accuracy = sum(correct) / n
-    statuses = {name: 0 for name in STATUSES}
-    for e in episodes:
-        statuses[e.status] += 1
-
-    pass_k: dict[int, float] = {}
+    episodes, rewards = _run(model_config, params, chat, mine, browser, greedy, jax.random.fold_in(key, 0),
+                             config.batch_size, part.start, mesh=mesh, rules=rules, logits_hook=logits_hook)
+    samples_correct: list[int | None] = [None] * len(mine)
     if config.pass_k:
         samples = config.pass_samples
         sampled = dataclasses.replace(rollout, group_size=samples,
                                       sampling=SamplingConfig(temperature=config.temperature))
-        sampled_episodes, _ = _run(model_config, params, chat, tasks, browser, sampled, jax.random.fold_in(rng, 1),
-                                   max(1, config.batch_size // samples), mesh=mesh, rules=rules,
+        sampled_episodes, _ = _run(model_config, params, chat, mine, browser, sampled,
+                                   jax.random.fold_in(jax.random.fold_in(key, 1), 0),
+                                   max(1, config.batch_size // samples), part.start, mesh=mesh, rules=rules,
                                    logits_hook=logits_hook)
-        hits = np.asarray([episode_correct(e) for e in sampled_episodes]).reshape(n, samples).sum(axis=1)
-        pass_k = {k: float(np.mean([pass_at_k(samples, int(c), k) for c in hits]))
-                  for k in range(1, config.pass_k + 1)}
-
-    return EvalResult(
-        num_tasks=n, accuracy=accuracy, accuracy_se=binomial_se(accuracy, n), mean_reward=float(rewards.mean()),
-        pass_k=pass_k, tool_calls_per_episode=float(np.mean([len(e.tool_calls) for e in episodes])),
-        turns_per_episode=float(np.mean([len(e.turn_texts) for e in episodes])),
-        tool_errors_per_episode=float(np.mean([e.num_tool_errors for e in episodes])), statuses=statuses,
-        correct=correct, task_ids=tuple(e.task_id for e in episodes), seconds=time.perf_counter() - start)
+        hits = np.asarray([episode_correct(e) for e in sampled_episodes], bool).reshape(len(mine), samples)
+        samples_correct = [int(c) for c in hits.sum(axis=1)]
+    rows = _outcome_rows(range(part.start, part.stop), episodes, rewards, samples_correct)
+    if across_processes:
+        rows = distributed.gather_rows(rows)
+    return result_from_outcomes(_outcomes_from_rows(rows, task_ids), pass_k=config.pass_k,
+                                pass_samples=config.pass_samples, seconds=time.perf_counter() - start)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,9 @@ drives its schedule).
 
 Evaluations run on every set of `EvalConfig.sets` (each with its own browser); the first set is the headline
 (`eval/...` metrics, the before/after comparison, `summary.json`'s `evaluations`), and `summary.json`'s
-`eval_sets` is the table of every evaluation x set plus their average.
+`eval_sets` is the table of every evaluation x set plus their average; `summary.json`'s `outcomes` holds every
+task's outcome of each (`eval_outcomes`). With several processes each evaluates its part of the tasks and every
+process gets the whole result.
 
 Every phase runs on one mesh (`MeshConfig`; a 1x1x1x1 mesh on one device): `Placement` says which layout each
 array has there, `rl_step` is one step on it (docs/training.md, "One mesh for the whole step").
@@ -308,23 +310,19 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
 
 # ------------------------------------------------------------------------------------------------ evaluation
 def _eval_to_json(result: EvalResult) -> dict:
-    out = dataclasses.asdict(result)
-    out["pass_k"] = {str(k): v for k, v in result.pass_k.items()}
-    return out
+    return result.to_json()
 
 
 def _eval_from_json(data: dict) -> EvalResult:
-    data = dict(data)
-    data["pass_k"] = {int(k): v for k, v in data["pass_k"].items()}
-    data["correct"], data["task_ids"] = tuple(data["correct"]), tuple(data["task_ids"])
-    return EvalResult(**data)
+    return EvalResult.from_json(data)
 
 
 def _evaluate(run_config: RunConfig, environment: Environment, params, label: str, log,
               placement: "Placement") -> dict[str, EvalResult]:
     """Every evaluation set of the environment (`EvalConfig.sets`, in order), each on its first
     `EvalConfig.num_tasks` tasks with its own browser, with `params` in the rollout layout on the process block of
-    `placement`; {set name: result}."""
+    `placement`; {set name: result}. With several processes each runs its part of the tasks and every process gets
+    the whole result (`evaluate`; a collective)."""
     results = {}
     for name, eval_set in environment.eval_sets.items():
         tasks = eval_set.tasks[:run_config.eval.num_tasks]
@@ -372,6 +370,15 @@ def _sets_from_json(data: dict[str, dict]) -> dict[str, EvalResult]:
 
 _TABLE_FIELDS = ("num_tasks", "accuracy", "accuracy_se", "pass_k", "mean_reward", "tool_calls_per_episode",
                  "turns_per_episode", "tool_errors_per_episode", "statuses")
+
+
+def eval_outcomes(evals: dict[str, dict[str, dict]]) -> dict[str, dict[str, list[dict]]]:
+    """Per evaluation (before, initial, step<N>, final) and set, the per-task outcomes in task order (`TaskOutcome`
+    as dicts: task_id, correct, reward, tool_calls, turns, tool_errors, status, samples_correct): `summary.json`'s
+    `outcomes`, for paired analyses across runs. An evaluation recorded without them (a run resumed from a
+    checkpoint written before they were kept) has an empty list."""
+    return {label: {name: list(result.get("outcomes") or ()) for name, result in sets.items()}
+            for label, sets in evals.items()}
 
 
 def eval_table(evals: dict[str, dict[str, dict]]) -> dict:
@@ -860,9 +867,8 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
     (after `distributed.initialize`, see `trace_jax.train.distributed`) over every process's devices. Every process
     calls this with the same config and run directory; each rolls out and scores its share of the step's prompts
     on its own block of the mesh, the update is one program over the whole mesh, and only process 0 writes the
-    run's files and logs (every process writes its shards of the checkpoints). The warm start and the evaluations
-    run on every process (deterministic, so they agree).
-    """
+    run's files and logs (every process writes its shards of the checkpoints). The warm start runs on every
+    process (deterministic, so they agree); each evaluation splits its tasks over the processes (`evaluate`)."""
     from trace_jax.rl.gin_setup import write_config
 
     started = time.perf_counter()
@@ -1049,8 +1055,9 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
                                                                              "__dataclass_fields__") else None,
             # the headline set's evaluations; every set's, with their average, in eval_sets
             "evaluations": {name: {k: v for k, v in next(iter(sets.values())).items()
-                                   if k not in ("correct", "task_ids")} for name, sets in evals.items()},
+                                   if k not in ("correct", "task_ids", "outcomes")} for name, sets in evals.items()},
             "eval_sets": eval_table(evals),
+            "outcomes": eval_outcomes(evals),  # per evaluation and set, one record per task
             "comparison": {**dataclasses.asdict(end["comparison"]), "line": end["line"]},
             "reference": {"checkpoint": train_config.reference_checkpoint or None,
                           "swap_step": swap if swap >= 0 else None,
@@ -1104,7 +1111,8 @@ def evaluate_run(run_dir: str | Path, step: int | None = None, *, set_name: str 
     results = _evaluate(run_config, environment, placement.rollout_params(params), f"step {step}", log, placement)
     path = run_dir / (f"eval_step{step}.json" if set_name is None else f"eval_step{step}_{set_name}.json")
     data = {**_eval_to_json(_headline(results)), "sets": _sets_to_json(results), "average": set_average(results)}
-    path.write_text(json.dumps(_finite(data), indent=2) + "\n", encoding="utf-8")
+    if distributed.is_primary():  # every process holds the same results
+        path.write_text(json.dumps(_finite(data), indent=2) + "\n", encoding="utf-8")
     return results
 
 

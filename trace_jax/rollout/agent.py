@@ -238,7 +238,7 @@ def _compact(chat: ChatFormat, rollout: RolloutConfig, schemas, episode: Episode
 
 def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[Any],
                  browser: Browser | Callable[[Any], Browser], rollout: RolloutConfig, rng: jax.Array, *,
-                 mesh=None, rules=None,
+                 mesh=None, rules=None, row_offset: int = 0,
                  logits_hook: Callable[[np.ndarray, int, list], np.ndarray | None] | None = None) -> Rollout:
     """Run `len(tasks) x rollout.group_size` episodes and pack them into a `TrajectoryBatch`: all at once, or under
     `rollout.kv_budget_gib` as many at once as fit, the others admitted as rows finish (the module doc).
@@ -249,8 +249,10 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
       tasks: objects with `question`, `answer` (and optional `aliases`, `task_id`).
       browser: a `Browser` (each row gets `browser.fork()`) or a factory `task -> Browser`.
       rollout: limits and sampling.
-      rng: PRNG key; turn k of row r samples with `fold_in(fold_in(rng, k), r)`.
+      rng: PRNG key; turn k of row r samples with `fold_in(fold_in(rng, k), row_offset + r)`.
       mesh, rules: shard rows (and kv heads) of the sampler state on this mesh.
+      row_offset: the key index of the first row: a caller that runs one batch of rows as several calls (chunks,
+        processes) passes each call the index of its first row and gets the draws of the whole batch.
       logits_hook: test hook (see `ScriptedPolicy`).
 
     Raises:
@@ -311,7 +313,7 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
         running = slot_row >= 0
         held = np.where(running, slot_row, 0)
         turn_of_slot = np.asarray([len(episodes[r].turn_texts) for r in held], np.int32)
-        keys = _row_keys(rng, held.astype(np.int32), turn_of_slot)
+        keys = _row_keys(rng, (held + row_offset).astype(np.int32), turn_of_slot)
         hook = None if logits_hook is None else _row_hook(logits_hook, slot_row, episodes, n)
         budget = np.asarray([min(rollout.turn_token_budget, max_len - len(rows[r]["tokens"])) for r in held],
                             np.int32)

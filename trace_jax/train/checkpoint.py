@@ -9,7 +9,8 @@ that lacks one of orbax's metadata files (a copy or a non-atomic rename cut shor
 `restore_latest(target)` is the trainer's start-up call. It tidies the directory (orbax's temporary directories of an
 interrupted save are deleted, incomplete step directories are moved aside as `<step>.incomplete`) and restores the
 newest step that restores: a step whose files are damaged (truncated, unreadable) is skipped with a
-`CheckpointSkipped` warning naming the step and the error, and moved aside as `<step>.damaged` once an older step
+`CheckpointSkipped` warning, one line naming the step and the error (what orbax and its readers print or log while
+a step fails to restore is held back: the one line says it), and moved aside as `<step>.damaged` once an older step
 restored, so the run resumes from that step and later saves of the skipped step numbers do not collide. Nothing is
 moved when no step restores: that raises `CheckpointRestoreError` listing every step's error. Readers (`trace-jax
 eval`, `export_pretrained`) never tidy: a trainer may be writing the same directory.
@@ -29,6 +30,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import inspect
+import io
+import logging
 import os
 import shutil
 import signal
@@ -53,6 +56,12 @@ _STEP_FILES = ("_CHECKPOINT_METADATA", os.path.join("state", "_METADATA"), os.pa
 
 class CheckpointSkipped(UserWarning):
     """`restore_latest` skipped a step that does not restore (the message names the step and the error)."""
+
+
+def _report_skipped(message: str, where: str) -> None:
+    """A `CheckpointSkipped` warning shown as one line, `<where>:0: CheckpointSkipped: <message>`: located at the
+    step directory `where` (no source line to quote), not at the caller's code, which says nothing about it."""
+    warnings.warn_explicit(message, CheckpointSkipped, filename=where, lineno=0)
 
 
 class CheckpointRestoreError(RuntimeError):
@@ -225,8 +234,8 @@ class Checkpointer:
                 self.manager.reload()
                 return Restored(state, host, step)
             damaged.append((step, reason))
-            warnings.warn(f"checkpoint step {step} in {self.directory} does not restore ({reason}); skipping it "
-                          "and trying the previous step", CheckpointSkipped, stacklevel=2)
+            _report_skipped(f"checkpoint step {step} in {self.directory} does not restore ({reason}); skipping it "
+                            "and trying the previous step", os.path.join(self.directory, str(step)))
         if damaged:
             listed = "; ".join(f"step {step}: {reason}" for step, reason in damaged)
             raise CheckpointRestoreError(
@@ -249,8 +258,8 @@ class Checkpointer:
                 elif name.isdigit() and os.path.isdir(path) and not self._complete(int(name)):
                     missing = [f for f in _STEP_FILES if not os.path.isfile(os.path.join(path, f))]
                     aside = self._set_aside(int(name), "incomplete")
-                    warnings.warn(f"checkpoint step {name} in {self.directory} is incomplete (no {', '.join(missing)})"
-                                  f"; ignored and moved to {aside}", CheckpointSkipped, stacklevel=2)
+                    _report_skipped(f"checkpoint step {name} in {self.directory} is incomplete (no "
+                                    f"{', '.join(missing)}); ignored and moved to {aside}", path)
         _barrier("trace_jax checkpoint tidy")
         self.manager.reload()
 
@@ -296,21 +305,75 @@ class Checkpointer:
 
 
 def _restore_everywhere(restore):
-    """Run `restore()` (under `_quiet_abandoned_reads`) and agree with every process on the outcome:
-    `(True, value, None)` when it restored everywhere, else `(False, None, reason)` with this process's error, or
-    that another process failed. Any failure means: try the next candidate (MemoryError still raises)."""
+    """Run `restore()` (under `_quiet_abandoned_reads`, its output held by `_held_output`) and agree with every
+    process on the outcome: `(True, value, None)` when it restored everywhere (the held output is then printed and
+    logged as it would have been), else `(False, None, reason)` with this process's error, or that another process
+    failed (the held output, tracebacks of orbax's abandoned reads among it, is dropped: the caller reports the
+    failure in one line). Any failure means: try the next candidate (MemoryError still raises)."""
     value, reason = None, "it failed to restore on another process"
-    try:
-        with _quiet_abandoned_reads():
-            value = restore()
-        ok = True
-    except MemoryError:
-        raise
-    except Exception as error:  # noqa: BLE001 - any failure of this candidate means: try the next one
-        ok, reason = False, _describe(error)
+    with _held_output() as held:  # MemoryError and other exceptions that propagate release the held output
+        try:
+            with _quiet_abandoned_reads():
+                value = restore()
+            ok = True
+        except MemoryError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any failure of this candidate means: try the next one
+            ok, reason = False, _describe(error)
     if _on_every_process(ok):
+        held.release()
         return True, value, None
     return False, None, reason
+
+
+# the loggers orbax (through absl) and tensorstore's Python side report on
+_HELD_LOGGERS = ("absl", "orbax")
+
+
+class _HeldOutput:
+    """What Python code printed to stderr and logged on `_HELD_LOGGERS` while a restore ran."""
+
+    def __init__(self):
+        self.stderr = io.StringIO()
+        self.records: list[tuple[logging.Logger, logging.LogRecord]] = []
+
+    def release(self) -> None:
+        """Print and log what was held, as it would have been (once)."""
+        text, records = self.stderr.getvalue(), self.records
+        self.stderr, self.records = io.StringIO(), []
+        if text:
+            sys.stderr.write(text)
+        for logger, record in records:
+            logger.handle(record)
+
+
+@contextlib.contextmanager
+def _held_output():
+    """Hold back stderr and the records of `_HELD_LOGGERS` while the body runs (a restore attempt); the caller
+    releases them (`_HeldOutput.release`) or drops them; an exception that leaves the body releases them."""
+    held = _HeldOutput()
+    filters = []
+    for name in _HELD_LOGGERS:
+        logger = logging.getLogger(name)
+
+        def hold(record, logger=logger):
+            held.records.append((logger, record))
+            return False
+
+        logger.addFilter(hold)
+        filters.append((logger, hold))
+    failed = False
+    try:
+        with contextlib.redirect_stderr(held.stderr):
+            yield held
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        for logger, hold in filters:
+            logger.removeFilter(hold)
+        if failed:
+            held.release()
 
 
 @contextlib.contextmanager
@@ -369,8 +432,8 @@ def restore_params_from_copies(copies: Sequence[Checkpointer], step: int, *, sha
         if ok:
             return params
         failed.append((copy.directory, reason))
-        warnings.warn(f"{what}: step {step} in {copy.directory} does not restore ({reason}); trying the next copy",
-                      CheckpointSkipped, stacklevel=2)
+        _report_skipped(f"{what}: step {step} in {copy.directory} does not restore ({reason}); trying the next copy",
+                        os.path.join(copy.directory, str(step)))
     if failed:
         listed = "; ".join(f"{directory}: {reason}" for directory, reason in failed)
         raise CheckpointRestoreError(f"{what}: no copy of step {step} restores ({listed}); copy an intact step back "

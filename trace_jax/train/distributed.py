@@ -20,6 +20,9 @@ What a multi-process run does with it (`trace_jax.rl.loop`):
     (GRPO, TRACE, GiGPO) need no gathering; it runs them, and the reference scoring of its rows, on its own block
     of the mesh (`process_mesh`), from arrays made process-local on device (`to_process_local`); rows of all
     processes are assembled into one global batch with `jax.make_array_from_process_local_data` (`global_batch`);
+  * evaluations split the held-out tasks: each process runs its contiguous part (`process_part`, uneven counts
+    allowed) on its own block of the mesh, and the per-task outcomes are gathered (`gather_rows`), so every process
+    holds the result one process evaluating every task would give;
   * only the primary process (index 0) writes logs, metrics, plots, receipts and the summary (`is_primary`); every
     process takes part in orbax checkpointing (orbax coordinates the processes itself).
 
@@ -199,6 +202,16 @@ def process_share(count: int, *, what: str = "rows", process_index: int | None =
     return slice(i * per, (i + 1) * per)
 
 
+def process_part(count: int, *, process_index: int | None = None, process_count: int | None = None) -> slice:
+    """Process i's contiguous part of `count` items that need not be split evenly (held-out tasks, each evaluated
+    on its own): `[i * count // n, (i + 1) * count // n)`, so the parts differ by at most one item, cover every
+    item once in process order, and a process gets none when there are fewer items than processes. For this
+    process unless `process_index` / `process_count` say otherwise."""
+    n = jax.process_count() if process_count is None else process_count
+    i = jax.process_index() if process_index is None else process_index
+    return slice(i * count // n, (i + 1) * count // n)
+
+
 def process_key(key):
     """This process's PRNG key for its share of a step drawn from the step's `key`: `fold_in(key, process_index)`
     when there are several processes (each samples its own rows), the step's key itself with one (so a
@@ -374,6 +387,23 @@ def host_local(tree):
         return jax.device_put(np.asarray(multihost_utils.process_allgather(x, tiled=True)), device)
 
     return jax.tree_util.tree_map(local, tree)
+
+
+def gather_rows(rows: np.ndarray) -> np.ndarray:
+    """Every process's host-local `[n_i, ...]` rows, concatenated in process order on every process (a collective;
+    the rows themselves with one process). Unlike `gather_to_hosts`, the processes may hold different numbers of
+    rows (none included); the trailing shape and dtype must agree, and the dtype be one JAX holds (32-bit unless
+    `jax_enable_x64`: the rows travel as JAX arrays)."""
+    rows = np.asarray(rows)
+    if jax.process_count() == 1:
+        return rows
+    counts = gather_to_hosts(np.asarray(rows.shape[0], np.int32))
+    most = int(counts.max())
+    # equal shapes for the all-gather: pad to the most rows any process holds, then keep each process's own
+    padded = np.zeros((most, *rows.shape[1:]), rows.dtype)
+    padded[:rows.shape[0]] = rows
+    stacked = gather_to_hosts(padded)
+    return np.concatenate([stacked[p, :int(n)] for p, n in enumerate(counts)])
 
 
 def gather_to_hosts(tree):
