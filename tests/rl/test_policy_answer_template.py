@@ -91,10 +91,11 @@ def test_chat_models_open_with_the_answer_tag_after_a_closed_think_block(word_ch
     assert continuation.text == EMPTY_THINK_BLOCK + "<answer>Venzu"
 
 
-def test_a_warm_started_policy_on_a_thinking_format_has_no_policy_template(word_chat):
+def test_a_warm_started_policy_on_a_thinking_format_opens_with_the_formats_answer_tag(word_chat):
+    """The oracle's demonstrations hold no think block, so no template reproduces its opening after one: 'policy'
+    falls back to the format's own opening there, so the default works with every shipped format."""
     hybrid = ChatFormat(word_chat.tokenizer, thinking="hybrid")
-    with pytest.raises(ValueError, match="no think block.*'answer_tag'"):
-        resolve_answer_template("policy", hybrid, warm_started=True)
+    assert resolve_answer_template("policy", hybrid, warm_started=True) == ANSWER_TAG_TEMPLATE
     assert resolve_answer_template("answer_tag", hybrid, warm_started=True) == ANSWER_TAG_TEMPLATE
 
 
@@ -116,7 +117,7 @@ def test_update_config_rejects_a_bad_answer_template_naming_the_field(value, mes
 
 
 def test_the_default_answer_template_is_one_named_constant():
-    assert UpdateConfig().answer_template == DEFAULT_ANSWER_TEMPLATE == "answer_tag"
+    assert UpdateConfig().answer_template == DEFAULT_ANSWER_TEMPLATE == "policy"
 
 
 def test_gin_binds_the_answer_template_and_run_config_knows_warm_starts():
@@ -148,8 +149,7 @@ def test_the_pipeline_scores_the_gold_after_the_configured_template(word_chat):
     assert tag.answer_ids == tokenizer.encode("Venzu", add_special_tokens=False)
 
 
-def test_a_template_the_policy_cannot_use_fails_when_the_pipeline_is_built(word_chat):
+def test_a_warm_started_pipeline_on_a_thinking_format_scores_after_the_closed_think_block(word_chat):
     hybrid = ChatFormat(word_chat.tokenizer, thinking="hybrid")
-    with pytest.raises(ValueError, match="no think block"):
-        _pipeline(hybrid, "trace", "policy", warm_started=True)
-    _pipeline(hybrid, "grpo", "policy", warm_started=True)  # scores nothing: nothing to resolve
+    continuation = _pipeline(hybrid, "trace", "policy", warm_started=True).continuation("Venzu")
+    assert continuation.text == EMPTY_THINK_BLOCK + "<answer>Venzu"

@@ -80,9 +80,10 @@ from trace_jax.train.loss import LossBatch, batch_logprobs, length_bucket, real_
 from trace_jax.train.step import make_train_step
 
 SCORING_METHODS = ("fork", "naive")
-# The answer template TRACE scores after each state unless a run binds `UpdateConfig.answer_template`. Set by the
-# credit-quality report (docs/credit.md, "The answer continuation"), which measures both named templates.
-DEFAULT_ANSWER_TEMPLATE = "answer_tag"
+# The answer template TRACE scores after each state unless a run binds `UpdateConfig.answer_template`: the policy's
+# own opening, which marked the turns that open evidence better than '<answer>' on all three study warm starts
+# (credit-quality report, docs/results.md; docs/credit.md, "Which template").
+DEFAULT_ANSWER_TEMPLATE = "policy"
 
 
 @dataclasses.dataclass(frozen=True)

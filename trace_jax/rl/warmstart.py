@@ -408,18 +408,14 @@ def policy_answer_template(chat_format, *, warm_started: bool) -> str:
         system prompt asks: the harness's answer tag (`oracle.chat_answer_template()`, "<answer>{answer}"), after
         the format's closed think block (`answer_prefix_text`).
 
-    Raises:
-      ValueError: a warm-started policy on a format whose `answer_prefix_text` is not empty. The demonstrations
-        carry no think block (`oracle_assistant_turns` renders the oracle's text alone), so the continuation would
-        open with text the policy never writes.
+    A warm-started policy on a format whose `answer_prefix_text` is not empty (a thinking format) gets the
+    format's own opening (the answer tag after the closed think block), as a chat model does: the oracle's
+    demonstrations carry no think block (`oracle_assistant_turns` renders the oracle's text alone), and every scored
+    continuation opens with the think block, so no template reproduces the oracle's opening there. This keeps
+    "policy" usable as the run default with every shipped format (`TrainConfig.init_from` counts as warm-started).
     """
-    if not warm_started:
+    if not warm_started or chat_format.answer_prefix_text:
         return chat_answer_template()
-    if chat_format.answer_prefix_text:
-        raise ValueError(f"answer template 'policy': the policy was warm-started on the oracle's demonstrations, "
-                         f"which hold no think block, but its chat format (thinking={chat_format.thinking!r}) opens "
-                         f"every scored answer with {chat_format.answer_prefix_text!r}; no template reproduces the "
-                         "policy's opening there: use 'answer_tag'")
     return answer_template()
 
 
