@@ -8,7 +8,9 @@ this file (pytest itself, or its xdist controller), inherited through the enviro
 every `trace-jax` subprocess a test starts, and removed when that process exits. A program that two workers, or a
 test and its subprocesses, compile alike (the same HLO, options and devices) is compiled once and loaded
 thereafter; the executables are the same, so no result changes. A process of a fresh `trace-jax train` spends about
-two thirds of its CPU time compiling. Set JAX_COMPILATION_CACHE_DIR yourself to keep a cache across runs.
+two thirds of its CPU time compiling. Set JAX_COMPILATION_CACHE_DIR yourself to keep a cache across runs. The
+`trace-jax` commands take JAX_COMPILATION_CACHE_DIR before their own default (`rl.cli.compilation_cache_dir`), so
+the tests, in-process or in subprocesses, never write to the user's cache under ~/.cache/trace_jax/xla.
 """
 
 import os

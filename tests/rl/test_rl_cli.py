@@ -121,3 +121,33 @@ def test_train_then_eval_write_the_run_directory(tmp_path):
     final = summary["outcomes"]["final"]["heldout"]
     assert [o["task_id"] for o in written["outcomes"]] == [o["task_id"] for o in final]
     assert written["sets"]["heldout"]["outcomes"] == written["outcomes"]
+
+
+def test_the_compilation_cache_is_the_flag_else_jax_compilation_cache_dir_else_the_users_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+    assert train_cli.compilation_cache_dir(str(tmp_path / "flag")) == str(tmp_path / "flag")
+    assert train_cli.compilation_cache_dir(None) == str(tmp_path / "env")
+    assert train_cli.compilation_cache_dir("off") is None
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    monkeypatch.delenv("TRACE_JAX_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert train_cli.compilation_cache_dir(None) == str(tmp_path / "xdg" / "trace_jax" / "xla")
+    monkeypatch.setenv("TRACE_JAX_CACHE", str(tmp_path / "tj"))
+    assert train_cli.compilation_cache_dir(None) == str(tmp_path / "tj" / "xla")
+
+
+def test_the_cache_keeps_programs_too_small_for_jaxs_default_threshold(tmp_path):
+    """JAX writes only programs that took a second or more to compile; the commands keep every one (a CPU run's
+    are mostly smaller), for the next process to load instead of compiling."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys, jax, jax.numpy as jnp\n"
+              "from trace_jax.rl.cli import enable_compilation_cache\n"
+              "enable_compilation_cache(sys.argv[1])\n"
+              "jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.ones(5)).block_until_ready()\n")
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "cache")], env=env, check=True, timeout=120)
+    assert [p for p in (tmp_path / "cache").iterdir() if p.name.startswith("jit_")]

@@ -94,3 +94,51 @@ def test_a_trained_index_of_the_wrong_shape_is_refused():
         batch.replace(trained_index=jnp.zeros((3, 4), jnp.int32)).validate()
     with pytest.raises(ValueError, match="trained_index"):
         batch.replace(trained_index=jnp.zeros((2, 9), jnp.int32)).validate()
+
+
+def test_trained_positions_with_a_head_width_pad_every_row_to_it_and_refuse_a_row_over_it():
+    mask = np.zeros((2, 10), np.float32)
+    mask[0, [2, 3, 7]] = 1
+    index = trained_positions(mask, head_width=6)
+    assert index.shape == (2, 6)
+    np.testing.assert_array_equal(index[0], [2, 3, 7, 0, 0, 0])
+    with pytest.raises(ValueError, match="head_width=2 must hold the most trained tokens of a row"):
+        trained_positions(mask, head_width=2)
+
+
+@pytest.mark.parametrize("loss_config", [
+    train.LossConfig(),
+    train.LossConfig(aggregation="seq-mean-token-sum", entropy_coef=0.01, kl_coef=0.1),
+    train.LossConfig(ratio_level="sequence", aggregation="seq-mean-token-mean", eps_low=3e-4, eps_high=4e-4),
+    train.LossConfig(mode="sft"),
+], ids=["grpo", "entropy+kl", "gspo", "sft"])
+def test_an_update_on_a_batch_padded_with_untrained_rows_and_columns_equals_the_update_on_the_batch(model,
+                                                                                                  loss_config):
+    config, params = model
+    batch = _ragged_batch(config.vocab_size, seed=7, with_reference=True)
+    if loss_config.kl_coef == 0:
+        batch = batch.replace(reference_logprobs=None)
+    batch = batch.replace(trained_index=jnp.asarray(trained_positions(batch.loss_mask, multiple=8)))
+    padded = batch.padded(ROWS + 2, LENGTH + 24, 48)
+    assert padded.shape == (ROWS + 2, LENGTH + 24) and padded.head_width == 48
+    np.testing.assert_array_equal(np.asarray(padded.token_mask)[:ROWS, :LENGTH], 1.0)
+    assert not np.asarray(padded.token_mask)[ROWS:].any() and not np.asarray(padded.token_mask)[:, LENGTH:].any()
+    results = []
+    for b in (batch, padded):
+        optimizer = optax.sgd(1.0)
+        state = train.init_train_state(config, optimizer, params, jax.random.PRNGKey(1))
+        new_state, metrics = train.make_train_step(config, loss_config, optimizer, donate=False)(state, b, None)
+        results.append((new_state.params, {k: float(v) for k, v in metrics.items()}))
+    (params_a, metrics_a), (params_b, metrics_b) = results
+    for name, value in metrics_a.items():
+        np.testing.assert_allclose(metrics_b[name], value, rtol=2e-5, atol=2e-6, err_msg=name)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params_a), jax.tree_util.tree_leaves(params_b)):
+        np.testing.assert_allclose(b, a, atol=2e-6, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def test_padding_only_grows_a_batch():
+    batch = synthetic_batch(64, 2, 8)
+    with pytest.raises(ValueError, match="padding only grows a batch"):
+        batch.padded(1, 8)
+    with pytest.raises(ValueError, match="head_width"):
+        batch.padded(2, 8, 4)  # no trained_index to widen

@@ -10,6 +10,12 @@
 
 Flags are --kebab-case; the snake_case spellings (--gin_file, --run_dir, ...) are accepted too.
 
+Compiled programs persist (JAX's persistent compilation cache), so a resumed run, an evaluation or the next run of
+the same shapes loads them instead of compiling again: `--compilation-cache DIR` (all three commands), else
+JAX_COMPILATION_CACHE_DIR, else `default_compilation_cache_dir()`; `--compilation-cache off` compiles everything
+afresh. The directory is the host's, not the run's, so it is a flag and not a gin binding (docs/running.md,
+"Compilation cache").
+
 Every gin binding is parsed and every config built before any compute, so an unknown or invalid binding fails at
 once with a message naming it (exit status 2). The three commands share this module; which one a parser belongs to
 is the last word of its `prog` ("trace-jax train").
@@ -20,11 +26,49 @@ This module knows argparse and the loop's entry points; it knows nothing about t
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 DEFAULT_GIN = "configs/tiny.gin"
+CACHE_OFF = "off"
+
+
+def default_compilation_cache_dir() -> Path:
+    """The compilation cache's default: `$TRACE_JAX_CACHE/xla`, else `$XDG_CACHE_HOME/trace_jax/xla`, else
+    `~/.cache/trace_jax/xla` (the root of the BM25 index cache, `envs.search_index.default_cache_dir`). Per user and
+    host rather than per run: every run, resume, evaluation and sweep of the same programs shares its entries."""
+    root = os.environ.get("TRACE_JAX_CACHE")
+    if root:
+        return Path(root) / "xla"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "trace_jax" / "xla"
+
+
+def compilation_cache_dir(flag: str | None) -> str | None:
+    """The cache directory a command uses: `--compilation-cache` (`off`: None, no cache), else
+    JAX_COMPILATION_CACHE_DIR, else `default_compilation_cache_dir()`."""
+    if flag == CACHE_OFF:
+        return None
+    return flag or os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(default_compilation_cache_dir())
+
+
+def enable_compilation_cache(directory: str | None) -> None:
+    """Point JAX's persistent compilation cache at `directory` (None: turn it off), before any compile. Every
+    program is written, however small or quick to compile (JAX's defaults skip programs compiled in under a second,
+    most of a CPU run's), unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS / _MIN_ENTRY_SIZE_BYTES say otherwise."""
+    import jax
+
+    if directory is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no size floor, none set for us
 
 
 def _command(parser_or_args) -> str:
@@ -63,6 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--no-progress", "--no_progress", action="store_true", help="no progress bars")
     else:
         raise ValueError(f"trace_jax.rl.cli has no command {command!r}")
+    parser.add_argument("--compilation-cache", "--compilation_cache", default=None, metavar="DIR",
+                        help="persistent XLA compilation cache ('off': none; default: $JAX_COMPILATION_CACHE_DIR, "
+                             f"else {default_compilation_cache_dir()})")
 
 
 def _fail(message: str) -> int:
@@ -109,6 +156,7 @@ def run_train(gin_files, gin_params, run_dir, *, progress: bool = True) -> int:
 
 def run(args: argparse.Namespace) -> int:
     command = _command(args)
+    enable_compilation_cache(compilation_cache_dir(args.compilation_cache))
     if command == "train":
         return run_train(args.gin_file, args.gin_param, args.run_dir, progress=not args.no_progress)
     if command == "eval":

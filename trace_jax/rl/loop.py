@@ -416,7 +416,7 @@ def write_credit_receipts(pipeline: RLPipeline, params, reference_params, tasks,
     view = episode_view(rollout.batch)  # one receipt per episode, whatever its segment rows
     scores = prepared.answer_scores
     if scores is None:
-        scores, _ = pipeline.score(reference_params, rollout, prepared.loss_batch.shape[1])
+        scores, _ = pipeline.score(reference_params, rollout, prepared.width)
         if rollout.batch.segmented:
             scores = np.asarray(episode_states(scores, view.episode, view.first_turn,
                                                np.asarray(rollout.batch.num_states), view.num_episodes))
@@ -597,13 +597,14 @@ def _combine_process_metrics(metrics: dict[str, float]) -> dict[str, float]:
 
 
 def _global_loss_batch(loss_batch: LossBatch, mesh, rules) -> LossBatch:
-    """This process's `[n, Lb]` rows -> the global `[n' x processes, W]` batch on `mesh`, W the widest length bucket
-    and n' the most rows of any process (narrower rows, and with context management fewer segment rows, are padded
-    with untrained zeros). A collective."""
-    shape = distributed.gather_to_hosts(np.asarray(loss_batch.shape, np.int32)).reshape(-1, 2).max(axis=0)
-    most_rows, width = int(shape[0]), int(shape[1])
-    padded = jax.tree_util.tree_map(
-        lambda x: np.pad(np.asarray(x), ((0, most_rows - x.shape[0]), (0, width - x.shape[1]))), loss_batch)
+    """This process's `[n, L]` rows -> the global `[n' x processes, W]` batch on `mesh`: every process's batch is
+    the run's fixed update shape (`pipeline.update_shapes`) unless one fell back to a wider one; n', W and the
+    `trained_index` width are the largest of any process (the others padded with untrained zeros,
+    `LossBatch.padded`). A collective."""
+    shape = np.asarray([*loss_batch.shape, loss_batch.head_width], np.int32)
+    most_rows, width, head_width = (int(x) for x in distributed.gather_to_hosts(shape).reshape(-1, 3).max(axis=0))
+    padded = loss_batch.padded(most_rows, width, None if loss_batch.trained_index is None else head_width)
+    padded = jax.tree_util.tree_map(np.asarray, padded)
     rows = most_rows * jax.process_count()
     return distributed.global_batch(padded, batch_sharding(mesh, rules, (rows, width)))
 

@@ -16,16 +16,21 @@
          next-token-aligned ones through `models.alignment.to_token_aligned`)
       -> `UpdateConfig.epochs` x `UpdateConfig.mini_batches` train steps            phase "update"
 
-Shapes: rows are always `P x G` and the padded length is the longest row rounded up to
-`UpdateConfig.length_multiple` (at most `RolloutConfig.max_context`), so the train step and the scorer compile once
-per length bucket.
+Shapes: the update's are fixed by the run config (`update_shapes`), so it compiles once a run: `P x G` rows
+(`x UpdateConfig.rows_per_episode` with context management), `UpdateConfig.max_length` tokens (default
+`RolloutConfig.max_context`) and a `trained_index` of `UpdateConfig.max_trained_tokens` positions (default the most a
+row can hold), each rounded up by `length_bucket` (the one bucketing rule) to `UpdateConfig.length_multiple`. Scoring
+and credit run on the step's own length bucket (its longest row rounded up the same way); the `LossBatch` is then
+padded with untrained zeros (`LossBatch.padded`). A step that does not fit a width the config lowered is padded to
+the fallback that always fits (`max_context`; the trained-token bound; the next multiple of `P x G` rows): one more
+compile, announced by an `UpdateShapeWarning` that names the field to raise, never a silent one.
 
 Context management (`RolloutConfig.context_budget`): an episode that compacted its context is several *segment* rows
 (`rollout.batch`). Each row is scored on its own tokens (the contexts the policy saw); the scores are placed at the
 episode's state numbers (`credit.episode_states`); the estimator runs once per episode on `credit.turn_layout` (one
 reward per episode in its group's statistics, turns numbered across its rows), and its per-turn advantages are
 broadcast onto the rows' tokens (`credit.segment_token_advantages`). The `LossBatch` has one row per segment,
-padded with empty rows (loss mask 0) to a multiple of `P x G`, so the update compiles for a few row counts only.
+padded with empty rows (loss mask 0) to `P x G x UpdateConfig.rows_per_episode`.
 
 ABC-SFT online (ours; the paper's ABC-SFT is the warm start, `trace_jax.rl.warmstart`) is the estimator
 `abc_sft_online`: its "advantages" are the per-token SFT weights `abc_sft_weights(step rewards)`,
@@ -46,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -87,7 +93,18 @@ class UpdateConfig:
       epochs: passes over the step's batch (PPO epochs); the behaviour log-probs stay the sampler's.
       mini_batches: updates per epoch; the `P x G` rows are split into this many equal mini-batches (a fresh
         permutation per epoch, seeded by the step).
-      length_multiple: the padded length of the step's arrays is the longest row rounded up to this.
+      length_multiple: the update's widths below, and the step's length bucket that scoring and credit run on (its
+        longest row), are rounded up to a multiple of this (`length_bucket`).
+      max_length: the update's token width: every step's `LossBatch` is padded to it, so the update compiles once
+        a run; 0 = `RolloutConfig.max_context` (every row fits). A lower width spends less of the update on
+        padding; a step with a longer row is then padded to `max_context` (one more compile, warned).
+      max_trained_tokens: the update's `trained_index` width, the positions per row the LM head runs on; 0 = the
+        most trained tokens a row can hold, `(max_turns + 1) x turn_token_budget` (at most the token width). A
+        lower one spends less on the head; a step with a row over it falls back to that bound (warned).
+      rows_per_episode: with context management (`RolloutConfig.context_budget`, an episode that compacts is
+        several segment rows) the update's rows are `P x G x rows_per_episode`, padded with empty rows; a step
+        with more segment rows is padded to the next multiple of `P x G` (one more compile, warned). Without
+        context management the rows are `P x G`.
       scoring: "fork" (the one-pass prefix-fork scorer) or "naive" (one forward per state; for contrast only).
       scoring_batch: rows per scorer call (0 = all rows at once).
       answer_template: the text the reference is conditioned on before the gold answer it scores (after the chat
@@ -104,6 +121,9 @@ class UpdateConfig:
     epochs: int = 1
     mini_batches: int = 1
     length_multiple: int = 64
+    max_length: int = 0
+    max_trained_tokens: int = 0
+    rows_per_episode: int = 1
     scoring: str = "fork"
     scoring_batch: int = 0
     answer_template: str = DEFAULT_ANSWER_TEMPLATE
@@ -111,9 +131,13 @@ class UpdateConfig:
     abc: ABCScorerConfig = ABCScorerConfig()
 
     def __post_init__(self):
-        for name in ("epochs", "mini_batches", "length_multiple"):
+        for name in ("epochs", "mini_batches", "length_multiple", "rows_per_episode"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"UpdateConfig.{name} must be an int >= 1, got {getattr(self, name)!r}")
+        for name in ("max_length", "max_trained_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"UpdateConfig.{name} must be an int >= 0 (0 = the bound every row fits), got "
+                                 f"{getattr(self, name)!r}")
         if self.scoring not in SCORING_METHODS:
             raise ValueError(f"UpdateConfig.scoring must be one of {SCORING_METHODS}, got {self.scoring!r}")
         if not isinstance(self.scoring_batch, int) or self.scoring_batch < 0:
@@ -153,17 +177,39 @@ def check_compatible(credit: CreditConfig, loss: LossConfig, update: UpdateConfi
                          f"({rows // update.mini_batches})")
 
 
-def pad_rows(loss_batch: LossBatch, rows: int) -> LossBatch:
-    """`loss_batch` with all-zero rows appended up to `rows` (loss mask 0, token mask 0): they add nothing to a
-    loss's sum or its count under the token- and sequence-mean aggregations (`aggregate`), so a segmented step's
-    row count can be rounded up to a multiple of `P x G` and the update compiles for few shapes."""
-    extra = rows - loss_batch.shape[0]
-    if extra < 0:
-        raise ValueError(f"pad_rows: the batch has {loss_batch.shape[0]} rows, more than rows={rows}")
-    if extra == 0:
-        return loss_batch
-    return jax.tree_util.tree_map(lambda x: jnp.concatenate([x, jnp.zeros((extra,) + x.shape[1:], x.dtype)]),
-                                  loss_batch)
+class UpdateShapeWarning(UserWarning):
+    """A step's batch did not fit a width the run config lowered (`UpdateConfig.max_length`, `max_trained_tokens`,
+    `rows_per_episode`): it was padded to the fallback instead, and the update compiles once more for it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateShapes:
+    """The shape every step's `LossBatch` is padded to: `[rows, length]` arrays and a `[rows, head_width]`
+    `trained_index`."""
+
+    rows: int
+    length: int
+    head_width: int
+
+
+def update_shapes(rollout: RolloutConfig, update: UpdateConfig, episodes: int, *,
+                  length: int | None = None) -> UpdateShapes:
+    """The update's shapes for `episodes` (`P x G`) episodes a step, from the config alone, each rounded up by
+    `length_bucket` to `UpdateConfig.length_multiple`: rows `episodes` (`x rows_per_episode` with context
+    management), the token width `UpdateConfig.max_length` (0: `RolloutConfig.max_context`) and the
+    `trained_index` width `max_trained_tokens` (0: `(max_turns + 1) x turn_token_budget`, the most a row can hold:
+    one turn budget per tool turn and the answer turn), at most the token width. `length` overrides the token width
+    (the fallback of a step with a longer row)."""
+    multiple, context = update.length_multiple, rollout.max_context
+    length = length_bucket(length or update.max_length or context, multiple, context)
+    most_trained = (rollout.max_turns + 1) * rollout.turn_token_budget
+    head_width = length_bucket(min(update.max_trained_tokens or most_trained, length), multiple, length)
+    rows = episodes * (update.rows_per_episode if rollout.context_budget else 1)
+    return UpdateShapes(rows=rows, length=length, head_width=head_width)
+
+
+def _fallback(message: str) -> None:
+    warnings.warn(message + " (one more compile of the update)", UpdateShapeWarning, stacklevel=3)
 
 
 @dataclasses.dataclass
@@ -172,14 +218,14 @@ class Prepared:
 
     Attributes:
       rollout: the `Rollout` (device batch at full `max_context` width, episodes).
-      loss_batch: the `LossBatch` `[N, Lb]` (Lb the length bucket; a segmented step's N rounded up with empty
-        rows to a multiple of `P x G`).
+      loss_batch: the `LossBatch`, padded to the update's fixed shapes (`update_shapes`).
       credit: the `CreditResult` (token advantages `[N, Lb]`, outcome, per-turn values); for a segmented batch the
         estimator's result on its episodes' `turn_layout` (`[E, T+1]`, one pseudo-token per turn).
       answer_scores: `[E, T+1]` reference scores per episode state, or None when the estimator does not need them.
       step_rewards: `[E, T+1]` ABC step rewards, or None.
       metrics: rollout, credit and scoring statistics of the step (host floats).
       timing: seconds of rollout, scoring and credit.
+      width: the step's length bucket, the tokens per row scoring and credit ran on (the `loss_batch` is wider).
     """
 
     rollout: Rollout
@@ -189,6 +235,7 @@ class Prepared:
     step_rewards: np.ndarray | None
     metrics: dict[str, float]
     timing: dict[str, float]
+    width: int = 0
 
 
 class RLPipeline:
@@ -366,6 +413,7 @@ class RLPipeline:
         reference_lp = None
         if self.loss.needs_reference and ref_token_lp is not None:
             reference_lp = to_token_aligned(jnp.asarray(ref_token_lp))
+        shapes = self.update_shapes(num_prompts, width, loss_mask)
         loss_batch = LossBatch(tokens=batch.tokens[:, :width], positions=batch.positions[:, :width],
                                loss_mask=loss_mask, advantages=jnp.asarray(advantages),
                                behaviour_logprobs=batch.sampler_logprobs[:, :width],
@@ -373,16 +421,43 @@ class RLPipeline:
                                sampler_logprobs=(batch.sampler_logprobs[:, :width]
                                                  if self.loss.needs_sampler_logprobs else None),
                                token_mask=real_token_mask(lengths, width),
-                               trained_index=jnp.asarray(trained_positions(loss_mask,
-                                                                           self.update_config.length_multiple)))
-        if segmented:
-            loss_batch = pad_rows(loss_batch, -(-loss_batch.shape[0] // view.num_episodes) * view.num_episodes)
+                               trained_index=jnp.asarray(trained_positions(
+                                   loss_mask, head_width=min(shapes.head_width, width))))
+        loss_batch = loss_batch.padded(shapes.rows, shapes.length, shapes.head_width)
         metrics = self.step_metrics(rollout, credit, answer_scores, ref_token_lp, width, num_prompts,
                                     advantages=advantages)
         metrics.update(abc_metrics)
         if credit.row_mask is not None:
             metrics["credit/kept_rows"] = float(np.asarray(credit.row_mask).mean())
-        return Prepared(rollout, loss_batch, credit, answer_scores, step_rewards, metrics, timing)
+        return Prepared(rollout, loss_batch, credit, answer_scores, step_rewards, metrics, timing, width=width)
+
+    def update_shapes(self, num_prompts: int, width: int, loss_mask) -> UpdateShapes:
+        """The shapes a step's `LossBatch` is padded to: the run's (`update_shapes`), or where the step's rows do
+        not fit a width the config lowered, the fallback that fits, with an `UpdateShapeWarning` naming the
+        field (the module doc). `width` is the step's length bucket and `loss_mask` its `[rows, width]` mask."""
+        config, episodes = self.update_config, num_prompts * self.rollout.group_size
+        shapes = update_shapes(self.rollout, config, episodes)
+        if width > shapes.length:
+            _fallback(f"a row of {width} tokens (length bucket) is longer than the update's width {shapes.length} "
+                      f"(UpdateConfig.max_length = {config.max_length}): padded to RolloutConfig.max_context = "
+                      f"{self.rollout.max_context}; raise UpdateConfig.max_length to {width} or more")
+            shapes = update_shapes(self.rollout, config, episodes, length=self.rollout.max_context)
+        most_trained = int((np.asarray(loss_mask) > 0).sum(axis=1).max(initial=0))
+        if most_trained > shapes.head_width:
+            bound = update_shapes(self.rollout, dataclasses.replace(config, max_trained_tokens=0), episodes,
+                                  length=shapes.length).head_width
+            _fallback(f"a row has {most_trained} trained tokens, more than the update's trained_index width "
+                      f"{shapes.head_width} (UpdateConfig.max_trained_tokens = {config.max_trained_tokens}): "
+                      f"padded to the bound {bound}; raise UpdateConfig.max_trained_tokens to {most_trained} or more")
+            shapes = dataclasses.replace(shapes, head_width=bound)
+        rows = int(np.asarray(loss_mask).shape[0])
+        if rows > shapes.rows:
+            padded = -(-rows // episodes) * episodes
+            _fallback(f"{rows} segment rows for {episodes} episodes, more than the update's {shapes.rows} "
+                      f"(UpdateConfig.rows_per_episode = {config.rows_per_episode}): padded to {padded}; raise "
+                      f"UpdateConfig.rows_per_episode to {-(-rows // episodes)} or more")
+            shapes = dataclasses.replace(shapes, rows=padded)
+        return shapes
 
     def update(self, state, prepared: Prepared, reference_params=None, *, seed: int = 0):
         """`epochs x mini_batches` train steps on the prepared batch, less the mini-batches whose rows the estimator

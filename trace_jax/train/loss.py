@@ -90,6 +90,38 @@ class LossBatch:
         """Positions per row the LM head runs on: K with `trained_index`, else L."""
         return int((self.tokens if self.trained_index is None else self.trained_index).shape[1])
 
+    def padded(self, rows: int, length: int, head_width: int | None = None) -> "LossBatch":
+        """This batch with untrained zeros appended up to `[rows, length]` and its `trained_index` up to
+        `[rows, head_width]` (None: as it is), so that every step of a run feeds the jitted update one shape.
+
+        Appended rows and columns have loss mask 0 and token mask 0 (a batch without a token mask gets one: 1 on
+        its own tokens), so they add nothing to any aggregation's sum nor to the token- and sequence-mean counts
+        ("constant" divides by rows x L by definition); appended index entries are 0, the padding marker. Real
+        tokens never attend to appended columns (causal attention, padding on the right).
+        """
+        n, width = self.shape
+        k = None if self.trained_index is None else int(self.trained_index.shape[1])
+        head_width = k if head_width is None else head_width
+        if rows < n or length < width:
+            raise ValueError(f"LossBatch.padded: the batch is [{n}, {width}], larger than rows={rows}, "
+                             f"length={length}; padding only grows a batch")
+        if (k is None) != (head_width is None) or (k is not None and not k <= head_width <= length):
+            raise ValueError(f"LossBatch.padded: head_width={head_width} must be given exactly when the batch has a "
+                             f"trained_index (its width {k}) and lie between that width and length={length}")
+        batch = self
+        if self.token_mask is None and (rows, length) != (n, width):
+            batch = batch.replace(token_mask=jnp.ones((n, width), jnp.float32))
+
+        def pad(x, columns):
+            if x is None:
+                return None
+            return jnp.pad(x, ((0, rows - x.shape[0]), (0, columns - x.shape[1])))
+
+        fields = {name: pad(getattr(batch, name), length) for name in (
+            "tokens", "positions", "loss_mask", "advantages", "behaviour_logprobs", "reference_logprobs",
+            "sampler_logprobs", "segment_ids", "token_mask")}
+        return batch.replace(**fields, trained_index=pad(batch.trained_index, head_width))
+
     def validate(self, loss_config: LossConfig | None = None, *, reference_params_given: bool = False) -> None:
         """Host-side check of shapes and of what the loss config needs; raises ValueError naming the field."""
         shape = self.shape
@@ -125,16 +157,21 @@ def length_bucket(longest: int, multiple: int, max_len: int) -> int:
     return int(min(max_len, -(-max(longest, 1) // multiple) * multiple))
 
 
-def trained_positions(loss_mask, multiple: int = 64) -> np.ndarray:
+def trained_positions(loss_mask, multiple: int = 64, *, head_width: int | None = None) -> np.ndarray:
     """Host side: `LossBatch.trained_index` for a `loss_mask [N, L]`: int32 `[N, K]`, row n's positions with
-    `loss_mask > 0` in increasing order, then 0s; K = the largest row count rounded up to `multiple` (at most L),
-    so jit sees few distinct K. Position 0 is never trained, so 0 marks the padding."""
+    `loss_mask > 0` in increasing order, then 0s. K = `head_width` when given (a run's fixed width, so the update
+    compiles once; a row with more trained tokens raises ValueError), else the largest row count rounded up to
+    `multiple` (at most L). Position 0 is never trained, so 0 marks the padding."""
     mask = np.asarray(loss_mask) > 0
     rows, length = mask.shape
     if mask[:, 0].any():
         raise ValueError("loss_mask[:, 0] is nonzero: token 0 has no prediction and is never trained")
     counts = mask.sum(axis=1)
-    k = length_bucket(int(counts.max(initial=0)), multiple, length)
+    most = int(counts.max(initial=0))
+    if head_width is not None and not most <= head_width <= length:
+        raise ValueError(f"trained_positions: head_width={head_width} must hold the most trained tokens of a row "
+                         f"({most}) and be at most the length L={length}")
+    k = length_bucket(most, multiple, length) if head_width is None else head_width
     order = np.argsort(~mask, axis=1, kind="stable")[:, :k]  # trained positions first, in order
     return np.where(np.arange(k)[None, :] < counts[:, None], order, 0).astype(np.int32)
 
