@@ -276,14 +276,17 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
     fallbacks |= {dataclasses.replace(s, head_width=bound.head_width) for s in set(fallbacks)}
     for shape in sorted(fallbacks, key=lambda s: (s != fixed, s.length, s.head_width)):
         rows = shape.rows * jax.process_count() // update.mini_batches
-        entries.append(Entry("update", train_step, (state, _loss_batch(loss, mesh, rules, rows, shape), None),
+        batch = abstract_loss_batch(loss, mesh, rules, rows, shape)
+        entries.append(Entry("update", train_step, (state, batch, None),
                              f"{rows} rows x {shape.length} tokens, {shape.head_width} trained positions, "
                              f"{loss.micro_batches} micro-batch(es)" + ("" if shape == fixed else " (fallback)")))
     return Programs(tuple(entries), train_step, episodes, slots, kv_cache_bytes, state, reference, rollout_params)
 
 
-def _loss_batch(loss, mesh, rules, rows: int, shape) -> LossBatch:
-    """The abstract `LossBatch` of one update call, as `TrainStep` places it (`shard_batch`)."""
+def abstract_loss_batch(loss, mesh, rules, rows: int, shape) -> LossBatch:
+    """The abstract `LossBatch` of one update call of `rows` rows at `shape` (`pipeline.UpdateShapes`: its token
+    and `trained_index` widths; a `head_width` of None: no `trained_index`), as `TrainStep` places it
+    (`shard_batch`)."""
     def spec(width, dtype):
         return jax.ShapeDtypeStruct((rows, width), jnp.dtype(dtype), sharding=batch_sharding(mesh, rules,
                                                                                             (rows, width)))
@@ -294,7 +297,8 @@ def _loss_batch(loss, mesh, rules, rows: int, shape) -> LossBatch:
                      behaviour_logprobs=spec(length, jnp.float32),
                      reference_logprobs=spec(length, jnp.float32) if loss.needs_reference else None,
                      sampler_logprobs=spec(length, jnp.float32) if loss.needs_sampler_logprobs else None,
-                     token_mask=spec(length, jnp.float32), trained_index=spec(shape.head_width, jnp.int32))
+                     token_mask=spec(length, jnp.float32),
+                     trained_index=None if shape.head_width is None else spec(shape.head_width, jnp.int32))
 
 
 def _score_entries(run_config, model_config, local, rules, reference, episodes: int, answer_tokens: int,

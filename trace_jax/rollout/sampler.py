@@ -484,8 +484,9 @@ def decode_program(config: ModelConfig, num_steps: int, attend_len: int | None =
     (`MeshProgram`). `layout` (`state_layout`, on `mesh`) pins the output state to the input's layout, as the other
     programs that take a state do: left to the compiler, the state came out with other (equivalent) shardings,
     and the next `append` was built and compiled for them anew. One program object per (config, num_steps,
-    attend_len, mesh, layout): `generate` and `trace-jax plan` (through `rl.programs`) call the same one. One dispatch instead of `num_steps`: on a small model the host round trip of each step
-    (~0.45 ms of Python and dispatch on this CPU) costs more than the step itself.
+    attend_len, mesh, layout): `generate` and `trace-jax plan` (through `rl.programs`) call the same one. One
+    dispatch instead of `num_steps`: on a small model the host round trip of each step (~0.45 ms of Python and
+    dispatch on this CPU) costs more than the step itself.
     """
     if layout is not None and layout_mesh(layout) != mesh:
         raise ValueError("decode_program: layout must be on mesh (the state's layout, `state_layout(state)`)")
