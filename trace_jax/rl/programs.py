@@ -198,7 +198,10 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
     local = distributed.process_mesh(mesh)
     optimizer = optimizer or make_optimizer(run_config.optimizer)
     train_step = train_step or make_train_step(model_config, loss, optimizer, mesh=mesh, rules=rules)
-    episodes = train.prompts_per_step * rollout.group_size // jax.process_count()
+    # each process rolls out its share of the rows on its block of the mesh (`loop.rl_step`); the processes are
+    # those of the mesh's devices (a TPU topology's hosts for `trace-jax plan`, every process in a run)
+    processes = len({device.process_index for device in mesh.devices.flat})
+    episodes = train.prompts_per_step * rollout.group_size // processes
     max_len = rollout.max_context
     slots = budget.rows_within_budget(model_config, rollout, mesh=local, rows=max(episodes, 1),
                                       budget_gib=kv_budget_gib if kv_budget_gib is not None else rollout.kv_budget_gib,
@@ -275,7 +278,7 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
     bound = update_shapes(rollout, dataclasses.replace(update, max_trained_tokens=0), episodes, length=max_len)
     fallbacks |= {dataclasses.replace(s, head_width=bound.head_width) for s in set(fallbacks)}
     for shape in sorted(fallbacks, key=lambda s: (s != fixed, s.length, s.head_width)):
-        rows = shape.rows * jax.process_count() // update.mini_batches
+        rows = shape.rows * processes // update.mini_batches
         batch = abstract_loss_batch(loss, mesh, rules, rows, shape)
         entries.append(Entry("update", train_step, (state, batch, None),
                              f"{rows} rows x {shape.length} tokens, {shape.head_width} trained positions, "
