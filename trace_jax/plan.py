@@ -21,6 +21,8 @@ the loop runs. Each kind is reported by its largest entry (most argument bytes p
   * "score":   `scoring.fork.fork_scores_program`, the reference's prefix-fork pass, at every padded shape
                (`fork.padded_shape`) of the step's length buckets, scorer chunks (`scoring_batch`) and answers up
                to `--answer-tokens`;
+  * "behaviour": `rl.pipeline.behaviour_program`, the trainer's pi_old on each chunk of the batch (with
+               `LossConfig.tis` only);
   * "train":   `train.step.make_train_step` on one mini-batch of the run's fixed update shape
                (`pipeline.update_shapes`: `trained_index` and `token_mask` included), the donated train state.
 
@@ -92,7 +94,10 @@ CHIPS: dict[str, Chip] = {
 _SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
 _SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
               256: (4, 8, 8), 512: (8, 8, 8)}
-PROGRAMS = ("train", "score", "reshard", "init", "prefill", "decode", "append")
+PROGRAMS = ("train", "behaviour", "score", "reshard", "init", "prefill", "decode", "append")
+# the registry's kind (`rl.programs.NAMES`) each program of the report is the largest entry of
+KINDS = {"train": "update", "behaviour": "behaviour", "score": "score", "reshard": "reshard", "init": "init",
+         "prefill": "prefill_rows", "decode": "decode", "append": "append"}
 
 
 class PlanError(ValueError):
@@ -167,8 +172,9 @@ class PlanConfig:
 
     Attributes:
       topology: the target (`parse_topology` forms).
-      programs: which of `PROGRAMS` ("train", "score", "reshard", "init", "prefill", "decode", "append") to
-        compile (each the largest of the registry's entries of its kind, `rl.programs`).
+      programs: which of `PROGRAMS` ("train", "behaviour", "score", "reshard", "init", "prefill", "decode",
+        "append") to compile, each the largest of the registry's entries of its kind (`rl.programs`; a kind the
+        run's step does not dispatch, e.g. "behaviour" without `LossConfig.tis`, is left out of the report).
       answer_tokens: tokens of the gold answer continuation the scorer appends after every state (template +
         answer; the run's real ones are short).
       dtype: compute dtype override of the policy ("" keeps the model config's); "bfloat16" is what TPUs want.
@@ -757,7 +763,7 @@ class _Programs:
         self.rows_at_once, self.kv_cache_bytes = registry.rows_at_once, registry.kv_cache_bytes
         self.length = run_config.rollout.max_context
         # the update's token width (`pipeline.update_shapes`: `UpdateConfig.max_length`, default the context)
-        (update,) = [e for e in registry.named("update") if "fallback" not in e.shape]
+        (update,) = [e for e in registry.named("update") if not e.fallback]
         self.update_length = update.args[1].shape[1]
         self.jnp = jnp
 
@@ -785,7 +791,7 @@ class _Programs:
 
         loss = self.run.loss
         if rows is None and not unroll:
-            (entry,) = [e for e in self.registry.named("update") if "fallback" not in e.shape]
+            (entry,) = [e for e in self.registry.named("update") if not e.fallback]
             step, batch = entry.program, entry.args[1]
         else:
             # A variant is as wide as its own context (`estimate_train_time` sets it) and runs the LM head over
@@ -812,6 +818,16 @@ class _Programs:
                 with jax.set_mesh(self.mesh):
                     return traced.lower()
         _compile(report, lower, device_bytes((self.state, batch)), self.devices)
+
+    def dispatches(self, program: str) -> bool:
+        """Whether the run's step dispatches the report's `program` (`PROGRAMS`) at all."""
+        return bool(self.registry.named(KINDS[program]))
+
+    def behaviour(self, report: ProgramReport):
+        """The trainer's pi_old on one chunk of the batch (`LossConfig.tis`): the train state (its params are the
+        argument) and the reference stay."""
+        self._lower(report, "behaviour", device_bytes(self.state) - device_bytes(self.state.params)
+                    + device_bytes(self.reference))
 
     def score(self, report: ProgramReport):
         # the policy's train state stays during scoring
@@ -927,6 +943,8 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
                 "rollout copy": device_bytes(programs.rollout_params), "KV cache": programs.kv_cache_bytes}
     reports = []
     for name in plan_config.programs:
+        if not programs.dispatches(name):
+            continue
         report = ProgramReport(name, "")
         getattr(programs, name)(report)
         reports.append(report)
@@ -1047,14 +1065,14 @@ def format_report(report: PlanReport) -> str:
              f"step: {s['rows']} trajectories x {s['length']} tokens, {s['mini_batches']} mini-batch(es), "
              f"{s['micro_batches']} micro-batch(es); float32 master weights + AdamW",
              *_resident_lines(report), ""]
-    header = (f"| {'program':<7} | {'args':>8} | {'out':>8} | {'temp':>8} | {'aliased':>8} | "
+    header = (f"| {'program':<9} | {'args':>8} | {'out':>8} | {'temp':>8} | {'aliased':>8} | "
               f"{'+resident':>9} | {'peak':>8} | {'TFLOP/chip':>10} | {'est. ms':>8} | shape")
     lines += [header, "|" + "|".join("-" * len(c) for c in header.split("|")[1:]) + "|"]
     for p in report.programs:
         flops = "n/a" if p.flops is None else f"{p.flops / 1e12:.3f}"
         ms = "n/a" if p.seconds is None else f"{p.seconds * 1e3:.1f}"
         peak = _gib(p.peak_bytes) if not p.out_of_memory else ">" + _gib(p.peak_bytes)
-        lines.append(f"| {p.name:<7} | {_gib(p.argument_bytes):>8} | {_gib(p.output_bytes):>8} | "
+        lines.append(f"| {p.name:<9} | {_gib(p.argument_bytes):>8} | {_gib(p.output_bytes):>8} | "
                      f"{_gib(p.temp_bytes):>8} | {_gib(p.alias_bytes):>8} | {_gib(p.resident_other_bytes):>9} | "
                      f"{peak:>8} | {flops:>10} | {ms:>8} | {p.shape}{' (OUT OF MEMORY)' if p.out_of_memory else ''}")
     lines.append("")

@@ -142,8 +142,9 @@ def run(tmp_path_factory):
     return config, environment, rl, rl.programs(environment.train_tasks)
 
 
-def _steps(run, registry, steps: int):
-    config, environment, rl, _ = run
+def _steps(run, registry, steps: int, rl=None):
+    config, environment, module_rl, _ = run
+    rl = rl or module_rl
     params = rl.placement.policy(environment.params)
     state = RLState(init_train_state(environment.model_config, rl.optimizer, params, jax.random.PRNGKey(0),
                                      mesh=rl.placement.mesh, rules=rl.placement.rules), rl.placement.frozen(params))
@@ -153,6 +154,16 @@ def _steps(run, registry, steps: int):
             tasks = tuple(environment.train_tasks[(step - 1) * prompts:step * prompts])
             state, _ = rl(state, RLBatch(step, tasks, rollout_key(config.train.seed, step)))
     return recorder
+
+
+def test_with_tis_the_trainers_recomputation_of_pi_old_is_listed_and_is_what_the_step_runs(run):
+    config, environment, _, _ = run
+    tis = dataclasses.replace(config, loss=dataclasses.replace(config.loss, tis="token"))
+    rl = make_rl_step(tis, environment)
+    registry = rl.programs(environment.train_tasks)
+    recorder = _steps(run, registry, 1, rl=rl)
+    assert recorder.unlisted() == []
+    assert "behaviour" in {entry.name for _, entry in recorder.calls}
 
 
 def test_every_program_two_rl_steps_dispatch_is_an_entry_of_the_registry(run):
@@ -173,7 +184,7 @@ def test_the_recorder_fails_when_the_registry_leaves_out_a_program_the_loop_runs
 
 def test_the_update_entry_is_the_loops_train_step_at_the_configs_fixed_shape(run):
     config, _, rl, registry = run
-    (update,) = [e for e in registry.named("update") if "fallback" not in e.shape]
+    (update,) = [e for e in registry.named("update") if not e.fallback]
     assert update.program is rl.pipeline.train_step
     batch = update.args[1]
     rows = config.train.prompts_per_step * config.rollout.group_size

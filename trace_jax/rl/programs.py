@@ -17,6 +17,8 @@ and in the arguments' pytree structure), so `entry.lower()` lowers what the loop
   * "score":         `scoring.fork.fork_scores_program`, the reference's prefix-fork pass, at every padded shape
                      the step's length buckets, scorer chunks and answer lengths reach (only when the estimator
                      reads answer scores or the loss or metrics read the reference's token log-probs);
+  * "behaviour":     `pipeline.behaviour_program`, the trainer's recomputation of pi_old on each chunk of the
+                     step's batch (`LossConfig.tis` only);
   * "update":        `train.step.make_train_step` on one mini-batch of the step's `LossBatch`, padded to the run's
                      fixed update shape (`pipeline.update_shapes`, with `trained_index` and `token_mask`), and the
                      fallback shapes a step that does not fit it is padded to.
@@ -24,8 +26,8 @@ and in the arguments' pytree structure), so `entry.lower()` lowers what the loop
 Host arrays the loop passes as they are (numpy token chunks, per-row flags) have no sharding here (`sharding=None`),
 as jit sees them; device arrays carry the layout the loop gives them. Not listed: the small jitted helpers of the
 host side (the rows' PRNG keys, `compute_advantages` on the step's `[rows, length]` advantages), and jnp
-operations on single arrays; the naive scorer (`UpdateConfig.scoring = 'naive'`, for contrast only); the trainer's
-recomputation of pi_old under `LossConfig.tis`. tests/rl/test_programs.py records what two RL steps dispatch and
+operations on single arrays; the naive scorer (`UpdateConfig.scoring = 'naive'`, for contrast only).
+tests/rl/test_programs.py records what two RL steps dispatch and
 checks it against this list.
 
 `trace-jax plan` lowers these entries for a TPU topology, so its FIT verdict is about the programs the loop runs.
@@ -46,7 +48,7 @@ import numpy as np
 
 from trace_jax import models
 from trace_jax.credit.registry import get_estimator
-from trace_jax.rl.pipeline import update_shapes
+from trace_jax.rl.pipeline import behaviour_program, update_shapes
 from trace_jax.rollout import budget, sampler
 from trace_jax.scoring import fork
 from trace_jax.train import distributed
@@ -56,7 +58,7 @@ from trace_jax.train.optimizer import make_optimizer
 from trace_jax.train.step import batch_sharding, make_train_step
 
 PHASES = {"init": "rollout", "prefill_rows": "rollout", "decode": "rollout", "append": "rollout",
-          "rollout_cast": "rollout", "reshard": "rollout", "score": "score", "update": "update"}
+          "rollout_cast": "rollout", "reshard": "rollout", "score": "score", "behaviour": "update", "update": "update"}
 NAMES = tuple(PHASES)
 
 
@@ -70,12 +72,15 @@ class Entry:
         or a jitted function).
       args: abstract arguments, `ShapeDtypeStruct`s with the loop's shardings (None: a host array).
       shape: what the shapes are, in words.
+      fallback: a shape the loop runs only for a step that does not fit the run's fixed update shape (warned:
+        `pipeline.UpdateShapeWarning`).
     """
 
     name: str
     program: Any
     args: tuple
     shape: str
+    fallback: bool = False
 
     @property
     def phase(self) -> str:
@@ -278,11 +283,20 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
     bound = update_shapes(rollout, dataclasses.replace(update, max_trained_tokens=0), episodes, length=max_len)
     fallbacks |= {dataclasses.replace(s, head_width=bound.head_width) for s in set(fallbacks)}
     for shape in sorted(fallbacks, key=lambda s: (s != fixed, s.length, s.head_width)):
+        if loss.needs_sampler_logprobs:  # pi_old by the trainer, in chunks of one micro-batch's rows
+            n = shape.rows * processes
+            chunk = max(1, n // (update.mini_batches * loss.micro_batches))
+            for rows in sorted({chunk, n % chunk} - {0}):
+                entries.append(Entry("behaviour", behaviour_program(model_config, loss, train_step.mesh),
+                                     (state.params, abstract_loss_batch(loss, mesh, rules, rows, shape)),
+                                     f"{rows} rows x {shape.length} tokens, {shape.head_width} trained positions"
+                                     + ("" if shape == fixed else " (fallback)"), fallback=shape != fixed))
         rows = shape.rows * processes // update.mini_batches
         batch = abstract_loss_batch(loss, mesh, rules, rows, shape)
         entries.append(Entry("update", train_step, (state, batch, None),
                              f"{rows} rows x {shape.length} tokens, {shape.head_width} trained positions, "
-                             f"{loss.micro_batches} micro-batch(es)" + ("" if shape == fixed else " (fallback)")))
+                             f"{loss.micro_batches} micro-batch(es)" + ("" if shape == fixed else " (fallback)"),
+                             fallback=shape != fixed))
     return Programs(tuple(entries), train_step, episodes, slots, kv_cache_bytes, state, reference, rollout_params)
 
 
