@@ -192,6 +192,13 @@ def test_the_update_entry_is_the_loops_train_step_at_the_configs_fixed_shape(run
     assert batch.token_mask is not None and batch.trained_index is not None
 
 
+@pytest.mark.parametrize("minimum", [1, 16])
+def test_bucket_lengths_are_every_size_the_bucketing_rule_gives_up_to_the_longest(minimum):
+    for longest in (1, 15, 16, 17, 511, 512, 513, 768, 769, 2000):
+        naive = sorted({sampler.bucket_length(n, minimum) for n in range(1, longest + 1)})
+        assert list(programs_lib.bucket_lengths(longest, minimum)) == naive, longest
+
+
 def test_decode_is_listed_at_every_attention_bucket_below_the_context_and_the_whole_cache(run):
     config, _, _, registry = run
     attends = sorted(e.program.jitted.__wrapped__.args[2] or config.rollout.max_context

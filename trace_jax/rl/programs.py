@@ -39,7 +39,6 @@ about tools, tasks or run directories.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -172,18 +171,15 @@ def _process_local(sharding: jax.sharding.NamedSharding, local_mesh):
     return jax.sharding.NamedSharding(local_mesh, distributed.process_local_spec(sharding))
 
 
-def bucket_lengths(longest: int) -> tuple[int, ...]:
-    """Every `sampler.bucket_length(n)` for 1 <= n <= longest, in increasing order."""
-    out, size = [], sampler.MIN_BUCKET
-    while size <= min(512, sampler.bucket_length(longest)):
+def bucket_lengths(longest: int, minimum: int = sampler.MIN_BUCKET) -> tuple[int, ...]:
+    """Every `sampler.bucket_length(n, minimum)` for 1 <= n <= longest, in increasing order: the sizes the one
+    bucketing rule can give (powers of two from `minimum` up to 512, then multiples of 256)."""
+    top, out, size = sampler.bucket_length(longest, minimum), [], minimum
+    while size <= min(512, top):
         out.append(size)
         size *= 2
-    out += list(range(768, sampler.bucket_length(longest) + 1, 256))
+    out += list(range(768, top + 1, 256))
     return tuple(out)
-
-
-def _powers_of_two(most: int) -> tuple[int, ...]:
-    return tuple(2 ** i for i in range(int(math.log2(sampler.bucket_length(most, minimum=1))) + 1))
 
 
 def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None, num_stop_ids: int = 2,
@@ -248,8 +244,8 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
     entries.append(Entry("init", sampler.init_state_program(model_config, slots, max_len, local, rollout_rules), (),
                          f"{slots} rows x {max_len} tokens"))
     prefill = sampler.prefill_rows_program(model_config, layout)
-    for width in sorted({min(w, max_len) for w in bucket_lengths(max_len - 1)}):
-        for prompts in _powers_of_two(slots):
+    for width in sorted({min(w, max_len) for w in bucket_lengths(max_len)}):
+        for prompts in bucket_lengths(slots, minimum=1):
             args = (rollout_params, sampler_state, _host((prompts, width), jnp.int32), _host((prompts,), jnp.int32),
                     _host((slots,), jnp.int32), _host((slots,), jnp.int32), _host((), jnp.int32))
             entries.append(Entry("prefill_rows", prefill, args, f"{prompts} prompts x {width} tokens into {slots} "
