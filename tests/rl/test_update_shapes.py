@@ -100,12 +100,15 @@ def test_a_row_over_a_lowered_trained_token_width_falls_back_to_the_bound_with_a
 
 
 # ---------------------------------------------------------------------------------------------- one compile
-# configs/study.gin as the study runs it (its rollouts, widths, mini-batches and model), shrunk to one prompt of two
-# samples a step, without its 960-step warm start, and GRPO (no reference scoring: the update's shapes are the
-# same for every estimator). A scripted policy makes every step's rows differ in turns, length and trained tokens.
+# configs/study.gin as the study runs it (its rollouts, widths and mini-batches), shrunk to one prompt of two samples
+# a step on one device, with a smaller model, without its 960-step warm start, and GRPO (no reference scoring): none
+# of these changes the update's shapes. A scripted policy makes every step's rows differ in length.
 STUDY_PARAMS = ("TrainConfig.prompts_per_step = 1", "RolloutConfig.group_size = 2", "WarmStartConfig.steps = 0",
                 "DataConfig.num_train_tasks = 8", "DataConfig.num_eval_tasks = 2", "EvalConfig.num_tasks = 2",
-                "TrainConfig.receipts = 0", "CreditConfig.estimator = 'grpo'", "RolloutConfig.sync_every = 64")
+                "TrainConfig.receipts = 0", "CreditConfig.estimator = 'grpo'", "RolloutConfig.sync_every = 64",
+                "MeshConfig.devices = 1", "model_preset.hidden_size = 32", "model_preset.intermediate_size = 64",
+                "model_preset.num_hidden_layers = 1", "model_preset.num_attention_heads = 2",
+                "model_preset.num_key_value_heads = 1", "model_preset.head_dim = 16")
 
 
 def _scripts(chat, step: int, rows: int):
