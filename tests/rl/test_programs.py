@@ -214,3 +214,22 @@ def test_each_kinds_largest_entry_lowers_its_program_on_its_abstract_arguments(r
         entry = registry.largest(name)
         text = entry.lower().as_text()
         assert _function_name(entry.program) in text, name  # the module is named after the jitted function
+
+
+# two more runs of two RL steps, on meshes that shard kv heads and experts (9-12 s each on this host)
+@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, tensor=2), dict(fsdp=2, expert=4)], ids=["d2f2t2", "moe_f2e4"])
+def test_on_sharded_meshes_with_a_bfloat16_rollout_every_program_is_an_entry(mesh, tmp_path):
+    from tests.rl.test_mesh_step import GIN, MOE_GIN
+
+    (tmp_path / "run.gin").write_text((MOE_GIN if "expert" in mesh else GIN)
+                                      + "TrainConfig.rollout_dtype = 'bfloat16'\n")
+    config = parse([str(tmp_path / "run.gin")])
+    config = dataclasses.replace(config, mesh=dataclasses.replace(
+        config.mesh, **{**dict(data=1, fsdp=1, tensor=1, expert=1), **mesh}))
+    environment = build_environment(config, tmp_path)
+    rl = make_rl_step(config, environment)
+    registry = rl.programs(environment.train_tasks)
+    recorder = _steps((config, environment, rl, registry), registry, 2)
+    assert recorder.unlisted() == []
+    assert {entry.name for _, entry in recorder.calls} == {"rollout_cast", "reshard", "init", "prefill_rows",
+                                                           "decode", "append", "score", "update"}
