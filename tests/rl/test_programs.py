@@ -114,7 +114,8 @@ class Recorder:
             if entry is None:
                 out.append(f"a call of {_function_name(program)} with arguments no entry of it accepts")
         listed = {_function_name(e.program) for e in self.registry.entries}
-        per_program = Counter(id(program) for name, program in self.compiles if program is not None)
+        per_program = Counter(id(program) for name, program in self.compiles
+                              if program is not None and name == f"jit({_function_name(program)})")
         for name, program in self.compiles:
             function = name.removeprefix("jit(").removesuffix(")")
             if program is not None and function == _function_name(program):
