@@ -102,7 +102,8 @@ def test_plan_of_the_tiny_config_on_v5e_2x2_compiles_every_program_of_the_step_a
     assert "plan: v5e:2x2 (v5e-4, 4 chips, 16 GiB HBM each), mesh {'data': 1, 'fsdp': 4" in out
     assert "verdict: FIT" in out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
-    assert set(plan.PROGRAMS) <= set(rows)  # every program of the step: reshard, prefill, decode, score, train
+    # every kind the step dispatches (no TIS here: no "behaviour"): reshard, init, prefill, decode, append, ...
+    assert set(plan.PROGRAMS) - {"behaviour"} <= set(rows)
     assert "attention pallas_tpu" in out  # the splash kernel lowers on the 4-chip mesh (under shard_map)
     assert "roofline estimate" in out and "-> implied MFU" in out
     assert "resident per chip across phases: train state" in out and "rollout copy" in out
@@ -369,7 +370,7 @@ def test_short_contexts_halve_until_the_variants_fit(tiny_run, monkeypatch):
     run = dataclasses.replace(tiny_run, loss=dataclasses.replace(tiny_run.loss, micro_batches=2),
                               rollout=dataclasses.replace(tiny_run.rollout, max_context=49152))
     programs = types.SimpleNamespace(config=config, run=run, rows=4, mesh=types.SimpleNamespace(size=1),
-                                     plan=None, length=49152)
+                                     plan=None, length=49152, update_length=49152)
     estimate, why = plan.estimate_train_time(programs, None)
     assert estimate is not None, why
     assert estimate.lengths == (768, 1536)

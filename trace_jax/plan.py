@@ -4,20 +4,27 @@
 
 With `libtpu` (the optional `tpu` extra) and `jax.experimental.topologies`, the device programs of one RL step
 are lowered and compiled for the named TPU slice, given the mesh, on abstract inputs (`jax.ShapeDtypeStruct`s
-carrying their shardings; nothing is allocated). Each comes from the public builder of the package that owns it,
-the one the loop calls, so a FIT verdict is a statement about what the loop runs:
+carrying their shardings; nothing is allocated). They are the entries of the one registry the loop's programs come
+from (`rl.programs.programs`: the same builders, keyed alike, with the loop's argument shapes, shardings and static
+arguments; tests/rl/test_programs.py records two RL steps against it), so a FIT verdict is a statement about what
+the loop runs. Each kind is reported by its largest entry (most argument bytes per chip) and how many it has:
 
   * "reshard": `models.reshard_program`, the policy's params from the train layout to the rollout layout
-               (`Placement.rollout_params`);
-  * "prefill": `rollout.sampler.prefill_program`, the grouped prompt prefill of the rows that run at once;
-  * "decode":  `rollout.sampler.decode_program`, `RolloutConfig.sync_every` decode steps of those rows against a
-               `max_context` KV cache; the rows at once are every rollout row, or as many as a per-chip KV budget
-               holds (`rollout.budget.rows_within_budget`);
-  * "score":   `scoring.fork.fork_scores_program`, the reference's prefix-fork pass over `scoring_batch` rows
-               (0 = all) of `max_context` tokens with `max_turns + 1` states and an `answer_tokens`-token
-               answer, padded by `fork.padded_shape` (the scorer's own rule);
-  * "train":   `train.step.make_train_step` on the update's mini-batch (`prompts_per_step x group_size /
-               mini_batches` rows of `max_context` tokens, `LossConfig.micro_batches`), the donated train state.
+               (`Placement.rollout_params`; after `models.cast_program` to `TrainConfig.rollout_dtype`);
+  * "init":    `rollout.sampler.init_state_program`, the rollout's KV cache of the rows at once, created sharded;
+  * "prefill": `rollout.sampler.prefill_rows_program`, the admission of waiting rows into free cache rows, at
+               every (distinct prompts, prompt width) bucket up to `max_context`;
+  * "decode":  `rollout.sampler.decode_program`, `RolloutConfig.sync_every` decode steps of the rows at once, at
+               every attention bucket up to the whole `max_context` cache; the rows at once are every rollout row
+               of a process, or as many as a per-chip KV budget holds (`rollout.budget.rows_within_budget`);
+  * "append":  `rollout.sampler.append_program`, tool observations appended to the rows, at every width bucket;
+  * "score":   `scoring.fork.fork_scores_program`, the reference's prefix-fork pass, at every padded shape
+               (`fork.padded_shape`) of the step's length buckets, scorer chunks (`scoring_batch`) and answers up
+               to `--answer-tokens`;
+  * "behaviour": `rl.pipeline.behaviour_program`, the trainer's pi_old on each chunk of the batch (with
+               `LossConfig.tis` only);
+  * "train":   `train.step.make_train_step` on one mini-batch of the run's fixed update shape
+               (`pipeline.update_shapes`: `trained_index` and `token_mask` included), the donated train state.
 
 For each, the compiler's per-device memory (arguments, outputs, temporaries, aliased) and its FLOPs. A phase's
 peak adds what stays resident while it runs (the train state and the frozen reference always, in its
@@ -87,7 +94,10 @@ CHIPS: dict[str, Chip] = {
 _SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
 _SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
               256: (4, 8, 8), 512: (8, 8, 8)}
-PROGRAMS = ("train", "score", "reshard", "prefill", "decode")
+PROGRAMS = ("train", "behaviour", "score", "reshard", "init", "prefill", "decode", "append")
+# the registry's kind (`rl.programs.NAMES`) each program of the report is the largest entry of
+KINDS = {"train": "update", "behaviour": "behaviour", "score": "score", "reshard": "reshard", "init": "init",
+         "prefill": "prefill_rows", "decode": "decode", "append": "append"}
 
 
 class PlanError(ValueError):
@@ -162,7 +172,9 @@ class PlanConfig:
 
     Attributes:
       topology: the target (`parse_topology` forms).
-      programs: which of `PROGRAMS` ("train", "score", "reshard", "prefill", "decode") to compile.
+      programs: which of `PROGRAMS` ("train", "behaviour", "score", "reshard", "init", "prefill", "decode",
+        "append") to compile, each the largest of the registry's entries of its kind (`rl.programs`; a kind the
+        run's step does not dispatch, e.g. "behaviour" without `LossConfig.tis`, is left out of the report).
       answer_tokens: tokens of the gold answer continuation the scorer appends after every state (template +
         answer; the run's real ones are short).
       dtype: compute dtype override of the policy ("" keeps the model config's); "bfloat16" is what TPUs want.
@@ -175,7 +187,6 @@ class PlanConfig:
       kv_budget_gib: the rollout's per-chip KV-cache budget in GiB (None: `RolloutConfig.kv_budget_gib` where the
         run config has one, else none: every rollout row at once); the rollout programs are compiled for the rows
         it holds (`rollout.budget.rows_within_budget`).
-      prompt_tokens: tokens of a prompt (system turn with the tool schemas + task) for the prefill program.
     """
 
     topology: str
@@ -187,7 +198,6 @@ class PlanConfig:
     estimate_time: bool = True
     validate_estimate: bool = False
     kv_budget_gib: float | None = None
-    prompt_tokens: int = 512
 
     def __post_init__(self):
         parse_topology(self.topology)
@@ -198,8 +208,6 @@ class PlanConfig:
             raise PlanError(f"--answer-tokens must be an int >= 2, got {self.answer_tokens!r}")
         if self.kv_budget_gib is not None and not self.kv_budget_gib > 0:
             raise PlanError(f"--kv-budget-gib must be > 0 (GiB of KV cache per chip), got {self.kv_budget_gib!r}")
-        if not isinstance(self.prompt_tokens, int) or self.prompt_tokens < 1:
-            raise PlanError(f"--prompt-tokens must be an int >= 1, got {self.prompt_tokens!r}")
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -670,11 +678,11 @@ def estimate_train_time(programs: "_Programs", device, *, validate: bool = False
             out[n_layers, n_micro] = (report.flops, report.raw_seconds, report.bytes_accessed)
         return out, "", False
 
-    figures, why, out_of_memory = (None, "", True) if lengths else compile_variants(programs.length)
+    figures, why, out_of_memory = (None, "", True) if lengths else compile_variants(programs.update_length)
     if figures is None and out_of_memory:
         first, forced = why, lengths is not None
         block = config.attention_q_block or 512
-        lengths = lengths or short_context_lengths(programs.length, block)
+        lengths = lengths or short_context_lengths(programs.update_length, block)
         compiled: dict[int, dict] = {}
         while True:
             failed = None
@@ -692,7 +700,7 @@ def estimate_train_time(programs: "_Programs", device, *, validate: bool = False
                 return None, (f"{first}; and {failed[0]}" if first else failed[0])
             lengths = (lengths[0] // 2, lengths[1] // 2)
         short = {(key, length): value for length in lengths for key, value in compiled[length].items()}
-        figures = _extend_in_tokens(short, lengths, programs.length)
+        figures = _extend_in_tokens(short, lengths, programs.update_length)
     elif figures is None:
         return None, why
     rate = compiler_dot_rate(device)
@@ -707,8 +715,8 @@ def estimate_train_time(programs: "_Programs", device, *, validate: bool = False
     xla_flops, xla_seconds, xla_bytes = (_combine(pick(i), layers, micro) for i in range(3))
     kernel_flops = 0.0
     if config.attention_impl == "pallas_tpu":
-        kernel_flops = micro * splash_kernel_flops(config, micro_rows, programs.length, programs.mesh)
-    tokens = rows * programs.length
+        kernel_flops = micro * splash_kernel_flops(config, micro_rows, programs.update_length, programs.mesh)
+    tokens = rows * programs.update_length
     recompute = 4 / 3 if config.remat != "none" else 1.0
     expected = recompute * 3 * 2 * matmul_params_per_token(config) * tokens / programs.mesh.size
     check = None
@@ -720,79 +728,85 @@ def estimate_train_time(programs: "_Programs", device, *, validate: bool = False
                         xla_bytes=xla_bytes, kernel_seconds=kernel_flops / rate, kernel_flops=kernel_flops,
                         dot_rate=rate, expected_xla_flops=expected,
                         variants=tuple((l, m, f, t) for (l, m), (f, t, _) in figures.items()), check=check,
-                        lengths=lengths, context=programs.length, time_source=time_source), ""
+                        lengths=lengths, context=programs.update_length, time_source=time_source), ""
 
 
 class _Programs:
-    """The abstract inputs and lowerings of one RL step's programs for one model, run config and mesh, each
-    built by its owner's public builder (the ones the loop calls): `train.step.make_train_step`,
-    `scoring.fork.fork_scores_program`, `models.reshard_program`, `rollout.sampler.prefill_program` and
-    `rollout.sampler.decode_program`."""
+    """The lowerings of one RL step's programs for one model, run config and mesh: the entries of the registry the
+    loop's programs come from (`rl.programs.programs`: the same builders, keyed alike, with the loop's argument
+    shapes, shardings and static arguments), each kind reported by its largest entry (most argument bytes per
+    device) with the count of the kind's entries. `train(report, rows=..., unroll=...)` also builds the update's
+    variants for `estimate_train_time`."""
 
     def __init__(self, model_config, run_config, mesh, plan: PlanConfig, mesh_config=None):
-        import jax
         import jax.numpy as jnp
 
-        from trace_jax import models
-        from trace_jax.rollout import budget
-        from trace_jax.train.checkpoint import abstract_train_state
+        from trace_jax.rl import programs as rl_programs
         from trace_jax.train.optimizer import make_optimizer
 
-        self.config, self.run, self.mesh, self.plan = model_config, run_config, mesh, plan
-        self.devices = tuple(mesh.devices.flat)
+        self.config, self.plan, self.mesh = model_config, plan, mesh
         # the run's logical-axis rules (`MeshConfig.rules`), as `loop.Placement` takes them
-        mesh_config = mesh_config or run_config.mesh
-        self.rules, self.rollout_rules = mesh_config.train_rules(), mesh_config.rollout_rules()
+        self.run = run_config if mesh_config is None else dataclasses.replace(run_config, mesh=mesh_config)
+        self.devices = tuple(mesh.devices.flat)
+        self.rules, self.rollout_rules = self.run.mesh.train_rules(), self.run.mesh.rollout_rules()
         self.optimizer = make_optimizer(run_config.optimizer)
-        self.state = abstract_train_state(model_config, self.optimizer, mesh=mesh, rules=self.rules)
-        shapes = jax.eval_shape(lambda: models.init_params(model_config, jax.random.PRNGKey(0), dtype="float32"))
-        # The frozen reference: the initial policy cast to TrainConfig.reference_dtype in the train layout
-        # (loop.Placement.frozen); the rollout copy: the policy's params cast to TrainConfig.rollout_dtype and
-        # resharded to the rollout layout (Placement.rollout_params).
-        reference_dtype = jnp.dtype(run_config.train.reference_dtype)
-        self.reference = _abstract(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, reference_dtype),
-                                                          shapes), models.param_shardings(model_config, mesh,
-                                                                                          self.rules))
-        self.rollout_shardings = models.param_shardings(model_config, mesh, self.rollout_rules)
-        rollout_dtype = jnp.dtype(run_config.train.rollout_dtype)
-        self.rollout_params = _abstract(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, rollout_dtype),
-                                                               shapes), self.rollout_shardings)
-        self.rows = run_config.train.prompts_per_step * run_config.rollout.group_size
-        self.length = run_config.rollout.max_context
-        # Rollout rows at once: all of them, or as many as the per-chip KV budget holds.
         budget_gib = plan.kv_budget_gib if plan.kv_budget_gib is not None else run_config.rollout.kv_budget_gib
         self.kv_budget_gib = budget_gib or 0.0
         try:
-            self.rows_at_once = budget.rows_within_budget(model_config, run_config.rollout, mesh=mesh, rows=self.rows,
-                                                          budget_gib=budget_gib, rules=self.rollout_rules)
+            self.registry = rl_programs.programs(self.run, model_config, mesh, optimizer=self.optimizer,
+                                                 answer_tokens=plan.answer_tokens, kv_budget_gib=budget_gib)
         except ValueError as error:
             raise PlanError(str(error)) from None
-        self.kv_cache_bytes = budget.kv_bytes_per_chip(model_config, run_config.rollout, self.rows_at_once,
-                                                       mesh=mesh, rules=self.rollout_rules)
+        registry = self.registry
+        self.state, self.reference, self.rollout_params = registry.state, registry.reference, registry.rollout_params
+        self.rows = run_config.train.prompts_per_step * run_config.rollout.group_size
+        self.rows_at_once, self.kv_cache_bytes = registry.rows_at_once, registry.kv_cache_bytes
+        self.length = run_config.rollout.max_context
+        # the update's token width (`pipeline.update_shapes`: `UpdateConfig.max_length`, default the context)
+        (update,) = [e for e in registry.named("update") if not e.fallback]
+        self.update_length = update.args[1].shape[1]
         self.jnp = jnp
+
+    def _lower(self, report: ProgramReport, name: str, resident_other_bytes: int) -> None:
+        """Compile the largest entry of kind `name` into `report` (nothing to compile when the step has none)."""
+        entries = self.registry.named(name)
+        entry = self.registry.largest(name)
+        if entry is None:
+            report.shape = "not dispatched by this run's step"
+            return
+        report.shape = entry.shape + (f" (largest of {len(entries)} shapes)" if len(entries) > 1 else "")
+        report.resident_other_bytes = resident_other_bytes
+        _compile(report, entry.lower, device_bytes(entry.args), self.devices)
 
     def train(self, report: ProgramReport, *, rows: int | None = None, count_loops: bool = False,
               unroll: bool = False):
-        """The update's train step; `rows` overrides the mini-batch's rows and `unroll` unrolls its scans
-        (`estimate_train_time`'s variants)."""
+        """The update: the registry's entry at the run's fixed update shape, or (with `rows` or `unroll`: the
+        variants of `estimate_train_time`) the same step built with those rows and its scans unrolled."""
         import jax
 
+        from trace_jax.rl import programs as rl_programs
+        from trace_jax.rl.pipeline import update_shapes
         from trace_jax.train.flops import flops_per_token
-        from trace_jax.train.loss import LossBatch
-        from trace_jax.train.step import batch_sharding, make_train_step
+        from trace_jax.train.step import make_train_step
 
-        rows = rows or self.rows // self.run.update.mini_batches
         loss = self.run.loss
-        step = make_train_step(self.config, loss, self.optimizer, mesh=self.mesh, rules=self.rules, unroll=unroll)
-        sharding = batch_sharding(self.mesh, self.rules, (rows, self.length))
-        spec = lambda dtype: jax.ShapeDtypeStruct((rows, self.length), dtype, sharding=sharding)  # noqa: E731
-        jnp = self.jnp
-        batch = LossBatch(tokens=spec(jnp.int32), positions=spec(jnp.int32), loss_mask=spec(jnp.float32),
-                          advantages=spec(jnp.float32), behaviour_logprobs=spec(jnp.float32),
-                          reference_logprobs=spec(jnp.float32) if loss.needs_reference else None)
-        report.shape = (f"{rows} rows x {self.length} tokens, {loss.micro_batches} micro-batches of "
-                        f"{rows // loss.micro_batches}")
-        report.model_flops = flops_per_token(self.config, self.length) * rows * self.length
+        if rows is None and not unroll:
+            (entry,) = [e for e in self.registry.named("update") if not e.fallback]
+            step, batch = entry.program, entry.args[1]
+        else:
+            # A variant is as wide as its own context (`estimate_train_time` sets it) and runs the LM head over
+            # every position (no `trained_index`), so its cost is affine in the tokens it is extended over; the
+            # update's head over its `trained_index` positions costs less (the estimate over-counts that share).
+            shapes = update_shapes(self.run.rollout, dataclasses.replace(self.run.update, max_length=0), self.rows)
+            shapes = dataclasses.replace(shapes, head_width=None)
+            step = make_train_step(self.config, loss, self.optimizer, mesh=self.mesh, rules=self.rules,
+                                   unroll=unroll)
+            rows = rows or self.rows // self.run.update.mini_batches
+            batch = rl_programs.abstract_loss_batch(loss, self.mesh, self.rules, rows, shapes)
+        rows, length = batch.shape
+        report.shape = (f"{rows} rows x {length} tokens, {batch.head_width} trained positions, "
+                        f"{loss.micro_batches} micro-batches of {rows // loss.micro_batches}")
+        report.model_flops = flops_per_token(self.config, length) * rows * length
         report.resident_other_bytes = device_bytes(self.reference)  # the reference stays while the policy trains
         lower = lambda: step.lower(self.state, batch, None)  # noqa: E731
         if count_loops:
@@ -805,131 +819,45 @@ class _Programs:
                     return traced.lower()
         _compile(report, lower, device_bytes((self.state, batch)), self.devices)
 
-    def score_shape(self) -> tuple[int, int, int, int, str]:
-        """The scorer's padded (rows, tokens, states, answer tokens) and layout, by `fork.padded_shape`'s rule."""
-        from trace_jax.scoring import fork
+    def dispatches(self, program: str) -> bool:
+        """Whether the run's step dispatches the report's `program` (`PROGRAMS`) at all."""
+        return bool(self.registry.named(KINDS[program]))
 
-        n = self.run.update.scoring_batch or self.rows
-        pn, pl, ps, pm = fork.padded_shape(n, self.length, self.run.rollout.max_turns + 1, self.plan.answer_tokens,
-                                           mesh=self.mesh, rules=self.rules)
-        return pn, pl, ps, pm, fork.choose_layout(pl, ps, pm)
+    def behaviour(self, report: ProgramReport):
+        """The trainer's pi_old on one chunk of the batch (`LossConfig.tis`): the train state (its params are the
+        argument) and the reference stay."""
+        self._lower(report, "behaviour", device_bytes(self.state) - device_bytes(self.state.params)
+                    + device_bytes(self.reference))
 
     def score(self, report: ProgramReport):
-        import jax
-
-        from trace_jax.scoring import fork
-
-        pn, pl, ps, pm, layout = self.score_shape()
-        jnp = self.jnp
-
-        def arg(shape, dtype):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=fork.row_sharding(self.mesh, len(shape), self.rules))
-
-        args = (arg((pn, pl), jnp.int32), arg((pn, ps), jnp.int32), arg((pn, ps), jnp.bool_),
-                arg((pn, pm), jnp.int32), arg((pn, pm), jnp.int32))
-        with_token_lp = self.run.loss.needs_reference or self.run.update.kl_metric
-        report.shape = (f"{pn} rows x {pl} tokens, {ps} states x {pm} answer tokens, {layout} layout"
-                        f"{', + trajectory log-probs' if with_token_lp else ''}")
-        report.resident_other_bytes = device_bytes(self.state)  # the policy's train state stays during scoring
-        program = fork.fork_scores_program(self.config, layout=layout, logprob_chunk=256, query_chunk=0,
-                                           with_token_logprobs=with_token_lp, mesh=self.mesh)
-        _compile(report, lambda: program.lower(self.reference, *args), device_bytes((self.reference, args)),
-                 self.devices)
+        # the policy's train state stays during scoring
+        self._lower(report, "score", device_bytes(self.state))
 
     def reshard(self, report: ProgramReport):
-        """The policy's params from the train layout to the rollout layout (`Placement.rollout_params`)."""
-        import jax
-        import jax.numpy as jnp
-
-        from trace_jax import models
-
-        train_params = self.state.params
-        # Placement.rollout_params casts to TrainConfig.rollout_dtype in the train layout first (elementwise, a fresh
-        # copy), so the reshard reads params of that dtype while the float32 train params stay.
-        rollout_dtype = jnp.dtype(self.run.train.rollout_dtype)
-        params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, rollout_dtype, sharding=x.sharding),
-                                        train_params)
-        cast = any(x.dtype != rollout_dtype for x in jax.tree_util.tree_leaves(train_params))
-        report.shape = "policy params, train layout -> rollout layout"
-        # The rest of the train state and the reference stay; the train-layout params are the program's argument.
-        report.resident_other_bytes = (device_bytes(self.state) - (0 if cast else device_bytes(train_params))
-                                       + device_bytes(self.reference))
-        program = models.reshard_program(self.rollout_shardings)
-        _compile(report, lambda: program.lower(params), device_bytes(params), self.devices)
-
-    def _sampler_state(self, rows: int):
-        import jax
-
-        from trace_jax.models.cache import init_cache
-        from trace_jax.rollout import sampler
-
-        jnp = self.jnp
-        shapes = jax.eval_shape(lambda: sampler.SamplerState(
-            cache=init_cache(self.config, rows, self.length),
-            logits=jnp.zeros((rows, self.config.vocab_size), jnp.float32)))
-        return _abstract(shapes, sampler.divisible_shardings(shapes, sampler.state_shardings(self.mesh,
-                                                                                             self.rollout_rules)))
+        """The policy's params from the train layout to the rollout layout (`Placement.rollout_params`): the
+        rest of the train state and the reference stay; the cast copy is the program's argument."""
+        cast = bool(self.registry.named("rollout_cast"))
+        params = device_bytes(self.state.params)
+        self._lower(report, "reshard", device_bytes(self.state) - (0 if cast else params)
+                    + device_bytes(self.reference))
 
     def _rollout_resident(self) -> int:
         # While the rollout runs: the whole train state and the reference (the rollout copy and the cache are the
         # programs' own arguments).
         return device_bytes(self.state) + device_bytes(self.reference)
 
-    def prefill_shape(self) -> tuple[int, int, int]:
-        """(prompts, samples per prompt, padded prompt tokens) of one prefill of the rows that run at once."""
-        from trace_jax.rollout import sampler
-
-        group = self.run.rollout.group_size
-        prompts, group = (self.rows_at_once // group, group) if self.rows_at_once % group == 0 else \
-            (self.rows_at_once, 1)
-        return prompts, group, min(sampler.bucket_length(self.plan.prompt_tokens), self.length)
+    def init(self, report: ProgramReport):
+        self._lower(report, "init", self._rollout_resident() + device_bytes(self.rollout_params))
 
     def prefill(self, report: ProgramReport):
-        import jax
-
-        from trace_jax.rollout import sampler
-
-        prompts, group, width = self.prefill_shape()
-        state = self._sampler_state(prompts * group)
-        row = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        tokens = jax.ShapeDtypeStruct((prompts, width), self.jnp.int32, sharding=row)
-        num_new = jax.ShapeDtypeStruct((prompts,), self.jnp.int32, sharding=row)
-        report.shape = f"{prompts} prompts x {group} samples, {width}-token prompts into a {self.length}-token cache"
-        report.resident_other_bytes = self._rollout_resident()
-        program = sampler.prefill_program(self.config, group, sampler.state_layout(state))
-        _compile(report, lambda: program.lower(self.rollout_params, state, tokens, num_new),
-                 device_bytes((self.rollout_params, state, tokens, num_new)), self.devices)
+        """The admission of waiting rows (`sampler.prefill_rows_program`), the loop's only prefill."""
+        self._lower(report, "prefill_rows", self._rollout_resident())
 
     def decode(self, report: ProgramReport):
-        import jax
-        import numpy as np
+        self._lower(report, "decode", self._rollout_resident())
 
-        from trace_jax.rollout import sampler
-
-        jnp = self.jnp
-        n, steps = self.rows_at_once, self.run.rollout.sync_every
-        state = self._sampler_state(n)
-        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        row = jax.sharding.NamedSharding(self.mesh, sampler.divisible_shardings(
-            jax.ShapeDtypeStruct((n,), jnp.int32), state.cache.lengths.sharding).spec)
-
-        def per_row(dtype):
-            return jax.ShapeDtypeStruct((n,), dtype, sharding=row)
-
-        # The rows' sampling values are traced data; only the static fields shape the program (RowSampling.of).
-        host = sampler.RowSampling.broadcast(self.run.rollout.sampling, n)
-        sampling = host.replace(temperature=per_row(jnp.float32), top_p=per_row(jnp.float32),
-                                greedy=per_row(jnp.bool_))
-        stop_ids = jax.ShapeDtypeStruct((2,), jnp.int32, sharding=replicated)
-        rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated)
-        first_step = jax.ShapeDtypeStruct((), np.uint32, sharding=replicated)
-        args = (sampling, self.rollout_params, state, per_row(jnp.bool_), per_row(jnp.int32), stop_ids, rng,
-                first_step, per_row(jnp.int32))
-        report.shape = (f"{n} rows x {steps} steps (sync_every), KV cache of {self.length} tokens "
-                        f"({self.config.dtype})")
-        report.resident_other_bytes = self._rollout_resident()
-        program = sampler.decode_program(self.config, steps, None, self.mesh)
-        _compile(report, lambda: program.lower(*args), device_bytes(args), self.devices)
+    def append(self, report: ProgramReport):
+        self._lower(report, "append", self._rollout_resident())
 
 
 def _advice(report: PlanReport, run_config, model_config) -> list[str]:
@@ -964,7 +892,7 @@ def _advice(report: PlanReport, run_config, model_config) -> list[str]:
         elif p.name == "score":
             out.append(f"{over}: set UpdateConfig.scoring_batch (now {run_config.update.scoring_batch or 'all'} rows)"
                        f" to score fewer rows per pass")
-        elif p.name in ("decode", "prefill"):
+        elif p.name in ("init", "decode", "prefill", "append"):
             cache = "" if model_config.dtype == "bfloat16" else ", or compute (and cache) in bfloat16"
             out.append(f"{over}: the rollout runs {report.settings['rows_at_once']} rows at once against a KV cache "
                        f"of {report.settings['length']} tokens each: set a smaller per-chip KV budget "
@@ -1015,6 +943,8 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
                 "rollout copy": device_bytes(programs.rollout_params), "KV cache": programs.kv_cache_bytes}
     reports = []
     for name in plan_config.programs:
+        if not programs.dispatches(name):
+            continue
         report = ProgramReport(name, "")
         getattr(programs, name)(report)
         reports.append(report)
@@ -1135,14 +1065,14 @@ def format_report(report: PlanReport) -> str:
              f"step: {s['rows']} trajectories x {s['length']} tokens, {s['mini_batches']} mini-batch(es), "
              f"{s['micro_batches']} micro-batch(es); float32 master weights + AdamW",
              *_resident_lines(report), ""]
-    header = (f"| {'program':<7} | {'args':>8} | {'out':>8} | {'temp':>8} | {'aliased':>8} | "
+    header = (f"| {'program':<9} | {'args':>8} | {'out':>8} | {'temp':>8} | {'aliased':>8} | "
               f"{'+resident':>9} | {'peak':>8} | {'TFLOP/chip':>10} | {'est. ms':>8} | shape")
     lines += [header, "|" + "|".join("-" * len(c) for c in header.split("|")[1:]) + "|"]
     for p in report.programs:
         flops = "n/a" if p.flops is None else f"{p.flops / 1e12:.3f}"
         ms = "n/a" if p.seconds is None else f"{p.seconds * 1e3:.1f}"
         peak = _gib(p.peak_bytes) if not p.out_of_memory else ">" + _gib(p.peak_bytes)
-        lines.append(f"| {p.name:<7} | {_gib(p.argument_bytes):>8} | {_gib(p.output_bytes):>8} | "
+        lines.append(f"| {p.name:<9} | {_gib(p.argument_bytes):>8} | {_gib(p.output_bytes):>8} | "
                      f"{_gib(p.temp_bytes):>8} | {_gib(p.alias_bytes):>8} | {_gib(p.resident_other_bytes):>9} | "
                      f"{peak:>8} | {flops:>10} | {ms:>8} | {p.shape}{' (OUT OF MEMORY)' if p.out_of_memory else ''}")
     lines.append("")
@@ -1243,8 +1173,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--kv-budget-gib", "--kv_budget_gib", type=float, default=None,
                         help="the rollout's KV-cache budget per chip in GiB (default: RolloutConfig.kv_budget_gib "
                              "where the config has one, else every rollout row at once)")
-    parser.add_argument("--prompt-tokens", "--prompt_tokens", type=int, default=512,
-                        help="prompt length for the prefill program")
     parser.add_argument("--validate-estimate", "--validate_estimate", action="store_true",
                         help="also compile the 3-layer variant and print it against the estimate's prediction")
 
@@ -1262,8 +1190,7 @@ def run(args) -> int:
         plan_config = PlanConfig(topology=args.topology, programs=tuple(p.strip() for p in args.programs.split(",")),
                                  answer_tokens=args.answer_tokens, dtype=args.dtype, remat=args.remat,
                                  estimate_time=not args.no_time_estimate,
-                                 validate_estimate=args.validate_estimate, kv_budget_gib=args.kv_budget_gib,
-                                 prompt_tokens=args.prompt_tokens)
+                                 validate_estimate=args.validate_estimate, kv_budget_gib=args.kv_budget_gib)
         mesh_config = parse_mesh(args.mesh, None)
         report = plan(run_config, plan_config, mesh_config, model_preset=args.model_preset)
     except (ConfigError, PlanError) as error:

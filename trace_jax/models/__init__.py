@@ -6,7 +6,7 @@ Public API (see docs/models.md):
   KVCache, init_cache, extend, prefill, attend_cached_block,
   param_logical_axes, param_shapes, logical_to_sharding, param_shardings, shard_params, constrain, make_mesh,
   DEFAULT_RULES, ROLLOUT_RULES, LOGICAL_AXES, check_rule_overrides, merge_rules, rollout_rules, placed_on,
-  reshard_program.
+  reshard_program, cast_program.
 
 Tokenizer, chat format and GGUF conversion live in sibling modules and are imported from there directly.
 """
@@ -32,6 +32,7 @@ from trace_jax.models.sharding import (
     LOGICAL_AXES,
     ROLLOUT_RULES,
     cache_logical_axes,
+    cast_program,
     check_rule_overrides,
     constrain,
     logical_to_mesh_spec,
@@ -47,7 +48,8 @@ from trace_jax.models.sharding import (
 
 __all__ = [
     "CheckpointError", "ConfigError", "DEFAULT_RULES", "KVCache", "LOGICAL_AXES", "ModelConfig", "PRESETS",
-    "ROLLOUT_RULES", "attend_cached_block", "build_attention_mask", "cache_logical_axes", "check_rule_overrides",
+    "ROLLOUT_RULES", "attend_cached_block", "build_attention_mask", "cache_logical_axes", "cast_program",
+    "check_rule_overrides",
     "constrain", "extend", "forward", "forward_hidden", "get_preset", "hidden_logprobs", "init_cache", "init_params",
     "load_pretrained", "logical_to_mesh_spec", "logical_to_sharding", "logits_from_hidden", "make_mesh",
     "merge_rules", "param_logical_axes", "param_shapes", "param_shardings", "placed_on", "prefill", "preset_names",

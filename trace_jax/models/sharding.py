@@ -184,9 +184,50 @@ def reshard_program(shardings):
     return _reshard_jit(treedef, tuple(leaves))
 
 
+class PlacementProgram:
+    """A jitted program that places a params tree (`reshard_program`, `cast_program`): `program(tree)`, and
+    `program.lower(tree)` for ahead-of-time compilation; `jitted` is the jitted function. Its `out_shardings` name
+    the devices, so it needs no mesh context."""
+
+    def __init__(self, jitted):
+        self.jitted = jitted
+
+    def __call__(self, tree):
+        return self.jitted(tree)
+
+    def lower(self, tree):
+        return self.jitted.lower(tree)
+
+
+def _reshard(tree):
+    return tree
+
+
 @functools.lru_cache(maxsize=64)
 def _reshard_jit(treedef, leaves: tuple):
-    return jax.jit(lambda tree: tree, out_shardings=jax.tree_util.tree_unflatten(treedef, list(leaves)))
+    return PlacementProgram(jax.jit(_reshard, out_shardings=jax.tree_util.tree_unflatten(treedef, list(leaves))))
+
+
+def cast_program(dtype, shardings):
+    """The program that casts a params tree to `dtype` on device, into fresh buffers in the layout `shardings` (a
+    matching pytree of `NamedSharding`s): `program(tree) -> tree`. Nothing is donated (a cast copy never aliases
+    the arrays it was made from, which the update donates). One program object per (dtype, layout): the loop's
+    rollout copy and frozen reference (`loop.Placement`) and `trace-jax plan` call the same one."""
+    leaves, treedef = jax.tree_util.tree_flatten(shardings)
+    if not all(isinstance(s, NamedSharding) for s in leaves):
+        raise TypeError("cast_program takes a pytree of NamedShardings (e.g. models.param_shardings(config, mesh, "
+                        f"rules)); got leaves of types {sorted({type(s).__name__ for s in leaves})}")
+    import jax.numpy as jnp
+
+    return _cast_jit(jnp.dtype(dtype), treedef, tuple(leaves))
+
+
+@functools.lru_cache(maxsize=64)
+def _cast_jit(dtype, treedef, leaves: tuple):
+    def cast(tree):
+        return jax.tree_util.tree_map(lambda x: x.astype(dtype), tree)
+
+    return PlacementProgram(jax.jit(cast, out_shardings=jax.tree_util.tree_unflatten(treedef, list(leaves))))
 
 
 def placed_on(tree, mesh: Mesh) -> bool:

@@ -534,10 +534,6 @@ class Placement:
         self.rollout_shardings = models.param_shardings(model_config, self.mesh, self.rollout_rules)
         self.reference_dtype = jnp.dtype(run_config.train.reference_dtype)
         self.rollout_dtype = jnp.dtype(run_config.train.rollout_dtype)
-        # one jitted cast for every step's rollout copy (a fresh lambda per call would compile each time)
-        rollout_dtype = self.rollout_dtype
-        self._rollout_cast = jax.jit(lambda tree: jax.tree_util.tree_map(lambda x: x.astype(rollout_dtype), tree),
-                                     out_shardings=self.train_shardings)
 
     def describe(self) -> dict:
         return distributed.describe_mesh(self.mesh)
@@ -556,7 +552,7 @@ class Placement:
         """Train-layout params -> the rollout copy: cast to `rollout_dtype` (a fresh copy, in the train layout),
         then the rollout layout on the process block (on device; a collective with several processes)."""
         if any(x.dtype != self.rollout_dtype for x in jax.tree_util.tree_leaves(params)):
-            params = self._rollout_cast(params)
+            params = models.cast_program(self.rollout_dtype, self.train_shardings)(params)
         return distributed.to_process_local(params, self.rollout_shardings)
 
     def reference(self, copies: Sequence[Checkpointer], step: int, what: str):
@@ -568,9 +564,7 @@ class Placement:
     def frozen(self, params):
         """Train-layout params -> a frozen reference as the scorer reads it: cast to its dtype on device, in fresh
         buffers (a jitted copy: never an alias of arrays the update donates), on the process block."""
-        dtype = self.reference_dtype
-        reference = jax.jit(lambda tree: jax.tree_util.tree_map(lambda x: x.astype(dtype), tree),
-                            out_shardings=self.train_shardings)(params)
+        reference = models.cast_program(self.reference_dtype, self.train_shardings)(params)
         return distributed.to_process_local(reference, self.train_shardings)
 
 
@@ -671,10 +665,23 @@ class RLStep:
     `state.train` is donated. Built by `make_rl_step`; `pipeline`, `placement` and `optimizer` are the pieces the
     rest of the run shares (evaluation, receipts, checkpoints)."""
 
-    def __init__(self, pipeline: RLPipeline, placement: Placement, optimizer, seed: int, peak_flops: float | None):
+    def __init__(self, pipeline: RLPipeline, placement: Placement, optimizer, seed: int, peak_flops: float | None,
+                 run_config: RunConfig | None = None):
         self.pipeline, self.placement, self.optimizer = pipeline, placement, optimizer
-        self.seed, self.peak_flops = seed, peak_flops
+        self.seed, self.peak_flops, self.run_config = seed, peak_flops, run_config
         self.prepared: Prepared | None = None  # the last step's batch, for the run's turn-scores record
+
+    def programs(self, tasks: Sequence[Any]):
+        """The registry of the device programs this step dispatches (`rl.programs.programs`), with its update the
+        pipeline's own train step and the scorer's answers as long as the longest continuation of `tasks`' gold
+        answers (the step's prompts are drawn from them)."""
+        from trace_jax.rl.programs import programs
+
+        pipeline = self.pipeline
+        answer_tokens = max((len(pipeline.continuation(str(task.answer)).ids) for task in tasks), default=1)
+        return programs(self.run_config, pipeline.model_config, self.placement.mesh, optimizer=self.optimizer,
+                        train_step=pipeline.train_step, num_stop_ids=len(pipeline.chat.assistant_stop_ids) or 1,
+                        answer_tokens=answer_tokens)
 
     def __call__(self, state: RLState, batch: RLBatch) -> tuple[RLState, dict[str, float]]:
         timer = PhaseTimer()
@@ -718,7 +725,7 @@ def make_rl_step(run_config: RunConfig, environment: "Environment", *, placement
                           train_step=make_train_step(environment.model_config, run_config.loss, optimizer,
                                                      mesh=placement.mesh, rules=placement.rules),
                           warm_started=run_config.warm_started)
-    return RLStep(pipeline, placement, optimizer, run_config.train.seed, peak_flops)
+    return RLStep(pipeline, placement, optimizer, run_config.train.seed, peak_flops, run_config)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,6 +48,7 @@ checkpoints or evaluation (`trace_jax.rl.loop` owns those).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -211,6 +212,35 @@ def update_shapes(rollout: RolloutConfig, update: UpdateConfig, episodes: int, *
 
 def _fallback(message: str) -> None:
     warnings.warn(message + " (one more compile of the update)", UpdateShapeWarning, stacklevel=3)
+
+
+class BehaviourProgram:
+    """The trainer's recomputation of pi_old (`batch_logprobs`) as one jitted program: `program(params, batch)`,
+    `program.lower(params, batch)` (`rl.programs` lists it); `jitted` is the jitted function. Both trace under
+    `jax.set_mesh(mesh)` (the update's mesh), as the train step does: without it the Pallas TPU attention, a
+    per-device kernel, does not lower on a mesh of several chips (`trace-jax plan` found this)."""
+
+    def __init__(self, jitted, mesh):
+        self.jitted, self.mesh = jitted, mesh
+
+    def _context(self):
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def __call__(self, params, batch):
+        with self._context():
+            return self.jitted(params, batch)
+
+    def lower(self, params, batch):
+        with self._context():
+            return self.jitted.lower(params, batch)
+
+
+@functools.lru_cache(maxsize=16)
+def behaviour_program(model_config, loss: LossConfig, mesh=None) -> BehaviourProgram:
+    """The program `RLPipeline.with_trainer_behaviour` runs on each chunk of the batch (`LossConfig.tis`), on the
+    update's `mesh`: one object per (model, loss config, mesh), so the pipeline and `rl.programs` hold the same
+    one."""
+    return BehaviourProgram(jax.jit(functools.partial(batch_logprobs, model_config, loss)), mesh)
 
 
 @dataclasses.dataclass
@@ -507,7 +537,8 @@ class RLPipeline:
         ratio, the numerator of the TIS weights; `LossConfig.tis`), and the mean |trainer - sampler| gap over
         its trained tokens. Runs in chunks of one micro-batch's rows, so it needs no more memory than an update."""
         if self._logprob_fn is None:
-            self._logprob_fn = jax.jit(functools.partial(batch_logprobs, self.model_config, self.loss))
+            mesh = getattr(self.train_step, "mesh", None)  # the update's: the batch is global on it
+            self._logprob_fn = behaviour_program(self.model_config, self.loss, mesh)
         n = loss_batch.shape[0]
         chunk = max(1, n // (self.update_config.mini_batches * self.loss.micro_batches))
         parts = [self._logprob_fn(params, jax.tree_util.tree_map(lambda x: x[start:start + chunk], loss_batch))

@@ -194,8 +194,11 @@ def _gold(task) -> tuple[str, ...]:
 
 # Turn `turn` of row `row` samples with `fold_in(fold_in(rng, turn), row)`: its draws depend on the row's identity
 # and turn, never on the slot it runs in or on the rows batched with it. One program for every slot's key.
-_row_keys = jax.jit(jax.vmap(lambda rng, row, turn: jax.random.fold_in(jax.random.fold_in(rng, turn), row),
-                             in_axes=(None, 0, 0)))
+def _fold_row_keys(rng, rows, turns):
+    return jax.vmap(lambda row, turn: jax.random.fold_in(jax.random.fold_in(rng, turn), row))(rows, turns)
+
+
+_row_keys = jax.jit(_fold_row_keys)
 
 
 def _row_hook(logits_hook, slot_row: np.ndarray, episodes: list[EpisodeRecord], n: int):

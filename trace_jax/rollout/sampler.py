@@ -294,8 +294,8 @@ def init_state_program(config: ModelConfig, batch_size: int, max_len: int, mesh=
     """The rollout's state initialiser: `program() -> SamplerState`, an empty state (zeros, lengths 0) created by
     one jitted program with `out_shardings` (`abstract_state`): each device writes its own shard of the cache, and
     no array of the whole cache ever exists on one device (an eager `jnp.zeros` then `device_put` put Qwen3-4B's
-    8-row, 48K-token cache, ~54 GiB, on chip 0 first). One program object per set of arguments: `init_state`, the
-    loop and `trace-jax plan` call the same one."""
+    8-row, 48K-token cache, ~54 GiB, on chip 0 first). One program object per set of arguments (a `MeshProgram`):
+    `init_state`, the loop and `trace-jax plan` call the same one."""
     dtype = jnp.dtype(cache_dtype or config.dtype)
     rules = _hashable_rules(rules)
 
@@ -303,7 +303,8 @@ def init_state_program(config: ModelConfig, batch_size: int, max_len: int, mesh=
         layout = jax.tree_util.tree_map(lambda s: s.sharding,
                                         abstract_state(config, batch_size, max_len, mesh=mesh, rules=rules,
                                                        cache_dtype=dtype))
-        return jax.jit(functools.partial(_empty_state, config, batch_size, max_len, dtype), out_shardings=layout)
+        return MeshProgram(jax.jit(functools.partial(_empty_state, config, batch_size, max_len, dtype),
+                                   out_shardings=layout), mesh)
 
     return _program("init", (config, batch_size, max_len, mesh, rules, dtype), build)
 
@@ -449,7 +450,7 @@ def _decode_jit(config: ModelConfig, sampling: SamplingConfig | None, params, st
                         rng, logit_bias)
 
 
-def _decode_steps(config: ModelConfig, num_steps: int, attend_len: int | None, sampling: RowSampling, params,
+def _decode_steps(config: ModelConfig, num_steps: int, attend_len: int | None, layout, sampling: RowSampling, params,
                   state: SamplerState, active: jax.Array, budget_left: jax.Array, stop_ids: jax.Array, rng: jax.Array,
                   first_step: jax.Array, reason: jax.Array):
     def body(carry, s):
@@ -463,10 +464,11 @@ def _decode_steps(config: ModelConfig, num_steps: int, attend_len: int | None, s
     (state, active, budget_left, reason), (tokens, lp, slp, was_active) = jax.lax.scan(
         body, (state, active, budget_left, reason), jnp.arange(num_steps, dtype=jnp.uint32),
         unroll=config.scan_unroll)
-    return state, tokens, lp, slp, was_active, active, reason, budget_left
+    return _keep_layout(state, layout), tokens, lp, slp, was_active, active, reason, budget_left
 
 
-def decode_program(config: ModelConfig, num_steps: int, attend_len: int | None = None, mesh=None) -> MeshProgram:
+def decode_program(config: ModelConfig, num_steps: int, attend_len: int | None = None, mesh=None,
+                   layout=None) -> MeshProgram:
     """The rollout's decode program: `num_steps` decode steps in one dispatch (a `lax.scan` over `_decode_step`).
 
         program(sampling: RowSampling, params, state, active bool [B], budget_left int32 [B], stop_ids int32 [S],
@@ -479,12 +481,17 @@ def decode_program(config: ModelConfig, num_steps: int, attend_len: int | None =
     program. The state is donated. `attend_len`: the cache slots attention reads, at least every row's length
     after the last step (`generate` passes a `bucket_length` above it; None = the whole cache). Rows that stopped
     keep `reason`. `mesh`: the mesh the state is placed on (None on one device); the program runs under it
-    (`MeshProgram`). One program object per (config, num_steps, attend_len, mesh): `generate` and `trace-jax plan`
-    call the same one. One dispatch instead of `num_steps`: on a small model the host round trip of each step
-    (~0.45 ms of Python and dispatch on this CPU) costs more than the step itself.
+    (`MeshProgram`). `layout` (`state_layout`, on `mesh`) pins the output state to the input's layout, as the other
+    programs that take a state do: left to the compiler, the state came out with other (equivalent) shardings,
+    and the next `append` was built and compiled for them anew. One program object per (config, num_steps,
+    attend_len, mesh, layout): `generate` and `trace-jax plan` (through `rl.programs`) call the same one. One
+    dispatch instead of `num_steps`: on a small model the host round trip of each step (~0.45 ms of Python and
+    dispatch on this CPU) costs more than the step itself.
     """
-    return _program("decode", (config, num_steps, attend_len, mesh), lambda: MeshProgram(
-        jax.jit(functools.partial(_decode_steps, config, num_steps, attend_len), donate_argnums=2), mesh))
+    if layout is not None and layout_mesh(layout) != mesh:
+        raise ValueError("decode_program: layout must be on mesh (the state's layout, `state_layout(state)`)")
+    return _program("decode", (config, num_steps, attend_len, mesh, layout), lambda: MeshProgram(
+        jax.jit(functools.partial(_decode_steps, config, num_steps, attend_len, layout), donate_argnums=2), mesh))
 
 
 def append(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Sequence[int]]) -> SamplerState:
@@ -505,14 +512,30 @@ def append(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Se
     return append_program(config, state_layout(state))(params, state, *_padded(chunks, width))
 
 
+def _canonical(sharding, ndim: int):
+    """`sharding` in one canonical spelling: a spec entry per dimension, mesh axes of size 1 left out. The compiler
+    spells the layout of a program's output its own way (`P()` for a state placed as `P(None, None, ...)`); a
+    builder keyed by the layout would otherwise build (and compile) its program again for the same layout."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.devices.shape))
+    spec = []
+    for axes in tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec)):
+        names = tuple(a for a in (() if axes is None else (axes,) if isinstance(axes, str) else axes) if sizes[a] > 1)
+        spec.append(None if not names else names[0] if len(names) == 1 else names)
+    return NamedSharding(sharding.mesh, P(*spec), memory_kind=sharding.memory_kind)
+
+
 def state_layout(state: SamplerState):
-    """The `NamedSharding`s of a state (arrays or `ShapeDtypeStruct`s) placed on a mesh (hashable: a builder's
-    argument that pins a program's output to its input's layout), or None for a state on one device."""
+    """The `NamedSharding`s of a state (arrays or `ShapeDtypeStruct`s) placed on a mesh, each in its canonical
+    spelling (hashable: a builder's argument that pins a program's output to its input's layout, the same for
+    every state in that layout), or None for a state on one device."""
     shardings = jax.tree_util.tree_map(lambda x: getattr(x, "sharding", None), state)
     leaves = jax.tree_util.tree_leaves(shardings)
     if not leaves or not all(isinstance(s, jax.sharding.NamedSharding) for s in leaves):
         return None
-    return shardings
+    return jax.tree_util.tree_map(lambda x: _canonical(x.sharding, len(x.shape)), state)
 
 
 def _keep_layout(state: SamplerState, layout) -> SamplerState:
@@ -732,7 +755,8 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
     budget_dev = budget
     sync_every = 1 if logits_hook is not None else max(1, sync_every)
     rows = RowSampling.broadcast(sampling, batch)
-    mesh = layout_mesh(state_layout(state))
+    layout = state_layout(state)
+    mesh = layout_mesh(layout)
     on_mesh = (lambda: jax.set_mesh(mesh)) if mesh is not None else contextlib.nullcontext
 
     # Host copies of the decoded steps, one [steps, B] block per host sync: tokens, logprobs, sampling logprobs and
@@ -750,8 +774,8 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
             attend = bucket_length(int(lengths0.max()) + step + sync_every)
             attend = None if attend >= state.max_len else attend
             state, tokens, lp, slp, was_active, active_dev, reason_dev, budget_dev = decode_program(
-                config, sync_every, attend, mesh)(rows, params, state, active_dev, budget_dev, stop_arr, rng,
-                                                  np.uint32(step), reason_dev)
+                config, sync_every, attend, mesh, layout)(rows, params, state, active_dev, budget_dev, stop_arr, rng,
+                                                          np.uint32(step), reason_dev)
             step += sync_every
         else:
             hooked = logits_hook(step, generated)

@@ -322,6 +322,11 @@ def _without_axes(spec: P, dropped: tuple[str, ...]) -> P:
     return P(*(keep(e) for e in spec))
 
 
+def process_local_spec(sharding: NamedSharding) -> P:
+    """The spec of `sharding` (on a mesh) as `to_process_local` places it: the process-crossing axes dropped."""
+    return _without_axes(sharding.spec, spanning_axes(sharding.mesh))
+
+
 def to_process_local(tree, shardings):
     """`tree` (global arrays on a mesh) in the layout `shardings` (a matching pytree of `NamedSharding`s on the same
     mesh), as arrays on this process's block of the mesh (`process_mesh`), moved on device, never through host
@@ -338,7 +343,7 @@ def to_process_local(tree, shardings):
         return tree
     mesh = targets[0].mesh
     dropped = spanning_axes(mesh)
-    targets = [NamedSharding(mesh, _without_axes(t.spec, dropped)) for t in targets]
+    targets = [NamedSharding(mesh, process_local_spec(t)) for t in targets]
     moving = [i for i, (x, t) in enumerate(zip(leaves, targets))
               if not (isinstance(x.sharding, NamedSharding) and x.sharding.is_equivalent_to(t, x.ndim))]
     if moving:

@@ -1,0 +1,236 @@
+"""One registry of device programs (trace_jax/rl/programs.py): what two RL steps of the tiny config dispatch is what
+the registry lists, and so what `trace-jax plan` lowers.
+
+The recorder wraps the jitted function of every program object the registry lists (`program.jitted`: each call is
+checked against the entries, `Programs.match`) and listens to JAX's compile events (`jax.monitoring`) after
+`jax.clear_caches()`, so every program the steps run is compiled while it listens and is seen, listed or not: a
+compile of a function defined in trace_jax must happen inside a call of a listed program (and once per entry), or be
+one of the two named host-side helpers below. Compiles of jax's own operations (`jnp.sum`, `x[index]`, key
+derivation) are the host glue between programs, not programs of the loop.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import threading
+from collections import Counter
+from pathlib import Path
+
+import jax
+import pytest
+
+import trace_jax
+from tests.rl.test_rl_pipeline import SMALL
+from trace_jax.rl import programs as programs_lib
+from trace_jax.rl.gin_setup import parse
+from trace_jax.rl.loop import RLBatch, RLState, build_environment, make_rl_step, rollout_key
+from trace_jax.rollout import sampler
+from trace_jax.train.state import init_train_state
+
+# jitted functions of trace_jax that the loop calls outside the registry: small host-side helpers on arrays of the
+# step's rows, not the programs whose memory decides a FIT
+HOST_HELPERS = {
+    "_fold_row_keys": "rollout.agent: each row's PRNG key for its turn, [rows, 2] uint32",
+    "compute_advantages": "rl.pipeline: the credit estimator on the step's [rows, length] rewards and masks",
+}
+
+
+def _trace_jax_functions() -> frozenset[str]:
+    """Names of the functions defined in trace_jax's sources, less those that are also names of jax operations
+    (`add`, `log`: a compile of either is taken for the jax operation)."""
+    names = set()
+    for path in Path(trace_jax.__file__).parent.rglob("*.py"):
+        names |= {node.name for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return frozenset(n for n in names if not hasattr(jax.lax, n) and not hasattr(jax.numpy, n)) | {"<lambda>"}
+
+
+def _function_name(program) -> str:
+    fun = getattr(program, "jitted", program).__wrapped__
+    while isinstance(fun, functools.partial):
+        fun = fun.func
+    return fun.__name__
+
+
+class Recorder:
+    """Records what a block of code dispatches against a registry (see the module doc). After the block:
+    `calls` [(program, entry or None)], `compiles` [(compiled name, program being called or None)]."""
+
+    _active: "Recorder | None" = None
+    _registered = False
+
+    def __init__(self, registry: programs_lib.Programs):
+        self.registry = registry
+        self.calls: list = []
+        self.compiles: list = []
+        self._local = threading.local()
+        self._saved: list = []
+
+    @classmethod
+    def _listen(cls, event: str, duration: float, **kwargs) -> None:
+        recorder = cls._active
+        if recorder is not None and event == "/jax/core/compile/backend_compile_duration":
+            recorder.compiles.append((kwargs.get("fun_name", ""), getattr(recorder._local, "program", None)))
+
+    def _wrap(self, program):
+        jitted, local, recorder = program.jitted, self._local, self
+
+        class Recording:
+            def __call__(self, *args):
+                recorder.calls.append((program, recorder.registry.match(program, args)))
+                local.program = program
+                try:
+                    return jitted(*args)
+                finally:
+                    local.program = None
+
+            def __getattr__(self, name):
+                return getattr(jitted, name)
+
+        self._saved.append((program, jitted))
+        program.jitted = Recording()
+
+    def __enter__(self):
+        if not Recorder._registered:
+            jax.monitoring.register_event_duration_secs_listener(Recorder._listen)
+            Recorder._registered = True
+        for program in {id(e.program): e.program for e in self.registry.entries}.values():
+            self._wrap(program)
+        jax.clear_caches()  # every program the block runs compiles (or loads) again, while we listen
+        Recorder._active = self
+        return self
+
+    def __exit__(self, *exc):
+        Recorder._active = None
+        for program, jitted in self._saved:
+            program.jitted = jitted
+
+    def unlisted(self) -> list[str]:
+        """What the block dispatched that the registry does not list, in words (empty: nothing)."""
+        ours, out = _trace_jax_functions(), []
+        for program, entry in self.calls:
+            if entry is None:
+                out.append(f"a call of {_function_name(program)} with arguments no entry of it accepts")
+        listed = {_function_name(e.program) for e in self.registry.entries}
+        per_program = Counter(id(program) for name, program in self.compiles
+                              if program is not None and name == f"jit({_function_name(program)})")
+        for name, program in self.compiles:
+            function = name.removeprefix("jit(").removesuffix(")")
+            if program is not None and function == _function_name(program):
+                continue
+            if function in ours and function not in HOST_HELPERS:
+                where = "" if program is None else f" inside {_function_name(program)}"
+                out.append(f"{name} compiled{where}, not a listed program"
+                           + (" (a look-alike of a listed one)" if function in listed else ""))
+        for program_id, count in per_program.items():
+            program = next(p for _, p in self.compiles if p is not None and id(p) == program_id)
+            entries = {id(e) for p, e in self.calls if p is program and e is not None}
+            if count > len(entries):
+                out.append(f"{_function_name(program)} compiled {count} times for {len(entries)} entries: the loop "
+                           "passes arguments the entries do not pin")
+        return out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("programs")
+    (root / "small.gin").write_text(SMALL)
+    config = parse([str(root / "small.gin")])
+    environment = build_environment(config, root)
+    rl = make_rl_step(config, environment)
+    return config, environment, rl, rl.programs(environment.train_tasks)
+
+
+def _steps(run, registry, steps: int, rl=None):
+    config, environment, module_rl, _ = run
+    rl = rl or module_rl
+    params = rl.placement.policy(environment.params)
+    state = RLState(init_train_state(environment.model_config, rl.optimizer, params, jax.random.PRNGKey(0),
+                                     mesh=rl.placement.mesh, rules=rl.placement.rules), rl.placement.frozen(params))
+    prompts = config.train.prompts_per_step
+    with Recorder(registry) as recorder:
+        for step in range(1, steps + 1):
+            tasks = tuple(environment.train_tasks[(step - 1) * prompts:step * prompts])
+            state, _ = rl(state, RLBatch(step, tasks, rollout_key(config.train.seed, step)))
+    return recorder
+
+
+def test_with_tis_the_trainers_recomputation_of_pi_old_is_listed_and_is_what_the_step_runs(run):
+    config, environment, _, _ = run
+    tis = dataclasses.replace(config, loss=dataclasses.replace(config.loss, tis="token"))
+    rl = make_rl_step(tis, environment)
+    registry = rl.programs(environment.train_tasks)
+    recorder = _steps(run, registry, 1, rl=rl)
+    assert recorder.unlisted() == []
+    assert "behaviour" in {entry.name for _, entry in recorder.calls}
+
+
+def test_every_program_two_rl_steps_dispatch_is_an_entry_of_the_registry(run):
+    recorder = _steps(run, run[3], 2)
+    assert recorder.unlisted() == []
+    dispatched = {entry.name for _, entry in recorder.calls}
+    # the tiny config on the suite's 8 CPU devices (fsdp=8): the policy is resharded to the rollout layout
+    # (float32 throughout: no cast), and every other kind runs
+    assert dispatched == {"reshard", "init", "prefill_rows", "decode", "append", "score", "update"}
+
+
+def test_the_recorder_fails_when_the_registry_leaves_out_a_program_the_loop_runs(run):
+    registry = run[3]
+    without_append = dataclasses.replace(registry, entries=tuple(e for e in registry.entries if e.name != "append"))
+    unlisted = _steps(run, without_append, 1).unlisted()
+    assert unlisted and all("_append" in line for line in unlisted), unlisted
+
+
+def test_the_update_entry_is_the_loops_train_step_at_the_configs_fixed_shape(run):
+    config, _, rl, registry = run
+    (update,) = [e for e in registry.named("update") if not e.fallback]
+    assert update.program is rl.pipeline.train_step
+    batch = update.args[1]
+    rows = config.train.prompts_per_step * config.rollout.group_size
+    assert batch.tokens.shape == (rows, config.rollout.max_context)
+    assert batch.token_mask is not None and batch.trained_index is not None
+
+
+@pytest.mark.parametrize("minimum", [1, 16])
+def test_bucket_lengths_are_every_size_the_bucketing_rule_gives_up_to_the_longest(minimum):
+    for longest in (1, 15, 16, 17, 511, 512, 513, 768, 769, 2000):
+        naive = sorted({sampler.bucket_length(n, minimum) for n in range(1, longest + 1)})
+        assert list(programs_lib.bucket_lengths(longest, minimum)) == naive, longest
+
+
+def test_decode_is_listed_at_every_attention_bucket_below_the_context_and_the_whole_cache(run):
+    config, _, _, registry = run
+    attends = sorted(e.program.jitted.__wrapped__.args[2] or config.rollout.max_context
+                     for e in registry.named("decode"))
+    # SMALL: max_context 512, sync_every 16: buckets of 17.. tokens are 32, 64, 128, 256, then the whole cache
+    assert attends == [32, 64, 128, 256, 512]
+    assert all(sampler.bucket_length(a) == a for a in attends)
+
+
+def test_each_kinds_largest_entry_lowers_its_program_on_its_abstract_arguments(run):
+    registry = run[3]
+    for name in ("reshard", "init", "prefill_rows", "decode", "append", "score", "update"):
+        entry = registry.largest(name)
+        text = entry.lower().as_text()
+        assert _function_name(entry.program) in text, name  # the module is named after the jitted function
+
+
+# two more runs of two RL steps, on meshes that shard kv heads and experts (9-12 s each on this host)
+@pytest.mark.parametrize("mesh", [dict(data=2, fsdp=2, tensor=2), dict(fsdp=2, expert=4)], ids=["d2f2t2", "moe_f2e4"])
+def test_on_sharded_meshes_with_a_bfloat16_rollout_every_program_is_an_entry(mesh, tmp_path):
+    from tests.rl.test_mesh_step import GIN, MOE_GIN
+
+    (tmp_path / "run.gin").write_text((MOE_GIN if "expert" in mesh else GIN)
+                                      + "TrainConfig.rollout_dtype = 'bfloat16'\n")
+    config = parse([str(tmp_path / "run.gin")])
+    config = dataclasses.replace(config, mesh=dataclasses.replace(
+        config.mesh, **{**dict(data=1, fsdp=1, tensor=1, expert=1), **mesh}))
+    environment = build_environment(config, tmp_path)
+    rl = make_rl_step(config, environment)
+    registry = rl.programs(environment.train_tasks)
+    recorder = _steps((config, environment, rl, registry), registry, 2)
+    assert recorder.unlisted() == []
+    assert {entry.name for _, entry in recorder.calls} == {"rollout_cast", "reshard", "init", "prefill_rows",
+                                                           "decode", "append", "score", "update"}

@@ -1,0 +1,346 @@
+"""One registry of the device programs an RL step dispatches, with the loop's own arguments.
+
+`programs(run_config, model_config, mesh, ...)` lists every jitted program that one step of `loop.rl_step` runs on
+the mesh, each as an `Entry`: the program object itself (taken from the builder that the loop's call goes through,
+which keeps one object per set of static arguments, so it is the very object the loop calls) and abstract arguments
+(`jax.ShapeDtypeStruct`s with the loop's shapes, dtypes and shardings; static arguments are in the program's key
+and in the arguments' pytree structure), so `entry.lower()` lowers what the loop dispatches:
+
+  * "init":          `sampler.init_state_program`, the rollout's empty KV cache, created sharded;
+  * "prefill_rows":  `sampler.prefill_rows_program`, the admission of waiting rows into free cache rows (and the
+                     re-prefill of a compacted context), at every (distinct prompts, prompt width) bucket;
+  * "decode":        `sampler.decode_program`, `RolloutConfig.sync_every` steps at every attention bucket
+                     (`sampler.bucket_length`) up to `max_context`;
+  * "append":        `sampler.append_program`, the tool observations appended to the rows, at every width bucket;
+  * "rollout_cast", "reshard": `models.cast_program` / `models.reshard_program`, the policy's rollout copy
+                     (`Placement.rollout_params`), where it is not the train-layout params as they are;
+  * "score":         `scoring.fork.fork_scores_program`, the reference's prefix-fork pass, at every padded shape
+                     the step's length buckets, scorer chunks and answer lengths reach (only when the estimator
+                     reads answer scores or the loss or metrics read the reference's token log-probs);
+  * "behaviour":     `pipeline.behaviour_program`, the trainer's recomputation of pi_old on each chunk of the
+                     step's batch (`LossConfig.tis` only);
+  * "update":        `train.step.make_train_step` on one mini-batch of the step's `LossBatch`, padded to the run's
+                     fixed update shape (`pipeline.update_shapes`, with `trained_index` and `token_mask`), and the
+                     fallback shapes a step that does not fit it is padded to.
+
+Host arrays the loop passes as they are (numpy token chunks, per-row flags) have no sharding here (`sharding=None`),
+as jit sees them; device arrays carry the layout the loop gives them. Not listed: the small jitted helpers of the
+host side (the rows' PRNG keys, `compute_advantages` on the step's `[rows, length]` advantages), and jnp
+operations on single arrays; the naive scorer (`UpdateConfig.scoring = 'naive'`, for contrast only).
+tests/rl/test_programs.py records what two RL steps dispatch and
+checks it against this list.
+
+`trace-jax plan` lowers these entries for a TPU topology, so its FIT verdict is about the programs the loop runs.
+
+This module knows the run config and the builders of the programs; it runs nothing on a device and knows nothing
+about tools, tasks or run directories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax import models
+from trace_jax.credit.registry import get_estimator
+from trace_jax.rl.pipeline import behaviour_program, update_shapes
+from trace_jax.rollout import budget, sampler
+from trace_jax.scoring import fork
+from trace_jax.train import distributed
+from trace_jax.train.checkpoint import abstract_train_state
+from trace_jax.train.loss import LossBatch, length_bucket
+from trace_jax.train.optimizer import make_optimizer
+from trace_jax.train.step import batch_sharding, make_train_step
+
+PHASES = {"init": "rollout", "prefill_rows": "rollout", "decode": "rollout", "append": "rollout",
+          "rollout_cast": "rollout", "reshard": "rollout", "score": "score", "behaviour": "update", "update": "update"}
+NAMES = tuple(PHASES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One program the loop dispatches, at one set of argument shapes.
+
+    Attributes:
+      name: the kind (`NAMES`).
+      program: the builder's program object, the one the loop calls (`MeshProgram`, `ScoringProgram`, `TrainStep`
+        or a jitted function).
+      args: abstract arguments, `ShapeDtypeStruct`s with the loop's shardings (None: a host array).
+      shape: what the shapes are, in words.
+      fallback: a shape the loop runs only for a step that does not fit the run's fixed update shape (warned:
+        `pipeline.UpdateShapeWarning`).
+    """
+
+    name: str
+    program: Any
+    args: tuple
+    shape: str
+    fallback: bool = False
+
+    @property
+    def phase(self) -> str:
+        return PHASES[self.name]
+
+    def lower(self):
+        """The program lowered on the abstract arguments (under its mesh, as the loop dispatches it)."""
+        return self.program.lower(*self.args)
+
+    @property
+    def argument_bytes(self) -> int:
+        """Bytes of the arguments on one device (their largest shard), host arrays whole."""
+        total = 0
+        for leaf in jax.tree_util.tree_leaves(self.args):
+            shape = leaf.shape if leaf.sharding is None else leaf.sharding.shard_shape(leaf.shape)
+            total += int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+        return total
+
+    def accepts(self, args) -> bool:
+        """Whether a call with `args` (the loop's arrays) is this entry's: the same pytree structure (so the same
+        static fields), and every array of the same shape and dtype, host arrays (and uncommitted device arrays,
+        which jit places as it places host data) where the entry has no sharding, device arrays in a layout
+        equivalent to the entry's."""
+        if jax.tree_util.tree_structure(args) != jax.tree_util.tree_structure(self.args):
+            return False
+        for got, want in zip(jax.tree_util.tree_leaves(args), jax.tree_util.tree_leaves(self.args)):
+            array = np.asarray(got) if not isinstance(got, jax.Array) else got
+            if tuple(array.shape) != tuple(want.shape) or jnp.dtype(array.dtype) != jnp.dtype(want.dtype):
+                return False
+            committed = isinstance(got, jax.Array) and got.committed
+            if want.sharding is None:
+                if committed:
+                    return False
+            elif not (committed and isinstance(got.sharding, jax.sharding.NamedSharding)
+                      and got.sharding.mesh.devices.shape == want.sharding.mesh.devices.shape
+                      and (got.sharding.mesh.devices == want.sharding.mesh.devices).all()
+                      and got.sharding.is_equivalent_to(want.sharding, array.ndim)):
+                return False
+        return True
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """Every program of one RL step (`entries`), and what they were built from.
+
+    Attributes:
+      entries: the `Entry`s, in the order of the step (rollout, score, update).
+      train_step: the update (`TrainStep`), the object the loop's pipeline calls.
+      rows: rollout rows of this process per step; rows_at_once: the rows the KV cache holds at once.
+      kv_cache_bytes: the KV cache's bytes on one device.
+      state, reference, rollout_params: the abstract train state, frozen reference and rollout copy.
+    """
+
+    entries: tuple[Entry, ...]
+    train_step: Any
+    rows: int
+    rows_at_once: int
+    kv_cache_bytes: int
+    state: Any
+    reference: Any
+    rollout_params: Any
+
+    def named(self, name: str) -> tuple[Entry, ...]:
+        if name not in NAMES:
+            raise ValueError(f"Programs.named: name must be one of {NAMES}, got {name!r}")
+        return tuple(e for e in self.entries if e.name == name)
+
+    def largest(self, name: str) -> Entry | None:
+        """The entry of `name` with the most argument bytes on a device (ties: the last listed), or None."""
+        entries = self.named(name)
+        return max(reversed(entries), key=lambda e: e.argument_bytes) if entries else None
+
+    def match(self, program, args) -> Entry | None:
+        """The entry of `program` (the same object) that accepts `args`, or None."""
+        return next((e for e in self.entries if e.program is program and e.accepts(args)), None)
+
+
+def _host(shape, dtype) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+
+
+def _placed(tree, shardings):
+    return jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
+
+
+def _process_local(sharding: jax.sharding.NamedSharding, local_mesh):
+    """`sharding` as `distributed.to_process_local` leaves it: the axes that cross processes dropped, on this
+    process's block of the mesh (the sharding itself with one process)."""
+    return jax.sharding.NamedSharding(local_mesh, distributed.process_local_spec(sharding))
+
+
+def bucket_lengths(longest: int, minimum: int = sampler.MIN_BUCKET) -> tuple[int, ...]:
+    """Every `sampler.bucket_length(n, minimum)` for 1 <= n <= longest, in increasing order: the sizes the one
+    bucketing rule can give (powers of two from `minimum` up to 512, then multiples of 256)."""
+    top, out, size = sampler.bucket_length(longest, minimum), [], minimum
+    while size <= min(512, top):
+        out.append(size)
+        size *= 2
+    out += list(range(768, top + 1, 256))
+    return tuple(out)
+
+
+def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None, num_stop_ids: int = 2,
+             answer_tokens: int = 32, kv_budget_gib: float | None = None) -> Programs:
+    """The registry of one RL step of `run_config` for the policy `model_config` on `mesh` (see the module doc).
+
+    Args:
+      mesh: the run's mesh (`MeshConfig.make_mesh()`; a TPU topology's devices for `trace-jax plan`).
+      optimizer: the optax optimizer (default `make_optimizer(run_config.optimizer)`).
+      train_step: the loop's update (`RLPipeline.train_step`); None builds it as the loop does.
+      num_stop_ids: the chat format's assistant stop ids (`ChatFormat.assistant_stop_ids`), a decode argument.
+      answer_tokens: the most tokens of an answer continuation the reference scores (template + gold).
+      kv_budget_gib: the rollout's KV budget per chip (None: `RolloutConfig.kv_budget_gib`).
+    """
+    rollout, update, loss, train = run_config.rollout, run_config.update, run_config.loss, run_config.train
+    rules, rollout_rules = run_config.mesh.train_rules(), run_config.mesh.rollout_rules()
+    local = distributed.process_mesh(mesh)
+    optimizer = optimizer or make_optimizer(run_config.optimizer)
+    train_step = train_step or make_train_step(model_config, loss, optimizer, mesh=mesh, rules=rules)
+    # each process rolls out its share of the rows on its block of the mesh (`loop.rl_step`); the processes are
+    # those of the mesh's devices (a TPU topology's hosts for `trace-jax plan`, every process in a run)
+    processes = len({device.process_index for device in mesh.devices.flat})
+    episodes = train.prompts_per_step * rollout.group_size // processes
+    max_len = rollout.max_context
+    slots = budget.rows_within_budget(model_config, rollout, mesh=local, rows=max(episodes, 1),
+                                      budget_gib=kv_budget_gib if kv_budget_gib is not None else rollout.kv_budget_gib,
+                                      rules=rollout_rules)
+    kv_cache_bytes = budget.kv_bytes_per_chip(model_config, rollout, slots, mesh=local, rules=rollout_rules)
+
+    # the params as each phase reads them (loop.Placement)
+    shapes = jax.eval_shape(lambda: models.init_params(model_config, jax.random.PRNGKey(0), dtype="float32"))
+    train_shardings = models.param_shardings(model_config, mesh, rules)
+    rollout_shardings = models.param_shardings(model_config, mesh, rollout_rules)
+    state = abstract_train_state(model_config, optimizer, mesh=mesh, rules=rules)
+    reference_dtype, rollout_dtype = jnp.dtype(train.reference_dtype), jnp.dtype(train.rollout_dtype)
+    reference = _placed(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, reference_dtype), shapes),
+                        jax.tree_util.tree_map(lambda s: _process_local(s, local), train_shardings))
+    rollout_params = _placed(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, rollout_dtype), shapes),
+                             jax.tree_util.tree_map(lambda s: _process_local(s, local), rollout_shardings))
+    entries: list[Entry] = []
+
+    # rollout: the copy of the policy it reads, in its dtype and layout
+    cast = any(x.dtype != rollout_dtype for x in jax.tree_util.tree_leaves(state.params))
+    if cast:
+        entries.append(Entry("rollout_cast", models.cast_program(rollout_dtype, train_shardings), (state.params,),
+                             f"policy params -> {rollout_dtype.name}, train layout"))
+    cast_params = _placed(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, rollout_dtype),
+                                                 state.params), train_shardings)
+    leaves = jax.tree_util.tree_leaves(cast_params)
+    targets = jax.tree_util.tree_leaves(rollout_params)
+    moving = [i for i, (x, t) in enumerate(zip(leaves, targets))
+              if not x.sharding.is_equivalent_to(t.sharding, len(x.shape))]
+    if moving:
+        moved_to = [jax.sharding.NamedSharding(mesh, t.sharding.spec) for t in targets]
+        entries.append(Entry("reshard", models.reshard_program([moved_to[i] for i in moving]),
+                             ([leaves[i] for i in moving],),
+                             f"{len(moving)} of {len(leaves)} policy params, train layout -> rollout layout"))
+
+    # rollout: the sampler's programs (rollout.agent.run_episodes -> sampler)
+    sampler_state = sampler.abstract_state(model_config, slots, max_len, mesh=local, rules=rollout_rules)
+    layout = sampler.state_layout(sampler_state)
+    entries.append(Entry("init", sampler.init_state_program(model_config, slots, max_len, local, rollout_rules), (),
+                         f"{slots} rows x {max_len} tokens"))
+    prefill = sampler.prefill_rows_program(model_config, layout)
+    for width in sorted({min(w, max_len) for w in bucket_lengths(max_len)}):
+        for prompts in bucket_lengths(slots, minimum=1):
+            args = (rollout_params, sampler_state, _host((prompts, width), jnp.int32), _host((prompts,), jnp.int32),
+                    _host((slots,), jnp.int32), _host((slots,), jnp.int32), _host((), jnp.int32))
+            entries.append(Entry("prefill_rows", prefill, args, f"{prompts} prompts x {width} tokens into {slots} "
+                                                                  f"rows x {max_len}"))
+    steps = rollout.sync_every
+    host = sampler.RowSampling.broadcast(rollout.sampling, slots)
+    row_sampling = host.replace(temperature=_host((slots,), jnp.float32), top_p=_host((slots,), jnp.float32),
+                                greedy=_host((slots,), jnp.bool_))
+    keys = _host((slots, 2), jnp.uint32)  # one key per row (agent's row keys), uncommitted
+    attends = [a for a in bucket_lengths(max_len - 1 + steps) if sampler.bucket_length(1 + steps) <= a < max_len]
+    for attend in attends + [None]:
+        args = (row_sampling, rollout_params, sampler_state, _host((slots,), jnp.bool_), _host((slots,), jnp.int32),
+                _host((num_stop_ids,), jnp.int32), keys, _host((), jnp.uint32), _host((slots,), jnp.int32))
+        entries.append(Entry("decode", sampler.decode_program(model_config, steps, attend, local, layout), args,
+                             f"{slots} rows x {steps} steps, attending {attend or max_len} of {max_len} slots"))
+    append = sampler.append_program(model_config, layout)
+    for width in bucket_lengths(max_len):
+        args = (rollout_params, sampler_state, _host((slots, width), jnp.int32), _host((slots,), jnp.int32))
+        entries.append(Entry("append", append, args, f"{slots} rows x {width} observation tokens"))
+
+    # score: the reference's prefix-fork pass (pipeline.score -> fork.score_answer_prefixes)
+    estimator = get_estimator(run_config.credit.estimator)
+    token_logprobs = loss.needs_reference or update.kl_metric
+    if update.scoring == "fork" and ("answer_scores" in estimator.requires or token_logprobs):
+        entries += _score_entries(run_config, model_config, local, rules, reference, episodes, answer_tokens,
+                                  token_logprobs)
+
+    # update: one mini-batch of the run's fixed update shape, and the fallbacks (pipeline.update_shapes)
+    fixed = update_shapes(rollout, update, episodes)
+    fallbacks = {fixed, update_shapes(rollout, update, episodes, length=max_len)}
+    bound = update_shapes(rollout, dataclasses.replace(update, max_trained_tokens=0), episodes, length=max_len)
+    fallbacks |= {dataclasses.replace(s, head_width=bound.head_width) for s in set(fallbacks)}
+    for shape in sorted(fallbacks, key=lambda s: (s != fixed, s.length, s.head_width)):
+        if loss.needs_sampler_logprobs:  # pi_old by the trainer, in chunks of one micro-batch's rows
+            n = shape.rows * processes
+            chunk = max(1, n // (update.mini_batches * loss.micro_batches))
+            for rows in sorted({chunk, n % chunk} - {0}):
+                entries.append(Entry("behaviour", behaviour_program(model_config, loss, train_step.mesh),
+                                     (state.params, abstract_loss_batch(loss, mesh, rules, rows, shape)),
+                                     f"{rows} rows x {shape.length} tokens, {shape.head_width} trained positions"
+                                     + ("" if shape == fixed else " (fallback)"), fallback=shape != fixed))
+        rows = shape.rows * processes // update.mini_batches
+        batch = abstract_loss_batch(loss, mesh, rules, rows, shape)
+        entries.append(Entry("update", train_step, (state, batch, None),
+                             f"{rows} rows x {shape.length} tokens, {shape.head_width} trained positions, "
+                             f"{loss.micro_batches} micro-batch(es)" + ("" if shape == fixed else " (fallback)"),
+                             fallback=shape != fixed))
+    return Programs(tuple(entries), train_step, episodes, slots, kv_cache_bytes, state, reference, rollout_params)
+
+
+def abstract_loss_batch(loss, mesh, rules, rows: int, shape) -> LossBatch:
+    """The abstract `LossBatch` of one update call of `rows` rows at `shape` (`pipeline.UpdateShapes`: its token
+    and `trained_index` widths; a `head_width` of None: no `trained_index`), as `TrainStep` places it
+    (`shard_batch`)."""
+    def spec(width, dtype):
+        return jax.ShapeDtypeStruct((rows, width), jnp.dtype(dtype), sharding=batch_sharding(mesh, rules,
+                                                                                            (rows, width)))
+
+    length = shape.length
+    return LossBatch(tokens=spec(length, jnp.int32), positions=spec(length, jnp.int32),
+                     loss_mask=spec(length, jnp.float32), advantages=spec(length, jnp.float32),
+                     behaviour_logprobs=spec(length, jnp.float32),
+                     reference_logprobs=spec(length, jnp.float32) if loss.needs_reference else None,
+                     sampler_logprobs=spec(length, jnp.float32) if loss.needs_sampler_logprobs else None,
+                     token_mask=spec(length, jnp.float32),
+                     trained_index=None if shape.head_width is None else spec(shape.head_width, jnp.int32))
+
+
+def _score_entries(run_config, model_config, local, rules, reference, episodes: int, answer_tokens: int,
+                   token_logprobs: bool) -> list[Entry]:
+    """The scorer's padded shapes (`fork.padded_shape`) at every length bucket of a step, every scorer chunk of its
+    rows and every answer length up to `answer_tokens`."""
+    rollout, update = run_config.rollout, run_config.update
+    max_len, slots = rollout.max_context, rollout.max_turns + 1
+    most_rows = episodes * (update.rows_per_episode if rollout.context_budget else 1)
+    chunk_rows = set()
+    for n in range(episodes, most_rows + 1):
+        chunk = update.scoring_batch or n
+        chunk_rows |= {min(chunk, n)} | ({n % chunk} if n % chunk else set())
+    widths = sorted({length_bucket(k * update.length_multiple, update.length_multiple, max_len)
+                     for k in range(1, -(-max_len // update.length_multiple) + 1)})
+    shapes = sorted({fork.padded_shape(n, w, slots, m, mesh=local, rules=rules)
+                     for n in chunk_rows for w in widths for m in range(1, answer_tokens + 1)})
+    entries = []
+    for pn, pl, ps, pm in shapes:
+        layout = fork.choose_layout(pl, ps, pm, rows=pn)
+        program = fork.fork_scores_program(model_config, layout=layout, logprob_chunk=256, query_chunk=0,
+                                           with_token_logprobs=token_logprobs, mesh=local)
+
+        def arg(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=fork.row_sharding(local, len(shape), rules))
+
+        args = (reference, arg((pn, pl), jnp.int32), arg((pn, ps), jnp.int32), arg((pn, ps), jnp.bool_),
+                arg((pn, pm), jnp.int32), arg((pn, pm), jnp.int32))
+        entries.append(Entry("score", program, args, f"{pn} rows x {pl} tokens, {ps} states x {pm} answer tokens, "
+                                                     f"{layout} layout"
+                                                     + (", + trajectory log-probs" if token_logprobs else "")))
+    return entries
