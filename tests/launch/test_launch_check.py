@@ -60,20 +60,21 @@ def test_a_bad_slice_name_is_refused_with_the_accepted_forms(name, message):
         check.parse_slice(name)
 
 
-def test_qwen3_4b_fills_a_v5e_4x4_with_fsdp_16(capsys):
+def test_qwen3_4b_fills_a_v5e_4x4_with_tensor_2_and_fsdp_over_the_rest(capsys):
     status, out, _ = run_check(capsys, "tpu", "--topology", "v5e:4x4", "--run-dir", "/mnt/gcs/runs/q4b",
                                "--gin-file", "configs/qwen3_4b.gin", "--gin-param", QWEN3_4B)
     assert status == 0
     assert records(out) == [("ACCELERATOR_TYPE", "v5litepod-16"), ("RUNTIME_VERSION", "v2-alpha-tpuv5-lite"),
-                            ("CHIPS", "16"), ("MESH", "data=1 fsdp=16 tensor=1 expert=1")]
+                            ("CHIPS", "16"), ("MESH", "data=1 fsdp=8 tensor=2 expert=1")]
 
 
 def test_a_batch_the_mesh_cannot_split_is_a_warning_that_names_the_shards(capsys):
-    # Qwen3-4B: 16 prompts x 8 samples in 16 micro-batches = 8 rows per micro-batch, over 16 batch shards.
+    # Qwen3-4B: 128 rows in 4 mini-batches of 8 micro-batches = 4 rows per micro-batch, over fsdp = 8 batch shards
+    # (tensor = 2 on 16 chips).
     status, _, err = run_check(capsys, "tpu", "--topology", "v5e:4x4", "--run-dir", "/mnt/gcs/runs/q4b",
                                "--gin-file", "configs/qwen3_4b.gin", "--gin-param", QWEN3_4B)
     assert status == 0
-    assert "a micro-batch holds 8 rows, not divisible by the 16 batch shards" in err
+    assert "a micro-batch holds 4 rows, not divisible by the 8 batch shards" in err
 
 
 def test_qwen3_30b_a3b_expert_axis_8_does_not_fit_a_v5p_8_and_the_fix_is_named(capsys):
