@@ -79,7 +79,8 @@ def test_a_batch_the_mesh_cannot_split_is_a_warning_that_names_the_shards(capsys
 
 def test_qwen3_30b_a3b_expert_axis_8_does_not_fit_a_v5p_8_and_the_fix_is_named(capsys):
     status, out, err = run_check(capsys, "tpu", "--topology", "v5p-8", "--run-dir", "/mnt/gcs/runs/q30",
-                                 "--gin-file", "configs/qwen3_30b_a3b.gin", "--gin-param", QWEN3_30B)
+                                 "--gin-file", "configs/qwen3_30b_a3b.gin", "--gin-param", QWEN3_30B,
+                                 "--gin-param", "MeshConfig.expert = 8")
     assert status == 2 and out == ""
     assert err.startswith("error: the mesh does not fit v5p-8 (4 chips): MeshConfig.fsdp: -1 cannot fill 4 devices")
     assert "bound: MeshConfig data=1 fsdp=-1 tensor=1 expert=8" in err
@@ -97,7 +98,7 @@ def test_fixed_axes_that_multiply_past_the_chips_are_refused(capsys):
 def test_the_gpu_check_resolves_the_mesh_on_the_gpu_count(capsys):
     status, out, _ = run_check(capsys, "gpu", "--num-devices", "16", "--run-dir", "runs/q30",
                                "--gin-file", "configs/qwen3_30b_a3b.gin")
-    assert status == 0 and records(out) == [("MESH", "data=1 fsdp=2 tensor=1 expert=8")]
+    assert status == 0 and records(out) == [("MESH", "data=1 fsdp=4 tensor=1 expert=4")]
 
 
 @pytest.mark.parametrize("run_dir, message", [
