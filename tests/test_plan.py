@@ -166,6 +166,24 @@ def test_a_kv_budget_sets_the_rollout_rows_at_once_in_whole_rows_per_chip(tiny_r
         plan._Programs(config, run, mesh, plan.PlanConfig("v5e:2x2", kv_budget_gib=0.001))
 
 
+@needs_libtpu
+def test_on_several_hosts_the_rollout_rows_and_waves_are_one_processs_on_its_block(tiny_run):
+    # v6e-8 (v6e:2x4) is two hosts of 4 chips: each process rolls out its 8 of the 16 rows on its fsdp=4 block,
+    # one row a chip under a budget of one row (8 MiB at 16384 tokens): 4 rows at once, 2 waves
+    import dataclasses
+
+    from trace_jax import models
+
+    run = dataclasses.replace(tiny_run, train=dataclasses.replace(tiny_run.train, prompts_per_step=4),
+                              rollout=dataclasses.replace(tiny_run.rollout, group_size=4, max_context=16384))
+    devices = plan.tpu_devices(plan.parse_topology("v6e-8"))
+    mesh = models.make_mesh({"data": 1, "fsdp": 8, "tensor": 1, "expert": 1}, devices)
+    programs = plan._Programs(models.get_preset("tiny-qwen3"), run, mesh,
+                              plan.PlanConfig("v6e-8", kv_budget_gib=0.008))
+    assert (programs.processes, programs.process_rows, programs.rows_at_once) == (2, 8, 4)
+    assert dict(programs.process_mesh.shape)["fsdp"] == 4
+
+
 def test_plan_reaches_other_packages_only_through_public_names_and_patches_nothing():
     """`plan` compiles the loop's programs through their owners' public builders: no `from x import _name`, no
     `module._name` of an imported trace_jax module other than plan itself, and no assignment to an attribute of

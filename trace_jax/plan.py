@@ -761,6 +761,13 @@ class _Programs:
         self.state, self.reference, self.rollout_params = registry.state, registry.reference, registry.rollout_params
         self.rows = run_config.train.prompts_per_step * run_config.rollout.group_size
         self.rows_at_once, self.kv_cache_bytes = registry.rows_at_once, registry.kv_cache_bytes
+        # Each process rolls out (and scores) its own rows on its block of the mesh (`distributed.process_mesh`;
+        # a TPU topology's processes are its hosts): rows at once, waves and the rollout's bytes are one block's.
+        from trace_jax.train.distributed import process_mesh
+
+        self.processes = len({device.process_index for device in self.devices})
+        self.process_mesh = process_mesh(mesh)
+        self.process_rows = registry.rows
         self.length = run_config.rollout.max_context
         # the update's token width (`pipeline.update_shapes`: `UpdateConfig.max_length`, default the context)
         (update,) = [e for e in registry.named("update") if not e.fallback]
@@ -938,7 +945,9 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
     mesh = models.make_mesh(axes, devices)
     programs = _Programs(model_config, run_config, mesh, plan_config, mesh_config)
     settings.update(rows_at_once=programs.rows_at_once, kv_budget_gib=programs.kv_budget_gib,
-                    waves=-(-rows // programs.rows_at_once), reference_dtype=run_config.train.reference_dtype)
+                    waves=-(-programs.process_rows // programs.rows_at_once),
+                    reference_dtype=run_config.train.reference_dtype, processes=programs.processes,
+                    process_rows=programs.process_rows, process_mesh=dict(programs.process_mesh.shape))
     resident = {"train state": device_bytes(programs.state), "reference": device_bytes(programs.reference),
                 "rollout copy": device_bytes(programs.rollout_params), "KV cache": programs.kv_cache_bytes}
     reports = []
@@ -991,8 +1000,9 @@ def estimate_step_split(programs: "_Programs", device, estimate: "TimeEstimate |
     config, run, chips = programs.config, programs.run, programs.mesh.size
     rate, memory_rate = compiler_dot_rate(device), compiler_memory_rate(device)
     length, rows, at_once = programs.length, programs.rows, programs.rows_at_once
-    steps = -(-rows // at_once) * length
-    step_flops = at_once * flops_per_token(config, max(1, length // 2), training=False) / chips
+    # a process's rows run in waves on its block of the mesh (all processes at once)
+    steps = -(-programs.process_rows // at_once) * length
+    step_flops = at_once * flops_per_token(config, max(1, length // 2), training=False) / programs.process_mesh.size
     step_bytes = device_bytes(programs.rollout_params) + programs.kv_cache_bytes / 2
     rollout = steps * max(step_flops / rate, step_bytes / memory_rate)
     tokens_per_row = length + (run.rollout.max_turns + 1) * (programs.plan.answer_tokens - 1)
@@ -1101,7 +1111,13 @@ def _resident_lines(report: PlanReport) -> list[str]:
     if "rows_at_once" in s:
         budget = (f"a KV budget of {s['kv_budget_gib']:g} GiB per chip" if s["kv_budget_gib"]
                   else "no KV budget (RolloutConfig.kv_budget_gib / --kv-budget-gib): every row at once")
-        lines.append(f"rollout: {s['rows_at_once']} of {s['rows']} rows at once under {budget}, "
+        rows = s.get("process_rows", s["rows"])
+        if s.get("processes", 1) > 1:
+            lines.append(f"processes: {s['processes']} (one a host), each on its block of the mesh "
+                         f"{s['process_mesh']}: the rollout and the scoring run per process on that block, "
+                         f"{rows} of the {s['rows']} rows each (their bytes per chip below are a block's)")
+        each = " per process" if s.get("processes", 1) > 1 else ""
+        lines.append(f"rollout: {s['rows_at_once']} of {rows} rows at once{each} under {budget}, "
                      f"{s['waves']} wave(s) of rows")
     return lines
 

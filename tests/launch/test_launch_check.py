@@ -60,25 +60,27 @@ def test_a_bad_slice_name_is_refused_with_the_accepted_forms(name, message):
         check.parse_slice(name)
 
 
-def test_qwen3_4b_fills_a_v5e_4x4_with_fsdp_16(capsys):
+def test_qwen3_4b_fills_a_v5e_4x4_with_tensor_2_and_fsdp_over_the_rest(capsys):
     status, out, _ = run_check(capsys, "tpu", "--topology", "v5e:4x4", "--run-dir", "/mnt/gcs/runs/q4b",
                                "--gin-file", "configs/qwen3_4b.gin", "--gin-param", QWEN3_4B)
     assert status == 0
     assert records(out) == [("ACCELERATOR_TYPE", "v5litepod-16"), ("RUNTIME_VERSION", "v2-alpha-tpuv5-lite"),
-                            ("CHIPS", "16"), ("MESH", "data=1 fsdp=16 tensor=1 expert=1")]
+                            ("CHIPS", "16"), ("MESH", "data=1 fsdp=8 tensor=2 expert=1")]
 
 
 def test_a_batch_the_mesh_cannot_split_is_a_warning_that_names_the_shards(capsys):
-    # Qwen3-4B: 16 prompts x 8 samples in 16 micro-batches = 8 rows per micro-batch, over 16 batch shards.
+    # Qwen3-4B: 128 rows in 4 mini-batches of 8 micro-batches = 4 rows per micro-batch, over fsdp = 8 batch shards
+    # (tensor = 2 on 16 chips).
     status, _, err = run_check(capsys, "tpu", "--topology", "v5e:4x4", "--run-dir", "/mnt/gcs/runs/q4b",
                                "--gin-file", "configs/qwen3_4b.gin", "--gin-param", QWEN3_4B)
     assert status == 0
-    assert "a micro-batch holds 8 rows, not divisible by the 16 batch shards" in err
+    assert "a micro-batch holds 4 rows, not divisible by the 8 batch shards" in err
 
 
 def test_qwen3_30b_a3b_expert_axis_8_does_not_fit_a_v5p_8_and_the_fix_is_named(capsys):
     status, out, err = run_check(capsys, "tpu", "--topology", "v5p-8", "--run-dir", "/mnt/gcs/runs/q30",
-                                 "--gin-file", "configs/qwen3_30b_a3b.gin", "--gin-param", QWEN3_30B)
+                                 "--gin-file", "configs/qwen3_30b_a3b.gin", "--gin-param", QWEN3_30B,
+                                 "--gin-param", "MeshConfig.expert = 8")
     assert status == 2 and out == ""
     assert err.startswith("error: the mesh does not fit v5p-8 (4 chips): MeshConfig.fsdp: -1 cannot fill 4 devices")
     assert "bound: MeshConfig data=1 fsdp=-1 tensor=1 expert=8" in err
@@ -96,7 +98,7 @@ def test_fixed_axes_that_multiply_past_the_chips_are_refused(capsys):
 def test_the_gpu_check_resolves_the_mesh_on_the_gpu_count(capsys):
     status, out, _ = run_check(capsys, "gpu", "--num-devices", "16", "--run-dir", "runs/q30",
                                "--gin-file", "configs/qwen3_30b_a3b.gin")
-    assert status == 0 and records(out) == [("MESH", "data=1 fsdp=2 tensor=1 expert=8")]
+    assert status == 0 and records(out) == [("MESH", "data=1 fsdp=4 tensor=1 expert=4")]
 
 
 @pytest.mark.parametrize("run_dir, message", [

@@ -21,7 +21,7 @@ def test_single_host_dry_run_runs_one_process_on_the_named_gpus(launch):
     assert result.stdout.splitlines() == [
         "env CUDA_VISIBLE_DEVICES=0,1,2,3 python3 -m trace_jax.cli train --gin-file configs/qwen3_4b.gin --gin-param "
         "\"TrainConfig.checkpoint = '/shared/models/Qwen3-4B'\" --run-dir runs/q4b"]
-    assert "mesh data=1 fsdp=4 tensor=1 expert=1" in result.stderr
+    assert "mesh data=1 fsdp=2 tensor=2 expert=1" in result.stderr
 
 
 def test_single_host_refuses_a_mesh_that_does_not_fit_its_gpus(launch):

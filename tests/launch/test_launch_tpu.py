@@ -104,7 +104,7 @@ def test_a_mesh_that_does_not_fit_the_slice_stops_run_before_any_gcloud_call(lau
     result = launch("tpu_vm/tpu.sh", "run", "--name", "q30", *LOCATION, "--topology", "v5p-8",
                     "--gin-file", "configs/qwen3_30b_a3b.gin",
                     "--gin-param", "TrainConfig.checkpoint = '/mnt/gcs/models/Qwen3-30B-A3B'",
-                    "--run-dir", "/mnt/gcs/runs/q30")
+                    "--gin-param", "MeshConfig.expert = 8", "--run-dir", "/mnt/gcs/runs/q30")
     assert result.returncode == 2
     assert "error: the mesh does not fit v5p-8 (4 chips)" in result.stderr
     assert "MeshConfig.expert = 4" in result.stderr

@@ -41,6 +41,28 @@ def test_paper_configs_sample_and_score_in_bfloat16_with_tis(name):
     assert config.loss.tis == "token"
 
 
+@pytest.mark.parametrize("name, preset", [("qwen3_4b.gin", "qwen3-4b"), ("qwen3_30b_a3b.gin", "qwen3-30b-a3b")])
+def test_paper_configs_compute_in_bfloat16_with_full_remat_and_a_kv_budget(name, preset):
+    # what `trace-jax plan` needs to say FIT without flags (docs/scaling.md)
+    config = parse([f"configs/{name}"])
+    model = config.train.policy_model(models.get_preset(preset))
+    assert (model.dtype, model.remat, model.param_dtype) == ("bfloat16", "full", "float32")
+    assert config.rollout.kv_budget_gib > 0 and config.update.scoring_batch > 0
+
+
+def test_the_4b_mesh_fits_both_v6e_8_and_v5p_8_by_its_minus_one_axis():
+    mesh = parse(["configs/qwen3_4b.gin"]).mesh
+    assert mesh.axis_sizes(8)["fsdp"] == 4 and mesh.axis_sizes(4)["fsdp"] == 2
+    assert mesh.axis_sizes(8)["tensor"] == mesh.axis_sizes(4)["tensor"] == 2
+
+
+@pytest.mark.parametrize("binding, field", [("TrainConfig.compute_dtype = 'float16'", "TrainConfig.compute_dtype"),
+                                            ("TrainConfig.remat = 'some'", "TrainConfig.remat")])
+def test_a_bad_policy_dtype_or_remat_is_an_error_naming_the_field(binding, field):
+    with pytest.raises(Exception, match=field):
+        parse(["configs/qwen3_4b.gin"], [binding])
+
+
 def test_eval_max_turns_defaults_to_the_rollouts():
     assert EvalConfig().max_turns is None
     with pytest.raises(ValueError, match="EvalConfig.max_turns"):

@@ -33,7 +33,7 @@ import gin
 from trace_jax.credit.config import CreditConfig
 from trace_jax.envs.tasks import TaskConfig
 from trace_jax.envs.world import WorldConfig
-from trace_jax.models.config import ModelConfig
+from trace_jax.models.config import REMAT_POLICIES, ModelConfig
 from trace_jax.models.presets import get_preset
 from trace_jax.rl.abc_scoring import ABCScorerConfig
 from trace_jax.rl.evaluate import EvalConfig
@@ -182,6 +182,9 @@ class TrainConfig:
       rope_parameters: a Hugging Face `rope_parameters` dict applied to the policy's model config (checkpoint or
         `model`) with `ModelConfig.with_rope_parameters`, e.g. the YaRN block Qwen3's model cards give for long
         contexts; None = the model's own rope. Stored as sorted `(key, value)` pairs (hashable).
+      compute_dtype: the policy's compute dtype (`ModelConfig.dtype`; also the KV cache's), e.g. "bfloat16" as TPUs
+        want; "" = the model's own (a checkpoint's config.json loads as "float32"). Master weights stay float32.
+      remat: the policy's rematerialisation (`ModelConfig.remat`: "none", "full", ...); "" = the model's own.
       init_from: '' (build the initial policy here: init or checkpoint, then this run's warm start), or the run
         directory of an earlier `trace-jax train` run whose initial policy (after its warm start: the step 0
         checkpoint under its `reference/`) this run starts from, skipping its own warm start. The model and
@@ -203,6 +206,8 @@ class TrainConfig:
     reference_dtype: str = "float32"
     rollout_dtype: str = "float32"
     rope_parameters: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None = None
+    compute_dtype: str = ""
+    remat: str = ""
     init_from: str = ""
     log_every: int = 1
     plot_every: int = 10
@@ -254,10 +259,19 @@ class TrainConfig:
             # the checkpoint's config is not read here: a preset stands in to check the dict's keys and values
             (self.model or get_preset("tiny-qwen3")).with_rope_parameters(rope, what="TrainConfig.rope_parameters")
             object.__setattr__(self, "rope_parameters", tuple(sorted(rope.items())))
+        if self.compute_dtype not in ("", "float32", "bfloat16"):
+            raise ValueError(f"TrainConfig.compute_dtype must be '' (the model's own), 'float32' or 'bfloat16', got "
+                             f"{self.compute_dtype!r}")
+        if self.remat and self.remat not in REMAT_POLICIES:
+            raise ValueError(f"TrainConfig.remat must be '' (the model's own) or one of {REMAT_POLICIES}, got "
+                             f"{self.remat!r}")
 
     def policy_model(self, model_config: ModelConfig) -> ModelConfig:
         """The policy's model config as the run uses it: `model_config` (from `model` or the checkpoint's
-        config.json) with `rope_parameters` applied."""
+        config.json) with `rope_parameters`, `compute_dtype` and `remat` applied."""
+        changes = {k: v for k, v in (("dtype", self.compute_dtype), ("remat", self.remat)) if v}
+        if changes:
+            model_config = model_config.replace(**changes)
         if self.rope_parameters is None:
             return model_config
         return model_config.with_rope_parameters(dict(self.rope_parameters), what="TrainConfig.rope_parameters")
