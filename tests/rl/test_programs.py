@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 import pytest
 
 import trace_jax
@@ -98,12 +99,21 @@ class Recorder:
             Recorder._registered = True
         for program in {id(e.program): e.program for e in self.registry.entries}.values():
             self._wrap(program)
-        jax.clear_caches()  # every program the block runs compiles (or loads) again, while we listen
+        # Every program the block runs compiles again, while we listen: not loaded from the suite's persistent
+        # cache (tests/conftest.py), since XLA:CPU aborts the process when it runs a multi-device executable that
+        # it loaded from that cache after jax.clear_caches() (reproduced: this file's bfloat16 mesh test run twice
+        # on one cache directory aborts in the update's device_get the second time).
+        self._cache_was = jax.config.jax_enable_compilation_cache
+        jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()  # JAX decides once whether the cache is used: make it decide again
+        jax.clear_caches()
         Recorder._active = self
         return self
 
     def __exit__(self, *exc):
         Recorder._active = None
+        jax.config.update("jax_enable_compilation_cache", self._cache_was)
+        compilation_cache.reset_cache()
         for program, jitted in self._saved:
             program.jitted = jitted
 
