@@ -188,17 +188,15 @@ def check_template(template: str) -> None:
 
 
 def template_pipelines(run_config, environment, placement, templates: Sequence[str]) -> dict:
-    """One `RLPipeline` per answer template (`UpdateConfig.answer_template` set to it), all on the run's model,
-    mesh and rules: the pipeline's own scoring, under each template."""
-    from trace_jax.rl.pipeline import RLPipeline
+    """One `RLPipeline` per answer template (`UpdateConfig.answer_template` set to it): the loop's own
+    (`loop.make_rl_step`, with its checks of rows and KV budget), on the run's model, mesh and rules."""
+    from trace_jax.rl.loop import make_rl_step
     from trace_jax.train.optimizer import make_optimizer
 
     optimizer = make_optimizer(run_config.optimizer)
-    return {template: RLPipeline(
-        environment.model_config, environment.chat, environment.browser, run_config.rollout, run_config.credit,
-        run_config.loss, dataclasses.replace(run_config.update, answer_template=template), optimizer,
-        mesh=placement.process_mesh, rules=placement.rules, rollout_rules=placement.rollout_rules,
-        warm_started=run_config.warm_started) for template in templates}
+    return {template: make_rl_step(dataclasses.replace(run_config, update=dataclasses.replace(
+        run_config.update, answer_template=template)), environment, placement=placement, optimizer=optimizer).pipeline
+        for template in templates}
 
 
 def score_states(pipeline, reference_params, rollout) -> np.ndarray:
