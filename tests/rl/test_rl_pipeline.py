@@ -76,7 +76,7 @@ def _pipeline(config, environment, credit: CreditConfig, loss: LossConfig, updat
 ESTIMATORS = {
     "grpo": {}, "gspo": {"ratio_level": "sequence", "aggregation": "seq-mean-token-mean"}, "trace": {},
     "trace_raw_delta": {}, "trace_linear_gap": {},
-    "gigpo": {}, "abc_grpo": {}, "abc_sft_online": {"mode": "sft"}, "oracle_progress": {},
+    "gigpo": {}, "abc_grpo": {}, "abc_sft_online": {"mode": "sft"}, "oracle_progress": {}, "grpo_scaled": {},
 }
 
 
@@ -105,6 +105,28 @@ def test_every_estimator_runs_three_steps_without_nan(setup, estimator):
         assert not np.array_equal(np.asarray(leaves[0]), np.asarray(before)), "three updates left the params unchanged"
     if estimator in ("abc_grpo", "abc_sft_online"):
         assert prepared.step_rewards is not None
+    if estimator == "grpo_scaled":  # scaled to TRACE's size on the same batch: the reference scored it
+        assert prepared.answer_scores is not None
+
+
+def test_grpo_scaled_trains_grpos_direction_at_traces_size_on_the_same_rollout(setup):
+    config, environment = setup
+    loss = config.loss
+    pipelines = {name: _pipeline(config, environment, CreditConfig(estimator=name, alpha_turn=1.0), loss)[0]
+                 for name in ("grpo", "trace", "grpo_scaled")}
+    rollout = pipelines["grpo"].collect(environment.params, environment.train_tasks[:PROMPTS], jax.random.PRNGKey(3))
+    # the untrained policy solves nothing: give each group one success, so GRPO has a sign to keep
+    group_id = np.asarray(rollout.batch.group_id)
+    rewards = np.zeros(group_id.shape, np.float32)
+    rewards[np.unique(group_id, return_index=True)[1]] = 1.0
+    rewards = jnp.asarray(rewards, rollout.batch.reward.dtype)
+    rollout = dataclasses.replace(rollout, batch=dataclasses.replace(rollout.batch, reward=rewards))
+    prepared = {name: p.prepare(rollout, environment.params, num_prompts=PROMPTS) for name, p in pipelines.items()}
+    scaled, grpo = (np.asarray(prepared[n].loss_batch.advantages, np.float64) for n in ("grpo_scaled", "grpo"))
+    np.testing.assert_array_equal(np.sign(scaled), np.sign(grpo))
+    assert np.any(grpo != 0) and not np.allclose(scaled, grpo)
+    size = {n: prepared[n].metrics["credit/mean_abs_token_advantage"] for n in prepared}
+    assert size["grpo_scaled"] == pytest.approx(size["trace"], rel=1e-5)
 
 
 def test_alpha_turn_zero_reproduces_grpo_update_exactly(setup):

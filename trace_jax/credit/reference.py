@@ -164,3 +164,19 @@ def gigpo_current_observation_ref(rewards, group_ids, observations, num_turns, *
     current = [[("prompt",)] + [("observation", str(o)) for o in observations[i][: int(num_turns[i])]]
                for i in range(len(rewards))]
     return gigpo_ref(rewards, group_ids, current, num_turns, **options)
+
+
+def grpo_scaled_ref(turn_index, loss_mask, answer_scores, num_turns, rewards, group_size, *, alpha_out=1.0,
+                    alpha_turn=0.2, **trace_options):
+    """`grpo_scaled`, whole batch: GRPO's outcome advantage on every trained token, times TRACE's mean |A| over
+    GRPO's mean |A| on the trained tokens (1 when GRPO's is 0). -> `[N, L]`."""
+    turn_index, loss_mask = np.asarray(turn_index), np.asarray(loss_mask)
+    n = turn_index.shape[0]
+    outcome = np.concatenate([outcome_advantages_ref(rewards[i:i + group_size]) for i in range(0, n, group_size)])
+    credit = trace_batch_ref(answer_scores, num_turns, rewards, group_size, **trace_options)
+    trace = np.stack([token_advantages_ref(turn_index[i], loss_mask[i], credit[i], outcome[i], int(num_turns[i]),
+                                           alpha_out=alpha_out, alpha_turn=alpha_turn) for i in range(n)])
+    grpo = np.where(loss_mask != 0, outcome[:, None], 0.0)
+    trained = loss_mask != 0
+    trace_size, grpo_size = np.abs(trace[trained]).mean(), np.abs(grpo[trained]).mean()
+    return grpo * (trace_size / grpo_size if grpo_size > 0 else 1.0)

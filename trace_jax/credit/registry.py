@@ -1,8 +1,8 @@
 """Advantage estimators by name: one common input structure in, per-token advantages out.
 
 The trainer and the CLI pick an estimator with a `CreditConfig` (or just its name): `grpo`, `gspo`, `trace`,
-`trace_raw_delta`, `trace_linear_gap`, `abc_grpo`, `abc_sft_online`, `gigpo`, `oracle_progress`; research code can
-register its own.
+`trace_raw_delta`, `trace_linear_gap`, `abc_grpo`, `abc_sft_online`, `gigpo`, `oracle_progress`, `grpo_scaled`;
+research code can register its own.
 Registering a name twice raises: a silent override is how a sweep ends up running the wrong method. Built-in
 estimators take their options from `CreditConfig` (the one place their defaults are written) through
 `Estimator.options`.
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.credit import validate
+from trace_jax.credit._checks import compute_dtype
 from trace_jax.credit.abc import abc_sft_weights, grouped_abc_grpo_advantages
 from trace_jax.credit.config import CreditConfig
 from trace_jax.credit.gigpo import gigpo_step_advantages
@@ -292,6 +293,35 @@ def _trace(inputs, num_groups, *, form, eps, horizon, gamma, terminal_fill, alph
     tokens = token_advantages(inputs.turn_index, inputs.loss_mask, credit, outcome, inputs.num_turns,
                               alpha_out=alpha_out, alpha_turn=alpha_turn)
     return CreditResult(tokens, outcome, credit)
+
+
+def mean_abs_scale(advantages, target, loss_mask):
+    """The factor `s` that gives `s * advantages` the mean |A| of `target` over the trained tokens (`loss_mask != 0`):
+    `sum |target| / sum |advantages|` over those tokens (counts cancel); 1 where `advantages` is 0 on all of them
+    (nothing to scale). A scalar in the advantages' float type."""
+    trained = loss_mask != 0
+    dtype = compute_dtype(advantages, target)
+    size = jnp.sum(jnp.where(trained, jnp.abs(advantages.astype(dtype)), 0.0))
+    wanted = jnp.sum(jnp.where(trained, jnp.abs(target.astype(dtype)), 0.0))
+    return jnp.where(size > 0, wanted / jnp.where(size > 0, size, 1.0), 1.0)
+
+
+@register_estimator("grpo_scaled", requires=("answer_scores",), options=_TRACE_OPTIONS,
+                    description="GRPO's advantage scaled so that its mean |A| over the batch's trained tokens equals "
+                                "TRACE's (CreditConfig's TRACE options) on the same batch: the step-size control.")
+def _grpo_scaled(inputs, num_groups, **trace_options):
+    """TRACE's turn credit makes its advantages larger than GRPO's (mean |A| per token 1.10-1.33x GRPO's on the
+    study's batches), so at one learning rate it also takes larger steps. This arm keeps GRPO's direction (the
+    outcome advantage on every trained token, the same sign pattern) and takes TRACE's step size: one factor per
+    batch, TRACE's mean |A| over GRPO's (`mean_abs_scale`), TRACE computed with the config's TRACE options on these
+    inputs (hence the reference's answer scores). alpha_turn = 0 gives GRPO exactly. On a segmented batch
+    (`RolloutConfig.context_budget`) the estimator sees one pseudo-token per turn (`segments.turn_layout`), so the
+    magnitudes matched are per turn, not per token."""
+    trace = _trace(inputs, num_groups, **trace_options)
+    outcome = trace.outcome_advantages
+    grpo = sequence_advantages_to_tokens(outcome, inputs.loss_mask)
+    scale = mean_abs_scale(grpo, trace.token_advantages, jnp.asarray(inputs.loss_mask))
+    return CreditResult(grpo * scale, outcome * scale)
 
 
 def _register_trace_form(name: str, form: str, description: str) -> None:
