@@ -233,7 +233,8 @@ def test_results_aggregate_mean_and_std_over_seeds_per_method(tmp_path):
     assert results["ablations"]["horizon=0"]["final_accuracy"]["mean"] == pytest.approx(0.2)
     assert [a["finished"] for a in results["arms"]] == [True, True, True, False, True, False]
     assert json.loads((out / "results.json").read_text()) == results
-    assert {p.name for p in (out / "plots").iterdir()} == {"accuracy.png", "tool_calls.png", "ablations.png"}
+    assert {p.name for p in (out / "plots").iterdir()} == {"accuracy.png", "tool_calls.png", "ablations.png",
+                                                            "differences.png"}
     # GRPO's final mean is 0.45: trace's mean curve (0.1, 0.5) reaches it at step 2, as GRPO's own does
     assert results["steps_to_grpo_final"] == {"grpo": 2, "trace": 2}
     assert grpo["wall_seconds"] == {"0": 2.0, "1": 2.0}  # each run's last wall_time

@@ -17,6 +17,9 @@ A study file is gin, parsed on its own like a sweep file (`sweep.parse_spec_file
     study.ablations = {'CreditConfig.horizon': [0, 1, 3, 5]}
     study.share_warm_start = False                        # True: arms after a seed's first pass
                                                           #   TrainConfig.init_from = <that arm's run directory>
+    study.own_warm_start = []                             # optional: methods that warm-start themselves anyway
+    study.gate_method = ''                                # optional: a method that must beat GRPO first ...
+    study.gated_methods = []                              # ... or these methods' arms are skipped (below)
 
 expands into one arm per (seed, method), seed-major (every method of seed 0 first, so a study stopped early has
 comparable arms), then one arm per (ablation seed, binding, value). An arm is a `sweep.Run` named
@@ -31,7 +34,17 @@ directory, where `train` resumes from its checkpoint. An arm whose parsed config
 (`mark_repeats`) shares that arm's run instead of repeating it. Each arm's directory records its bindings
 (`study_arm.json`); a rerun whose arm has other bindings stops with an error instead of mixing configs. After
 every arm, `results.json` and the plots are rewritten from the finished arms (`aggregate`; `results.md` holds
-`results_table` and `ablation_table`), so a partial study has partial results.
+`results_table`, `endpoint_table` and `ablation_table`), so a partial study has partial results.
+
+The analysis issue 47's protocol fixes in advance: an arm's endpoint is the mean held-out accuracy of its last
+`ENDPOINT_EVALUATIONS` evaluations; each method's paired difference from GRPO over seeds (endpoint, area under the
+accuracy curve, accuracy after the warm start) has a 95% CI by paired t and by a seeded bootstrap over seeds; the
+steps to reach GRPO's endpoint are counted per seed. `power_report` gives the seeds a paired t needs for an effect
+at 80% power from a record's spread (`trace-jax study FILE --power POINTS`).
+
+A gate (`study.gate_method`, `study.gated_methods`) makes a study two-phased: the arms of GRPO and the gate method
+run first, over every seed; then, unless the gate method's endpoint beats GRPO's by its paired-t CI (lower end > 0),
+the gated methods' arms are skipped (results.json's `gate` says which and why), and the other arms run.
 
 This module knows study files, run directories and the metrics files; training is the arm's `trace-jax train` process's.
 """
@@ -66,8 +79,17 @@ TABLE_FILE = "results.md"  # results_table() and ablation_table(): the tables do
 ARM_FILE = "study_arm.json"
 PLOTS_DIR = "plots"
 EXPECTED = ("expected study.name, study.base, study.methods, study.seeds and optionally study.params, "
-            "study.ablation_method, study.ablation_seeds, study.ablations, study.share_warm_start; see "
-            "trace_jax/rl/study.py")
+            "study.ablation_method, study.ablation_seeds, study.ablations, study.share_warm_start, "
+            "study.own_warm_start, study.gate_method, study.gated_methods; see trace_jax/rl/study.py")
+BASE_METHOD = "grpo"  # every comparison is a paired difference from this method on the same seed
+# The endpoint issue 47's protocol fixes in advance: the mean held-out accuracy of an arm's last two evaluations
+# (one evaluation's near-tied greedy choices flip; two halve their weight), and 95% CIs of each method's paired
+# difference from GRPO over seeds, by paired t and by a percentile bootstrap over seeds with a fixed seed.
+ENDPOINT_EVALUATIONS = 2
+CONFIDENCE = 0.95
+BOOTSTRAP_RESAMPLES = 10_000
+BOOTSTRAP_SEED = 0
+POWER = 0.8  # the power `power_report` sizes a study for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +105,9 @@ class Study:
     ablation_seeds: tuple[int, ...] = ()
     ablations: tuple[tuple[str, tuple[Any, ...]], ...] = ()
     share_warm_start: bool = False
+    own_warm_start: tuple[str, ...] = ()
+    gate_method: str = ""
+    gated_methods: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not re.fullmatch(r"[\w.-]+", self.name or ""):
@@ -113,6 +138,33 @@ class Study:
                                      "'CreditConfig.horizon'")
                 if not values:
                     raise ValueError(f"study.ablations[{binding!r}] has no values; give a non-empty list")
+        names = [m for m, _ in self.methods]
+        unknown = sorted(set(self.own_warm_start) - set(names))
+        if unknown:
+            raise ValueError(f"study.own_warm_start names {unknown}, not methods of study.methods {names}")
+        if self.own_warm_start and not self.share_warm_start:
+            raise ValueError("study.own_warm_start only means something with study.share_warm_start = True")
+        if self.own_warm_start and names[0] in self.own_warm_start:
+            raise ValueError(f"study.own_warm_start: the first method ({names[0]!r}) is the one whose warm start the "
+                             "others share; list another first")
+        if self.gate_method or self.gated_methods:
+            self._check_gate(names)
+
+    def _check_gate(self, names: list[str]) -> None:
+        if BASE_METHOD not in names or self.gate_method not in names or self.gate_method == BASE_METHOD:
+            raise ValueError(f"study.gate_method = {self.gate_method!r} must name a method of study.methods other "
+                             f"than {BASE_METHOD!r}, and {BASE_METHOD!r} must be one ({names})")
+        gated = set(self.gated_methods)
+        if not gated or not gated <= set(names) or gated & {BASE_METHOD, self.gate_method}:
+            raise ValueError(f"study.gated_methods = {list(self.gated_methods)!r} must be a non-empty list of "
+                             f"methods of study.methods {names}, without {BASE_METHOD!r} and the gate method")
+        if len(self.seeds) < 2:
+            raise ValueError("a gate compares paired differences over seeds (a t interval): give study.seeds at "
+                             "least 2 seeds")
+        if self.share_warm_start and names[0] not in (BASE_METHOD, self.gate_method):
+            raise ValueError(f"with a gate and study.share_warm_start, the first method (whose warm start the "
+                             f"others share) must be {BASE_METHOD!r} or the gate method, which run first; it is "
+                             f"{names[0]!r}")
 
     def method_files(self, method: str) -> tuple[str, ...]:
         return dict(self.methods)[method]
@@ -120,7 +172,8 @@ class Study:
 
 def _study(name: str, base: Sequence[str], methods: Mapping[str, Sequence[str]], seeds: Sequence[int],
            params: Sequence[str] = (), ablation_method: str = "", ablation_seeds: Sequence[int] = (),
-           ablations: Mapping[str, Sequence[Any]] | None = None, share_warm_start: bool = False) -> Study:
+           ablations: Mapping[str, Sequence[Any]] | None = None, share_warm_start: bool = False,
+           own_warm_start: Sequence[str] = (), gate_method: str = "", gated_methods: Sequence[str] = ()) -> Study:
     if isinstance(base, str):
         base = [base]
     if not isinstance(methods, Mapping):
@@ -139,7 +192,16 @@ def _study(name: str, base: Sequence[str], methods: Mapping[str, Sequence[str]],
             raise ValueError(f"study.ablations[{binding!r}] must be a list of values, got {values!r}")
     return Study(name=name, base=tuple(base), methods=tuple(files.items()), seeds=tuple(seeds), params=tuple(params),
                  ablation_method=ablation_method, ablation_seeds=tuple(ablation_seeds),
-                 ablations=tuple((k, tuple(v)) for k, v in ablations.items()), share_warm_start=bool(share_warm_start))
+                 ablations=tuple((k, tuple(v)) for k, v in ablations.items()), share_warm_start=bool(share_warm_start),
+                 own_warm_start=_names(own_warm_start, "study.own_warm_start"), gate_method=gate_method,
+                 gated_methods=_names(gated_methods, "study.gated_methods"))
+
+
+def _names(value: Any, field: str) -> tuple[str, ...]:
+    value = [value] if isinstance(value, str) else value
+    if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{field} must be a list of method names, got {value!r}")
+    return tuple(value)
 
 
 def load_study(path: str) -> Study:
@@ -184,9 +246,11 @@ def expand(study: Study, directory: str | Path) -> list[Arm]:
             ablation: tuple[str, Any] | None = None) -> None:
         params = study.params + seed_bindings(seed) + extra
         run_dir = str(directory / name)
-        if study.share_warm_start and seed in first_of_seed:
+        own = method in study.own_warm_start  # e.g. another warm start compared with the shared one
+        if study.share_warm_start and seed in first_of_seed and not own:
             params += (f"TrainConfig.init_from = {first_of_seed[seed]!r}",)
-        first_of_seed.setdefault(seed, run_dir)
+        if not own:
+            first_of_seed.setdefault(seed, run_dir)
         arms.append(Arm(method=method, seed=seed, ablation=ablation,
                         run=Run(name=name, gin_files=study.base + files, gin_params=params, run_dir=run_dir)))
 
@@ -253,13 +317,53 @@ RunArm = Callable[[Arm], int]
 def run_study(study: Study, directory: str | Path, run_arm: RunArm, arms: Sequence[Arm] | None = None, *,
               log: Callable[[str], None] = print, plots: bool = True) -> int:
     """Run a study's unfinished arms (default `expand(study, directory)`) in sequence with `run_arm` (returns an
-    exit status), writing `results.json` (and plots) after each. Returns 0 when every arm finished, else the first
-    failing status (an arm that returns 0 without a `summary.json`, i.e. stopped by a signal, gives 3)."""
+    exit status), writing `results.json` (and plots) after each. Returns 0 when every arm finished (or was skipped
+    by the study's gate, see the module docstring), else the first failing status (an arm that returns 0 without
+    a `summary.json`, i.e. stopped by a signal, gives 3)."""
     directory = Path(directory)
     arms = expand(study, directory) if arms is None else list(arms)
     directory.mkdir(parents=True, exist_ok=True)
+    if study.gate_method:  # the gate's arms first (seed-major), then the gate decides which of the others run
+        first = gate_arms(study, arms)
+        status = _run_arms(study, directory, arms, first, run_arm, log, plots)
+        if status:
+            return status
+        gate = write_results(study, directory, arms, plots=plots)["gate"]
+        if gate["passed"] is None:  # every gate arm finished, yet a seed has no endpoint (a run without evaluations)
+            log(f"study gate {gate['reason']}; the gated arms wait (rerun once the gate arms have evaluations)")
+            return 3
+        if not gate["passed"]:
+            log(f"study gate: {gate['reason']}; skipping the arms of {', '.join(study.gated_methods)}")
+        rest = [arm for arm in arms if arm not in first and (gate["passed"] or arm.method not in study.gated_methods)]
+        status = _run_arms(study, directory, arms, rest, run_arm, log, plots)
+    else:
+        status = _run_arms(study, directory, arms, arms, run_arm, log, plots)
+    if status:
+        return status
+    write_results(study, directory, arms, plots=plots)
+    return 0
+
+
+def gate_arms(study: Study, arms: Sequence[Arm]) -> list[Arm]:
+    """The arms a study's gate decides from (GRPO's and the gate method's, seed-major), which run before the others;
+    none without a gate."""
+    if not study.gate_method:
+        return []
+    return [arm for arm in arms if arm.ablation is None and arm.method in (BASE_METHOD, study.gate_method)]
+
+
+def run_order(study: Study, arms: Sequence[Arm]) -> list[Arm]:
+    """The order `run_study` runs `arms` in: the gate's arms first, if the study has a gate, then the others."""
+    first = gate_arms(study, arms)
+    return first + [arm for arm in arms if arm not in first]
+
+
+def _run_arms(study: Study, directory: Path, arms: Sequence[Arm], todo: Sequence[Arm], run_arm: RunArm,
+              log: Callable[[str], None], plots: bool) -> int:
+    """Run `todo` (a part of the study's `arms`) in order; 0, or the first failing arm's status."""
     status = 0
-    for index, arm in enumerate(arms):
+    for arm in todo:
+        index = arms.index(arm)
         if arm.repeat_of:
             log(f"study arm {index + 1}/{len(arms)}: {arm.name} has the config of {arm.repeat_of}: shares its run")
             continue
@@ -275,7 +379,6 @@ def run_study(study: Study, directory: str | Path, run_arm: RunArm, arms: Sequen
         write_results(study, directory, arms, plots=plots)
         if status:
             return status
-    write_results(study, directory, arms, plots=plots)
     return 0
 
 
@@ -298,7 +401,8 @@ def arm_results(arm_dir: str | Path) -> dict:
     compile time (`median_steady_step_seconds`, from the `compile_seconds` metric; None for runs that did not log
     it), the median over RL steps of the step over the same step without its reference scoring
     (`median_scoring_ratio`: `time/step` / (`time/step` - `time/scoring`), the method's cost over GRPO's on the same
-    trajectories; about 1 for methods without scoring), each of `DIAGNOSTICS` averaged over the RL steps that
+    trajectories; about 1 for methods without scoring), the endpoint (`endpoint`) and area under the accuracy curve
+    (`accuracy_auc`), each of `DIAGNOSTICS` averaged over the RL steps that
     logged it (None when none did), the run's wall seconds (its last record's `wall_time`, which continues
     across resumes: build, any warm start, evaluations and steps) and, from `summary.json`'s comparison of the
     evaluations before and after RL, the difference and its paired standard error (None where it has none)."""
@@ -323,12 +427,73 @@ def arm_results(arm_dir: str | Path) -> dict:
         values = [float(v) for v in _series(records, name).values() if math.isfinite(v)]
         diagnostics[name] = statistics.fmean(values) if values else None
     walls = [float(r["wall_time"]) for r in records if r.get("wall_time") is not None]
-    return {"accuracy": accuracy, "tool_calls": tool_calls, "diagnostics": diagnostics,
+    return {"accuracy": accuracy, "endpoint": endpoint(accuracy), "auc": accuracy_auc(accuracy),
+            "tool_calls": tool_calls, "diagnostics": diagnostics,
             "median_step_seconds": statistics.median(step_seconds) if step_seconds else None,
             "median_steady_step_seconds": statistics.median(steady) if steady else None,
             "median_scoring_ratio": statistics.median(scoring_ratios) if scoring_ratios else None,
             "wall_seconds": max(walls) if walls else None,
             "difference": comparison.get("difference"), "difference_se": comparison.get("se")}
+
+
+def endpoint(accuracy: Mapping[int, float], evaluations: int = ENDPOINT_EVALUATIONS) -> float | None:
+    """The protocol's endpoint: the mean held-out accuracy of the last `evaluations` evaluations (by step; all of
+    them when the run has fewer); None without any."""
+    last = [accuracy[step] for step in sorted(accuracy)[-evaluations:]]
+    return statistics.fmean(last) if last else None
+
+
+def accuracy_auc(accuracy: Mapping[int, float]) -> float | None:
+    """Area under the held-out accuracy curve (trapezoids between evaluation steps) over the steps it spans: the
+    run's mean accuracy over RL steps, in accuracy units, so runs of equal length compare; None with fewer than two
+    evaluations."""
+    steps = sorted(accuracy)
+    if len(steps) < 2 or steps[-1] == steps[0]:
+        return None
+    area = sum((b - a) * (accuracy[a] + accuracy[b]) / 2 for a, b in zip(steps, steps[1:]))
+    return area / (steps[-1] - steps[0])
+
+
+def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tuple[float, float] | None:
+    """The paired t interval of the mean of per-seed differences: mean +- t_{(1+c)/2, n-1} s / sqrt(n) (s the
+    sample std); None for fewer than two values."""
+    from scipy import stats
+
+    if len(values) < 2:
+        return None
+    mean, std = _mean_std(values)
+    half = float(stats.t.ppf((1 + confidence) / 2, len(values) - 1)) * std / math.sqrt(len(values))
+    return mean - half, mean + half
+
+
+def bootstrap_interval(values: Sequence[float], confidence: float = CONFIDENCE, resamples: int = BOOTSTRAP_RESAMPLES,
+                       seed: int = BOOTSTRAP_SEED) -> tuple[float, float] | None:
+    """The percentile bootstrap interval of the mean over seeds: `resamples` draws of n seeds with replacement
+    (`numpy.random.default_rng(seed)`, so a record gives the same interval every time), the mean of each, and
+    their (1 - c) / 2 and (1 + c) / 2 quantiles (numpy's linear interpolation); None for fewer than two values."""
+    import numpy as np
+
+    if len(values) < 2:
+        return None
+    draws = np.random.default_rng(seed).integers(0, len(values), size=(resamples, len(values)))
+    means = np.asarray(values, np.float64)[draws].mean(axis=1)
+    low, high = np.quantile(means, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return float(low), float(high)
+
+
+def paired_difference(per_seed: Mapping[str, float | None], base: Mapping[str, float | None]) -> dict:
+    """`per_seed - base` on the seeds both have: per seed, mean and sample std (`_over_seeds`), the seed count
+    `n`, the standard error of the mean `se`, and the 95% CIs `ci_t` (paired t) and `ci_bootstrap` ([low, high];
+    None with fewer than two seeds)."""
+    differences = {seed: value - base[seed] for seed, value in per_seed.items()
+                   if value is not None and base.get(seed) is not None}
+    values = list(differences.values())
+    out = _over_seeds(differences)
+    interval_t, interval_boot = t_interval(values), bootstrap_interval(values)
+    out.update(n=len(values), se=out["std"] / math.sqrt(len(values)) if out["std"] is not None else None,
+               ci_t=list(interval_t) if interval_t else None,
+               ci_bootstrap=list(interval_boot) if interval_boot else None)
+    return out
 
 
 def _over_seeds(per_seed: dict[str, float | None]) -> dict:
@@ -353,6 +518,8 @@ def _group(arm_figures: Mapping[int, dict]) -> dict:
         per_seed = {str(seed): arm_figures[seed]["accuracy"][pick(arm_figures[seed]["accuracy"])] for seed in seeds
                     if arm_figures[seed]["accuracy"]}
         out[key] = _over_seeds(per_seed)
+    for key in ("endpoint", "auc"):
+        out[key] = _over_seeds({str(seed): arm_figures[seed].get(key) for seed in seeds})
     # the run's own paired comparison (after RL - after warm start, on the same held-out tasks), per seed
     out["difference"] = {**_over_seeds({str(seed): arm_figures[seed].get("difference") for seed in seeds}),
                          "se": {str(seed): arm_figures[seed].get("difference_se") for seed in seeds}}
@@ -380,33 +547,76 @@ def _step_time_ratios(methods: Mapping[str, dict], name: str = "median_step_seco
     return {m: group[name] / base for m, group in methods.items() if group.get(name) is not None}
 
 
-def _difference_from(methods: Mapping[str, dict], base: str = "grpo") -> dict[str, dict]:
-    """Per method, its final held-out accuracy minus `base`'s on the same seed (the seeds both have), with the mean
-    and sample std over those seeds; empty without `base`."""
+def _difference_from(methods: Mapping[str, dict], base: str = BASE_METHOD, figure: str = "final_accuracy"
+                     ) -> dict[str, dict]:
+    """Per method, its `figure` (a per-seed figure of `_group`: final_accuracy, endpoint, auc, initial_accuracy)
+    minus `base`'s on the same seed (the seeds both have), with the mean, sample std, SE and 95% CIs over those
+    seeds (`paired_difference`); empty without `base`."""
     if base not in methods:
         return {}
-    base_final = methods[base]["final_accuracy"]["per_seed"]
-    out = {}
-    for method, group in methods.items():
-        finals = group["final_accuracy"]["per_seed"]
-        out[method] = _over_seeds({seed: final - base_final[seed] for seed, final in finals.items()
-                                   if seed in base_final})
-    return out
+    reference = methods[base].get(figure, {}).get("per_seed", {})
+    return {method: paired_difference(group.get(figure, {}).get("per_seed", {}), reference)
+            for method, group in methods.items()}
 
 
-def _steps_to_reach(methods: Mapping[str, dict], base: str = "grpo") -> dict[str, int | None]:
+def _first_reaching(steps: Sequence[int], values: Sequence[float], target: float) -> int | None:
+    """The first of `steps` whose value is >= `target`; None where none is."""
+    return next((step for step, value in zip(steps, values) if value >= target), None)
+
+
+def _steps_to_reach(methods: Mapping[str, dict], base: str = BASE_METHOD) -> dict[str, int | None]:
     """Per method, the first evaluation step at which its mean held-out accuracy over seeds reaches GRPO's final
     mean (the seed table's "steps to reach GRPO's final accuracy"); None where it never does; empty without GRPO."""
     target = methods.get(base, {}).get("accuracy", {}).get("mean")
     if not target:
         return {}
-    final = target[-1]
+    return {method: _first_reaching(group.get("accuracy", {}).get("steps", []),
+                                    group.get("accuracy", {}).get("mean", []), target[-1])
+            for method, group in methods.items()}
+
+
+def _steps_to_reach_per_seed(methods: Mapping[str, dict], base: str = BASE_METHOD) -> dict[str, dict]:
+    """Per method and seed, the first evaluation step at which the seed's held-out accuracy reaches GRPO's endpoint
+    on the same seed (None: never), how many seeds reach it, and the median over seeds (a seed that never reaches
+    it counts as later than any step; None when the median is such a seed); empty without GRPO."""
+    targets = methods.get(base, {}).get("endpoint", {}).get("per_seed")
+    if not targets:
+        return {}
     out = {}
     for method, group in methods.items():
         series = group.get("accuracy", {})
-        out[method] = next((step for step, mean in zip(series.get("steps", []), series.get("mean", []))
-                            if mean >= final), None)
+        per_seed = {seed: _first_reaching(series.get("steps", []), values, targets[seed])
+                    for seed, values in series.get("per_seed", {}).items() if targets.get(seed) is not None}
+        ranks = [math.inf if step is None else step for step in per_seed.values()]
+        median = statistics.median(ranks) if ranks else math.inf
+        out[method] = {"per_seed": per_seed, "reached": sum(step is not None for step in per_seed.values()),
+                       "seeds": len(per_seed), "median": None if math.isinf(median) else median}
     return out
+
+
+def gate_decision(study: Study, methods: Mapping[str, dict]) -> dict | None:
+    """The study's gate (None without one): `passed` is True when the gate method's endpoint beats GRPO's by the
+    paired-t 95% CI over every seed of the study (its lower end > 0), False when it does not, and None while a
+    seed of either method is unfinished; `reason` says which, with the difference and its CIs."""
+    if not study.gate_method:
+        return None
+    names = (BASE_METHOD, study.gate_method)
+    done = {m: set(methods.get(m, {}).get("seeds", [])) for m in names}
+    out = {"method": study.gate_method, "gated_methods": list(study.gated_methods),
+           "criterion": f"the paired-t {CONFIDENCE:.0%} CI of the endpoint difference {study.gate_method} - "
+                        f"{BASE_METHOD} over all {len(study.seeds)} seeds lies above 0"}
+    missing = {m: sorted(set(study.seeds) - done[m]) for m in names if set(study.seeds) - done[m]}
+    if missing:
+        return {**out, "passed": None, "difference": None,
+                "reason": "undecided: unfinished seeds " + "; ".join(f"{m}: {s}" for m, s in missing.items())}
+    difference = paired_difference(methods[study.gate_method]["endpoint"]["per_seed"],
+                                   methods[BASE_METHOD]["endpoint"]["per_seed"])
+    low, high = difference["ci_t"] or (None, None)
+    passed = low is not None and low > 0
+    text = (f"{study.gate_method} - {BASE_METHOD} = {100 * difference['mean']:+.1f} points, paired-t CI "
+            f"[{100 * low:+.1f}, {100 * high:+.1f}]" if low is not None else "no interval")
+    return {**out, "passed": passed, "difference": difference,
+            "reason": f"{'passed' if passed else 'failed'}: {text} over {difference['n']} seeds"}
 
 
 def _percent(figures: Mapping[str, Any] | None, *, signed: bool = False) -> str:
@@ -459,6 +669,49 @@ def results_table(results: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _interval(ci: Sequence[float] | None) -> str:
+    return "-" if not ci else f"[{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"
+
+
+def _median_step(step: float | None) -> str:
+    return "not reached" if step is None else f"{step:g}"
+
+
+def endpoint_table(results: Mapping[str, Any]) -> str:
+    """The protocol's table (issue 47) from `results.json`: one row per method with held-out accuracy after the
+    warm start and its paired difference from GRPO's (with the paired-t CI), the endpoint (mean of the last
+    `ENDPOINT_EVALUATIONS` evaluations; mean +- std over seeds), its paired difference from GRPO with the 95% CIs by
+    paired t and by bootstrap over seeds, the area under the accuracy curve (mean accuracy over the run) and its
+    difference from GRPO with the paired-t CI, and the steps to reach GRPO's endpoint (median over seeds; seeds that
+    reach it); then the gate's decision, if the study has one."""
+    initial = results.get("initial_difference_from_grpo") or {}
+    ends = results.get("endpoint_difference_from_grpo") or {}
+    aucs = results.get("auc_difference_from_grpo") or {}
+    reach = results.get("steps_to_grpo_endpoint") or {}
+    evaluations = (results.get("endpoint") or {}).get("evaluations", ENDPOINT_EVALUATIONS)
+    lines = [f"| method | seeds | after warm start (%) | vs GRPO (points), t CI | endpoint: last {evaluations} "
+             "evaluations (%) | vs GRPO (points) | 95% CI, paired t | 95% CI, bootstrap | accuracy AUC (%) | "
+             "vs GRPO (points), t CI | steps to GRPO's endpoint (median; seeds) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for method, group in results.get("methods", {}).items():
+        base = method == BASE_METHOD
+        steps = reach.get(method) or {}
+        paired = lambda figures: "-" if base else _percent(figures, signed=True)  # noqa: E731
+        lines.append(" | ".join([
+            f"| {method}", str(len(group.get("seeds", []))), _percent(group.get("initial_accuracy")),
+            "-" if base else f"{paired(initial.get(method))} {_interval((initial.get(method) or {}).get('ci_t'))}",
+            _percent(group.get("endpoint")), paired(ends.get(method)),
+            "-" if base else _interval((ends.get(method) or {}).get("ci_t")),
+            "-" if base else _interval((ends.get(method) or {}).get("ci_bootstrap")),
+            _percent(group.get("auc")),
+            "-" if base else f"{paired(aucs.get(method))} {_interval((aucs.get(method) or {}).get('ci_t'))}",
+            "-" if not steps else f"{_median_step(steps['median'])}; {steps['reached']}/{steps['seeds']}"]) + " |")
+    gate = results.get("gate")
+    if gate:
+        lines += ["", f"Gate ({gate['criterion']}): {gate['reason']}."]
+    return "\n".join(lines) + "\n"
+
+
 def ablation_table(results: Mapping[str, Any]) -> str:
     """The ablations of `results.json` as a table: one row per ablation arm (binding = value, in the study file's
     order) with the main table's accuracy columns, tool calls per episode, TRACE's terminal-fill share (the share
@@ -501,16 +754,99 @@ def aggregate(study: Study, directory: str | Path, arms: Sequence[Arm] | None = 
         else:  # the name is ablation/<field>=<value>/seed<S>
             by_ablation.setdefault(arm.name.split("/")[1], {})[arm.seed] = figures
     methods = {m: _group(by_method[m]) for m, _ in study.methods if m in by_method}
+    gate = gate_decision(study, methods)
+    if gate is not None and gate["passed"] is False:
+        for entry, arm in zip(listing, arms):
+            if arm.method in study.gated_methods and not entry["finished"]:
+                entry["skipped_by_gate"] = True
     return {"study": study.name, "seed_fields": list(SEED_FIELDS), "std": "sample standard deviation over seeds "
             "(n - 1); null with one seed", "diagnostics": "mean over each arm's RL steps, then over seeds "
             "(docs/credit.md, 'Credit diagnostics')", "arms": listing,
+            "endpoint": {"evaluations": ENDPOINT_EVALUATIONS, "confidence": CONFIDENCE,
+                         "bootstrap": {"resamples": BOOTSTRAP_RESAMPLES, "seed": BOOTSTRAP_SEED},
+                         "definition": f"mean held-out accuracy of an arm's last {ENDPOINT_EVALUATIONS} evaluations; "
+                                       f"differences are paired by seed against {BASE_METHOD}"},
+            "gate": gate,
             "methods": methods, "step_time_ratio_to_grpo": _step_time_ratios(methods),
             "steady_step_time_ratio_to_grpo": _step_time_ratios(methods, "median_steady_step_seconds"),
             "difference_from_grpo": _difference_from(methods),
+            "endpoint_difference_from_grpo": _difference_from(methods, figure="endpoint"),
+            "auc_difference_from_grpo": _difference_from(methods, figure="auc"),
+            "initial_difference_from_grpo": _difference_from(methods, figure="initial_accuracy"),
             "steps_to_grpo_final": _steps_to_reach(methods),
+            "steps_to_grpo_endpoint": _steps_to_reach_per_seed(methods),
             "wall_seconds_finished_arms": sum(w for w in walls.values() if w is not None),
             "ablations": {"method": study.ablation_method, **{k: _group(v) for k, v in by_ablation.items()}}
             if study.ablations else {}}
+
+
+# ------------------------------------------------------------------------------------------------ power
+def paired_t_power(effect: float, std: float, seeds: int, confidence: float = CONFIDENCE) -> float:
+    """The power of the two-sided paired t test at level 1 - `confidence` over `seeds` paired seeds to detect a true
+    mean difference `effect` when the per-seed differences have standard deviation `std`: P(|T| > t_crit) with T
+    noncentral t (df = seeds - 1, noncentrality effect / std * sqrt(seeds))."""
+    from scipy import stats
+
+    if seeds < 2 or not std > 0:
+        raise ValueError(f"paired_t_power needs seeds >= 2 and std > 0, got seeds={seeds}, std={std}")
+    df, shift = seeds - 1, effect / std * math.sqrt(seeds)
+    critical = stats.t.ppf((1 + confidence) / 2, df)
+    return float(stats.nct.sf(critical, df, shift) + stats.nct.cdf(-critical, df, shift))
+
+
+def seeds_for_power(effect: float, std: float, power: float = POWER, confidence: float = CONFIDENCE,
+                    max_seeds: int = 10_000) -> int:
+    """The fewest paired seeds (>= 2) whose `paired_t_power` reaches `power`."""
+    for seeds in range(2, max_seeds + 1):
+        if paired_t_power(effect, std, seeds, confidence) >= power:
+            return seeds
+    raise ValueError(f"more than {max_seeds} seeds for effect {effect} at std {std}")
+
+
+def detectable_effect(std: float, seeds: int, power: float = POWER, confidence: float = CONFIDENCE) -> float:
+    """The smallest true difference `seeds` paired seeds detect with `power` (bisection on `paired_t_power`)."""
+    low, high = 0.0, std
+    while paired_t_power(high, std, seeds, confidence) < power:
+        high *= 2
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if paired_t_power(middle, std, seeds, confidence) < power else (low, middle)
+    return high
+
+
+def pooled_std(differences: Mapping[str, Mapping[str, Any]]) -> tuple[float | None, int]:
+    """The pooled sample std of per-seed paired differences over methods (each method's variance weighted by its
+    n - 1; methods with fewer than two seeds left out) and its degrees of freedom."""
+    parts = [(d["n"] - 1, d["std"] ** 2) for d in differences.values()
+             if d.get("n", 0) >= 2 and d.get("std") is not None]
+    df = sum(n for n, _ in parts)
+    return (math.sqrt(sum(n * v for n, v in parts) / df) if df else None), df
+
+
+def power_report(results: Mapping[str, Any], effect: float, power: float = POWER) -> str:
+    """Seeds needed for a paired-t study to detect `effect` (accuracy, 0.05 = 5 points) with `power`, from the
+    spread of the per-seed differences from GRPO in `results` (results.json's content): for the endpoint and for
+    the last evaluation alone, each method's std and seeds, the pooled std, the seeds needed, the power the record's
+    own seeds had and the effect they could detect."""
+    lines = [f"Paired t, two-sided {1 - CONFIDENCE:.2f}, {power:.0%} power, effect {100 * effect:g} points; spread of "
+             f"each method's per-seed difference from {BASE_METHOD} in study {results.get('study', '')!r}:"]
+    for key, label in (("endpoint_difference_from_grpo", f"endpoint (mean of the last {ENDPOINT_EVALUATIONS} "
+                                                          "evaluations)"),
+                       ("difference_from_grpo", "last evaluation")):
+        differences = {m: d for m, d in (results.get(key) or {}).items() if m != BASE_METHOD}
+        std, df = pooled_std(differences)
+        lines.append(f"- {label}: " + ", ".join(
+            f"{m} {100 * d['std']:.1f} ({d['n']} seeds)" for m, d in differences.items() if d.get("std") is not None))
+        if std is None:
+            lines.append("  no method has two seeds: no spread to pool")
+            continue
+        seeds = max((d["n"] for d in differences.values()), default=0)
+        lines.append(f"  pooled std {100 * std:.1f} points ({df} df): {seeds_for_power(effect, std, power)} paired "
+                     f"seeds for {100 * effect:g} points at {power:.0%} power"
+                     + (f"; the record's {seeds} seeds had power {paired_t_power(effect, std, seeds):.2f} for it "
+                        f"and detect {100 * detectable_effect(std, seeds, power):.1f} points at {power:.0%}"
+                        if seeds >= 2 else ""))
+    return "\n".join(lines) + "\n"
 
 
 def _json_safe(value: Any) -> Any:
@@ -525,8 +861,9 @@ def _json_safe(value: Any) -> Any:
 
 def write_plots(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
     """accuracy.png (held-out accuracy vs step: mean over seeds, band = min..max over seeds, one line per method),
-    tool_calls.png (training tool calls per episode vs step, mean over seeds) and, with ablations,
-    ablations.png (held-out accuracy vs step per ablation arm)."""
+    tool_calls.png (training tool calls per episode vs step, mean over seeds), with ablations ablations.png
+    (held-out accuracy vs step per ablation arm) and, with GRPO and another method, differences.png (each method's
+    endpoint minus GRPO's per seed, with the mean and its paired-t CI)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -557,6 +894,30 @@ def write_plots(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
 
+    def draw_differences() -> None:
+        """The endpoint's paired differences from GRPO: each seed a dot, the mean with its paired-t 95% CI."""
+        rows = [(m, d) for m, d in (results.get("endpoint_difference_from_grpo") or {}).items()
+                if m != BASE_METHOD and d.get("n")]
+        if not rows:
+            return
+        fig, ax = plt.subplots(figsize=(8, 1.2 + 0.5 * len(rows)))
+        for y, (method, difference) in enumerate(rows):
+            values = [100 * v for v in difference["per_seed"].values()]
+            ax.plot(values, [y] * len(values), "o", color="0.6", markersize=4)
+            low, high = (100 * v for v in difference["ci_t"]) if difference.get("ci_t") else (None, None)
+            mean = 100 * difference["mean"]
+            ax.errorbar([mean], [y], xerr=None if low is None else [[mean - low], [high - mean]], fmt="D",
+                        color="C0", capsize=4)
+        ax.axvline(0, color="k", linewidth=0.8)
+        ax.set_yticks(range(len(rows)), [m for m, _ in rows])
+        ax.set(xlabel=f"endpoint - {BASE_METHOD}'s on the same seed (points)",
+               title=f"{results.get('study', '')}: paired differences (dots: seeds; diamond: mean, paired-t 95% CI)")
+        fig.tight_layout()
+        path = out / "differences.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
     study = results.get("study", "")
     draw(results["methods"], "accuracy", "held-out greedy accuracy", "accuracy.png",
          f"{study}: held-out accuracy (mean over seeds; band: min-max)")
@@ -565,6 +926,7 @@ def write_plots(results: Mapping[str, Any], out_dir: str | Path) -> list[Path]:
     draw({k: v for k, v in results.get("ablations", {}).items() if k != "method"}, "accuracy",
          "held-out greedy accuracy", "ablations.png",
          f"{study}: ablations of {results.get('ablations', {}).get('method', '')}")
+    draw_differences()
     return written
 
 
@@ -574,8 +936,8 @@ def write_results(study: Study, directory: str | Path, arms: Sequence[Arm] | Non
     results = _json_safe(aggregate(study, directory, arms))
     (directory / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     ablations = ablation_table(results)
-    (directory / TABLE_FILE).write_text(results_table(results) + (f"\n{ablations}" if ablations else ""),
-                                        encoding="utf-8")
+    (directory / TABLE_FILE).write_text(results_table(results) + f"\n{endpoint_table(results)}"
+                                        + (f"\n{ablations}" if ablations else ""), encoding="utf-8")
     if plots:
         write_plots(results, directory / PLOTS_DIR)
     return results
@@ -590,6 +952,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print one launch command per arm instead of running them")
     parser.add_argument("--results-only", "--results_only", action="store_true",
                         help="rewrite results.json and the plots from the finished arms; run nothing")
+    parser.add_argument("--power", type=float, default=None, metavar="POINTS",
+                        help="print the paired seeds needed to detect POINTS of held-out accuracy at 80%% power, "
+                        "from the spread of the finished arms' per-seed differences from GRPO; run nothing")
     parser.add_argument("--no-progress", "--no_progress", action="store_true", help="no progress bars")
     parser.add_argument("--gin-param", "--gin_param", action="append", default=[],
                         help="a binding every arm adds after the study file's study.params (repeatable), e.g. "
@@ -629,14 +994,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.print_only:
-        for arm in arms:
+        for arm in run_order(study, arms):
             print(f"# {arm.name}: the run of {arm.repeat_of}" if arm.repeat_of else arm.run.command())
         return 0
-    if args.results_only:
+    if args.results_only or args.power is not None:
         if not directory.is_dir():
             print(f"error: no study directory {directory} (the study's runs are there; --dir names another)",
                   file=sys.stderr)
             return 2
+        if args.power is not None:
+            if not 0 < args.power < 100:
+                print(f"error: --power {args.power}: give the effect in points of accuracy, in (0, 100)",
+                      file=sys.stderr)
+                return 2
+            print(power_report(_json_safe(aggregate(study, directory, arms)), args.power / 100), end="")
+            return 0
         write_results(study, directory, arms)
         return 0
 
