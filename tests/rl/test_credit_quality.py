@@ -13,7 +13,7 @@ import pytest
 from tests.rl.test_credit_diagnostics import _episode
 from tests.rl.test_rl_pipeline import PROMPTS, SMALL
 from trace_jax.cli import main
-from trace_jax.credit import trace_values
+from trace_jax.credit import CreditConfig, trace_values
 from trace_jax.rl import cli as train_cli
 from trace_jax.rl import credit_quality as cq
 from trace_jax.rl.credit_diagnostics import progress_gains
@@ -153,6 +153,142 @@ def test_every_estimator_family_is_an_arm_and_trace_per_template():
     assert [a.estimator for a in arms if not a.form] == ["grpo", "gigpo", "abc_grpo", "oracle_progress"]
 
 
+def naive_ordering(values, reference, unit):
+    """Pairwise ordering agreement by a double loop over items (pairs of one unit whose reference differs)."""
+    wins = pairs = 0.0
+    for i in range(len(values)):
+        for j in range(i + 1, len(values)):
+            if unit[i] != unit[j] or reference[i] == reference[j]:
+                continue
+            pairs += 1
+            same = np.sign(values[i] - values[j]) == np.sign(reference[i] - reference[j])
+            wins += 1.0 if same else 0.5 if values[i] == values[j] else 0.0
+    return wins / pairs if pairs else float("nan")
+
+
+def test_ordering_agreement_matches_a_pair_loop_per_unit_and_per_resample():
+    rng = np.random.default_rng(4)
+    group = np.repeat(np.arange(5), 12)
+    episode = group * 3 + rng.integers(0, 3, 60)  # episodes nest in groups
+    values = rng.integers(0, 4, 60).astype(float)  # ties in both
+    reference = rng.integers(0, 3, 60).astype(float)
+    for unit in (group, episode):
+        assert cq.ordering_agreement(values, reference, group, unit, np.ones((1, 5)))[0] == \
+            pytest.approx(naive_ordering(values, reference, unit), abs=1e-12)
+    counts = cq.group_counts(5, 20, seed=1)
+    got = cq.ordering_agreement(values, reference, group, episode, counts)
+    for b, row in enumerate(counts):  # a group drawn c times: its pairs counted c times, no pairs across copies
+        wins = pairs = 0.0
+        for g, c in enumerate(row):
+            at = group == g
+            n = sum(1 for i in np.nonzero(at)[0] for j in np.nonzero(at)[0]
+                    if i < j and episode[i] == episode[j] and reference[i] != reference[j])
+            if n:
+                wins += c * n * naive_ordering(values[at], reference[at], episode[at])
+                pairs += c * n
+        np.testing.assert_allclose(got[b], wins / pairs if pairs else np.nan, atol=1e-12)
+
+
+def test_the_favoured_alpha_is_the_best_criterion_and_ties_go_to_the_smallest_alpha():
+    assert cq.favoured_alpha([0.1, 0.2, 1.0], [0.6, 0.7, 0.65]) == 0.2
+    assert cq.favoured_alpha([0.1, 0.2, 1.0], [0.7, 0.6, 0.7]) == 0.1
+    assert cq.favoured_alpha([0.1, 0.2, 1.0], [0.7 - 1e-12, 0.6, 0.7]) == 0.1  # rounding is a tie
+    assert cq.favoured_alpha([0.1, 0.2, 1.0], [0.7 - 1e-6, 0.6, 0.7]) == 1.0
+    assert cq.favoured_alpha([0.1, 0.2], [None, 0.5]) == 0.2
+    assert cq.favoured_alpha([0.1, 0.2], [None, float("nan")]) is None
+
+
+def test_alphas_parse_sorted_and_bad_values_are_refused_naming_the_flag():
+    assert cq.parse_alphas("1, 0.05,0.2") == (0.05, 0.2, 1.0)
+    assert cq.parse_alphas("0") == (0.0,)
+    assert 0.2 in cq.DEFAULT_ALPHAS
+    for bad in ("", "0.1,,0.2", "0.1,x", "-0.5", "nan", "inf", "0.2,0.2"):
+        with pytest.raises(ValueError, match="--alphas"):
+            cq.parse_alphas(bad)
+
+
+def synthetic_sample(turn_terms: str, seed: int = 0, groups: int = 24, size: int = 8, turns: int = 5) -> dict:
+    """A pooled sample whose TRACE log-ratio TDs are known: each state's score is chosen so that
+    `delta_k = log(d_k / d_{k+1})` equals the progress gain ('progress') or independent noise ('noise'). Progress
+    gains are 0 or 1/4 per turn; an episode is correct with probability rising with its total progress."""
+    rng = np.random.default_rng(seed)
+    episodes = groups * size
+    progress = np.where(rng.random((episodes, turns)) < 0.3, 0.25, 0.0)
+    reward = (rng.random(episodes) < 0.1 + 0.6 * progress.sum(1) / (0.25 * turns)).astype(float)
+    deltas = progress if turn_terms == "progress" else rng.uniform(0.0, 0.25, (episodes, turns))
+    gap = 3.0 * np.exp(-np.c_[np.zeros(episodes), np.cumsum(deltas, 1)])  # d_k, 3 -> >= 3 e^-1.25 > eps
+    scores = 0.1 - gap  # l_k = eps - d_k (eps = 0.1, CreditConfig's)
+    return {"group": np.repeat(np.arange(groups), size), "reward": reward, "correct": reward > 0,
+            "num_turns": np.full(episodes, turns), "judged": np.ones((episodes, turns), bool),
+            "progress": progress, "scores": {"T {answer}": scores}}
+
+
+def _alpha_rows(data, config, alphas=(0.01, 0.1, 1.0, 10.0, 100.0)):
+    from trace_jax.credit import CreditConfig
+
+    counts = np.vstack([np.ones((1, int(data["group"].max()) + 1)), cq.group_counts(24, 30, seed=0)])
+    table = cq.alpha_table(data, ["T {answer}"], CreditConfig(**config), alphas, counts, run_template="T {answer}")
+    return table, table["templates"]["T {answer}"]["rows"]
+
+
+def test_with_turn_terms_equal_to_progress_agreement_rises_with_alpha():
+    # K = 1 and no terminal fill: r_k = delta_k = the progress gain, so the advantage is A_out + alpha g_k
+    table, rows = _alpha_rows(synthetic_sample("progress"), {"horizon": 1, "terminal_fill": 0.0})
+    agreement = [r[cq.ALPHA_CRITERION]["value"] for r in rows]
+    assert all(b >= a for a, b in zip(agreement, agreement[1:])) and agreement[-1] > agreement[0] + 0.05
+    assert agreement[-1] == pytest.approx(1.0)
+    assert table["favoured"] == 100.0
+    assert [r["within_episode_ordering"]["value"] for r in rows] == pytest.approx([1.0] * len(rows))
+
+
+def test_with_independent_noise_as_turn_terms_agreement_falls_with_alpha():
+    table, rows = _alpha_rows(synthetic_sample("noise"), {"horizon": 1, "terminal_fill": 0.0})
+    agreement = [r[cq.ALPHA_CRITERION]["value"] for r in rows]
+    # small alpha: the outcome orders turns of different episodes, and correct episodes progressed more (> 0.5);
+    # large alpha: the noise orders every pair (-> 0.5)
+    assert agreement[0] > 0.55 and agreement[-1] < agreement[0] - 0.03
+    assert all(b <= a + 1e-9 for a, b in zip(agreement, agreement[1:]))
+    assert table["favoured"] == 0.01
+
+
+def test_alpha_cannot_change_how_turns_of_one_episode_are_ordered():
+    _, rows = _alpha_rows(synthetic_sample("noise", seed=3), {})  # TRACE's defaults: K = 3, terminal fill 2
+    within = [r["within_episode_ordering"]["value"] for r in rows]
+    assert max(within) - min(within) < 1e-9 and within[0] != pytest.approx(1.0)
+
+
+def test_the_alpha_advantage_is_alpha_out_a_out_plus_alpha_times_traces_turn_credit():
+    from trace_jax.credit import CreditConfig, grouped_outcome_advantages, trace_turn_credit
+
+    data = synthetic_sample("noise", seed=5, groups=4)
+    data["num_turns"] = np.random.default_rng(6).integers(0, 6, len(data["group"]))  # ragged, 0 included
+    config = CreditConfig(alpha_out=0.7)
+    got = cq.trace_alpha_advantages(config, data["scores"]["T {answer}"], data["reward"], data["group"],
+                                    data["num_turns"], 0.5)
+    outcome = np.asarray(grouped_outcome_advantages(jnp.asarray(data["reward"], jnp.float32),
+                                                    jnp.asarray(data["group"]), 4), np.float64)
+    turn = np.asarray(trace_turn_credit(jnp.asarray(data["scores"]["T {answer}"], jnp.float32),
+                                        jnp.asarray(data["num_turns"]), jnp.asarray(outcome, jnp.float32)))
+    want = 0.7 * outcome[:, None] + 0.5 * turn
+    real = np.arange(5)[None, :] < data["num_turns"][:, None]
+    np.testing.assert_allclose(got[real], want[real], atol=1e-5)
+    assert np.isnan(got[~real]).all()
+
+
+def test_the_difference_column_is_zero_at_the_configs_alpha_and_absent_when_it_is_off_the_grid():
+    from trace_jax.credit import CreditConfig
+
+    data = synthetic_sample("noise", groups=6)
+    counts = np.vstack([np.ones((1, 6)), cq.group_counts(6, 20, seed=0)])
+    table = cq.alpha_table(data, ["T {answer}"], CreditConfig(), (0.1, 0.2, 1.0), counts)
+    rows = table["templates"]["T {answer}"]["rows"]
+    assert rows[1]["difference_from_config_alpha"]["value"] == 0.0
+    assert table["favoured"] is None  # the run's template was not scored: per-template only
+    assert table["templates"]["T {answer}"]["favoured"] in (0.1, 0.2, 1.0)
+    table = cq.alpha_table(data, ["T {answer}"], CreditConfig(), (0.1, 1.0), counts)
+    assert all(r["difference_from_config_alpha"] is None for r in table["templates"]["T {answer}"]["rows"])
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A two-step GRPO run of the small config with `kl_metric` (GRPO reads no scores: kl_metric alone makes the
@@ -196,10 +332,41 @@ def test_the_command_on_a_run_directory_writes_json_markdown_and_plot(tiny_run, 
     assert (out / "credit_quality.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
+def test_the_command_writes_the_alpha_table_reproducible_from_its_episode_record(tiny_run, tmp_path):
+    out = tmp_path / "out"
+    assert main(["credit-quality", "--policy", f"{tiny_run}@2", "--out-dir", str(out), "--tool-turns", "6",
+                 "--max-batches", "2", "--bootstrap", "50", "--alphas", "0.2,1,0.05"]) == 0
+    report = json.loads((out / "credit_quality.json").read_text())
+    alpha = report["alpha"]
+    assert alpha["alphas"] == [0.05, 0.2, 1.0] and set(alpha["templates"]) == set(cq.DEFAULT_TEMPLATES)
+    assert "avoured alpha_turn" in (out / "credit_quality.md").read_text()
+    # the table from the per-episode record is the run's own (same data, resamples and seed)
+    assert cq.alpha_table_from_record(out, (0.05, 0.2, 1.0)) == alpha
+    # at the config's alpha_turn (0.2), the pooled advantages are the TRACE K=3 arm's per-batch turn credit: its
+    # mean over detour turns (every judged turn of this policy) is the arm's
+    data = cq.read_episodes(out / cq.EPISODES_FILE)
+    detour = data["judged"] & ~data["on_path"]
+    assert detour.any()
+    for template in cq.DEFAULT_TEMPLATES:
+        arm = next(a for a in report["arms"] if a["label"] == f"trace K=3 [{template}]")
+        advantage = cq.trace_alpha_advantages(CreditConfig(**report["credit"]), data["scores"][template],
+                                              data["reward"], data["group"], data["num_turns"], 0.2)
+        assert advantage[detour].mean() == pytest.approx(arm["turn_credit"]["detour_mean"]["value"], rel=1e-4,
+                                                         abs=1e-9)
+
+
 def test_a_bad_template_fails_before_any_compute_naming_the_flag(tmp_path, capsys):
     assert main(["credit-quality", "--policy", "init", "--gin-file", "configs/tiny.gin", "--out-dir",
                  str(tmp_path / "out"), "--templates", "<answer>{answer}</answer>"]) == 2
     assert "--templates" in capsys.readouterr().err
+
+
+def test_a_bad_alpha_grid_fails_before_any_compute_naming_the_flag(tmp_path, capsys):
+    assert main(["credit-quality", "--policy", "init", "--gin-file", "configs/tiny.gin", "--out-dir",
+                 str(tmp_path / "out"), "--alphas", "0.2,-1"]) == 2
+    assert "--alphas" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_policy_that_is_no_checkpoint_fails_naming_the_flag(tmp_path, capsys):

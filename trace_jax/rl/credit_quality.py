@@ -13,13 +13,18 @@ seeded bootstrap 95% CI over prompt groups (docs/credit.md, "Credit quality"):
   * last-state separation: AUC of the last state's value `V_T` (the sum of the form's `delta_k`) between correct and
     wrong episodes of one prompt group (pairs within a group only), and the mean gap in nats;
   * Spearman of each estimator's turn term alone (TRACE: `r_k`, not `A_out + alpha r_k`) with the progress gain;
-  * the mean turn term on detour and on on-path turns (`credit_diagnostics.path_marks`).
+  * the mean turn term on detour and on on-path turns (`credit_diagnostics.path_marks`);
+  * TRACE's alpha_turn (`--alphas`): TRACE log-ratio's per-turn advantage at each alpha of a grid (the estimator
+    itself at `alpha_turn = alpha`), its ordering agreement with the progress gain over pairs of turns of one prompt
+    group (the criterion) and of one episode, and its Spearman with it; the favoured alpha is the criterion's best
+    (ties: the smallest), fixed before the powered study's phase 2 (docs/credit.md, "Choosing alpha_turn").
 
-Outputs in `--out-dir`: `credit_quality.json`, `credit_quality.md` (two tables) and `credit_quality.png`.
+Outputs in `--out-dir`: `credit_quality.json`, `credit_quality.md` (three tables and the favoured alpha_turn),
+`credit_quality.png` and `credit_quality_episodes.jsonl` (one line per episode: what the alpha table reads).
 
 The metrics are pure numpy functions of per-turn arrays and bootstrap weights (`weighted_auc`, `weighted_spearman`,
-`group_separation`), so they are tested against naive loops; this module knows the pipeline, the registry and the
-run config, and nothing about the update.
+`group_separation`, `ordering_agreement`), so they are tested against naive loops; this module knows the
+pipeline, the registry and the run config, and nothing about the update.
 """
 
 from __future__ import annotations
@@ -280,6 +285,149 @@ def batch_turn_terms(pipeline, rollout, scores: dict[str, np.ndarray], all_arms:
     return terms, credits
 
 
+# ------------------------------------------------------------------------------------------------ alpha_turn
+# TRACE's turn weight, chosen by a criterion fixed before the powered study's phase 2 (docs/credit.md, "Choosing
+# alpha_turn"). The grid holds the paper's default 0.2 and the first study's ablations (0.05, 0.2, 1, 3).
+DEFAULT_ALPHAS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 3.0)
+ALPHA_CRITERION = "within_group_ordering"
+# Point estimates closer than this count as tied (rounding, not evidence); the smallest tied alpha wins.
+ALPHA_TIE_TOLERANCE = 1e-9
+
+
+def parse_alphas(text: str) -> tuple[float, ...]:
+    """`--alphas`: comma-separated finite numbers >= 0 (`alpha_turn = 0` is GRPO), no repeats -> sorted tuple;
+    ValueError naming the flag otherwise."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if not text or not all(parts):
+        raise ValueError(f"--alphas {text!r}: give comma-separated numbers >= 0, e.g. --alphas 0.05,0.2,1")
+    values = []
+    for part in parts:
+        try:
+            value = float(part)
+        except ValueError:
+            raise ValueError(f"--alphas: {part!r} is not a number; give comma-separated numbers >= 0, e.g. "
+                             f"--alphas 0.05,0.2,1") from None
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"--alphas: {part!r} must be a finite number >= 0 (alpha_turn = 0 is GRPO)")
+        values.append(value)
+    if len(set(values)) != len(values):
+        raise ValueError(f"--alphas {text!r}: a value is repeated; list each alpha once")
+    return tuple(sorted(values))
+
+
+def ordering_agreement(values: np.ndarray, reference: np.ndarray, group: np.ndarray, unit: np.ndarray,
+                       counts: np.ndarray) -> np.ndarray:
+    """Pairwise ordering agreement of `values [n]` with `reference [n]`, with group weights `counts [B, G]`.
+
+    Over the pairs of items of one `unit [n]` (units nest in `group [n]`: an episode id, or the group itself) whose
+    reference differs: 1 when `values` order the pair as `reference` does, 0.5 when `values` tie, 0 otherwise;
+    every pair of a group drawn c times counted c times. Pairs the reference ties are left out (it orders nothing
+    there). Returns `[B]`, NaN where no pair is drawn."""
+    values, reference = np.asarray(values, np.float64), np.asarray(reference, np.float64)
+    group, unit = np.asarray(group), np.asarray(unit)
+    counts = np.atleast_2d(np.asarray(counts, np.float64))
+    wins, pairs = np.zeros(counts.shape[1]), np.zeros(counts.shape[1])
+    for g in np.unique(group):
+        at = group == g
+        v, r, u = values[at], reference[at], unit[at]
+        order_v, order_r = np.sign(v[:, None] - v[None, :]), np.sign(r[:, None] - r[None, :])
+        counted = np.triu(u[:, None] == u[None, :], k=1) & (order_r != 0)
+        wins[g] = (counted & (order_v == order_r)).sum() + 0.5 * (counted & (order_v == 0)).sum()
+        pairs[g] = counted.sum()
+    out = np.full(counts.shape[0], np.nan)
+    np.divide(counts @ wins, counts @ pairs, out=out, where=counts @ pairs > 0)
+    return out
+
+
+def favoured_alpha(alphas: Sequence[float], criterion: Sequence[float | None]) -> float | None:
+    """The alpha with the highest criterion point estimate; among those within `ALPHA_TIE_TOLERANCE` of the best,
+    the smallest (the smaller turn weight: closer to GRPO and to its step size). None when no value is defined."""
+    defined = [(a, c) for a, c in zip(alphas, criterion) if c is not None and math.isfinite(c)]
+    if not defined:
+        return None
+    best = max(c for _, c in defined)
+    return min(a for a, c in defined if c >= best - ALPHA_TIE_TOLERANCE)
+
+
+def trace_alpha_advantages(credit_config, scores: np.ndarray, rewards: np.ndarray, group: np.ndarray,
+                           num_turns: np.ndarray, alpha: float) -> np.ndarray:
+    """float64 `[E, T]`: TRACE log-ratio's per-turn advantage `alpha_out A_out + alpha r_k` of each tool turn (NaN
+    past an episode's turns), from the registry's estimator with `credit_config` at `alpha_turn = alpha` (its other
+    options, K included, as given), on one pseudo-token per turn (`credit.turn_layout`), as `batch_turn_terms` runs
+    the arms. `scores [E, T+1]` (padding past `num_turns` ignored), `rewards [E]`, `group [E]` (prompt groups, ids in
+    `[0, G)`; GRPO's statistic is per group, so pooled batches give the per-batch advantages)."""
+    import jax.numpy as jnp
+
+    from trace_jax.credit import CreditInputs, compute_advantages, turn_layout
+    from trace_jax.rl.credit_diagnostics import turn_credit
+
+    scores = np.asarray(scores, np.float64)
+    slots = scores.shape[1] - 1
+    num_turns = np.asarray(num_turns)
+    real_states = np.arange(slots + 1)[None, :] <= num_turns[:, None]
+    index, mask = turn_layout(jnp.asarray(num_turns, jnp.int32), slots + 1)
+    inputs = CreditInputs(rewards=jnp.asarray(rewards, jnp.float32), group_id=jnp.asarray(group, jnp.int32),
+                          loss_mask=mask, turn_index=index, num_turns=jnp.asarray(num_turns, jnp.int32),
+                          answer_scores=jnp.asarray(np.where(real_states, scores, 0.0), jnp.float32))
+    config = credit_config.replace(estimator="trace", form="log_ratio", alpha_turn=float(alpha))
+    num_groups = int(np.max(group)) + 1 if len(group) else 1
+    result = compute_advantages(config, inputs, num_groups=num_groups, check=True)
+    per_turn = turn_credit(np.asarray(result.token_advantages), np.asarray(mask), np.asarray(index), slots)
+    return np.where(np.arange(slots)[None, :] < num_turns[:, None], per_turn, np.nan)
+
+
+def alpha_table(data: dict, templates: Sequence[str], credit_config, alphas: Sequence[float], counts: np.ndarray,
+                *, run_template: str | None = None) -> dict:
+    """TRACE log-ratio's per-turn advantage at each alpha of `alphas`, against the oracle's progress gain.
+
+    Per template and alpha, over the judged tool turns of the pooled sample `data` (`Sample.arrays()`), each with
+    bootstrap CIs from the prompt-group weights `counts [B+1, G]` (row 0 the full sample):
+      * `within_group_ordering` (the criterion): `ordering_agreement` over pairs of turns of one prompt group;
+      * `within_episode_ordering`: the same over pairs of one episode; alpha cannot change it (`A_out` is constant
+        in an episode, so the turn term alone orders its turns): it is the turn term's quality, shown beside;
+      * `progress_spearman`: Spearman with the progress gain over every judged turn (the report's credit Spearman);
+      * `mean_abs_advantage`: mean |advantage| over every tool turn (the size of the step alpha buys);
+      * `difference_from_config_alpha`: the criterion minus its value at the config's `alpha_turn` (same resamples;
+        None when that alpha is not in the grid).
+    The reference is alpha-free: the progress gain `g_k`, the `oracle_progress` estimator's turn term (its
+    `per_turn`). The favoured alpha (`favoured_alpha` of the criterion) is given per template, and as `favoured`
+    for `run_template` (the template the run config's `UpdateConfig.answer_template` names) when it was scored."""
+    episode_w = counts[:, data["group"]]
+    num_slots = data["judged"].shape[1]
+    turn_w = np.repeat(episode_w[:, :, None], num_slots, 2)
+    group_of = np.repeat(data["group"][:, None], num_slots, 1)
+    episode_of = np.repeat(np.arange(len(data["group"]))[:, None], num_slots, 1)
+    base = float(credit_config.alpha_turn)
+    out = {"criterion": ALPHA_CRITERION, "tie_rule": f"highest point estimate; within {ALPHA_TIE_TOLERANCE:g} of "
+           "it counts as tied, and the smallest tied alpha wins", "reference": "progress gain (oracle_progress's "
+           "turn term)", "estimator": "trace", "form": "log_ratio", "horizon": credit_config.horizon,
+           "alpha_out": credit_config.alpha_out, "config_alpha_turn": base, "alphas": [float(a) for a in alphas],
+           "run_template": run_template, "templates": {}}
+    for template in templates:
+        rows, criteria = [], {}
+        for alpha in alphas:
+            advantage = trace_alpha_advantages(credit_config, data["scores"][template], data["reward"],
+                                               data["group"], data["num_turns"], alpha)
+            padded = np.full(data["judged"].shape, np.nan)
+            padded[:, :advantage.shape[1]] = advantage[:, :num_slots]
+            judged = data["judged"] & np.isfinite(padded)
+            values, reference = padded[judged], data["progress"][judged]
+            criteria[alpha] = ordering_agreement(values, reference, group_of[judged], group_of[judged], counts)
+            real = np.isfinite(padded)
+            rows.append({"alpha": float(alpha), ALPHA_CRITERION: estimate(criteria[alpha]),
+                         "within_episode_ordering": estimate(ordering_agreement(
+                             values, reference, group_of[judged], episode_of[judged], counts)),
+                         "progress_spearman": estimate(weighted_spearman(values, reference, turn_w[:, judged])),
+                         "mean_abs_advantage": estimate(weighted_mean(np.abs(padded[real]), turn_w[:, real]))})
+        for row in rows:
+            row["difference_from_config_alpha"] = (estimate(criteria[row["alpha"]] - criteria[base])
+                                                   if base in criteria else None)
+        out["templates"][template] = {"rows": rows, "favoured": favoured_alpha(
+            [r["alpha"] for r in rows], [r[ALPHA_CRITERION]["value"] for r in rows])}
+    out["favoured"] = out["templates"][run_template]["favoured"] if run_template in out["templates"] else None
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ the run
 @dataclasses.dataclass
 class Sample:
@@ -287,6 +435,7 @@ class Sample:
 
     group: list = dataclasses.field(default_factory=list)          # [E] prompt group (unique over batches)
     correct: list = dataclasses.field(default_factory=list)        # [E] bool
+    reward: list = dataclasses.field(default_factory=list)         # [E] the environment's reward (GRPO's input)
     num_turns: list = dataclasses.field(default_factory=list)      # [E]
     judged: list = dataclasses.field(default_factory=list)         # [E, T] tool turn of an episode with a chain
     first_page: list = dataclasses.field(default_factory=list)     # [E, T] opens a chain page first
@@ -298,7 +447,7 @@ class Sample:
 
     def arrays(self) -> dict[str, Any]:
         out = {name: np.concatenate(getattr(self, name)) for name in
-               ("group", "correct", "num_turns", "judged", "first_page", "on_path", "progress")}
+               ("group", "correct", "reward", "num_turns", "judged", "first_page", "on_path", "progress")}
         out["scores"] = {t: np.concatenate(v) for t, v in self.scores.items()}
         out["terms"] = {a: np.concatenate(v) for a, v in self.terms.items()}
         out["credits"] = {a: np.concatenate(v) for a, v in self.credits.items()}
@@ -325,6 +474,7 @@ def add_batch(sample: Sample, rollout, scores: dict[str, np.ndarray], terms, cre
         on_path[row, :t], progress[row, :t], first[row, :t] = marks[0][:t], marks[1][:t], opens[:t]
     sample.group.append(np.asarray(view.group_id) + group_offset)
     sample.correct.append(np.asarray([episode_correct(e) for e in rollout.episodes]))
+    sample.reward.append(np.asarray(view.reward, np.float64))
     sample.num_turns.append(np.asarray(view.num_turns))
     for name, value in (("judged", judged), ("first_page", first), ("on_path", on_path), ("progress", progress)):
         getattr(sample, name).append(value)
@@ -338,6 +488,66 @@ def add_batch(sample: Sample, rollout, scores: dict[str, np.ndarray], terms, cre
     return int(np.asarray(view.num_turns).sum())
 
 
+EPISODES_FILE = "credit_quality_episodes.jsonl"
+
+
+def write_episodes(path: Path, data: dict, templates: Sequence[str]) -> None:
+    """One JSON line per sampled episode of `data` (`Sample.arrays()`): group, reward, correct, num_turns T, the
+    turn marks (judged, first_page, on_path, progress: T entries) and each template's scores (T+1): what the alpha
+    table needs to be recomputed on another grid without sampling again (`alpha_table_from_record`)."""
+    slots = data["judged"].shape[1]
+    with open(path, "w", encoding="utf-8") as out:
+        for e in range(len(data["group"])):
+            t = int(data["num_turns"][e])
+            turns = min(t, slots)
+            record = {"group": int(data["group"][e]), "reward": float(data["reward"][e]),
+                      "correct": bool(data["correct"][e]), "num_turns": t,
+                      **{name: data[name][e, :turns].tolist() for name in ("judged", "first_page", "on_path")},
+                      "progress": [float(g) for g in data["progress"][e, :turns]],
+                      "scores": {tp: [float(v) for v in data["scores"][tp][e, :t + 1]] for tp in templates}}
+            out.write(json.dumps(record) + "\n")
+
+
+def read_episodes(path: Path) -> dict:
+    """The pooled sample `write_episodes` wrote, as `Sample.arrays()` holds it (turn arrays padded to the longest
+    episode; scores padded with NaN). The per-arm terms are not recorded (they need the rollouts)."""
+    records = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not records:
+        raise ValueError(f"{path}: no episodes recorded")
+    slots = max(max(r["num_turns"] for r in records), 1)
+    data = {"group": np.asarray([r["group"] for r in records]), "correct": np.asarray([r["correct"] for r in records]),
+            "reward": np.asarray([r["reward"] for r in records], np.float64),
+            "num_turns": np.asarray([r["num_turns"] for r in records])}
+    for name, dtype in (("judged", bool), ("first_page", bool), ("on_path", bool), ("progress", np.float64)):
+        data[name] = np.zeros((len(records), slots), dtype)
+        for e, r in enumerate(records):
+            data[name][e, :len(r[name])] = r[name]
+    data["scores"] = {}
+    for template in records[0]["scores"]:
+        data["scores"][template] = np.full((len(records), slots + 1), np.nan)
+        for e, r in enumerate(records):
+            data["scores"][template][e, :len(r["scores"][template])] = r["scores"][template]
+    return data
+
+
+def alpha_table_from_record(directory: Path, alphas: Sequence[float] = DEFAULT_ALPHAS) -> dict:
+    """The alpha table of a finished report directory (`credit_quality.json` + `EPISODES_FILE`) on the grid
+    `alphas`, with the report's credit config, bootstrap resamples and seed: the same table the run wrote when
+    `alphas` is its grid."""
+    from trace_jax.credit import CreditConfig
+
+    directory = Path(directory)
+    report = json.loads((directory / "credit_quality.json").read_text(encoding="utf-8"))
+    if not (directory / EPISODES_FILE).exists():
+        raise FileNotFoundError(f"{directory / EPISODES_FILE}: this report predates the per-episode record; rerun "
+                                "`trace-jax credit-quality` to get it")
+    data = read_episodes(directory / EPISODES_FILE)
+    groups = int(data["group"].max()) + 1
+    counts = np.vstack([np.ones((1, groups)), group_counts(groups, report["bootstrap"], report["seed"])])
+    return alpha_table(data, report["templates_scored"], CreditConfig(**report["credit"]), alphas, counts,
+                       run_template=report["alpha"]["run_template"])
+
+
 def turn_metrics(values: np.ndarray, data: dict, weights: np.ndarray) -> dict[str, dict]:
     """First-page AUC, progress Spearman, detour and on-path means of per-turn `values [E, T]` over judged turns."""
     judged = data["judged"] & np.isfinite(values)
@@ -349,9 +559,10 @@ def turn_metrics(values: np.ndarray, data: dict, weights: np.ndarray) -> dict[st
 
 
 def analyse(data: dict, all_arms: Sequence[Arm], templates: Sequence[str], credit_config, *, resamples: int,
-            seed: int) -> dict:
+            seed: int, alphas: Sequence[float] = DEFAULT_ALPHAS, run_template: str | None = None) -> dict:
     """Every figure of the report from the pooled sample `data` (`Sample.arrays()`), with bootstrap CIs over
-    prompt groups (`resamples` resamples from `seed`; row 0 of each weight matrix is the full sample)."""
+    prompt groups (`resamples` resamples from `seed`; row 0 of each weight matrix is the full sample); the alpha
+    table (`alpha_table`) on the same resamples."""
     import jax.numpy as jnp
 
     from trace_jax.credit import td_deltas
@@ -361,7 +572,8 @@ def analyse(data: dict, all_arms: Sequence[Arm], templates: Sequence[str], credi
     episode_w = counts[:, data["group"]]                                   # [B+1, E]
     turn_w = np.repeat(episode_w[:, :, None], data["judged"].shape[1], 2)  # [B+1, E, T]
     num_turns = jnp.asarray(data["num_turns"], jnp.int32)
-    out = {"templates": {}, "arms": []}
+    out = {"templates": {}, "arms": [],
+           "alpha": alpha_table(data, templates, credit_config, alphas, counts, run_template=run_template)}
     for template in templates:
         scores = data["scores"][template]
         last = scores[np.arange(len(scores)), data["num_turns"]]
@@ -399,12 +611,43 @@ def _fmt(e: dict | None, digits: int = 3) -> str:
     return f"{e['value']:.{digits}f} [{e['low']:.{digits}f}, {e['high']:.{digits}f}]"
 
 
+def favoured_line(alpha: dict) -> str:
+    """The one line that states the favoured alpha_turn (the run's template's, else each scored template's)."""
+    rule = "highest within-group ordering agreement with the progress gain; ties -> the smallest alpha"
+    if alpha["favoured"] is not None:
+        return (f"**Favoured alpha_turn: {alpha['favoured']:g}** (TRACE log-ratio K={alpha['horizon']}, template "
+                f"`{alpha['run_template']}`; {rule}).")
+    per = ", ".join(f"`{t}`: {'-' if e['favoured'] is None else format(e['favoured'], 'g')}"
+                    for t, e in alpha["templates"].items())
+    return f"**Favoured alpha_turn per template** ({per}; the run's template was not scored; {rule})."
+
+
+def alpha_markdown(alpha: dict) -> list[str]:
+    """The alpha table: one row per template x alpha."""
+    lines = [f"## TRACE log-ratio's alpha_turn (K={alpha['horizon']}, alpha_out={alpha['alpha_out']:g}) against the "
+             "progress gain", "", "Per-turn advantage `alpha_out A_out + alpha r_k` from the estimator itself; "
+             "ordering: pairs of judged tool turns whose progress gains differ (1 same order, 0.5 a tie); the "
+             "criterion is the within-group ordering; within an episode alpha cannot change the order. Difference: "
+             f"the criterion minus its value at the config's alpha_turn = {alpha['config_alpha_turn']:g}.", "",
+             "| template | alpha_turn | within-group ordering | difference | within-episode ordering | "
+             "Spearman with progress | mean \\|A\\| per tool turn |", "|---|---|---|---|---|---|---|"]
+    for template, entry in alpha["templates"].items():
+        for row in entry["rows"]:
+            mark = " (favoured)" if row["alpha"] == entry["favoured"] else ""
+            lines.append(f"| `{template}` | {row['alpha']:g}{mark} | {_fmt(row[ALPHA_CRITERION])} | "
+                         f"{_fmt(row['difference_from_config_alpha'])} | {_fmt(row['within_episode_ordering'])} | "
+                         f"{_fmt(row['progress_spearman'])} | {_fmt(row['mean_abs_advantage'])} |")
+    return lines
+
+
 def markdown(report: dict) -> str:
-    """The two tables of the report (values per template x form; turn terms per estimator)."""
+    """The report's tables (values per template x form; turn terms per estimator; TRACE's alpha_turn) and the
+    favoured alpha_turn on one line."""
     lines = [f"# Credit quality: {report['policy']}", "",
              f"{report['episodes']} episodes in {report['groups']} prompt groups, {report['tool_turns']} tool turns "
              f"({report['judged_turns']} judged, {report['first_page_turns']} first openings of a chain page); "
              f"95% CIs: {report['bootstrap']} bootstrap resamples of prompt groups (seed {report['seed']}).", "",
+             favoured_line(report["alpha"]), "",
              "## Values (per answer template and TD form)", "",
              "| template | form | value-jump AUC | last-state AUC | last-state gap (nats) | median p(gold) last, "
              "correct |", "|---|---|---|---|---|---|"]
@@ -422,6 +665,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {arm['label']} | {_fmt(term['first_page_auc'])} | {_fmt(term['progress_spearman'])} | "
                      f"{_fmt(term['detour_mean'])} | {_fmt(term['on_path_mean'])} | "
                      f"{_fmt(credit['progress_spearman'])} |")
+    lines += ["", *alpha_markdown(report["alpha"])]
     return "\n".join(lines) + "\n"
 
 
@@ -502,11 +746,12 @@ def load_params(spec: str, run_config, environment, placement):
 def run_credit_quality(run_config, policy: str, out_dir: Path, *, reference: str | None = None,
                        templates: Sequence[str] = DEFAULT_TEMPLATES, tool_turns: int = 5000,
                        prompts: int | None = None, split: str = "train", resamples: int = 1000, seed: int = 0,
-                       max_batches: int = 200, log=print) -> dict:
-    """Sample, score, credit and analyse (the module docstring); writes the three files and returns the report."""
+                       max_batches: int = 200, alphas: Sequence[float] = DEFAULT_ALPHAS, log=print) -> dict:
+    """Sample, score, credit and analyse (the module docstring); writes the four files and returns the report."""
     import jax
 
     from trace_jax.rl.loop import Placement, build_environment
+    from trace_jax.rl.warmstart import resolve_answer_template
 
     started = time.perf_counter()
     out_dir = Path(out_dir)
@@ -521,6 +766,8 @@ def run_credit_quality(run_config, policy: str, out_dir: Path, *, reference: str
     rollout_params = placement.rollout_params(params)
     pipelines = template_pipelines(run_config, environment, placement, templates)
     pipeline = pipelines[templates[0]]  # rollouts, credit and ABC steps: the same under every template
+    run_template = resolve_answer_template(run_config.update.answer_template, pipeline.chat,
+                                           warm_started=pipeline.warm_started)
     tasks = list(environment.train_tasks if split == "train" else environment.eval_tasks)
     if not tasks:
         raise ValueError(f"--split {split}: the config has no {split} tasks")
@@ -550,13 +797,16 @@ def run_credit_quality(run_config, policy: str, out_dir: Path, *, reference: str
               "tool_turns": int(data["num_turns"].sum()), "judged_turns": int(data["judged"].sum()),
               "first_page_turns": int(data["first_page"].sum()), "accuracy": float(data["correct"].mean()),
               "bootstrap": resamples, "seed": seed, "credit": run_config.credit.to_dict()}
-    report.update(analyse(data, all_arms, templates, run_config.credit, resamples=resamples, seed=seed))
+    report.update(analyse(data, all_arms, templates, run_config.credit, resamples=resamples, seed=seed,
+                          alphas=alphas, run_template=run_template))
     seconds["analysis"] = time.perf_counter() - t0
     seconds["total"] = time.perf_counter() - started
     report["seconds"] = seconds
     (out_dir / "credit_quality.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     (out_dir / "credit_quality.md").write_text(markdown(report), encoding="utf-8")
     plot(report, out_dir / "credit_quality.png")
+    write_episodes(out_dir / EPISODES_FILE, data, templates)
+    log(f"credit-quality: {favoured_line(report['alpha'])}")
     log(f"credit-quality: wrote {out_dir / 'credit_quality.json'}, .md and .png ({seconds['total']:.0f} s)")
     return report
 
@@ -586,6 +836,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the task order, the rollouts and the bootstrap")
     parser.add_argument("--max-batches", "--max_batches", type=int, default=200,
                         help="stop after this many batches even short of --tool-turns")
+    parser.add_argument("--alphas", default=",".join(f"{a:g}" for a in DEFAULT_ALPHAS),
+                        help="TRACE alpha_turn grid of the alpha table, comma-separated numbers >= 0 (default "
+                             f"{','.join(f'{a:g}' for a in DEFAULT_ALPHAS)})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -600,6 +853,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
     try:
+        alphas = parse_alphas(args.alphas)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
         config = parse(gin_files, args.gin_param)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -608,7 +866,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         run_credit_quality(config, args.policy, out_dir, reference=args.reference, templates=args.templates,
                            tool_turns=args.tool_turns, prompts=args.prompts, split=args.split,
-                           resamples=args.bootstrap, seed=args.seed, max_batches=args.max_batches)
+                           resamples=args.bootstrap, seed=args.seed, max_batches=args.max_batches, alphas=alphas)
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
