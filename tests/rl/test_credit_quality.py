@@ -289,6 +289,36 @@ def test_the_difference_column_is_zero_at_the_configs_alpha_and_absent_when_it_i
     assert all(r["difference_from_config_alpha"] is None for r in table["templates"]["T {answer}"]["rows"])
 
 
+def _report_dir(root, name, criteria, alphas=(0.1, 0.2, 1.0), template="T {answer}"):
+    """A finished report directory holding only an alpha table with these criterion point estimates."""
+    rows = [{"alpha": a, cq.ALPHA_CRITERION: {"value": c}} for a, c in zip(alphas, criteria)]
+    directory = root / name
+    directory.mkdir()
+    (directory / "credit_quality.json").write_text(json.dumps({"alpha": {
+        "alphas": list(alphas), "run_template": template, "templates": {template: {"rows": rows}}}}))
+    return directory
+
+
+def test_over_several_warm_starts_the_favoured_alpha_has_the_best_mean_criterion(tmp_path):
+    one = _report_dir(tmp_path, "s0", [0.60, 0.70, 0.62])
+    two = _report_dir(tmp_path, "s1", [0.64, 0.58, 0.66])  # means 0.62, 0.64, 0.64: a tie -> 0.2
+    alpha, means = cq.favoured_over_reports([one, two])
+    assert alpha == 0.2 and means == pytest.approx({0.1: 0.62, 0.2: 0.64, 1.0: 0.64})
+    other = _report_dir(tmp_path, "s2", [0.6, 0.6], alphas=(0.1, 0.2))
+    with pytest.raises(ValueError, match="s2"):
+        cq.favoured_over_reports([one, other])
+
+
+def test_the_favoured_from_option_prints_the_favoured_alpha_without_sampling(tmp_path, capsys):
+    one = _report_dir(tmp_path, "s0", [0.60, 0.70, 0.62])
+    assert main(["credit-quality", "--favoured-from", str(one)]) == 0
+    assert "favoured alpha_turn: 0.2" in capsys.readouterr().out
+    assert main(["credit-quality", "--favoured-from", str(tmp_path / "none")]) == 2
+    assert "--favoured-from" in capsys.readouterr().err
+    assert main(["credit-quality", "--out-dir", str(tmp_path / "out")]) == 2
+    assert "--policy" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A two-step GRPO run of the small config with `kl_metric` (GRPO reads no scores: kl_metric alone makes the

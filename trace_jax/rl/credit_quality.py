@@ -530,6 +530,37 @@ def read_episodes(path: Path) -> dict:
     return data
 
 
+def favoured_over_reports(directories: Sequence[Path]) -> tuple[float | None, dict[float, float | None]]:
+    """The favoured alpha over several warm starts (one finished report each, e.g. a study's seeds): every report's
+    criterion for its run's template, averaged over the reports per alpha (each warm start counts once), then
+    `favoured_alpha`'s rule. Returns `(alpha or None, {alpha: mean criterion or None})`; ValueError naming the file
+    when a report has no alpha table, no run-template row, or another grid or template than the first."""
+    tables = []
+    for directory in directories:
+        path = Path(directory) / "credit_quality.json"
+        if not path.exists():
+            raise FileNotFoundError(f"--favoured-from {directory}: no credit_quality.json there")
+        alpha = json.loads(path.read_text(encoding="utf-8")).get("alpha")
+        if alpha is None:
+            raise ValueError(f"{path}: no alpha table (a report from before --alphas); rerun `trace-jax "
+                             "credit-quality` on its policy")
+        if alpha["run_template"] not in alpha["templates"]:
+            raise ValueError(f"{path}: the run's template {alpha['run_template']!r} was not scored; rerun with it in "
+                             "--templates")
+        if tables and (alpha["alphas"], alpha["run_template"]) != (tables[0]["alphas"], tables[0]["run_template"]):
+            raise ValueError(f"{path}: grid {alpha['alphas']} / template {alpha['run_template']!r} differ from the "
+                             f"first report's ({tables[0]['alphas']} / {tables[0]['run_template']!r}); rerun with one "
+                             "--alphas and one config")
+        tables.append(alpha)
+    if not tables:
+        raise ValueError("--favoured-from: give at least one report directory")
+    means = {}
+    for i, a in enumerate(tables[0]["alphas"]):
+        values = [t["templates"][t["run_template"]]["rows"][i][ALPHA_CRITERION]["value"] for t in tables]
+        means[a] = None if any(v is None for v in values) else float(np.mean(values))
+    return favoured_alpha(list(means), list(means.values())), means
+
+
 def alpha_table_from_record(directory: Path, alphas: Sequence[float] = DEFAULT_ALPHAS) -> dict:
     """The alpha table of a finished report directory (`credit_quality.json` + `EPISODES_FILE`) on the grid
     `alphas`, with the report's credit config, bootstrap resamples and seed: the same table the run wrote when
@@ -813,9 +844,9 @@ def run_credit_quality(run_config, policy: str, out_dir: Path, *, reference: str
 
 # ------------------------------------------------------------------------------------------------ CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", required=True,
+    parser.add_argument("--policy", default=None,
                         help="'<run dir>[@step]' (default its latest checkpoint), a Hugging Face directory, or 'init' "
-                             "(the config's initial policy)")
+                             "(the config's initial policy); required unless --favoured-from")
     parser.add_argument("--reference", default=None, help="the reference, in --policy's forms (default: the policy)")
     parser.add_argument("--gin-file", "--gin_file", action="append", default=[],
                         help="gin config file (repeatable; default: the run directory's config.gin, else "
@@ -839,11 +870,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alphas", default=",".join(f"{a:g}" for a in DEFAULT_ALPHAS),
                         help="TRACE alpha_turn grid of the alpha table, comma-separated numbers >= 0 (default "
                              f"{','.join(f'{a:g}' for a in DEFAULT_ALPHAS)})")
+    parser.add_argument("--favoured-from", "--favoured_from", nargs="+", default=None, metavar="DIR",
+                        help="sample nothing: print the favoured alpha_turn over these finished report directories "
+                             "(one per warm start; each alpha's criterion averaged over them) and exit")
 
 
 def run(args: argparse.Namespace) -> int:
     from trace_jax.rl.gin_setup import ConfigError, parse
 
+    if args.favoured_from:
+        try:
+            alpha, means = favoured_over_reports([Path(d) for d in args.favoured_from])
+        except (FileNotFoundError, ValueError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        print("alpha_turn: mean within-group ordering over " + f"{len(args.favoured_from)} reports: " + ", ".join(
+            f"{a:g}: {'-' if m is None else f'{m:.4f}'}" for a, m in means.items()))
+        print(f"favoured alpha_turn: {'none (criterion undefined)' if alpha is None else f'{alpha:g}'}")
+        return 0
+    if args.policy is None:
+        print("error: --policy is required (or --favoured-from DIR... to combine finished reports)", file=sys.stderr)
+        return 2
     gin_files = list(args.gin_file)
     if not gin_files:
         own = Path(args.policy.rsplit("@", 1)[0]) / "config.gin"
