@@ -289,6 +289,20 @@ def test_the_difference_column_is_zero_at_the_configs_alpha_and_absent_when_it_i
     assert all(r["difference_from_config_alpha"] is None for r in table["templates"]["T {answer}"]["rows"])
 
 
+def test_the_report_states_the_favoured_alpha_on_one_line_with_its_difference_from_the_configs():
+    from trace_jax.credit import CreditConfig
+
+    data = synthetic_sample("progress", groups=6)
+    counts = np.vstack([np.ones((1, 6)), cq.group_counts(6, 20, seed=0)])
+    table = cq.alpha_table(data, ["T {answer}"], CreditConfig(horizon=1, terminal_fill=0.0), (0.2, 50.0), counts,
+                           run_template="T {answer}")
+    line = cq.favoured_line(table)
+    assert table["favoured"] == 50.0 and line.startswith("**Favoured alpha_turn: 50**")
+    assert "minus its value at the config's 0.2" in line and "\n" not in line
+    table = cq.alpha_table(data, ["T {answer}"], CreditConfig(), (0.2, 50.0), counts, run_template="other {answer}")
+    assert "per template" in cq.favoured_line(table) and "`T {answer}`" in cq.favoured_line(table)
+
+
 def _report_dir(root, name, criteria, alphas=(0.1, 0.2, 1.0), template="T {answer}"):
     """A finished report directory holding only an alpha table with these criterion point estimates."""
     rows = [{"alpha": a, cq.ALPHA_CRITERION: {"value": c}} for a, c in zip(alphas, criteria)]

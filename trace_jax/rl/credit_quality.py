@@ -646,8 +646,12 @@ def favoured_line(alpha: dict) -> str:
     """The one line that states the favoured alpha_turn (the run's template's, else each scored template's)."""
     rule = "highest within-group ordering agreement with the progress gain; ties -> the smallest alpha"
     if alpha["favoured"] is not None:
+        row = next(r for r in alpha["templates"][alpha["run_template"]]["rows"] if r["alpha"] == alpha["favoured"])
+        versus = "" if row["difference_from_config_alpha"] is None else (
+            f"; {_fmt(row[ALPHA_CRITERION])}, minus its value at the config's {alpha['config_alpha_turn']:g}: "
+            f"{_fmt(row['difference_from_config_alpha'])}")
         return (f"**Favoured alpha_turn: {alpha['favoured']:g}** (TRACE log-ratio K={alpha['horizon']}, template "
-                f"`{alpha['run_template']}`; {rule}).")
+                f"`{alpha['run_template']}`; {rule}{versus}).")
     per = ", ".join(f"`{t}`: {'-' if e['favoured'] is None else format(e['favoured'], 'g')}"
                     for t, e in alpha["templates"].items())
     return f"**Favoured alpha_turn per template** ({per}; the run's template was not scored; {rule})."
