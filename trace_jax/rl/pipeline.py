@@ -278,8 +278,10 @@ class RLPipeline:
       browser: the rollouts' `Browser` (or `task -> Browser`).
       rollout, credit, loss, update: the configs.
       optimizer: the optax optimizer of the train step.
-      mesh, rules: optional mesh for the sampler, scorer and train step, and the train layout's logical-axis rules
-        (the scorer's and the train step's; a run passes `MeshConfig.train_rules()`; None = `models.DEFAULT_RULES`).
+      mesh, rules: optional mesh for the sampler, scorer and train step (a run's whole mesh, over every process:
+        each process collects and scores its own rows in programs over all of it), and the train layout's
+        logical-axis rules (the scorer's and the train step's; a run passes `MeshConfig.train_rules()`; None =
+        `models.DEFAULT_RULES`).
       rollout_rules: the sampler's rules (the rollout layout the params of `collect` are in; a run passes
         `MeshConfig.rollout_rules()`); None = `models.rollout_rules(rules)`.
       train_step: a compiled `make_train_step(model_config, loss, optimizer, ...)` to reuse (pipelines that share
@@ -320,10 +322,11 @@ class RLPipeline:
                                                                   template=template)
         return self._continuations[gold]
 
-    def collect(self, params, tasks: Sequence[Any], rng) -> Rollout:
-        """`len(tasks) x group_size` episodes of the current policy."""
+    def collect(self, params, tasks: Sequence[Any], rng, *, row_offset: int = 0) -> Rollout:
+        """`len(tasks) x group_size` episodes of the current policy (`row_offset`: the key index of the first row,
+        `run_episodes`). On a mesh over several processes each process collects its own tasks, all together."""
         return run_episodes(self.model_config, params, self.chat, tasks, self.browser, self.rollout, rng,
-                            mesh=self.mesh, rules=self.rollout_rules)
+                            mesh=self.mesh, rules=self.rollout_rules, row_offset=row_offset)
 
     def score(self, reference_params, rollout: Rollout, width: int, *, token_logprobs: bool = False):
         """The reference's answer scores `[N, T+1]` and (with `token_logprobs`) its next-token log-probs
