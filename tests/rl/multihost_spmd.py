@@ -5,8 +5,10 @@ hold on each device and what the steps produce.
 `python tests/rl/multihost_spmd.py OUT_DIR SETTING` is what each process of tests/rl/test_spmd_processes.py runs (the
 `TRACE_JAX_*` variables make it join the run); `run_steps(out_dir, setting)` is the same in the calling process.
 Bytes come from the live device buffers the programs read (each addressable shard's `nbytes`, by device), taken
-when the rollout's first `generate` and the first reference scoring are called. Process 0 writes
-OUT_DIR/result.json: the largest bytes on any of its devices, and every process's rows (gathered) of each step.
+when the rollout's first `generate` and the first reference scoring are called; the steps run under the program
+recorder of tests/rl/test_programs.py against the run's registry (what `trace-jax plan` lowers). Process 0 writes
+OUT_DIR/result.json: the largest bytes on any of its devices, every process's rows (gathered) of each step, and
+what the recorder saw dispatched outside the registry.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def run_steps(out_dir: str | Path, setting: str) -> dict:
     import jax
     import numpy as np
 
+    from tests.rl.test_programs import Recorder
     from trace_jax.rl import pipeline as pipeline_lib
     from trace_jax.rl.gin_setup import parse
     from trace_jax.rl.loop import Placement, build_environment, make_rl_step, prompt_stream, rl_step
@@ -112,19 +115,23 @@ def run_steps(out_dir: str | Path, setting: str) -> dict:
 
     agent_lib.sampler_lib.generate, pipeline_lib.score_answer_prefixes = measuring_generate, measuring_score
     record = {"processes": jax.process_count(), "tokens": [], "rewards": [], "scores": [], "losses": []}
+    recorder = Recorder(rl.programs(environment.train_tasks))  # what `trace-jax plan` lowers for this run
     try:
         prompts = prompt_stream(config, environment.train_tasks)
-        for step in range(STEPS):
-            state, prepared, metrics = rl_step(rl.pipeline, placement, state, reference, next(prompts),
-                                               jax.random.PRNGKey(100 + step), seed=step)
-            batch = prepared.rollout.batch
-            record["tokens"].append(distributed.gather_rows(np.asarray(batch.tokens)).tolist())
-            record["rewards"].append(distributed.gather_rows(np.asarray(batch.reward)).tolist())
-            record["scores"].append(distributed.gather_rows(np.asarray(prepared.answer_scores)).tolist())
-            record["losses"].append(float(metrics["loss"]))
+        with recorder:
+            for step in range(STEPS):
+                state, prepared, metrics = rl_step(rl.pipeline, placement, state, reference, next(prompts),
+                                                   jax.random.PRNGKey(100 + step), seed=step)
+                batch = prepared.rollout.batch
+                record["tokens"].append(distributed.gather_rows(np.asarray(batch.tokens)).tolist())
+                record["rewards"].append(distributed.gather_rows(np.asarray(batch.reward)).tolist())
+                record["scores"].append(distributed.gather_rows(np.asarray(prepared.answer_scores)).tolist())
+                record["losses"].append(float(metrics["loss"]))
     finally:
         agent_lib.sampler_lib.generate, pipeline_lib.score_answer_prefixes = generate, score
     record["bytes"] = seen
+    record["unlisted"] = recorder.unlisted()
+    record["dispatched"] = sorted({entry.name for _, entry in recorder.calls if entry is not None})
     if distributed.is_primary():
         (out_dir / "result.json").write_text(json.dumps(record), encoding="utf-8")
     distributed.barrier("multihost_spmd written")

@@ -1,8 +1,9 @@
 """The rollout and the reference scoring as one SPMD program over a mesh that spans processes: two local processes
 (jax.distributed over 127.0.0.1, gloo collectives, 4 fake CPU devices each) with one mesh axis over both, fsdp=8 or
 expert=8, hold per device the params and cache bytes one process with 8 devices holds on the same mesh (spanning
-processes adds no copy: with expert=8 each device holds 1/8 of the experts), and two RL steps give the one
-process's rollout tokens, rewards, reference scores and losses (tests/rl/multihost_spmd.py runs the steps)."""
+processes adds no copy: with expert=8 each device holds 1/8 of the experts), dispatch only programs the run's
+registry lists (what `trace-jax plan` lowers), and two RL steps give the one process's rollout tokens, rewards,
+reference scores and losses (tests/rl/multihost_spmd.py runs the steps)."""
 
 from __future__ import annotations
 
@@ -89,6 +90,13 @@ def test_with_expert8_each_device_holds_an_eighth_of_the_experts(runs):
             assert whole > 0 and multi["bytes"][f"{phase}_experts"] * 8 == whole, (phase, multi["bytes"])
         else:  # the dense model has no expert weights
             assert whole == 0 and multi["bytes"][f"{phase}_experts"] == 0
+
+
+def test_every_program_the_processes_dispatch_is_a_registry_entry_at_the_global_shapes(runs):
+    _, multi, single = runs
+    assert multi["unlisted"] == [] and single["unlisted"] == []
+    assert multi["dispatched"] == single["dispatched"]
+    assert {"init", "prefill_rows", "decode", "append", "score", "update"} <= set(multi["dispatched"])
 
 
 def test_two_rl_steps_give_the_one_processs_tokens_rewards_scores_and_loss(runs):

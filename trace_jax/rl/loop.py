@@ -623,9 +623,8 @@ def rl_step(pipeline: RLPipeline, placement: Placement, state, reference_params,
     timer = timer or PhaseTimer()
     tasks = list(process_tasks)
     with timer.phase("rollout"):
-        # the step's key and this process's first row: each row draws what it draws in a one-process run
-        first_row = jax.process_index() * len(tasks) * pipeline.rollout.group_size
-        rollout = pipeline.collect(placement.rollout_params(state.params), tasks, key, row_offset=first_row)
+        # the step's key: each row draws what it draws in a one-process run (`RLPipeline.collect`)
+        rollout = pipeline.collect(placement.rollout_params(state.params), tasks, key)
     prepared = pipeline.prepare(rollout, reference_params, num_prompts=len(tasks))
     timer.seconds.update(prepared.timing)
     prepared.loss_batch = _global_loss_batch(prepared.loss_batch, placement.mesh, placement.rules)

@@ -75,6 +75,7 @@ from trace_jax.rollout.batch import STATUSES, episode_view
 from trace_jax.rollout.budget import GIB
 from trace_jax.scoring.continuation import build_answer_continuation
 from trace_jax.scoring.fork import score_answer_prefixes
+from trace_jax.train import distributed
 from trace_jax.train.config import LossConfig
 from trace_jax.train.flops import flops_per_token
 from trace_jax.train.loss import LossBatch, batch_logprobs, length_bucket, real_token_mask, trained_positions
@@ -322,9 +323,15 @@ class RLPipeline:
                                                                   template=template)
         return self._continuations[gold]
 
-    def collect(self, params, tasks: Sequence[Any], rng, *, row_offset: int = 0) -> Rollout:
-        """`len(tasks) x group_size` episodes of the current policy (`row_offset`: the key index of the first row,
-        `run_episodes`). On a mesh over several processes each process collects its own tasks, all together."""
+    def collect(self, params, tasks: Sequence[Any], rng, *, row_offset: int | None = None) -> Rollout:
+        """`len(tasks) x group_size` episodes of the current policy. On a mesh over several processes each process
+        collects its own tasks, all together, and by default its rows' keys count from its first row of the step
+        (process p's tasks are the p-th equal share: `row_offset = p x len(tasks) x group_size`), so every row
+        draws what it draws in a one-process run with the same `rng`; `row_offset` (`run_episodes`) says otherwise
+        (0 by default on one process)."""
+        if row_offset is None:
+            together = distributed.spans_processes(self.mesh)
+            row_offset = jax.process_index() * len(tasks) * self.rollout.group_size if together else 0
         return run_episodes(self.model_config, params, self.chat, tasks, self.browser, self.rollout, rng,
                             mesh=self.mesh, rules=self.rollout_rules, row_offset=row_offset)
 

@@ -155,7 +155,8 @@ class Rollout:
     """What `run_episodes` returns: the device batch, one `EpisodeRecord` per row, and phase timings (seconds).
 
     Attributes:
-      rows_at_once: rows the sampler's cache held (its batch size; fewer than the rows under a KV budget).
+      rows_at_once: rows the sampler's cache held (its batch size; fewer than the rows under a KV budget; with a
+        mesh over several processes, every process's rows together).
       kv_cache_bytes: the largest bytes of the sampler's cache arrays (k, v, lengths) on any one device, read
         from the arrays themselves after every admission.
     """
