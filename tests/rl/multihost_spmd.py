@@ -8,7 +8,8 @@ Bytes come from the live device buffers the programs read (each addressable shar
 when the rollout's first `generate` and the first reference scoring are called; the steps run under the program
 recorder of tests/rl/test_programs.py against the run's registry (what `trace-jax plan` lowers). Process 0 writes
 OUT_DIR/result.json: the largest bytes on any of its devices, every process's rows (gathered) of each step, and
-what the recorder saw dispatched outside the registry.
+what the recorder saw dispatched outside the registry; with fsdp=8 also an evaluation of 3 held-out tasks split
+unevenly over the processes.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ model_preset.num_attention_heads = 2
 model_preset.num_key_value_heads = 2
 model_preset.head_dim = 16
 DataConfig.num_train_tasks = 8
-DataConfig.num_eval_tasks = 2
+DataConfig.num_eval_tasks = 3
 RolloutConfig.group_size = 2
 RolloutConfig.system_prompt = None
 RolloutConfig.max_turns = 1
@@ -129,6 +130,13 @@ def run_steps(out_dir: str | Path, setting: str) -> dict:
                 record["losses"].append(float(metrics["loss"]))
     finally:
         agent_lib.sampler_lib.generate, pipeline_lib.score_answer_prefixes = generate, score
+    if setting == "fsdp8":  # 3 held-out tasks a task a call: process 0 runs 1, then takes part with an empty call
+        from trace_jax.rl.evaluate import EvalConfig, evaluate
+
+        result = evaluate(environment.model_config, placement.rollout_params(state.params), environment.chat,
+                          environment.eval_tasks[:3], environment.browser, config.rollout,
+                          EvalConfig(num_tasks=3, batch_size=1), mesh=placement.mesh, rules=placement.rollout_rules)
+        record["evaluation"] = {k: v for k, v in result.to_json().items() if k != "seconds"}
     record["bytes"] = seen
     record["unlisted"] = recorder.unlisted()
     record["dispatched"] = sorted({entry.name for _, entry in recorder.calls if entry is not None})

@@ -106,3 +106,12 @@ def test_two_rl_steps_give_the_one_processs_tokens_rewards_scores_and_loss(runs)
         np.testing.assert_array_equal(multi["rewards"][step], single["rewards"][step], err_msg=f"step {step}")
         np.testing.assert_allclose(multi["scores"][step], single["scores"][step], atol=1e-5, rtol=0)
     np.testing.assert_allclose(multi["losses"], single["losses"], atol=1e-5, rtol=0)
+
+
+def test_an_evaluation_split_unevenly_over_the_processes_gives_the_one_processs_outcomes(runs):
+    setting, multi, single = runs
+    if setting == "fsdp8":  # evaluated in that setting only (its programs compile once for the module)
+        assert multi["evaluation"] == single["evaluation"]
+        assert multi["evaluation"]["num_tasks"] == 3
+    else:
+        assert "evaluation" not in multi and "evaluation" not in single

@@ -217,6 +217,8 @@ def _row_hook(logits_hook, slot_row: np.ndarray, episodes: list[EpisodeRecord], 
     turn_of_row = np.asarray([len(e.turn_texts) for e in episodes], np.int64)
 
     def hook(step: int, generated: list) -> np.ndarray | None:
+        if not n:  # no rows of its own (a process taking part in the others' rounds)
+            return None
         by_row: list[list[int]] = [[] for _ in range(n)]
         for s, r in enumerate(slot_row):
             if r >= 0:
@@ -333,11 +335,12 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
 
         running = slot_row >= 0
         held = np.where(running, slot_row, 0)
-        turn_of_slot = np.asarray([len(episodes[r].turn_texts) for r in held], np.int32)
+        # (a process with no rows of its own, taking part in the others' rounds, has nothing to read: zeros)
+        turn_of_slot = np.asarray([len(episodes[r].turn_texts) if n else 0 for r in held], np.int32)
         keys = _row_keys(rng, (held + row_offset).astype(np.int32), turn_of_slot)
         hook = None if logits_hook is None else _row_hook(logits_hook, slot_row, episodes, n)
-        budget = np.asarray([min(rollout.turn_token_budget, max_len - len(rows[r]["tokens"])) for r in held],
-                            np.int32)
+        budget = np.asarray([min(rollout.turn_token_budget, max_len - len(rows[r]["tokens"])) if n else 0
+                             for r in held], np.int32)
         t0 = time.perf_counter()
         state, gen = sampler_lib.generate(
             config, params, state, rng=keys, active=running, max_new_tokens=budget,

@@ -324,8 +324,10 @@ def gather_sequences(sequences) -> list[list[int]]:
 
 def local_rows(x, rows: slice, axis: int = 0) -> np.ndarray:
     """Rows `rows` (along `axis`) of the array `x`, as host numpy, read from this process's addressable shards (no
-    communication) when they hold those rows; otherwise from the all-gathered array (a collective, taken on every
-    process alike since the sharding is the same everywhere). A fully addressable array is read as it is."""
+    communication) when they hold those rows; otherwise from the all-gathered array (a collective). Every process
+    asks for its own block of rows of a layout that either splits the rows by process or replicates them, so every
+    process takes the same branch (the rollout's and the scorer's rows; a layout that puts a process's rows on
+    another process's devices would have only some processes gather). A fully addressable array is read as it is."""
     if not isinstance(x, jax.Array) or x.is_fully_addressable:
         return np.asarray(x)[(slice(None),) * axis + (rows,)]
     start, stop, _ = rows.indices(x.shape[axis])
