@@ -113,7 +113,7 @@ def run_mesh(run_config, environment, mesh_flag: str, steps: int) -> dict:
     optimizer = make_optimizer(run_config.optimizer)
     pipeline = RLPipeline(model_config, environment.chat, environment.browser, run_config.rollout, run_config.credit,
                           run_config.loss, run_config.update or UpdateConfig(), optimizer,
-                          mesh=placement.process_mesh,
+                          mesh=placement.mesh,
                           train_step=make_train_step(model_config, run_config.loss, optimizer, mesh=placement.mesh))
     params = placement.policy(environment.params)
     reference = placement.frozen(params)

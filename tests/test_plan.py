@@ -6,6 +6,7 @@ The compile tests need `libtpu` (the `tpu` extra, which CI installs); without it
 
 import os
 
+import jax
 import pytest
 
 from trace_jax import cli
@@ -167,9 +168,10 @@ def test_a_kv_budget_sets_the_rollout_rows_at_once_in_whole_rows_per_chip(tiny_r
 
 
 @needs_libtpu
-def test_on_several_hosts_the_rollout_rows_and_waves_are_one_processs_on_its_block(tiny_run):
-    # v6e-8 (v6e:2x4) is two hosts of 4 chips: each process rolls out its 8 of the 16 rows on its fsdp=4 block,
-    # one row a chip under a budget of one row (8 MiB at 16384 tokens): 4 rows at once, 2 waves
+def test_on_several_hosts_the_rollout_runs_every_processs_rows_over_the_whole_mesh(tiny_run):
+    # v6e-8 (v6e:2x4) is two hosts of 4 chips: each process feeds its 8 of the 16 rows into programs over the whole
+    # fsdp=8 mesh, one row a chip under a budget of one row (8 MiB at 16384 tokens): 8 rows at once, 2 waves, and
+    # the cache and the rollout copy sharded over all 8 chips (no process-crossing axis dropped)
     import dataclasses
 
     from trace_jax import models
@@ -180,8 +182,10 @@ def test_on_several_hosts_the_rollout_rows_and_waves_are_one_processs_on_its_blo
     mesh = models.make_mesh({"data": 1, "fsdp": 8, "tensor": 1, "expert": 1}, devices)
     programs = plan._Programs(models.get_preset("tiny-qwen3"), run, mesh,
                               plan.PlanConfig("v6e-8", kv_budget_gib=0.008))
-    assert (programs.processes, programs.process_rows, programs.rows_at_once) == (2, 8, 4)
-    assert dict(programs.process_mesh.shape)["fsdp"] == 4
+    assert (programs.processes, programs.process_rows, programs.rows_at_once) == (2, 8, 8)
+    (init,) = programs.registry.named("init")
+    assert init.program.mesh is mesh
+    assert all(leaf.sharding.mesh is mesh for leaf in jax.tree_util.tree_leaves(programs.rollout_params))
 
 
 def test_plan_reaches_other_packages_only_through_public_names_and_patches_nothing():

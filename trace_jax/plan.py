@@ -16,7 +16,7 @@ the loop runs. Each kind is reported by its largest entry (most argument bytes p
                every (distinct prompts, prompt width) bucket up to `max_context`;
   * "decode":  `rollout.sampler.decode_program`, `RolloutConfig.sync_every` decode steps of the rows at once, at
                every attention bucket up to the whole `max_context` cache; the rows at once are every rollout row
-               of a process, or as many as a per-chip KV budget holds (`rollout.budget.rows_within_budget`);
+               of the step (every process's, over the whole mesh), or as many as a per-chip KV budget holds (`rollout.budget.rows_within_budget`);
   * "append":  `rollout.sampler.append_program`, tool observations appended to the rows, at every width bucket;
   * "score":   `scoring.fork.fork_scores_program`, the reference's prefix-fork pass, at every padded shape
                (`fork.padded_shape`) of the step's length buckets, scorer chunks (`scoring_batch`) and answers up
@@ -761,12 +761,9 @@ class _Programs:
         self.state, self.reference, self.rollout_params = registry.state, registry.reference, registry.rollout_params
         self.rows = run_config.train.prompts_per_step * run_config.rollout.group_size
         self.rows_at_once, self.kv_cache_bytes = registry.rows_at_once, registry.kv_cache_bytes
-        # Each process rolls out (and scores) its own rows on its block of the mesh (`distributed.process_mesh`;
-        # a TPU topology's processes are its hosts): rows at once, waves and the rollout's bytes are one block's.
-        from trace_jax.train.distributed import process_mesh
-
+        # Each process rolls out (and scores) its own rows, in programs over the whole mesh (a TPU topology's
+        # processes are its hosts): the rows at once are every process's together, the bytes per chip the mesh's.
         self.processes = len({device.process_index for device in self.devices})
-        self.process_mesh = process_mesh(mesh)
         self.process_rows = registry.rows
         self.length = run_config.rollout.max_context
         # the update's token width (`pipeline.update_shapes`: `UpdateConfig.max_length`, default the context)
@@ -945,9 +942,9 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
     mesh = models.make_mesh(axes, devices)
     programs = _Programs(model_config, run_config, mesh, plan_config, mesh_config)
     settings.update(rows_at_once=programs.rows_at_once, kv_budget_gib=programs.kv_budget_gib,
-                    waves=-(-programs.process_rows // programs.rows_at_once),
+                    waves=-(-programs.rows // programs.rows_at_once),
                     reference_dtype=run_config.train.reference_dtype, processes=programs.processes,
-                    process_rows=programs.process_rows, process_mesh=dict(programs.process_mesh.shape))
+                    process_rows=programs.process_rows)
     resident = {"train state": device_bytes(programs.state), "reference": device_bytes(programs.reference),
                 "rollout copy": device_bytes(programs.rollout_params), "KV cache": programs.kv_cache_bytes}
     reports = []
@@ -1000,9 +997,9 @@ def estimate_step_split(programs: "_Programs", device, estimate: "TimeEstimate |
     config, run, chips = programs.config, programs.run, programs.mesh.size
     rate, memory_rate = compiler_dot_rate(device), compiler_memory_rate(device)
     length, rows, at_once = programs.length, programs.rows, programs.rows_at_once
-    # a process's rows run in waves on its block of the mesh (all processes at once)
-    steps = -(-programs.process_rows // at_once) * length
-    step_flops = at_once * flops_per_token(config, max(1, length // 2), training=False) / programs.process_mesh.size
+    # the rows run in waves of the rows at once (every process's together) over the whole mesh
+    steps = -(-rows // at_once) * length
+    step_flops = at_once * flops_per_token(config, max(1, length // 2), training=False) / chips
     step_bytes = device_bytes(programs.rollout_params) + programs.kv_cache_bytes / 2
     rollout = steps * max(step_flops / rate, step_bytes / memory_rate)
     tokens_per_row = length + (run.rollout.max_turns + 1) * (programs.plan.answer_tokens - 1)
@@ -1111,13 +1108,11 @@ def _resident_lines(report: PlanReport) -> list[str]:
     if "rows_at_once" in s:
         budget = (f"a KV budget of {s['kv_budget_gib']:g} GiB per chip" if s["kv_budget_gib"]
                   else "no KV budget (RolloutConfig.kv_budget_gib / --kv-budget-gib): every row at once")
-        rows = s.get("process_rows", s["rows"])
         if s.get("processes", 1) > 1:
-            lines.append(f"processes: {s['processes']} (one a host), each on its block of the mesh "
-                         f"{s['process_mesh']}: the rollout and the scoring run per process on that block, "
-                         f"{rows} of the {s['rows']} rows each (their bytes per chip below are a block's)")
-        each = " per process" if s.get("processes", 1) > 1 else ""
-        lines.append(f"rollout: {s['rows_at_once']} of {rows} rows at once{each} under {budget}, "
+            lines.append(f"processes: {s['processes']} (one a host), each feeding {s['process_rows']} of the "
+                         f"{s['rows']} rows (and running their tools) into the rollout and scoring programs over "
+                         "the whole mesh")
+        lines.append(f"rollout: {s['rows_at_once']} of {s['rows']} rows at once under {budget}, "
                      f"{s['waves']} wave(s) of rows")
     return lines
 

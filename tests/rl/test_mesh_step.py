@@ -143,7 +143,7 @@ def _two_steps(config, environment) -> dict:
     placement = Placement(config, model_config)
     optimizer = make_optimizer(config.optimizer)
     pipeline = RLPipeline(model_config, environment.chat, environment.browser, config.rollout, config.credit,
-                          config.loss, config.update, optimizer, mesh=placement.process_mesh,
+                          config.loss, config.update, optimizer, mesh=placement.mesh,
                           train_step=make_train_step(model_config, config.loss, optimizer, mesh=placement.mesh))
     params = placement.policy(environment.params)
     initial = {k: np.asarray(x) for k, x in _flat(params).items()}

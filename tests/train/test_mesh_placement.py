@@ -1,5 +1,5 @@
 """The placement pieces of one mesh for the whole step: `MeshConfig` on one process (all devices, or the first n),
-`distributed.to_process_local` (an on-device reshard; nothing moves for arrays already in their layout), the
+`models.in_layout` (an on-device reshard; nothing moves for arrays already in their layout), the
 rollout layout's rules and `models.placed_on`."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trace_jax import models
-from trace_jax.train import distributed
 from trace_jax.train.config import MeshConfig, TrainConfigError
 
 
@@ -35,18 +34,12 @@ def test_more_devices_than_the_process_has_is_a_clear_error():
         MeshConfig(devices=-1)
 
 
-def test_the_process_block_of_a_one_process_mesh_is_the_mesh():
-    mesh = MeshConfig(fsdp=4, tensor=2).make_mesh()
-    assert distributed.process_mesh(mesh) is mesh
-    assert distributed.spanning_axes(mesh) == ()
-
-
-def test_to_process_local_reshards_on_device_and_leaves_placed_arrays_alone():
+def test_in_layout_reshards_on_device_and_leaves_placed_arrays_alone():
     mesh = MeshConfig(fsdp=4, tensor=2).make_mesh()
     fsdp = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("fsdp", "tensor")))
     tensor = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("tensor")))
     target = {"w": NamedSharding(mesh, P(None, "tensor")), "b": NamedSharding(mesh, P("tensor"))}
-    moved = distributed.to_process_local({"w": fsdp, "b": tensor}, target)
+    moved = models.in_layout({"w": fsdp, "b": tensor}, target)
     assert moved["b"] is tensor  # already in its layout: nothing runs
     assert moved["w"].sharding.shard_shape((8, 8)) == (8, 4)
     np.testing.assert_array_equal(moved["w"], np.arange(64.0).reshape(8, 8))

@@ -6,7 +6,7 @@ Public API (see docs/models.md):
   KVCache, init_cache, extend, prefill, attend_cached_block,
   param_logical_axes, param_shapes, logical_to_sharding, param_shardings, shard_params, constrain, make_mesh,
   DEFAULT_RULES, ROLLOUT_RULES, LOGICAL_AXES, check_rule_overrides, merge_rules, rollout_rules, placed_on,
-  reshard_program, cast_program.
+  reshard_program, in_layout, cast_program.
 
 Tokenizer, chat format and GGUF conversion live in sibling modules and are imported from there directly.
 """
@@ -35,6 +35,7 @@ from trace_jax.models.sharding import (
     cast_program,
     check_rule_overrides,
     constrain,
+    in_layout,
     logical_to_mesh_spec,
     logical_to_sharding,
     make_mesh,
@@ -53,5 +54,5 @@ __all__ = [
     "constrain", "extend", "forward", "forward_hidden", "get_preset", "hidden_logprobs", "init_cache", "init_params",
     "load_pretrained", "logical_to_mesh_spec", "logical_to_sharding", "logits_from_hidden", "make_mesh",
     "merge_rules", "param_logical_axes", "param_shapes", "param_shardings", "placed_on", "prefill", "preset_names",
-    "reshard_program", "rollout_rules", "save_pretrained", "shard_params", "token_logprobs",
+    "reshard_program", "in_layout", "rollout_rules", "save_pretrained", "shard_params", "token_logprobs",
 ]

@@ -175,13 +175,28 @@ def reshard_program(shardings):
     """The program that moves a params tree on device to the layout `shardings` (a matching pytree of
     `NamedSharding`s): `program(tree) -> tree` with `out_shardings=shardings`, the collectives the compiler picks
     (all-gathers from the train layout to the rollout layout), never through host memory. Nothing is donated: the
-    train state keeps its params. One program object per target layout: the loop (`distributed.to_process_local`,
-    the policy's train -> rollout reshard) and `trace-jax plan` call the same one."""
+    train state keeps its params. One program object per target layout: the loop (`in_layout`, the policy's train
+    -> rollout reshard) and `trace-jax plan` call the same one."""
     leaves, treedef = jax.tree_util.tree_flatten(shardings)
     if not all(isinstance(s, NamedSharding) for s in leaves):
         raise TypeError("reshard_program takes a pytree of NamedShardings (e.g. models.param_shardings(config, "
                         f"mesh, ROLLOUT_RULES)); got leaves of types {sorted({type(s).__name__ for s in leaves})}")
     return _reshard_jit(treedef, tuple(leaves))
+
+
+def in_layout(tree, shardings):
+    """`tree` (arrays on a mesh) in the layout `shardings` (a matching pytree of `NamedSharding`s on the same mesh),
+    moved on device, never through host memory: one `reshard_program` of the leaves not already in their layout;
+    nothing runs when every leaf is. A collective over the mesh (with several processes, every one calls it)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    targets = treedef.flatten_up_to(shardings)
+    moving = [i for i, (x, t) in enumerate(zip(leaves, targets))
+              if not (isinstance(x.sharding, NamedSharding) and x.sharding.is_equivalent_to(t, x.ndim))]
+    if moving:
+        moved = reshard_program([targets[i] for i in moving])([leaves[i] for i in moving])
+        for i, x in zip(moving, moved):
+            leaves[i] = x
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 class PlacementProgram:

@@ -14,9 +14,11 @@ Every figure is a function of the per-task outcomes (`TaskOutcome`: id, correct,
 errors, status, correct samples of pass@k), which the result keeps (`EvalResult.outcomes`) for paired analyses
 across runs; `result_from_outcomes` computes the figures from them, whatever order the tasks were run in.
 
-With several JAX processes each evaluates its contiguous part of the tasks (`distributed.process_part`) on its own
-devices, and the outcomes of every process are gathered (`distributed.gather_rows`), so every process returns the
-result one process evaluating every task would: greedy episodes do not depend on the rows batched with them, and a
+With several JAX processes each evaluates its contiguous part of the tasks (`distributed.process_part`): with a mesh
+over every process's devices, in programs over the whole mesh that every process dispatches together (a process
+whose part is shorter takes part with empty chunks); without one, on its own devices. Then the outcomes of every
+process are gathered (`distributed.gather_rows`), so every process returns the result one process evaluating every
+task would: greedy episodes do not depend on the rows batched with them, and a
 sampled episode's keys on its task's position in the whole list (`run_episodes(row_offset=...)`), not on the chunk
 or the process that runs it.
 
@@ -226,8 +228,11 @@ def _run(model_config, params, chat, tasks, browser, rollout, rng, batch_size, f
     on the chunk or the process that runs it."""
     episodes: list[EpisodeRecord] = []
     rewards: list[np.ndarray] = []
-    for start in range(0, len(tasks), batch_size):
-        chunk = tasks[start:start + batch_size]
+    chunks = -(-len(tasks) // batch_size)
+    if distributed.spans_processes(kwargs.get("mesh")):  # collective programs: as many calls on every process
+        chunks = distributed.agree_max(chunks)
+    for start in range(0, chunks * batch_size, batch_size):
+        chunk = tasks[start:start + batch_size]  # empty on a process whose part ran out: it still takes part
         result = run_episodes(model_config, params, chat, chunk, browser, rollout, rng,
                               row_offset=(first_task + start) * rollout.group_size, **kwargs)
         episodes += result.episodes
@@ -302,7 +307,7 @@ def evaluate(model_config, params, chat, tasks: Sequence[Any], browser, rollout:
         replaced here (1 greedy sample; n sampled ones for pass@k), and its max_turns by `config.max_turns` when
         that is set.
       config: the `EvalConfig`.
-      mesh, rules: passed to `run_episodes` (with several processes: this process's block of the mesh).
+      mesh, rules: passed to `run_episodes` (with several processes: the run's mesh over all of them).
       logits_hook: passed to `run_episodes` (tests only).
       across_processes: with several JAX processes, each runs its part of the tasks and the outcomes are gathered
         (a collective: every process calls this with the same tasks and gets the same result). False: this

@@ -320,14 +320,14 @@ def _eval_from_json(data: dict) -> EvalResult:
 def _evaluate(run_config: RunConfig, environment: Environment, params, label: str, log,
               placement: "Placement") -> dict[str, EvalResult]:
     """Every evaluation set of the environment (`EvalConfig.sets`, in order), each on its first
-    `EvalConfig.num_tasks` tasks with its own browser, with `params` in the rollout layout on the process block of
+    `EvalConfig.num_tasks` tasks with its own browser, with `params` in the rollout layout on the mesh of
     `placement`; {set name: result}. With several processes each runs its part of the tasks and every process gets
     the whole result (`evaluate`; a collective)."""
     results = {}
     for name, eval_set in environment.eval_sets.items():
         tasks = eval_set.tasks[:run_config.eval.num_tasks]
         result = evaluate(environment.model_config, params, environment.chat, tasks, eval_set.browser,
-                          run_config.rollout, run_config.eval, mesh=placement.process_mesh,
+                          run_config.rollout, run_config.eval, mesh=placement.mesh,
                           rules=placement.rollout_rules)
         log(f"eval ({label}, {name}): greedy accuracy {100 * result.accuracy:.1f}% +- {100 * result.accuracy_se:.1f} "
             f"on {result.num_tasks} tasks, reward {result.mean_reward:.3f}, tool calls "
@@ -405,12 +405,13 @@ def _peak_flops() -> float | None:
 
 
 # ------------------------------------------------------------------------------------------------ receipts
-def write_credit_receipts(pipeline: RLPipeline, params, reference_params, tasks, rng, out_dir: Path) -> list[Path]:
+def write_credit_receipts(pipeline: RLPipeline, params, reference_params, tasks, rng, out_dir: Path, *,
+                          write: bool = True) -> list[Path]:
     """HTML credit receipts of G sampled episodes on each of `tasks` (credit of the run's estimator, the reference's
-    answer scores, values and TD shown whatever the estimator)."""
+    answer scores, values and TD shown whatever the estimator). `write=False` computes them without writing (a
+    process taking part in the collective programs of another's receipts)."""
     if not tasks:
         return []
-    out_dir.mkdir(parents=True, exist_ok=True)
     rollout = pipeline.collect(params, tasks, rng)
     prepared = pipeline.prepare(rollout, reference_params, num_prompts=len(tasks))
     view = episode_view(rollout.batch)  # one receipt per episode, whatever its segment rows
@@ -450,8 +451,10 @@ def write_credit_receipts(pipeline: RLPipeline, params, reference_params, tasks,
         turns = [{"calls": [excerpt(str(episode.tool_calls[k]), 200)],
                   "observation": excerpt(episode.observations[k], 300)} for k in range(t)]
         path = out_dir / safe_filename(result["id"], ".html")
-        write_receipt(path, result, turns, question=episode.question)
-        written.append(path)
+        if write:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            write_receipt(path, result, turns, question=episode.question)
+            written.append(path)
     return written
 
 
@@ -508,25 +511,25 @@ def _trim_prompts(run_dir: Path, last_step: int, name: str = PROMPTS_FILE) -> No
 # ------------------------------------------------------------------------------------------------ placement
 class Placement:
     """Where a run's arrays live: one mesh over every device of every process (`MeshConfig`; a 1x1x1x1 mesh on one
-    device), and this process's block of it (`distributed.process_mesh`, the whole mesh with one process), which
-    runs the host-driven programs of this process's rows (the agent loop and the scorer).
+    device). Every phase runs on it: the rollout and the reference scoring are SPMD programs over the whole mesh
+    that each process feeds with its own rows (the agent loop and its tools run per process, for its rows), so no
+    dimension of the params or the cache is gathered onto a process because the mesh spans processes.
 
       * the train state: the train layout (`MeshConfig.train_rules()`: `models.DEFAULT_RULES`, FSDP x tensor x
         expert, with the run's `MeshConfig.rules` overrides) on the mesh;
       * rollouts and evaluation read `rollout_params(params)`: the policy cast on device to
         `TrainConfig.rollout_dtype` (float32: untouched) and resharded to the rollout layout
         (`MeshConfig.rollout_rules()`: weights whole over the batch axes, heads / mlp / vocab over `tensor`,
-        experts over `expert`), on the process block;
+        experts over `expert`), on the mesh;
       * the frozen reference: restored once from its checkpoint straight into the train layout, cast to
-        `TrainConfig.reference_dtype` on device (fresh buffers, never the policy's, which the update donates), and
-        held as the process block reads it (`distributed.to_process_local`: as it is with one process).
+        `TrainConfig.reference_dtype` on device (fresh buffers, never the policy's, which the update donates), in
+        the train layout.
 
     Nothing here goes through host memory but the initial params, which every process builds from the seed.
     """
 
     def __init__(self, run_config: RunConfig, model_config):
         self.mesh = run_config.mesh.make_mesh()
-        self.process_mesh = distributed.process_mesh(self.mesh)
         self.model_config = model_config
         self.rules = run_config.mesh.train_rules()
         self.rollout_rules = run_config.mesh.rollout_rules()
@@ -550,10 +553,10 @@ class Placement:
 
     def rollout_params(self, params):
         """Train-layout params -> the rollout copy: cast to `rollout_dtype` (a fresh copy, in the train layout),
-        then the rollout layout on the process block (on device; a collective with several processes)."""
+        then the rollout layout on the mesh (on device: `models.in_layout`; a collective with several processes)."""
         if any(x.dtype != self.rollout_dtype for x in jax.tree_util.tree_leaves(params)):
             params = models.cast_program(self.rollout_dtype, self.train_shardings)(params)
-        return distributed.to_process_local(params, self.rollout_shardings)
+        return models.in_layout(params, self.rollout_shardings)
 
     def reference(self, copies: Sequence[Checkpointer], step: int, what: str):
         """The frozen reference of checkpoint `step`, from the first of `copies` holding it that restores
@@ -563,9 +566,8 @@ class Placement:
 
     def frozen(self, params):
         """Train-layout params -> a frozen reference as the scorer reads it: cast to its dtype on device, in fresh
-        buffers (a jitted copy: never an alias of arrays the update donates), on the process block."""
-        reference = models.cast_program(self.reference_dtype, self.train_shardings)(params)
-        return distributed.to_process_local(reference, self.train_shardings)
+        buffers (a jitted copy: never an alias of arrays the update donates), in the train layout."""
+        return models.cast_program(self.reference_dtype, self.train_shardings)(params)
 
 
 # ------------------------------------------------------------------------------------------------ across processes
@@ -621,7 +623,8 @@ def rl_step(pipeline: RLPipeline, placement: Placement, state, reference_params,
     timer = timer or PhaseTimer()
     tasks = list(process_tasks)
     with timer.phase("rollout"):
-        rollout = pipeline.collect(placement.rollout_params(state.params), tasks, distributed.process_key(key))
+        # the step's key: each row draws what it draws in a one-process run (`RLPipeline.collect`)
+        rollout = pipeline.collect(placement.rollout_params(state.params), tasks, key)
     prepared = pipeline.prepare(rollout, reference_params, num_prompts=len(tasks))
     timer.seconds.update(prepared.timing)
     prepared.loss_batch = _global_loss_batch(prepared.loss_batch, placement.mesh, placement.rules)
@@ -717,11 +720,11 @@ def make_rl_step(run_config: RunConfig, environment: "Environment", *, placement
         raise ValueError(f"TrainConfig.prompts_per_step x RolloutConfig.group_size = {rows} rows per step: "
                          f"{error}") from None
     # fail before any compute when the KV budget holds no row
-    rows_within_budget(environment.model_config, run_config.rollout, mesh=placement.process_mesh,
-                       rows=rows // jax.process_count(), rules=placement.rollout_rules)
+    rows_within_budget(environment.model_config, run_config.rollout, mesh=placement.mesh, rows=rows,
+                       rules=placement.rollout_rules)
     pipeline = RLPipeline(environment.model_config, environment.chat, environment.browser, run_config.rollout,
                           run_config.credit, run_config.loss, run_config.update, optimizer,
-                          mesh=placement.process_mesh, rules=placement.rules, rollout_rules=placement.rollout_rules,
+                          mesh=placement.mesh, rules=placement.rules, rollout_rules=placement.rollout_rules,
                           train_step=make_train_step(environment.model_config, run_config.loss, optimizer,
                                                      mesh=placement.mesh, rules=placement.rules),
                           warm_started=run_config.warm_started)
@@ -902,16 +905,15 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
     stages["build"] = time.perf_counter() - t0
     rl = make_rl_step(run_config, environment)
     placement, pipeline, optimizer, mesh = rl.placement, rl.pipeline, rl.optimizer, rl.placement.mesh
-    process_rows = rows // jax.process_count()
-    rows_at_once = rows_within_budget(environment.model_config, run_config.rollout, mesh=placement.process_mesh,
-                                      rows=process_rows, rules=placement.rollout_rules)
+    rows_at_once = rows_within_budget(environment.model_config, run_config.rollout, mesh=mesh, rows=rows,
+                                      rules=placement.rollout_rules)
     checkpoint_config = dataclasses.replace(run_config.checkpoint,
                                             directory=str(run_dir / run_config.checkpoint.directory))
     log(f"run {run_dir}: {train_config.steps} RL steps of {train_config.prompts_per_step} prompts x "
         f"{run_config.rollout.group_size} samples, credit {run_config.credit.estimator}, "
         f"{len(environment.train_tasks)} train / {len(environment.eval_tasks)} held-out tasks, {placement.line()}")
     if run_config.rollout.kv_budget_gib is not None:
-        log(f"rollout: {rows_at_once} of {process_rows} rows at once per process under the KV budget of "
+        log(f"rollout: {rows_at_once} of {rows} rows at once over the mesh under the KV budget of "
             f"{run_config.rollout.kv_budget_gib:g} GiB per chip")
 
     external_reference = None
@@ -1017,9 +1019,12 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
                 rl.prepared = None
 
         def receipts(step, state, metrics):
-            receipt_tasks = environment.eval_tasks[:train_config.receipts] if primary else []
+            # every process rolls the receipts' episodes out (the programs span the mesh); process 0 writes them
+            together = distributed.spans_processes(mesh)
+            receipt_tasks = environment.eval_tasks[:train_config.receipts] if primary or together else []
             end["receipts"] = write_credit_receipts(pipeline, end["final_params"], state.reference, receipt_tasks,
-                                                    jax.random.PRNGKey(train_config.seed + 1), run_dir / RECEIPTS_DIR)
+                                                    jax.random.PRNGKey(train_config.seed + 1), run_dir / RECEIPTS_DIR,
+                                                    write=primary)
 
         def plots(step, state, metrics):
             writer.write_plots()

@@ -75,6 +75,7 @@ from trace_jax.rollout.batch import STATUSES, episode_view
 from trace_jax.rollout.budget import GIB
 from trace_jax.scoring.continuation import build_answer_continuation
 from trace_jax.scoring.fork import score_answer_prefixes
+from trace_jax.train import distributed
 from trace_jax.train.config import LossConfig
 from trace_jax.train.flops import flops_per_token
 from trace_jax.train.loss import LossBatch, batch_logprobs, length_bucket, real_token_mask, trained_positions
@@ -278,8 +279,10 @@ class RLPipeline:
       browser: the rollouts' `Browser` (or `task -> Browser`).
       rollout, credit, loss, update: the configs.
       optimizer: the optax optimizer of the train step.
-      mesh, rules: optional mesh for the sampler, scorer and train step, and the train layout's logical-axis rules
-        (the scorer's and the train step's; a run passes `MeshConfig.train_rules()`; None = `models.DEFAULT_RULES`).
+      mesh, rules: optional mesh for the sampler, scorer and train step (a run's whole mesh, over every process:
+        each process collects and scores its own rows in programs over all of it), and the train layout's
+        logical-axis rules (the scorer's and the train step's; a run passes `MeshConfig.train_rules()`; None =
+        `models.DEFAULT_RULES`).
       rollout_rules: the sampler's rules (the rollout layout the params of `collect` are in; a run passes
         `MeshConfig.rollout_rules()`); None = `models.rollout_rules(rules)`.
       train_step: a compiled `make_train_step(model_config, loss, optimizer, ...)` to reuse (pipelines that share
@@ -320,10 +323,17 @@ class RLPipeline:
                                                                   template=template)
         return self._continuations[gold]
 
-    def collect(self, params, tasks: Sequence[Any], rng) -> Rollout:
-        """`len(tasks) x group_size` episodes of the current policy."""
+    def collect(self, params, tasks: Sequence[Any], rng, *, row_offset: int | None = None) -> Rollout:
+        """`len(tasks) x group_size` episodes of the current policy. On a mesh over several processes each process
+        collects its own tasks, all together, and by default its rows' keys count from its first row of the step
+        (process p's tasks are the p-th equal share: `row_offset = p x len(tasks) x group_size`), so every row
+        draws what it draws in a one-process run with the same `rng`; `row_offset` (`run_episodes`) says otherwise
+        (0 by default on one process)."""
+        if row_offset is None:
+            together = distributed.spans_processes(self.mesh)
+            row_offset = jax.process_index() * len(tasks) * self.rollout.group_size if together else 0
         return run_episodes(self.model_config, params, self.chat, tasks, self.browser, self.rollout, rng,
-                            mesh=self.mesh, rules=self.rollout_rules)
+                            mesh=self.mesh, rules=self.rollout_rules, row_offset=row_offset)
 
     def score(self, reference_params, rollout: Rollout, width: int, *, token_logprobs: bool = False):
         """The reference's answer scores `[N, T+1]` and (with `token_logprobs`) its next-token log-probs

@@ -24,7 +24,10 @@ and in the arguments' pytree structure), so `entry.lower()` lowers what the loop
                      fallback shapes a step that does not fit it is padded to.
 
 Host arrays the loop passes as they are (numpy token chunks, per-row flags) have no sharding here (`sharding=None`),
-as jit sees them; device arrays carry the layout the loop gives them. Not listed: the small jitted helpers of the
+as jit sees them; device arrays carry the layout the loop gives them. Every program is over the whole mesh, at the
+global shapes: with several processes the rollout's state holds every process's rows and its host arguments are
+every process's rows gathered (`sampler`'s module doc), so the entries are those of one process holding every row;
+the scorer's rows are each process's chunk padded to the same count. Not listed: the small jitted helpers of the
 host side (the rows' PRNG keys, `compute_advantages` on the step's `[rows, length]` advantages), and jnp
 operations on single arrays; the naive scorer (`UpdateConfig.scoring = 'naive'`, for contrast only).
 tests/rl/test_programs.py records what two RL steps dispatch and
@@ -50,7 +53,6 @@ from trace_jax.credit.registry import get_estimator
 from trace_jax.rl.pipeline import behaviour_program, update_shapes
 from trace_jax.rollout import budget, sampler
 from trace_jax.scoring import fork
-from trace_jax.train import distributed
 from trace_jax.train.checkpoint import abstract_train_state
 from trace_jax.train.loss import LossBatch, length_bucket
 from trace_jax.train.optimizer import make_optimizer
@@ -165,12 +167,6 @@ def _placed(tree, shardings):
     return jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), tree, shardings)
 
 
-def _process_local(sharding: jax.sharding.NamedSharding, local_mesh):
-    """`sharding` as `distributed.to_process_local` leaves it: the axes that cross processes dropped, on this
-    process's block of the mesh (the sharding itself with one process)."""
-    return jax.sharding.NamedSharding(local_mesh, distributed.process_local_spec(sharding))
-
-
 def bucket_lengths(longest: int, minimum: int = sampler.MIN_BUCKET) -> tuple[int, ...]:
     """Every `sampler.bucket_length(n, minimum)` for 1 <= n <= longest, in increasing order: the sizes the one
     bucketing rule can give (powers of two from `minimum` up to 512, then multiples of 256)."""
@@ -196,18 +192,19 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
     """
     rollout, update, loss, train = run_config.rollout, run_config.update, run_config.loss, run_config.train
     rules, rollout_rules = run_config.mesh.train_rules(), run_config.mesh.rollout_rules()
-    local = distributed.process_mesh(mesh)
     optimizer = optimizer or make_optimizer(run_config.optimizer)
     train_step = train_step or make_train_step(model_config, loss, optimizer, mesh=mesh, rules=rules)
-    # each process rolls out its share of the rows on its block of the mesh (`loop.rl_step`); the processes are
-    # those of the mesh's devices (a TPU topology's hosts for `trace-jax plan`, every process in a run)
+    # each process rolls out its share of the rows (`loop.rl_step`) in programs over the whole mesh, whose state
+    # holds every process's slots (`agent.run_episodes`); the processes are those of the mesh's devices (a TPU
+    # topology's hosts for `trace-jax plan`, every process in a run)
     processes = len({device.process_index for device in mesh.devices.flat})
     episodes = train.prompts_per_step * rollout.group_size // processes
     max_len = rollout.max_context
-    slots = budget.rows_within_budget(model_config, rollout, mesh=local, rows=max(episodes, 1),
-                                      budget_gib=kv_budget_gib if kv_budget_gib is not None else rollout.kv_budget_gib,
-                                      rules=rollout_rules)
-    kv_cache_bytes = budget.kv_bytes_per_chip(model_config, rollout, slots, mesh=local, rules=rollout_rules)
+    slots = processes * max(1, budget.rows_within_budget(
+        model_config, rollout, mesh=mesh, rows=max(episodes * processes, 1),
+        budget_gib=kv_budget_gib if kv_budget_gib is not None else rollout.kv_budget_gib,
+        rules=rollout_rules) // processes)
+    kv_cache_bytes = budget.kv_bytes_per_chip(model_config, rollout, slots, mesh=mesh, rules=rollout_rules)
 
     # the params as each phase reads them (loop.Placement)
     shapes = jax.eval_shape(lambda: models.init_params(model_config, jax.random.PRNGKey(0), dtype="float32"))
@@ -216,9 +213,9 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
     state = abstract_train_state(model_config, optimizer, mesh=mesh, rules=rules)
     reference_dtype, rollout_dtype = jnp.dtype(train.reference_dtype), jnp.dtype(train.rollout_dtype)
     reference = _placed(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, reference_dtype), shapes),
-                        jax.tree_util.tree_map(lambda s: _process_local(s, local), train_shardings))
+                        train_shardings)
     rollout_params = _placed(jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, rollout_dtype), shapes),
-                             jax.tree_util.tree_map(lambda s: _process_local(s, local), rollout_shardings))
+                             rollout_shardings)
     entries: list[Entry] = []
 
     # rollout: the copy of the policy it reads, in its dtype and layout
@@ -233,15 +230,14 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
     moving = [i for i, (x, t) in enumerate(zip(leaves, targets))
               if not x.sharding.is_equivalent_to(t.sharding, len(x.shape))]
     if moving:
-        moved_to = [jax.sharding.NamedSharding(mesh, t.sharding.spec) for t in targets]
-        entries.append(Entry("reshard", models.reshard_program([moved_to[i] for i in moving]),
+        entries.append(Entry("reshard", models.reshard_program([targets[i].sharding for i in moving]),
                              ([leaves[i] for i in moving],),
                              f"{len(moving)} of {len(leaves)} policy params, train layout -> rollout layout"))
 
     # rollout: the sampler's programs (rollout.agent.run_episodes -> sampler)
-    sampler_state = sampler.abstract_state(model_config, slots, max_len, mesh=local, rules=rollout_rules)
+    sampler_state = sampler.abstract_state(model_config, slots, max_len, mesh=mesh, rules=rollout_rules)
     layout = sampler.state_layout(sampler_state)
-    entries.append(Entry("init", sampler.init_state_program(model_config, slots, max_len, local, rollout_rules), (),
+    entries.append(Entry("init", sampler.init_state_program(model_config, slots, max_len, mesh, rollout_rules), (),
                          f"{slots} rows x {max_len} tokens"))
     prefill = sampler.prefill_rows_program(model_config, layout)
     for width in sorted({min(w, max_len) for w in bucket_lengths(max_len)}):
@@ -259,7 +255,7 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
     for attend in attends + [None]:
         args = (row_sampling, rollout_params, sampler_state, _host((slots,), jnp.bool_), _host((slots,), jnp.int32),
                 _host((num_stop_ids,), jnp.int32), keys, _host((), jnp.uint32), _host((slots,), jnp.int32))
-        entries.append(Entry("decode", sampler.decode_program(model_config, steps, attend, local, layout), args,
+        entries.append(Entry("decode", sampler.decode_program(model_config, steps, attend, mesh, layout), args,
                              f"{slots} rows x {steps} steps, attending {attend or max_len} of {max_len} slots"))
     append = sampler.append_program(model_config, layout)
     for width in bucket_lengths(max_len):
@@ -270,8 +266,8 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
     estimator = get_estimator(run_config.credit.estimator)
     token_logprobs = loss.needs_reference or update.kl_metric
     if update.scoring == "fork" and ("answer_scores" in estimator.requires or token_logprobs):
-        entries += _score_entries(run_config, model_config, local, rules, reference, episodes, answer_tokens,
-                                  token_logprobs)
+        entries += _score_entries(run_config, model_config, mesh, rules, reference, episodes, answer_tokens,
+                                  token_logprobs, processes)
 
     # update: one mini-batch of the run's fixed update shape, and the fallbacks (pipeline.update_shapes)
     fixed = update_shapes(rollout, update, episodes)
@@ -314,10 +310,11 @@ def abstract_loss_batch(loss, mesh, rules, rows: int, shape) -> LossBatch:
                      trained_index=None if shape.head_width is None else spec(shape.head_width, jnp.int32))
 
 
-def _score_entries(run_config, model_config, local, rules, reference, episodes: int, answer_tokens: int,
-                   token_logprobs: bool) -> list[Entry]:
+def _score_entries(run_config, model_config, mesh, rules, reference, episodes: int, answer_tokens: int,
+                   token_logprobs: bool, processes: int) -> list[Entry]:
     """The scorer's padded shapes (`fork.padded_shape`) at every length bucket of a step, every scorer chunk of its
-    rows and every answer length up to `answer_tokens`."""
+    rows and every answer length up to `answer_tokens`; with several processes, of every process's chunk together,
+    each process's rows padded to the same count (`fork.score_answer_prefixes`)."""
     rollout, update = run_config.rollout, run_config.update
     max_len, slots = rollout.max_context, rollout.max_turns + 1
     most_rows = episodes * (update.rows_per_episode if rollout.context_budget else 1)
@@ -327,16 +324,17 @@ def _score_entries(run_config, model_config, local, rules, reference, episodes: 
         chunk_rows |= {min(chunk, n)} | ({n % chunk} if n % chunk else set())
     widths = sorted({length_bucket(k * update.length_multiple, update.length_multiple, max_len)
                      for k in range(1, -(-max_len // update.length_multiple) + 1)})
-    shapes = sorted({fork.padded_shape(n, w, slots, m, mesh=local, rules=rules)
+    shapes = sorted({fork.padded_shape(n * processes, w, slots, m, mesh=mesh, rules=rules)
                      for n in chunk_rows for w in widths for m in range(1, answer_tokens + 1)})
+    shapes = sorted({(-(-pn // processes) * processes, *rest) for pn, *rest in shapes})
     entries = []
     for pn, pl, ps, pm in shapes:
         layout = fork.choose_layout(pl, ps, pm, rows=pn)
         program = fork.fork_scores_program(model_config, layout=layout, logprob_chunk=256, query_chunk=0,
-                                           with_token_logprobs=token_logprobs, mesh=local)
+                                           with_token_logprobs=token_logprobs, mesh=mesh)
 
         def arg(shape, dtype):
-            return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=fork.row_sharding(local, len(shape), rules))
+            return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=fork.row_sharding(mesh, len(shape), rules))
 
         args = (reference, arg((pn, pl), jnp.int32), arg((pn, ps), jnp.int32), arg((pn, ps), jnp.bool_),
                 arg((pn, pm), jnp.int32), arg((pn, pm), jnp.int32))

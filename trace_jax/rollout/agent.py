@@ -43,6 +43,14 @@ ones. Tools: one `Browser` (forked per row, so any corpus works) or a `task -> B
 Test hook: `logits_hook(turn_of_row, step, generated)` returns a logit bias [N, V] (see `ScriptedPolicy`); its
 arguments and result are indexed by row, whatever slot the row runs in.
 
+Several processes (a `mesh` over the devices of several JAX processes): each process runs this loop for its own
+tasks (its rows, their tools and parsing) and the sampler's state holds every process's slots, process p's slots
+being its p-th block of rows; each program is a collective over the whole mesh, so the rounds run in lock step
+(`distributed.agree_any`): every process runs until no process has a row left, a process whose rows are done takes
+part with no active rows and empty admissions, and its slot count is the largest any process needs
+(`distributed.agree_max`). The params and the cache stay sharded over the whole mesh: spanning processes adds no
+copy. The batch's arrays stay on the host there (this process's rows).
+
 This module knows nothing about the model's internals, credit assignment or training.
 """
 
@@ -64,6 +72,7 @@ from trace_jax.rollout import sampler as sampler_lib
 from trace_jax.rollout.batch import EpisodeRecord, TrajectoryBatch, build_batch
 from trace_jax.rollout.budget import cache_bytes_per_device, rows_within_budget
 from trace_jax.rollout.context import compacted_context, render_record, search_state
+from trace_jax.train import distributed
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a research agent. Answer the question by searching and reading documents with the browser tools. "
@@ -146,7 +155,8 @@ class Rollout:
     """What `run_episodes` returns: the device batch, one `EpisodeRecord` per row, and phase timings (seconds).
 
     Attributes:
-      rows_at_once: rows the sampler's cache held (its batch size; fewer than the rows under a KV budget).
+      rows_at_once: rows the sampler's cache held (its batch size; fewer than the rows under a KV budget; with a
+        mesh over several processes, every process's rows together).
       kv_cache_bytes: the largest bytes of the sampler's cache arrays (k, v, lengths) on any one device, read
         from the arrays themselves after every admission.
     """
@@ -207,6 +217,8 @@ def _row_hook(logits_hook, slot_row: np.ndarray, episodes: list[EpisodeRecord], 
     turn_of_row = np.asarray([len(e.turn_texts) for e in episodes], np.int64)
 
     def hook(step: int, generated: list) -> np.ndarray | None:
+        if not n:  # no rows of its own (a process taking part in the others' rounds)
+            return None
         by_row: list[list[int]] = [[] for _ in range(n)]
         for s, r in enumerate(slot_row):
             if r >= 0:
@@ -253,7 +265,9 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
       browser: a `Browser` (each row gets `browser.fork()`) or a factory `task -> Browser`.
       rollout: limits and sampling.
       rng: PRNG key; turn k of row r samples with `fold_in(fold_in(rng, k), row_offset + r)`.
-      mesh, rules: shard rows (and kv heads) of the sampler state on this mesh.
+      mesh, rules: shard rows (and kv heads) of the sampler state on this mesh. A mesh over several processes:
+        every process calls this with its own tasks (any number, none included), and the sampler's programs run
+        over the whole mesh on every process's rows together (module doc).
       row_offset: the key index of the first row: a caller that runs one batch of rows as several calls (chunks,
         processes) passes each call the index of its first row and gets the draws of the whole batch.
       logits_hook: test hook (see `ScriptedPolicy`).
@@ -294,15 +308,21 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
                                           gold=_gold(task), clues=tuple(getattr(task, "clues", ()) or ())))
             browsers.append(browser.fork() if isinstance(browser, Browser) else browser(task))
 
-    slots = rows_within_budget(config, rollout, mesh=mesh, rows=max(n, 1), rules=rules)
-    state = sampler_lib.init_state(config, slots, max_len, mesh=mesh, rules=rules)
-    slot_row = np.full(slots, -1, np.int64)  # the row each cache row (slot) holds; -1 = free
+    # On a mesh over several processes the sampler's state holds every process's slots (process p's are its p-th
+    # block) and each program is a collective: every process runs the rounds below until no process has a row
+    # left, with empty admissions and no active rows once its own rows are done (module doc).
+    processes = jax.process_count() if distributed.spans_processes(mesh) else 1
+    most = distributed.agree_max(n) if processes > 1 else n
+    slots = max(1, rows_within_budget(config, rollout, mesh=mesh, rows=max(most * processes, 1),
+                                      rules=rules) // processes)
+    state = sampler_lib.init_state(config, slots * processes, max_len, mesh=mesh, rules=rules)
+    slot_row = np.full(slots, -1, np.int64)  # the row each of this process's cache rows (slots) holds; -1 = free
     waiting = collections.deque(range(n))
     kv_cache_bytes = 0
     generated_tokens = 0
-    while waiting or (slot_row >= 0).any():
+    while distributed.agree_any(bool(waiting) or (slot_row >= 0).any()):
         free = np.nonzero(slot_row < 0)[0][:len(waiting)]
-        if len(free):
+        if distributed.agree_any(len(free) > 0):
             # Admission: the G samples of a prompt admitted together share one prefill (identical prompts run once).
             admitted = [waiting.popleft() for _ in free]
             t0 = time.perf_counter()
@@ -315,11 +335,12 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
 
         running = slot_row >= 0
         held = np.where(running, slot_row, 0)
-        turn_of_slot = np.asarray([len(episodes[r].turn_texts) for r in held], np.int32)
+        # (a process with no rows of its own, taking part in the others' rounds, has nothing to read: zeros)
+        turn_of_slot = np.asarray([len(episodes[r].turn_texts) if n else 0 for r in held], np.int32)
         keys = _row_keys(rng, (held + row_offset).astype(np.int32), turn_of_slot)
         hook = None if logits_hook is None else _row_hook(logits_hook, slot_row, episodes, n)
-        budget = np.asarray([min(rollout.turn_token_budget, max_len - len(rows[r]["tokens"])) for r in held],
-                            np.int32)
+        budget = np.asarray([min(rollout.turn_token_budget, max_len - len(rows[r]["tokens"])) if n else 0
+                             for r in held], np.int32)
         t0 = time.perf_counter()
         state, gen = sampler_lib.generate(
             config, params, state, rng=keys, active=running, max_new_tokens=budget,
@@ -400,7 +421,7 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
         timing["env"] += env_time
         timing["agent_host"] += time.perf_counter() - t0 - env_time
 
-        if refills:  # compacted rows start over in their slot, through the admission path
+        if distributed.agree_any(bool(refills)):  # compacted rows start over in their slot, through admission
             t0 = time.perf_counter()
             state = sampler_lib.prefill_rows(config, params, state, list(refills), list(refills.values()))
             timing["prefill"] += time.perf_counter() - t0
@@ -419,8 +440,30 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
             first_turn.append(segment["first_turn"])
     batch = build_batch(segment_rows, max_len=max_len, max_turns=rollout.max_turns,
                         group_id=np.asarray(episode_of) // group, pad_id=pad_id, episode=episode_of,
-                        first_turn=first_turn)
+                        first_turn=first_turn, placement=_batch_placement(mesh, rules))
     timing["pack"] = time.perf_counter() - t0
     timing["total"] = time.perf_counter() - start
     return Rollout(batch=batch, episodes=episodes, timing=timing, generated_tokens=generated_tokens,
-                   rows_at_once=slots, kv_cache_bytes=kv_cache_bytes)
+                   rows_at_once=slots * processes, kv_cache_bytes=kv_cache_bytes)
+
+
+def _batch_placement(mesh, rules):
+    """Where `build_batch` puts the batch's arrays: on one device without a mesh (as always); on a mesh of this
+    process, rows over its batch axes where they divide (the layout its consumers, scoring and the update, read
+    rows in), never whole on one device; on a mesh over several processes, on the host (this process's rows,
+    which the loop assembles into the global update batch itself)."""
+    if mesh is None:
+        return None
+    if distributed.spans_processes(mesh):
+        return np.asarray
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from trace_jax.models.sharding import logical_to_mesh_spec
+
+    def place(x):
+        spec = logical_to_mesh_spec(P("batch", *([None] * (x.ndim - 1))), mesh, rules)
+        sharding = sampler_lib.divisible_shardings(x, NamedSharding(mesh, spec))
+        return jax.device_put(x, sharding)
+
+    return place

@@ -188,12 +188,14 @@ def episode_view(batch: TrajectoryBatch) -> EpisodeView:
 
 
 def build_batch(rows: list[dict], *, max_len: int, max_turns: int, group_id, pad_id: int = 0, episode=None,
-                first_turn=None) -> TrajectoryBatch:
+                first_turn=None, placement=None) -> TrajectoryBatch:
     """Pack per-row host lists into a `TrajectoryBatch` of shape [N, max_len] / [N, max_turns + 1].
 
     Each row dict holds lists `tokens`, `loss_mask`, `turn_index`, `logprobs`, `sampling_logprobs` (one entry per
     token), `boundaries` (1..max_turns+1 offsets), and scalars `reward`, `status` (a name). `episode` and
     `first_turn` ([N]) place segment rows in their episodes; None: one row per episode (`arange(N)`, zeros).
+    `placement`: a function `host array -> array` that puts each field where its consumer reads it (the rollout's
+    rows over the mesh's batch axes, or `np.asarray` to keep them on the host); None: the default device.
     """
     n = len(rows)
     tokens = np.full((n, max_len), pad_id, np.int32)
@@ -224,11 +226,12 @@ def build_batch(rows: list[dict], *, max_len: int, max_turns: int, group_id, pad
         reward[i] = row["reward"]
         status[i] = STATUS_CODES[row["status"]]
     positions = np.broadcast_to(np.arange(max_len, dtype=np.int32), (n, max_len))
+    put = jnp.asarray if placement is None else (lambda x: placement(np.ascontiguousarray(x)))
     return TrajectoryBatch(
-        tokens=jnp.asarray(tokens), positions=jnp.asarray(positions), loss_mask=jnp.asarray(loss_mask),
-        turn_index=jnp.asarray(turn_index), boundaries=jnp.asarray(boundaries), num_turns=jnp.asarray(num_turns),
-        group_id=jnp.asarray(np.asarray(group_id, np.int32)), reward=jnp.asarray(reward),
-        sampler_logprobs=jnp.asarray(logprobs), sampling_logprobs=jnp.asarray(sampling_lp),
-        lengths=jnp.asarray(lengths), status=jnp.asarray(status),
-        episode=jnp.asarray(np.arange(n, dtype=np.int32) if episode is None else np.asarray(episode, np.int32)),
-        first_turn=jnp.asarray(np.zeros(n, np.int32) if first_turn is None else np.asarray(first_turn, np.int32)))
+        tokens=put(tokens), positions=put(positions), loss_mask=put(loss_mask),
+        turn_index=put(turn_index), boundaries=put(boundaries), num_turns=put(num_turns),
+        group_id=put(np.asarray(group_id, np.int32)), reward=put(reward),
+        sampler_logprobs=put(logprobs), sampling_logprobs=put(sampling_lp),
+        lengths=put(lengths), status=put(status),
+        episode=put(np.arange(n, dtype=np.int32) if episode is None else np.asarray(episode, np.int32)),
+        first_turn=put(np.zeros(n, np.int32) if first_turn is None else np.asarray(first_turn, np.int32)))

@@ -21,6 +21,10 @@ hidden state at `b_k - 1` (which only sees keys `< b_k`), and the last answer to
 Log-probs come from `models.hidden_logprobs` in sequence chunks, so float32 `[batch, length, vocab]` logits never
 exist. The same pass yields the reference's per-token log-probs of the trajectory itself.
 
+On a mesh over several processes every process calls `score_answer_prefixes` with its own rows; the pass is one
+collective program over every process's rows (shapes agreed over the processes), each process feeding its block of
+the rows and reading its scores back from its own shards.
+
 Shapes are padded to buckets (`padded_shape`) so jit compiles once per bucket, not per batch. With a `mesh`,
 trajectories are split over the mesh's batch axes (data parallel) and params placed by the logical-axis rules.
 `fork_scores_program` is the public builder of the device program: the loop (through `score_answer_prefixes`) and
@@ -45,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from trace_jax import models
 from trace_jax.models.config import ModelConfig
+from trace_jax.train import distributed
 
 METHODS = ("fork", "cached", "naive")
 LAYOUTS = ("auto", "packed", "cached")
@@ -381,6 +386,12 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
                                            answer_mask, lengths=lengths, logprob_chunk=logprob_chunk)
     if method == "cached":
         layout = "cached"
+    if distributed.spans_processes(mesh):
+        return _score_over_processes(config, params, tokens, boundaries, num_states, answer_tokens, answer_mask,
+                                     layout=layout, lengths=lengths, mesh=mesh, rules=rules,
+                                     packed_max_len=packed_max_len, packed_max_tokens=packed_max_tokens,
+                                     logprob_chunk=logprob_chunk, query_chunk=query_chunk, bucket=bucket,
+                                     token_logprobs=token_logprobs)
     n, length = tokens.shape
     slots, m = boundaries.shape[1], answer_tokens.shape[1]
     pn, pl, ps, pm = padded_shape(n, length, slots, m, mesh=mesh, rules=rules, bucket=bucket)
@@ -406,6 +417,50 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
     if lengths is not None:
         keep = jnp.arange(length)[None, :] < (jnp.asarray(lengths, jnp.int32)[:, None] - 1)
         token_lp = jnp.where(keep, token_lp, 0.0)
+    return PrefixScores(scores, token_lp)
+
+
+def _score_over_processes(config, params, tokens, boundaries, num_states, answer_tokens, answer_mask, *, layout,
+                          lengths, mesh, rules, packed_max_len, packed_max_tokens, logprob_chunk, query_chunk, bucket,
+                          token_logprobs) -> PrefixScores:
+    """`score_answer_prefixes` of this process's rows on a mesh over several processes: one collective pass over
+    every process's rows (every process calls it; the shapes are agreed over the processes, `distributed.
+    agree_max`). Each process's rows are padded to the same count and take the process's block of the global
+    batch (`distributed.global_batch`: fed from this process, no gather), so the scores are read back from its
+    own shards (`distributed.local_rows`). Returns host arrays of this process's rows."""
+    processes = jax.process_count()
+    n, length = tokens.shape
+    slots, m = boundaries.shape[1], answer_tokens.shape[1]
+    most, length, m = (distributed.agree_max(v) for v in (n, length, m))
+    pn, pl, ps, pm = padded_shape(most * processes, length, slots, m, mesh=mesh, rules=rules, bucket=bucket)
+    per = -(-pn // processes)
+    pn = per * processes
+    if layout == "auto":
+        layout = choose_layout(pl, ps, pm, packed_max_len, rows=pn, packed_max_tokens=packed_max_tokens)
+    state_valid = np.arange(ps)[None, :] < _pad_to(num_states, (per,))[:, None]
+    local = [_pad_to(tokens, (per, pl)), _pad_to(boundaries, (per, ps), 1), state_valid,
+             _pad_to(answer_tokens, (per, pm)), _pad_to(answer_mask, (per, pm))]
+    local[4][n:, 0] = 1  # padded rows: one state at offset 1 with one scored token (results discarded)
+    shardings = [row_sharding(mesh, a.ndim, rules) for a in local]
+    try:
+        distributed.check_rows_split_by_process(shardings[0], (pn, pl))
+        args = distributed.global_batch(local, shardings)
+    except ValueError:  # rows not split by process (e.g. replicated): every process passes every row
+        args = distributed.put_replicated_value([distributed.gather_rows(a) for a in local], shardings)
+    if not models.placed_on(params, mesh):
+        params = models.shard_params(params, config, mesh, rules)
+    program = fork_scores_program(config, layout=layout, logprob_chunk=logprob_chunk, query_chunk=query_chunk,
+                                  with_token_logprobs=token_logprobs, mesh=mesh)
+    scores, token_lp = program(params, *args)
+    mine = slice(jax.process_index() * per, jax.process_index() * per + n)
+    scores = distributed.local_rows(scores, mine)[:, :slots]
+    if token_lp is None:
+        return PrefixScores(scores, None)
+    token_lp = distributed.local_rows(token_lp, mine)[:, :tokens.shape[1]].copy()
+    token_lp[:, -1] = 0.0
+    if lengths is not None:
+        keep = np.arange(tokens.shape[1])[None, :] < (np.asarray(lengths, np.int32)[:, None] - 1)
+        token_lp = np.where(keep, token_lp, 0.0).astype(np.float32)
     return PrefixScores(scores, token_lp)
 
 

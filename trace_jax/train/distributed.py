@@ -17,12 +17,15 @@ What a multi-process run does with it (`trace_jax.rl.loop`):
     the config); the train state lives on one mesh over every process's devices (`MeshConfig`);
   * each process runs the rollouts of its contiguous share of the step's prompts (`process_share`), with all `G`
     samples of a prompt on the same process: prompt groups are host-local by construction, so group statistics
-    (GRPO, TRACE, GiGPO) need no gathering; it runs them, and the reference scoring of its rows, on its own block
-    of the mesh (`process_mesh`), from arrays made process-local on device (`to_process_local`); rows of all
-    processes are assembled into one global batch with `jax.make_array_from_process_local_data` (`global_batch`);
+    (GRPO, TRACE, GiGPO) need no gathering. The rollout and the reference scoring are SPMD programs over the whole
+    mesh with the params sharded over all of it: each process feeds its own rows and runs the agent loop (tools,
+    parsing) for them, and the processes dispatch the same programs in lock step (`agree_max`, `agree_any`;
+    `gather_sequences` and `gather_rows` for the small per-row host arguments every process passes alike;
+    `local_rows` reads a result's rows from this process's shards); rows of all processes are assembled into one
+    global update batch with `jax.make_array_from_process_local_data` (`global_batch`);
   * evaluations split the held-out tasks: each process runs its contiguous part (`process_part`, uneven counts
-    allowed) on its own block of the mesh, and the per-task outcomes are gathered (`gather_rows`), so every process
-    holds the result one process evaluating every task would give;
+    allowed) in the same programs over the mesh, and the per-task outcomes are gathered (`gather_rows`), so every
+    process holds the result one process evaluating every task would give;
   * only the primary process (index 0) writes logs, metrics, plots, receipts and the summary (`is_primary`); every
     process takes part in orbax checkpointing (orbax coordinates the processes itself).
 
@@ -38,10 +41,7 @@ from typing import Callable, Mapping
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-
-from trace_jax import models
+from jax.sharding import Mesh
 
 MODES = ("off", "auto", "explicit")
 ENV_COORDINATOR = "TRACE_JAX_COORDINATOR"
@@ -212,13 +212,6 @@ def process_part(count: int, *, process_index: int | None = None, process_count:
     return slice(i * count // n, (i + 1) * count // n)
 
 
-def process_key(key):
-    """This process's PRNG key for its share of a step drawn from the step's `key`: `fold_in(key, process_index)`
-    when there are several processes (each samples its own rows), the step's key itself with one (so a
-    one-process run draws what it always drew)."""
-    return jax.random.fold_in(key, jax.process_index()) if jax.process_count() > 1 else key
-
-
 def barrier(name: str) -> None:
     """Wait until every process reaches the barrier `name` (nothing to wait for with one process)."""
     if jax.process_count() > 1:
@@ -283,88 +276,85 @@ def put_replicated_value(tree, shardings):
     return jax.tree_util.tree_map(put, tree, shardings)
 
 
-# ------------------------------------------------------------------------------------------------ process mesh
-def process_mesh(mesh: Mesh) -> Mesh:
-    """This process's block of `mesh`: the same axis names over its own devices only (the whole mesh with one
-    process). Host-driven programs whose rows belong to one process (the agent loop with its tools, the scorer of
-    those rows) run on it.
+# ------------------------------------------------------------------------------------------------ lock-step
+# The rollout and the reference scoring are SPMD programs over the whole mesh: every process must dispatch the same
+# programs with the same shapes in the same order. These helpers are the host side of that agreement (a tiny
+# all-gather each); with one process each is the identity and talks to no one.
+def agree_max(value: int) -> int:
+    """The largest `value` of any process (a collective; `value` itself with one process)."""
+    if jax.process_count() == 1:
+        return int(value)
+    return int(gather_to_hosts(np.asarray(int(value), np.int32)).max())
 
-    Raises ValueError when this process's devices are not one block of the mesh (a mesh built over
-    `jax.devices()`, which lists devices in process order, always gives blocks when the device count of one process
-    is a multiple of the product of the trailing axes it spans)."""
+
+def agree_any(flag: bool) -> bool:
+    """Whether `flag` holds on any process (a collective; `flag` itself with one process)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    return bool(gather_to_hosts(np.asarray(bool(flag), np.int32)).any())
+
+
+def spans_processes(where) -> bool:
+    """Whether a mesh (or an array, a sharding) has devices of other processes than this one: its programs are
+    collectives every process must dispatch together. False for None (one device) and with one process."""
+    if where is None or jax.process_count() == 1:
+        return False
+    if isinstance(where, jax.Array):
+        return not where.is_fully_addressable
+    devices = where.devices if isinstance(where, Mesh) else where.mesh.devices
     me = jax.process_index()
-    devices = mesh.devices
-    mine = np.vectorize(lambda d: d.process_index == me, otypes=[bool])(devices)
-    if mine.all():
-        return mesh
-    coords = np.nonzero(mine)
-    block = devices[np.ix_(*[np.unique(c) for c in coords])]
-    if block.size != int(mine.sum()):
-        raise ValueError(f"process {me}'s {int(mine.sum())} devices are not one block of the mesh "
-                         f"{dict(mesh.shape)}: order the MeshConfig axes so that each process holds whole slices "
-                         "of the outer axes (e.g. MeshConfig.data = the number of processes)")
-    return Mesh(block, mesh.axis_names)
+    return any(device.process_index != me for device in np.asarray(devices).flat)
 
 
-def spanning_axes(mesh: Mesh) -> tuple[str, ...]:
-    """The axes of `mesh` that cross process boundaries (shorter in `process_mesh(mesh)`); () with one process."""
-    local = dict(process_mesh(mesh).shape)
-    return tuple(a for a, size in dict(mesh.shape).items() if local[a] != size)
+def gather_sequences(sequences) -> list[list[int]]:
+    """Every process's lists of ints (any number of lists of any lengths), concatenated in process order on every
+    process (a collective; the lists themselves with one process). For the token ids of rows that a collective
+    program takes from every process (admitted prompts, appended observations)."""
+    sequences = [[int(t) for t in seq] for seq in sequences]
+    if jax.process_count() == 1:
+        return sequences
+    longest = agree_max(max((len(seq) for seq in sequences), default=0))
+    rows = np.zeros((len(sequences), longest + 1), np.int32)
+    for i, seq in enumerate(sequences):
+        rows[i, 0] = len(seq)
+        rows[i, 1:1 + len(seq)] = seq
+    gathered = gather_rows(rows)
+    return [row[1:1 + int(row[0])].tolist() for row in gathered]
 
 
-def _without_axes(spec: P, dropped: tuple[str, ...]) -> P:
-    def keep(entry):
-        if entry is None:
-            return None
-        names = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in dropped)
-        return None if not names else names[0] if len(names) == 1 else names
+def local_rows(x, rows: slice, axis: int = 0) -> np.ndarray:
+    """Rows `rows` (along `axis`) of the array `x`, as host numpy, read from this process's addressable shards (no
+    communication) when they hold those rows; otherwise from the all-gathered array (a collective). Every process
+    asks for its own block of rows of a layout that either splits the rows by process or replicates them, so every
+    process takes the same branch (the rollout's and the scorer's rows; a layout that puts a process's rows on
+    another process's devices would have only some processes gather). A fully addressable array is read as it is."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)[(slice(None),) * axis + (rows,)]
+    start, stop, _ = rows.indices(x.shape[axis])
+    shape = list(x.shape)
+    shape[axis] = stop - start
+    out = np.zeros(shape, x.dtype)
+    covered = np.zeros(shape, bool)
+    for shard in x.addressable_shards:
+        index = list(shard.index) + [slice(None)] * (x.ndim - len(shard.index))
+        lo, hi, _ = index[axis].indices(x.shape[axis])
+        lo, hi = max(lo, start), min(hi, stop)
+        if lo >= hi:
+            continue
+        data = np.asarray(shard.data)
+        source = [slice(None)] * x.ndim
+        first, _, _ = index[axis].indices(x.shape[axis])
+        source[axis] = slice(lo - first, hi - first)
+        target = list(index)
+        target[axis] = slice(lo - start, hi - start)
+        out[tuple(target)] = data[tuple(source)]
+        covered[tuple(target)] = True
+    if covered.all():
+        return out
+    from jax.experimental import multihost_utils
 
-    return P(*(keep(e) for e in spec))
-
-
-def process_local_spec(sharding: NamedSharding) -> P:
-    """The spec of `sharding` (on a mesh) as `to_process_local` places it: the process-crossing axes dropped."""
-    return _without_axes(sharding.spec, spanning_axes(sharding.mesh))
-
-
-def to_process_local(tree, shardings):
-    """`tree` (global arrays on a mesh) in the layout `shardings` (a matching pytree of `NamedSharding`s on the same
-    mesh), as arrays on this process's block of the mesh (`process_mesh`), moved on device, never through host
-    memory: a jitted reshard (`out_shardings`) to `shardings` with the process-crossing axes dropped from every
-    spec (those dimensions are gathered over the processes, so each process's devices hold the whole array between
-    them), then each process wraps its own device buffers as arrays of its block (no copy).
-
-    With one process there is nothing to drop or wrap: it is the reshard alone, and nothing at all for leaves
-    already in their target layout. A collective when the mesh spans processes (every process must call it).
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    targets = treedef.flatten_up_to(shardings)
-    if not leaves:
-        return tree
-    mesh = targets[0].mesh
-    dropped = spanning_axes(mesh)
-    targets = [NamedSharding(mesh, process_local_spec(t)) for t in targets]
-    moving = [i for i, (x, t) in enumerate(zip(leaves, targets))
-              if not (isinstance(x.sharding, NamedSharding) and x.sharding.is_equivalent_to(t, x.ndim))]
-    if moving:
-        moved = models.reshard_program([targets[i] for i in moving])([leaves[i] for i in moving])
-        for i, x in zip(moving, moved):
-            leaves[i] = x
-    if dropped:
-        local = process_mesh(mesh)
-
-        def wrap(x, target):
-            sharding = NamedSharding(local, target.spec)
-            wanted = sharding.addressable_devices_indices_map(x.shape)
-            held = x.sharding.addressable_devices_indices_map(x.shape)
-            if any(held[d] != index for d, index in wanted.items()):  # the block's coordinates must be the mesh's
-                raise ValueError(f"process {jax.process_index()}'s shards of a {x.shape} array on {x.sharding} are "
-                                 f"not the shards of {sharding} on its block of the mesh")
-            buffers = {shard.device: shard.data for shard in x.addressable_shards}
-            return jax.make_array_from_single_device_arrays(x.shape, sharding, [buffers[d] for d in wanted])
-
-        leaves = [wrap(x, t) for x, t in zip(leaves, targets)]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+    whole = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return whole[(slice(None),) * axis + (slice(start, stop),)]
 
 
 def describe_mesh(mesh: Mesh) -> dict:
@@ -377,7 +367,7 @@ def host_local(tree):
     """A copy of a pytree of (possibly global) arrays that lives on this process only (its first local device), to
     read results on the host (tests, tools). Arrays this process holds in full are copied from its own shard;
     arrays sharded across processes are all-gathered through host memory (a collective: every process must call
-    this). The training loop never uses it: `to_process_local` moves params on device."""
+    this). The training loop never uses it: its phases read their own shards."""
     from jax.experimental import multihost_utils
 
     device = jax.local_devices()[0]

@@ -1,0 +1,153 @@
+"""Two RL steps of a tiny run on a mesh whose one axis spans every device (fsdp=8, or expert=8 with an 8-expert tiny
+MoE), run by every process of a (possibly multi-process) run, recording what the rollout and the reference scoring
+hold on each device and what the steps produce.
+
+`python tests/rl/multihost_spmd.py OUT_DIR SETTING` is what each process of tests/rl/test_spmd_processes.py runs (the
+`TRACE_JAX_*` variables make it join the run); `run_steps(out_dir, setting)` is the same in the calling process.
+Bytes come from the live device buffers the programs read (each addressable shard's `nbytes`, by device), taken
+when the rollout's first `generate` and the first reference scoring are called; the steps run under the program
+recorder of tests/rl/test_programs.py against the run's registry (what `trace-jax plan` lowers). Process 0 writes
+OUT_DIR/result.json: the largest bytes on any of its devices, every process's rows (gathered) of each step, and
+what the recorder saw dispatched outside the registry; with fsdp=8 also an evaluation of 3 held-out tasks split
+unevenly over the processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+GIN = """
+include 'configs/tiny.gin'
+model_preset.hidden_size = 32
+model_preset.intermediate_size = 64
+model_preset.num_hidden_layers = 1
+model_preset.num_attention_heads = 2
+model_preset.num_key_value_heads = 2
+model_preset.head_dim = 16
+DataConfig.num_train_tasks = 8
+DataConfig.num_eval_tasks = 3
+RolloutConfig.group_size = 2
+RolloutConfig.system_prompt = None
+RolloutConfig.max_turns = 1
+RolloutConfig.max_context = 128
+RolloutConfig.turn_token_budget = 8
+UpdateConfig.length_multiple = 128
+WarmStartConfig.steps = 0
+TrainConfig.prompts_per_step = 4
+OptimizerConfig.learning_rate = 1e-4
+"""
+MOE = """
+model_preset.name = 'tiny-qwen3-moe'
+model_preset.moe_intermediate_size = 16
+model_preset.num_experts = 8
+"""
+SETTINGS = {"fsdp8": (GIN, {"fsdp": 8}), "expert8": (GIN + MOE, {"expert": 8})}
+STEPS = 2
+
+
+def _bytes_by_device(tree) -> dict:
+    """Bytes of the live buffers of `tree`'s arrays on each of this process's devices (addressable shards)."""
+    import jax
+
+    out = {device: 0 for device in jax.local_devices()}
+    for leaf in jax.tree_util.tree_leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device] += shard.data.nbytes
+    return out
+
+
+def _most(tree) -> int:
+    """The most bytes of `tree` on any one of this process's devices."""
+    return max(_bytes_by_device(tree).values())
+
+
+def _experts(params) -> list:
+    """The expert weights of an MoE's params (none for a dense model)."""
+    moe = params["layers"].get("moe", {})
+    return [moe[name] for name in ("gate_proj", "up_proj", "down_proj") if name in moe]
+
+
+def run_steps(out_dir: str | Path, setting: str) -> dict:
+    import jax
+    import numpy as np
+
+    from tests.rl.test_programs import Recorder
+    from trace_jax.rl import pipeline as pipeline_lib
+    from trace_jax.rl.gin_setup import parse
+    from trace_jax.rl.loop import Placement, build_environment, make_rl_step, prompt_stream, rl_step
+    from trace_jax.rollout import agent as agent_lib
+    from trace_jax.train import distributed
+    from trace_jax.train.config import MeshConfig
+    from trace_jax.train.state import init_train_state
+
+    out_dir = Path(out_dir)
+    gin, mesh_fields = SETTINGS[setting]
+    gin_file = out_dir / f"{setting}{jax.process_index()}.gin"
+    gin_file.write_text(gin)
+    config = parse([str(gin_file)])
+    config = dataclasses.replace(config, mesh=MeshConfig(**mesh_fields))
+    environment = build_environment(config, out_dir / f"env{jax.process_index()}")
+    placement = Placement(config, environment.model_config)
+    rl = make_rl_step(config, environment, placement=placement)
+    params = placement.policy(environment.params)
+    reference = placement.frozen(params)
+    state = init_train_state(environment.model_config, rl.optimizer, params, jax.random.PRNGKey(0),
+                             mesh=placement.mesh)
+
+    seen: dict = {}
+    generate, score = agent_lib.sampler_lib.generate, pipeline_lib.score_answer_prefixes
+
+    def measuring_generate(config_, params_, state_, **kwargs):
+        if "rollout_params" not in seen:
+            seen["rollout_params"], seen["cache"] = _most(params_), _most(state_.cache)
+            seen["rollout_experts"] = _most(_experts(params_))
+            seen["rollout_experts_whole"] = sum(x.size * x.dtype.itemsize for x in _experts(params_))
+        return generate(config_, params_, state_, **kwargs)
+
+    def measuring_score(config_, params_, *args, **kwargs):
+        if "reference" not in seen:
+            seen["reference"] = _most(params_)
+            seen["reference_experts"] = _most(_experts(params_))
+            seen["reference_experts_whole"] = sum(x.size * x.dtype.itemsize for x in _experts(params_))
+        return score(config_, params_, *args, **kwargs)
+
+    agent_lib.sampler_lib.generate, pipeline_lib.score_answer_prefixes = measuring_generate, measuring_score
+    record = {"processes": jax.process_count(), "tokens": [], "rewards": [], "scores": [], "losses": []}
+    recorder = Recorder(rl.programs(environment.train_tasks))  # what `trace-jax plan` lowers for this run
+    try:
+        prompts = prompt_stream(config, environment.train_tasks)
+        with recorder:
+            for step in range(STEPS):
+                state, prepared, metrics = rl_step(rl.pipeline, placement, state, reference, next(prompts),
+                                                   jax.random.PRNGKey(100 + step), seed=step)
+                batch = prepared.rollout.batch
+                record["tokens"].append(distributed.gather_rows(np.asarray(batch.tokens)).tolist())
+                record["rewards"].append(distributed.gather_rows(np.asarray(batch.reward)).tolist())
+                record["scores"].append(distributed.gather_rows(np.asarray(prepared.answer_scores)).tolist())
+                record["losses"].append(float(metrics["loss"]))
+    finally:
+        agent_lib.sampler_lib.generate, pipeline_lib.score_answer_prefixes = generate, score
+    if setting == "fsdp8":  # 3 held-out tasks a task a call: process 0 runs 1, then takes part with an empty call
+        from trace_jax.rl.evaluate import EvalConfig, evaluate
+
+        result = evaluate(environment.model_config, placement.rollout_params(state.params), environment.chat,
+                          environment.eval_tasks[:3], environment.browser, config.rollout,
+                          EvalConfig(num_tasks=3, batch_size=1), mesh=placement.mesh, rules=placement.rollout_rules)
+        record["evaluation"] = {k: v for k, v in result.to_json().items() if k != "seconds"}
+    record["bytes"] = seen
+    record["unlisted"] = recorder.unlisted()
+    record["dispatched"] = sorted({entry.name for _, entry in recorder.calls if entry is not None})
+    if distributed.is_primary():
+        (out_dir / "result.json").write_text(json.dumps(record), encoding="utf-8")
+    distributed.barrier("multihost_spmd written")
+    return json.loads(json.dumps(record))
+
+
+if __name__ == "__main__":
+    from trace_jax.train import distributed
+
+    distributed.initialize(distributed.DistributedConfig(initialization_timeout_s=60))
+    run_steps(sys.argv[1], sys.argv[2])

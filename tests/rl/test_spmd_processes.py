@@ -1,0 +1,117 @@
+"""The rollout and the reference scoring as one SPMD program over a mesh that spans processes: two local processes
+(jax.distributed over 127.0.0.1, gloo collectives, 4 fake CPU devices each) with one mesh axis over both, fsdp=8 or
+expert=8, hold per device the params and cache bytes one process with 8 devices holds on the same mesh (spanning
+processes adds no copy: with expert=8 each device holds 1/8 of the experts), dispatch only programs the run's
+registry lists (what `trace-jax plan` lowers), and two RL steps give the one process's rollout tokens, rewards,
+reference scores and losses (tests/rl/multihost_spmd.py runs the steps)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.rl import multihost_spmd
+
+REPO = Path(__file__).resolve().parents[2]
+HELPER = Path(__file__).with_name("multihost_spmd.py")
+TIMEOUT_S = 600  # a hung collective fails the test instead of blocking CI
+pytestmark = pytest.mark.slow  # three processes compile the step's programs on 2 busy cores (~1-2 min a setting)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_processes(out_dir: Path, setting: str) -> list[subprocess.Popen]:
+    port = _free_port()
+    procs = []
+    for index in range(2):
+        env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
+               "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+               "TRACE_JAX_COORDINATOR": f"127.0.0.1:{port}", "TRACE_JAX_NUM_PROCESSES": "2",
+               "TRACE_JAX_PROCESS_ID": str(index)}
+        with open(out_dir / f"process{index}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, str(HELPER), str(out_dir), setting], env=env, cwd=REPO,
+                                          stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen], out_dir: Path) -> None:
+    try:
+        for p in procs:
+            p.wait(timeout=TIMEOUT_S)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for index, p in enumerate(procs):
+        log = (out_dir / f"process{index}.log").read_text()
+        assert p.returncode == 0, f"process {index} exited with {p.returncode}:\n{log[-4000:]}"
+
+
+@pytest.fixture(scope="module", params=sorted(multihost_spmd.SETTINGS))
+def runs(request, tmp_path_factory):
+    """(two processes x 4 devices, one process x 8 devices) of one setting, run side by side."""
+    multi_dir = tmp_path_factory.mktemp(f"{request.param}_two")
+    single_dir = tmp_path_factory.mktemp(f"{request.param}_one")
+    procs = _two_processes(multi_dir, request.param)
+    try:
+        single = multihost_spmd.run_steps(single_dir, request.param)  # the same 8 devices (conftest)
+    finally:
+        _wait(procs, multi_dir)
+    return request.param, json.loads((multi_dir / "result.json").read_text()), single
+
+
+def test_spanning_processes_adds_no_copy_of_params_or_cache(runs):
+    setting, multi, single = runs
+    assert (multi["processes"], single["processes"]) == (2, 1)
+    for name in ("rollout_params", "cache", "reference", "rollout_experts", "reference_experts"):
+        if single["bytes"][name] == 0:  # a dense model has no experts
+            continue
+        assert multi["bytes"][name] <= 1.1 * single["bytes"][name], (setting, name, multi["bytes"], single["bytes"])
+        assert multi["bytes"][name] >= 0.9 * single["bytes"][name], (setting, name, multi["bytes"], single["bytes"])
+
+
+def test_with_expert8_each_device_holds_an_eighth_of_the_experts(runs):
+    setting, multi, _ = runs
+    for phase in ("rollout", "reference"):
+        whole = multi["bytes"][f"{phase}_experts_whole"]
+        if setting == "expert8":
+            assert whole > 0 and multi["bytes"][f"{phase}_experts"] * 8 == whole, (phase, multi["bytes"])
+        else:  # the dense model has no expert weights
+            assert whole == 0 and multi["bytes"][f"{phase}_experts"] == 0
+
+
+def test_every_program_the_processes_dispatch_is_a_registry_entry_at_the_global_shapes(runs):
+    _, multi, single = runs
+    assert multi["unlisted"] == [] and single["unlisted"] == []
+    assert multi["dispatched"] == single["dispatched"]
+    assert {"init", "prefill_rows", "decode", "append", "score", "update"} <= set(multi["dispatched"])
+
+
+def test_two_rl_steps_give_the_one_processs_tokens_rewards_scores_and_loss(runs):
+    _, multi, single = runs
+    for step in range(multihost_spmd.STEPS):
+        np.testing.assert_array_equal(multi["tokens"][step], single["tokens"][step], err_msg=f"step {step}")
+        np.testing.assert_array_equal(multi["rewards"][step], single["rewards"][step], err_msg=f"step {step}")
+        np.testing.assert_allclose(multi["scores"][step], single["scores"][step], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(multi["losses"], single["losses"], atol=1e-5, rtol=0)
+
+
+def test_an_evaluation_split_unevenly_over_the_processes_gives_the_one_processs_outcomes(runs):
+    setting, multi, single = runs
+    if setting == "fsdp8":  # evaluated in that setting only (its programs compile once for the module)
+        assert multi["evaluation"] == single["evaluation"]
+        assert multi["evaluation"]["num_tasks"] == 3
+    else:
+        assert "evaluation" not in multi and "evaluation" not in single
