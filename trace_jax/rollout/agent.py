@@ -424,3 +424,28 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
     timing["total"] = time.perf_counter() - start
     return Rollout(batch=batch, episodes=episodes, timing=timing, generated_tokens=generated_tokens,
                    rows_at_once=slots, kv_cache_bytes=kv_cache_bytes)
+
+
+# ---------------------------------------------------------------------------------------------------- for engines
+# The rules above as public pieces, for the paged engine (`rollout.engine`), which must give the same episodes.
+def row_turn_keys(rng: jax.Array, rows, turns) -> jax.Array:
+    """uint32 [N, 2]: the key of turn `turns[i]` of row `rows[i]`, `fold_in(fold_in(rng, turn), row)`: the keys
+    `run_episodes` samples with (its step s then folds in s)."""
+    return _row_keys(rng, np.asarray(rows, np.int32), np.asarray(turns, np.int32))
+
+
+def new_segment(context: list[int], *, first_turn: int) -> dict:
+    """A row's bookkeeping dict (tokens, masks, log-probs, boundaries, status) starting from `context` as its state
+    `S_{first_turn}`, as `run_episodes` keeps it."""
+    return _segment(context, first_turn=first_turn)
+
+
+def task_episode(task, index: int) -> EpisodeRecord:
+    """The empty `EpisodeRecord` of `task` (the `index`-th task: its id when the task has none)."""
+    return EpisodeRecord(task_id=str(getattr(task, "task_id", index)), question=task.question, gold=_gold(task),
+                         clues=tuple(getattr(task, "clues", ()) or ()))
+
+
+def compact_context(chat: ChatFormat, rollout: RolloutConfig, schemas, episode: EpisodeRecord) -> list[int]:
+    """The compacted context of `episode` after its latest observation (context management, module doc)."""
+    return _compact(chat, rollout, schemas, episode)
