@@ -202,7 +202,7 @@ class _Engine:
         self.slot_row = np.full(self.slots, -1, np.int64)
         self.queue = list(range(n))  # a heap of row indices: admission (and re-admission) in row order
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=paged.tool_workers)
-        self.sampling = sampler_lib.RowSampling.broadcast(rollout.sampling, self.slots)
+        self.sampling, self.sampling_rows = None, 0  # the decode batch's `RowSampling`, rebuilt when its size changes
         self.stop_arr = np.asarray(list(chat.assistant_stop_ids) or [-1], np.int32)
         self.generated_tokens = 0
         self.decode_step = 0
@@ -313,41 +313,39 @@ class _Engine:
         rows = [r for r in self.rows if r.phase == DECODE]
         if not rows:
             return False
-        S = self.slots
-        active = np.zeros(S, bool)
-        lengths = np.zeros(S, np.int32)
-        budget = np.zeros(S, np.int32)
-        turn_step = np.zeros(S, np.int32)
-        keys = np.zeros((S, 2), np.uint32)
-        tables: list[list[int]] = [[] for _ in range(S)]
-        reads = [0] * S
-        for row in rows:
-            s = row.slot
-            active[s], lengths[s] = True, row.cached
-            budget[s] = row.turn_budget - len(row.turn_ids)
-            turn_step[s], keys[s], tables[s] = len(row.turn_ids), row.key, row.pages
-            reads[s] = min(row.cached + self.steps - 1, self.max_len)
-        for s in range(S):  # slots not decoding keep their pages in the table (nothing is written to them)
-            if not active[s] and self.slot_row[s] >= 0:
-                tables[s] = self.rows[self.slot_row[s]].pages
-        items = paged_lib.work_items([t if a else [] for t, a in zip(tables, active)], reads, self.page_size,
-                                     minimum=16)
-        bias = self._bias(active) if self.logits_hook is not None else None
+        rows.sort(key=lambda r: r.index)
+        D = sampler_lib.bucket_length(len(rows), minimum=1)  # the decode batch: only the rows that generate
+        slots = np.full(D, self.slots, np.int32)
+        active = np.zeros(D, bool)
+        lengths = np.zeros(D, np.int32)
+        budget = np.zeros(D, np.int32)
+        turn_step = np.zeros(D, np.int32)
+        keys = np.zeros((D, 2), np.uint32)
+        for i, row in enumerate(rows):
+            slots[i], active[i], lengths[i] = row.slot, True, row.cached
+            budget[i] = row.turn_budget - len(row.turn_ids)
+            turn_step[i], keys[i] = len(row.turn_ids), row.key
+        tables = [row.pages for row in rows]
+        items = paged_lib.work_items(tables, [min(r.cached + self.steps - 1, self.max_len) for r in rows],
+                                     self.page_size, minimum=16)
+        bias = self._bias(rows, D) if self.logits_hook is not None else None
+        sampling = self.sampling if self.sampling_rows == D else sampler_lib.RowSampling.broadcast(
+            self.rollout.sampling, D)
+        self.sampling, self.sampling_rows = sampling, D
         t0 = time.perf_counter()
         out = paged_lib.decode_program(self.config, self.steps, self.max_len, self.layout)(
-            self.sampling, self.params, self.state, paged_lib.page_table_array(tables, self.table_width), lengths,
-            active, budget, self.stop_arr, keys, turn_step, np.zeros(S, np.int32), items, bias)
+            sampling, self.params, self.state, slots, paged_lib.page_table_array(tables, self.table_width, rows=D),
+            lengths, active, budget, self.stop_arr, keys, turn_step, np.zeros(D, np.int32), items, bias)
         self.state = out[0]
         tokens, lp, slp, was_active, still, reason = (np.asarray(x) for x in out[1:7])
         self.timing["generate"] += time.perf_counter() - t0
         self.decode_step += self.steps
         self.stats.decode_dispatches += 1
-        self.stats.row_steps += S * self.steps
+        self.stats.row_steps += D * self.steps
         self.stats.useful_row_steps += int(was_active.sum())
-        self.stats.kv_positions_read += int((items[0] < S).sum()) * self.page_size * self.steps
+        self.stats.kv_positions_read += int((items[0] < D).sum()) * self.page_size * self.steps
         t0 = time.perf_counter()
-        for row in rows:
-            s = row.slot
+        for s, row in enumerate(rows):
             steps = was_active[:, s]
             row.turn_ids += tokens[steps, s].astype(int).tolist()
             row.turn_lp += lp[steps, s].tolist()
@@ -361,17 +359,16 @@ class _Engine:
         self.timing["agent_host"] += time.perf_counter() - t0
         return True
 
-    def _bias(self, active: np.ndarray) -> np.ndarray | None:
-        """The row-indexed test hook as a slot-indexed bias (see `agent.ScriptedPolicy`)."""
-        n = len(self.rows)
+    def _bias(self, rows: list[_Row], width: int) -> np.ndarray:
+        """The row-indexed test hook as a bias of the decode batch (see `agent.ScriptedPolicy`)."""
         turn_of_row = np.asarray([len(e.turn_texts) for e in self.episodes], np.int64)
         by_row = [list(r.turn_ids) if r.phase == DECODE else [] for r in self.rows]
         bias = self.logits_hook(turn_of_row, self.decode_step, by_row)
-        if bias is None:
-            return np.zeros((self.slots, self.config.vocab_size), np.float32)
-        bias = np.asarray(bias, np.float32).reshape(n, -1)
-        held = np.maximum(self.slot_row, 0)
-        return np.where((active & (self.slot_row >= 0))[:, None], bias[held], 0.0).astype(np.float32)
+        out = np.zeros((width, self.config.vocab_size), np.float32)
+        if bias is not None:
+            bias = np.asarray(bias, np.float32)
+            out[:len(rows)] = bias[[r.index for r in rows]]
+        return out
 
     def _check_stop_strings(self, row: _Row, stop: int) -> int:
         """`sampler.generate`'s stop-string rule on the row's turn so far: a completed stop string ends the turn

@@ -19,7 +19,7 @@ Programs (one public builder each, cached per static arguments; `compiled_progra
     over `tensor`, as `sampler.init_state_program` places the dense cache).
   * `prefill_program`: a chunk of up to W tokens for each of R rows written into their pages, each row's last
     logits stored in its slot: admission, observations, and recompute after preemption are this one program.
-  * `decode_program`: `num_steps` decode steps for every slot (inactive slots compute nothing that is kept): sample
+  * `decode_program`: `num_steps` decode steps of the rows that generate (gathered from their slots): sample
     from the pending logits with per-row keys `fold_in(key[row], turn_step[row])` (`sampler.sample_from_logits`),
     write the token's keys/values into the row's page, update the stop state as `sampler.decode_program` does.
 
@@ -355,8 +355,11 @@ def prefill_program(config: ModelConfig, max_len: int, layout=None) -> sampler_l
         jax.jit(functools.partial(_prefill, config, max_len, layout), donate_argnums=1), _layout_mesh(layout)))
 
 
-def _decode_steps(config, num_steps, max_len, layout, sampling, params, state: PagedState, page_table, lengths,
-                  active, budget_left, stop_ids, keys, turn_step, reason, items, logit_bias):
+def _decode_steps(config, num_steps, max_len, layout, sampling, params, state: PagedState, slots, page_table,
+                  lengths, active, budget_left, stop_ids, keys, turn_step, reason, items, logit_bias):
+    # The decode batch is the rows that generate, gathered from their slots; their logits go back at the end.
+    slot = jnp.clip(slots, 0, state.slots - 1)
+
     def body(carry, _):
         k, v, logits, lengths, active, budget_left, reason, turn_step = carry
         biased = logits if logit_bias is None else logits + logit_bias
@@ -377,26 +380,29 @@ def _decode_steps(config, num_steps, max_len, layout, sampling, params, state: P
         still = active & (step_reason == sampler_lib.RUNNING)
         return (k, v, logits, lengths, still, budget_left, reason, turn_step), (tokens, lp, slp, active)
 
-    carry = (state.k, state.v, state.logits, lengths, active, budget_left, reason, turn_step)
+    carry = (state.k, state.v, state.logits[slot], lengths, active, budget_left, reason, turn_step)
     (k, v, logits, lengths, active, budget_left, reason, turn_step), (tokens, lp, slp, was_active) = jax.lax.scan(
         body, carry, None, length=num_steps)
-    state = _keep(PagedState(k=k, v=v, logits=logits), layout)
+    state = _keep(PagedState(k=k, v=v, logits=state.logits.at[slots].set(logits, mode="drop")), layout)
     return state, tokens, lp, slp, was_active, active, reason, budget_left, lengths
 
 
 def decode_program(config: ModelConfig, num_steps: int, max_len: int, layout=None) -> sampler_lib.MeshProgram:
-    """The paged engine's decode program, `num_steps` steps over every slot in one dispatch:
+    """The paged engine's decode program, `num_steps` steps of D decoding rows in one dispatch:
 
-        program(sampling: RowSampling, params, state, page_table int32 [S, max_pages], lengths int32 [S],
-                active bool [S], budget_left int32 [S], stop_ids int32 [n_stop], keys uint32 [S, 2],
-                turn_step int32 [S], reason int32 [S], items, logit_bias float32 [S, V] or None)
-          -> (state, tokens [steps, S], logprobs [steps, S], sampling_logprobs [steps, S], active before each step
-              [steps, S], active after [S], reason [S], budget_left [S], lengths [S])
+        program(sampling: RowSampling [D], params, state, slots int32 [D], page_table int32 [D, max_pages],
+                lengths int32 [D], active bool [D], budget_left int32 [D], stop_ids int32 [n_stop],
+                keys uint32 [D, 2], turn_step int32 [D], reason int32 [D], items, logit_bias float32 [D, V] or None)
+          -> (state, tokens [steps, D], logprobs [steps, D], sampling_logprobs [steps, D], active before each step
+              [steps, D], active after [D], reason [D], budget_left [D], lengths [D])
 
-    Slot b's token at its turn step t is drawn with `fold_in(keys[b], t)`: the per-row keys of
-    `sampler.generate` (its step s is the row's t when the row started its turn with the call). The host must have
-    given each active row the pages of its positions `< lengths + num_steps` and `items` must cover its cached pages
-    up to `lengths + num_steps - 1`. The state is donated. Stop rule and log-probs as `sampler.decode_program`."""
+    Row i reads its pending logits from slot `slots[i]` and writes them back there (a slot >= the state's slots is
+    padding: nothing is kept). Only the rows that generate run: the host passes the decoding rows, padded to a
+    bucket (`sampler.bucket_length(D, minimum=1)`), not every slot. Row i's token at its turn step t is drawn with
+    `fold_in(keys[i], t)`: the per-row keys of `sampler.generate` (its step s is the row's t when the row started
+    its turn with the call). The host must have given each active row the pages of its positions
+    `< lengths + num_steps`, and `items` must cover its cached pages up to `lengths + num_steps - 1`. The state is
+    donated. Stop rule and log-probs as `sampler.decode_program`."""
     return _program("paged_decode", (config, num_steps, max_len, layout), lambda: sampler_lib.MeshProgram(
         jax.jit(functools.partial(_decode_steps, config, num_steps, max_len, layout), donate_argnums=2),
         _layout_mesh(layout)))
