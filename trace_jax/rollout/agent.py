@@ -64,7 +64,9 @@ from trace_jax.rollout import sampler as sampler_lib
 from trace_jax.rollout.batch import EpisodeRecord, TrajectoryBatch, build_batch
 from trace_jax.rollout.budget import cache_bytes_per_device, rows_within_budget
 from trace_jax.rollout.context import compacted_context, render_record, search_state
+from trace_jax.rollout.paged import PagedConfig
 
+ENGINES = ("dense", "paged")
 DEFAULT_SYSTEM_PROMPT = (
     "You are a research agent. Answer the question by searching and reading documents with the browser tools. "
     "Call one tool per turn. When you know the answer, reply with <answer>your answer</answer>."
@@ -95,6 +97,9 @@ class RolloutConfig:
         (`rollout.context`) and the latest tool response when it fits, and a new *segment* row starts (module
         doc). Must exceed `context_record_tokens + turn_token_budget` and be at most `max_context`.
       context_record_tokens: the record's token budget (its user turn, header and end included).
+      engine: which engine runs the episodes: 'dense' (`run_episodes`' rounds over a dense cache) or 'paged'
+        (`rollout.engine`: paged KV, rows advance on their own, tools on a worker pool); the same episodes.
+      paged: the paged engine's settings (page size, pool, slots, prefill chunk, tool workers).
     """
 
     group_size: int = 1
@@ -110,8 +115,14 @@ class RolloutConfig:
     kv_budget_gib: float | None = None
     context_budget: int = 0
     context_record_tokens: int = 256
+    engine: str = "dense"
+    paged: PagedConfig = PagedConfig()
 
     def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise ValueError(f"RolloutConfig.engine must be one of {ENGINES}, got {self.engine!r}")
+        if not isinstance(self.paged, PagedConfig):
+            raise ValueError(f"RolloutConfig.paged must be a PagedConfig, got {self.paged!r}")
         for name in ("group_size", "max_context", "turn_token_budget", "sync_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)!r}")
@@ -262,6 +273,11 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
       ValueError: a prompt does not fit in `max_context` (the message gives the length), or the KV budget holds
         no row.
     """
+    if rollout.engine == "paged":  # the one dispatch between the engines
+        from trace_jax.rollout.engine import run_paged_episodes  # it imports this module
+
+        return run_paged_episodes(config, params, chat, tasks, browser, rollout, rng, mesh=mesh, rules=rules,
+                                  row_offset=row_offset, logits_hook=logits_hook)
     start = time.perf_counter()
     timing = {"prefill": 0.0, "generate": 0.0, "env": 0.0, "agent_host": 0.0, "append": 0.0, "pack": 0.0}
     group = rollout.group_size

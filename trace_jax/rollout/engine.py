@@ -3,7 +3,7 @@
 Same input and output as `agent.run_episodes` (a `Rollout` of the same `EpisodeRecord`s and `TrajectoryBatch`, the
 same per-row keys), on the paged KV cache of `rollout.paged`:
 
-    page pool  `PagedConfig.num_pages` pages of `page_size` tokens (from `RolloutConfig.kv_budget_gib` when set),
+    page pool  `PagedConfig.num_pages` (`RolloutConfig.paged`) pages of `page_size` tokens (from `RolloutConfig.kv_budget_gib` when set),
                shared by `slots` rows in flight; a row holds the pages of the tokens it has cached, no more.
     row states QUEUED -> PREFILL -> DECODE -> TOOL -> PREFILL -> DECODE ... -> DONE
       QUEUED   waiting for a slot and the pages of its tokens (a new episode, or a preempted row to recompute);
@@ -50,38 +50,9 @@ from trace_jax.rollout import agent as agent_lib
 from trace_jax.rollout import paged as paged_lib
 from trace_jax.rollout import sampler as sampler_lib
 from trace_jax.rollout.batch import EpisodeRecord, build_batch
+from trace_jax.rollout.paged import PagedConfig
 
 QUEUED, PREFILL, DECODE, TOOL, DONE = "queued", "prefill", "decode", "tool", "done"
-
-
-@dataclasses.dataclass(frozen=True)
-class PagedConfig:
-    """Settings of the paged engine.
-
-    Attributes:
-      page_size: tokens per page.
-      num_pages: pages in the pool. None: what `RolloutConfig.kv_budget_gib` holds per chip
-        (`paged.pages_within_budget`), or, without a budget, every row's `max_context`.
-      slots: rows in flight at most (the decode batch). None: every row of the call.
-      prefill_chunk: most tokens of one row written by one prefill dispatch (longer inputs take several).
-      tool_workers: host threads running tool calls.
-    """
-
-    page_size: int = 16
-    num_pages: int | None = None
-    slots: int | None = None
-    prefill_chunk: int = 256
-    tool_workers: int = 4
-
-    def __post_init__(self):
-        for name in ("page_size", "prefill_chunk", "tool_workers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"PagedConfig.{name} must be an int >= 1, got {value!r}")
-        for name in ("num_pages", "slots"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"PagedConfig.{name} must be an int >= 1 or None, got {value!r}")
 
 
 @dataclasses.dataclass
@@ -151,11 +122,12 @@ def pool_pages(config: ModelConfig, rollout: agent_lib.RolloutConfig, paged: Pag
 
 def run_paged_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[Any],
                        browser: Browser | Callable[[Any], Browser], rollout: agent_lib.RolloutConfig, rng: jax.Array,
-                       *, paged: PagedConfig = PagedConfig(), mesh=None, rules=None, row_offset: int = 0,
+                       *, paged: PagedConfig | None = None, mesh=None, rules=None, row_offset: int = 0,
                        logits_hook: Callable[[np.ndarray, int, list], np.ndarray | None] | None = None
                        ) -> PagedRollout:
-    """`agent.run_episodes` on the paged engine (module doc): the same arguments and episodes, plus `paged`."""
-    return _Engine(config, params, chat, tasks, browser, rollout, rng, paged, mesh, rules, row_offset,
+    """`agent.run_episodes` on the paged engine (module doc): the same arguments and episodes. `paged`: the engine's
+    settings (default `rollout.paged`). `run_episodes` calls this when `RolloutConfig.engine == 'paged'`."""
+    return _Engine(config, params, chat, tasks, browser, rollout, rng, paged or rollout.paged, mesh, rules, row_offset,
                    logits_hook).run()
 
 

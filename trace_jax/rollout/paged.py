@@ -30,6 +30,7 @@ This module knows nothing about chat formats, tools, episodes or scheduling (see
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Sequence
 
@@ -46,6 +47,36 @@ from trace_jax.rollout import sampler as sampler_lib
 from trace_jax.rollout.budget import GIB, batch_shards
 
 _NEG_INF = -1e30  # finite, so a row with no visible key stays finite
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedConfig:
+    """Settings of the paged engine (`rollout.engine`; `RolloutConfig.paged`).
+
+    Attributes:
+      page_size: tokens per page.
+      num_pages: pages in the pool. None: what `RolloutConfig.kv_budget_gib` holds per chip
+        (`paged.pages_within_budget`), or, without a budget, every row's `max_context`.
+      slots: rows in flight at most (the decode batch). None: every row of the call.
+      prefill_chunk: most tokens of one row written by one prefill dispatch (longer inputs take several).
+      tool_workers: host threads running tool calls.
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    slots: int | None = None
+    prefill_chunk: int = 256
+    tool_workers: int = 4
+
+    def __post_init__(self):
+        for name in ("page_size", "prefill_chunk", "tool_workers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PagedConfig.{name} must be an int >= 1, got {value!r}")
+        for name in ("num_pages", "slots"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"PagedConfig.{name} must be an int >= 1 or None, got {value!r}")
 
 
 @struct.dataclass
