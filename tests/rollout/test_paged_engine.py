@@ -165,6 +165,17 @@ def test_a_row_preempted_mid_turn_is_recomputed_and_gives_the_same_tokens(setup,
     _assert_same_episodes(small, dense)
 
 
+def test_on_a_mesh_the_pool_is_split_and_the_episodes_are_one_devices(setup, free_running):
+    """8 fake CPU devices (tests/conftest.py): pages over data x fsdp, kv heads over tensor."""
+    chat, config, params = setup
+    mesh = models.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    sharded = engine_lib.run_paged_episodes(config, models.shard_params(params, config, mesh), chat, FREE_TASKS,
+                                            ScriptedTools, ROLLOUT, jax.random.PRNGKey(7), paged=PAGED, mesh=mesh)
+    single = free_running["greedy"][1]
+    assert sharded.kv_cache_bytes * 8 == single.kv_cache_bytes
+    _assert_same_episodes(sharded, single)
+
+
 def test_a_pool_smaller_than_one_row_is_refused_naming_the_field(setup):
     chat, config, params = setup
     with pytest.raises(ValueError, match=r"PagedConfig.num_pages = 3 gives a pool of 3 pages of 8 tokens; one row "
