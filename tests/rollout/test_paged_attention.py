@@ -73,6 +73,7 @@ def test_work_items_list_only_the_pages_of_cached_positions_padded_to_a_bucket()
     assert starts.tolist()[:4] == [0, 4, 8, 0]
     assert len(rows) == 4  # a power of two: shapes repeat
     assert paged.work_items([[1]], [1], 4, minimum=8)[0].tolist() == [0] + [1] * 7  # padding rows are out of range
+    assert len(paged.work_items([[1, 2, 3, 4, 5]], [20], 4, maximum=6)[0]) == 6  # no more items than pool pages
     with pytest.raises(ValueError, match="row 0 caches 5 tokens but holds 1 pages"):
         paged.work_items([[1]], [5], 4)
 

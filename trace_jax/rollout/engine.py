@@ -260,7 +260,8 @@ class _Engine:
             num_new[i], cached[i], slots[i] = len(pending), row.cached, row.slot
         tables = [row.pages for row, _ in chunks]
         table = paged_lib.page_table_array(tables, self.table_width, rows=count)
-        items = paged_lib.work_items(tables, [row.cached for row, _ in chunks], self.page_size, minimum=16)
+        items = paged_lib.work_items(tables, [row.cached for row, _ in chunks], self.page_size, minimum=16,
+                                     maximum=self.num_pages)
         t0 = time.perf_counter()
         self.state = paged_lib.prefill_program(self.config, self.max_len, self.layout)(
             self.params, self.state, table, cached, tokens, num_new, slots, items)
@@ -299,7 +300,7 @@ class _Engine:
             turn_step[i], keys[i] = len(row.turn_ids), row.key
         tables = [row.pages for row in rows]
         items = paged_lib.work_items(tables, [min(r.cached + self.steps - 1, self.max_len) for r in rows],
-                                     self.page_size, minimum=16)
+                                     self.page_size, minimum=16, maximum=self.num_pages)
         bias = self._bias(rows, D) if self.logits_hook is not None else None
         sampling = self.sampling if self.sampling_rows == D else sampler_lib.RowSampling.broadcast(
             self.rollout.sampling, D)

@@ -162,10 +162,11 @@ def pages_within_budget(config: ModelConfig, page_size: int, budget_gib: float, 
 
 
 def work_items(page_tables: Sequence[Sequence[int]], cached: Sequence[int], page_size: int, *,
-               minimum: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               minimum: int = 1, maximum: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The keys a program reads: for each row i, the pages holding its positions `< cached[i]`, as items
-    `(row int32 [I], page int32 [I], first position int32 [I])`, padded to `sampler.bucket_length(count, minimum)`
-    items (padding: row = number of rows, which no query belongs to)."""
+    `(row int32 [I], page int32 [I], first position int32 [I])`, padded to a power of two >= `minimum` items, at
+    most `maximum` (the pool's page count: a page belongs to one row, so no program reads more), so that few shapes
+    compile whatever the rows' lengths (padding: row = number of rows, which no query belongs to)."""
     rows, pages, starts = [], [], []
     for row, (table, length) in enumerate(zip(page_tables, cached)):
         count = pages_for(length, page_size)
@@ -175,7 +176,9 @@ def work_items(page_tables: Sequence[Sequence[int]], cached: Sequence[int], page
         rows += [row] * count
         pages += list(table[:count])
         starts += [j * page_size for j in range(count)]
-    size = sampler_lib.bucket_length(max(len(rows), 1), minimum=minimum)
+    size = max(minimum, 1 << max(len(rows) - 1, 0).bit_length())
+    if maximum is not None:
+        size = max(min(size, maximum), len(rows))
     pad = size - len(rows)
     return (np.asarray(rows + [len(page_tables)] * pad, np.int32), np.asarray(pages + [0] * pad, np.int32),
             np.asarray(starts + [0] * pad, np.int32))
