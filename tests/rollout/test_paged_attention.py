@@ -151,3 +151,37 @@ def test_the_pool_is_created_sharded_pages_over_batch_axes_heads_over_tensor(tin
     assert {s.data.shape for s in state.k.addressable_shards} == {(config.num_hidden_layers, 4, 4, 1,
                                                                    config.head_dim)}
     assert paged.init_pool_program(config, 16, 4, 8, mesh) is paged.init_pool_program(config, 16, 4, 8, mesh)
+
+
+def test_the_decode_programs_draws_follow_the_filtered_softmax(tiny):
+    """4096 rows with one pending distribution and their own keys: one decode step's tokens pass a chi-square test
+    against the tempered, top-p filtered softmax (`sampler.sampling_logits`)."""
+    from scipy import stats
+
+    config, params = tiny
+    rows, page_size, max_len = 4096, 4, 8
+    logits = np.asarray(jax.random.normal(jax.random.PRNGKey(4), (config.vocab_size,))) * 3.0
+    state = paged.init_pool_program(config, 2, page_size, 1)()
+    state = state.replace(logits=jnp.asarray(logits[None], jnp.float32))
+    setting = sampler_lib.SamplingConfig(temperature=0.7, top_p=0.9)
+    sampling = sampler_lib.RowSampling.of([setting] * rows)
+    keys = np.asarray(jax.random.split(jax.random.PRNGKey(11), rows))
+    tables = np.full((rows, 2), -1, np.int32)  # no pages: the step's keys/values are dropped, only its draw counts
+    items = paged.work_items([[]] * rows, [0] * rows, page_size)
+    out = paged.decode_program(config, 1, max_len)(
+        sampling, params, state, np.zeros(rows, np.int32), tables, np.zeros(rows, np.int32), np.ones(rows, bool),
+        np.full(rows, 4, np.int32), np.asarray([-1], np.int32), keys, np.zeros(rows, np.int32),
+        np.zeros(rows, np.int32), items, None)
+    drawn = np.asarray(out[1])[0]
+    probs = np.asarray(jax.nn.softmax(sampler_lib.sampling_logits(jnp.asarray(logits[None]), setting)))[0]
+    kept = probs > 0
+    assert set(np.unique(drawn)) <= set(np.nonzero(kept)[0])  # nothing outside the top-p set
+    counts = np.bincount(drawn, minlength=config.vocab_size)[kept]
+    expected = probs[kept].astype(np.float64) * rows
+    big = expected >= 5  # pool the rare tokens into one cell, as the test requires
+    observed, expected = counts[big], expected[big]
+    if (~big).any():
+        observed = np.append(observed, counts[~big].sum())
+        expected = np.append(expected, probs[kept][~big].astype(np.float64).sum() * rows)
+    expected *= observed.sum() / expected.sum()  # float32 probabilities: make the totals agree exactly
+    assert stats.chisquare(observed, expected).pvalue > 1e-3

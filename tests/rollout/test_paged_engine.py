@@ -2,6 +2,7 @@
 (greedy and sampled, with the same keys), masks, boundaries, statuses and log-probs, with tools running on a
 worker pool while rows decode, rows paused and recomputed under a small page pool, and no episode lost."""
 
+import copy
 import dataclasses
 import random
 import time
@@ -52,7 +53,8 @@ def _tasks(seed, count):
 def setup(tmp_path_factory):
     tokenizer = load_tokenizer(build_word_tokenizer(WORDS, tmp_path_factory.mktemp("tok")))
     chat = ChatFormat(tokenizer)
-    config = models.get_preset("tiny-qwen3", vocab_size=len(tokenizer), num_hidden_layers=1)
+    # untied: with tied embeddings a random model's greedy choice is the token it was just fed ("\n" forever)
+    config = models.get_preset("tiny-qwen3", vocab_size=len(tokenizer), num_hidden_layers=1, tie_word_embeddings=False)
     params = models.init_params(config, jax.random.PRNGKey(1))
     return chat, config, params
 
@@ -174,6 +176,23 @@ def test_on_a_mesh_the_pool_is_split_and_the_episodes_are_one_devices(setup, fre
     single = free_running["greedy"][1]
     assert sharded.kv_cache_bytes * 8 == single.kv_cache_bytes
     _assert_same_episodes(sharded, single)
+
+
+def test_stop_strings_end_turns_and_drop_the_overshoot_as_the_dense_engine_does(setup):
+    """A chat format whose stop *string* is "a" (any word or byte with an a): turns end mid decode block, and the
+    tokens drawn after the string within the block are dropped and uncached, as `sampler.generate` rolls back."""
+    chat, config, params = setup
+    stringy = copy.copy(chat)
+    stringy.assistant_stop_strings = ("a",)
+    tasks = FREE_TASKS[:2]
+    dense = run_episodes(config, params, stringy, tasks, ScriptedTools, ROLLOUT, jax.random.PRNGKey(7))
+    result = engine_lib.run_paged_episodes(config, params, stringy, tasks, ScriptedTools, ROLLOUT,
+                                           jax.random.PRNGKey(7), paged=PAGED)
+    _assert_same_episodes(result, dense)
+    turns = [text for e in result.episodes for text in e.turn_texts]
+    assert sum("a" in text for text in turns) > len(turns) // 2
+    short = [text for text in turns if len(stringy.tokenizer.encode(text)) < ROLLOUT.turn_token_budget]
+    assert short  # ended by the stop string before the turn budget
 
 
 def test_a_pool_smaller_than_one_row_is_refused_naming_the_field(setup):
