@@ -195,6 +195,21 @@ def test_stop_strings_end_turns_and_drop_the_overshoot_as_the_dense_engine_does(
     assert short  # ended by the stop string before the turn budget
 
 
+def test_context_management_compacts_rows_into_segments_as_the_dense_engine_does(setup):
+    """`RolloutConfig.context_budget`: a row whose next observation would pass the budget starts a new segment from
+    its compacted context, recomputed into fresh pages of its slot."""
+    chat, config, params = setup
+    rollout = dataclasses.replace(SAMPLED, context_budget=150, context_record_tokens=48)
+    tasks = FREE_TASKS[:2]
+    dense = run_episodes(config, params, chat, tasks, ScriptedTools, rollout, jax.random.PRNGKey(7))
+    result = engine_lib.run_paged_episodes(config, params, chat, tasks, ScriptedTools, rollout,
+                                           jax.random.PRNGKey(7), paged=PAGED)
+    assert len(np.asarray(result.batch.tokens)) > len(result.episodes)  # some episodes took several segments
+    _assert_same_episodes(result, dense)
+    for name in ("episode", "first_turn"):
+        np.testing.assert_array_equal(getattr(result.batch, name), getattr(dense.batch, name))
+
+
 def test_a_pool_smaller_than_one_row_is_refused_naming_the_field(setup):
     chat, config, params = setup
     with pytest.raises(ValueError, match=r"PagedConfig.num_pages = 3 gives a pool of 3 pages of 8 tokens; one row "
