@@ -43,3 +43,4 @@ def test_two_rl_steps_on_the_paged_engine_give_the_dense_engines_rewards_and_los
         assert mine["reward"] == theirs["reward"]
         np.testing.assert_allclose(mine["loss"], theirs["loss"], rtol=1e-4, atol=1e-5)
         assert mine["rollout_tokens_per_s"] > 0
+        assert 0 < mine["rollout_useful_row_steps"] <= 1 and "rollout_useful_row_steps" not in theirs
