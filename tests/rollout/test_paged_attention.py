@@ -97,13 +97,14 @@ def tiny():
 
 
 def test_paged_prefill_and_decode_give_the_dense_cache_logits(tiny):
-    """Random prompts of ragged lengths, prefilled in two chunks into randomly ordered pages, then three single-token
-    steps: each step's logits equal `models.cache.extend` on a dense cache to 1e-5 (float32)."""
+    """Random prompts of ragged lengths (rows 0 and 2 the same: computed once, written into both rows' pages),
+    prefilled in two chunks into randomly ordered pages, then three single-token steps: each step's logits equal
+    `models.cache.extend` on a dense cache to 1e-5 (float32)."""
     config, params = tiny
     rng = np.random.default_rng(0)
     page_size, max_len, num_pages = 4, 40, 40
-    lengths = [9, 1, 14, 5]
-    prompts = [rng.integers(0, config.vocab_size, size=n).tolist() for n in lengths]
+    prompts = [rng.integers(0, config.vocab_size, size=n).tolist() for n in (9, 1, 9, 14)]
+    prompts[2] = list(prompts[0])
     B = len(prompts)
     order = rng.permutation(num_pages).tolist()
     tables = [[order.pop() for _ in range(paged.pages_for(max_len, page_size))] for _ in range(B)]
@@ -115,18 +116,21 @@ def test_paged_prefill_and_decode_give_the_dense_cache_logits(tiny):
     dense_logits, dense = cache_lib.extend(config, params, dense, tokens, num_new)
 
     prefill = paged.prefill_program(config, max_len)
+    computed = [0, 1, 3]  # row 2 takes row 0's computation
+    source = np.asarray([0, 1, 0, 2], np.int32)
     cached = np.zeros(B, np.int32)
     for chunk in (6, 16):  # first 6 tokens of each prompt, then the rest: a chunked prefill
-        part = [p[c:c + chunk] for p, c in zip(prompts, cached)]
+        part = [prompts[r][cached[r]:cached[r] + chunk] for r in computed]
         tok, num = _padded(part, 16)
-        items = paged.work_items(tables, cached, page_size)
-        state = prefill(params, state, table_arr, cached, tok, num, np.arange(B, dtype=np.int32), items)
-        cached = cached + num
+        items = paged.work_items([tables[r] for r in computed], cached[computed], page_size)
+        state = prefill(params, state, cached[computed], tok, num, items, source, table_arr,
+                        np.arange(B, dtype=np.int32))
+        cached = cached + num[source]
     np.testing.assert_allclose(np.asarray(state.logits), np.asarray(dense_logits), atol=1e-5, rtol=1e-5)
 
     decode = paged.decode_program(config, 1, max_len)
     rows = sampler_lib.RowSampling.of([sampler_lib.SamplingConfig(greedy=True)] * B)
-    active = np.asarray([True, True, False, True])
+    active = np.asarray([True, False, True, True])  # row 2 decodes from the pages row 0's computation wrote
     lengths_now = cached.astype(np.int32)
     keys = np.asarray(jax.random.split(jax.random.PRNGKey(0), B))
     for _ in range(3):

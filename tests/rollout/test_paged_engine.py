@@ -126,6 +126,17 @@ def test_free_running_greedy_and_sampled_tokens_are_the_dense_engines(free_runni
     assert 0 < result.stats.useful_row_steps <= result.stats.row_steps
 
 
+def test_prefill_runs_a_prompts_samples_once_and_every_observation(free_running):
+    """Tokens prefill ran through the model: every row's tokens but its generated ones, with each prompt once for
+    its G samples (they are admitted together). Sampled, so a prompt's rows part after their prompt (greedy rows
+    stay identical, and so share every prefill)."""
+    dense, result = free_running["sampled"]
+    batch = result.batch
+    not_generated = int(np.asarray(batch.lengths).sum() - np.asarray(batch.loss_mask).sum())
+    prompts = np.asarray(batch.boundaries)[::ROLLOUT.group_size, 0]
+    assert result.stats.prefill_tokens == not_generated - (ROLLOUT.group_size - 1) * int(prompts.sum())
+
+
 def test_sampled_log_probs_equal_the_trainers(setup, free_running):
     _, config, params = setup
     batch = free_running["sampled"][1].batch

@@ -58,7 +58,8 @@ QUEUED, PREFILL, DECODE, TOOL, DONE = "queued", "prefill", "decode", "tool", "do
 @dataclasses.dataclass
 class EngineStats:
     """What the engine did. `useful_row_steps / row_steps` is the fraction of decode row-steps that generated a
-    kept token; `preemptions_mid_turn` counts rows paused with part of a turn generated; `kv_positions_read` counts the paged positions decode attention read (its work items)."""
+    kept token; `prefill_tokens` counts tokens run through the model by prefill (a prompt's G samples once);
+    `preemptions_mid_turn` counts rows paused with part of a turn generated; `kv_positions_read` counts the paged positions decode attention read (its work items)."""
 
     decode_dispatches: int = 0
     row_steps: int = 0
@@ -249,26 +250,37 @@ class _Engine:
         chunks = [(row, pending) for row, pending in chunks if row.phase == PREFILL]
         if not chunks:
             return False
-        count = sampler_lib.bucket_length(len(chunks), minimum=1)
-        width = sampler_lib.bucket_length(max(len(p) for _, p in chunks))
+        # Rows whose tokens so far are the same (a prompt's G samples, admitted together) run once: the first of
+        # them reads its pages, and the result is written into each one's own pages.
+        leaders: dict[tuple, int] = {}
+        source = []
+        for row, pending in chunks:
+            key = (row.cached, tuple(row.tokens()[:row.cached + len(pending)]))
+            source.append(leaders.setdefault(key, len(leaders)))
+        unique = [chunks[source.index(u)] for u in range(len(leaders))]
+        count = sampler_lib.bucket_length(len(unique), minimum=1)
+        width = sampler_lib.bucket_length(max(len(p) for _, p in unique))
         tokens = np.zeros((count, width), np.int32)
         num_new = np.zeros(count, np.int32)
         cached = np.zeros(count, np.int32)
-        slots = np.full(count, self.slots, np.int32)
-        for i, (row, pending) in enumerate(chunks):
+        for i, (row, pending) in enumerate(unique):
             tokens[i, :len(pending)] = pending
-            num_new[i], cached[i], slots[i] = len(pending), row.cached, row.slot
-        tables = [row.pages for row, _ in chunks]
-        table = paged_lib.page_table_array(tables, self.table_width, rows=count)
-        items = paged_lib.work_items(tables, [row.cached for row, _ in chunks], self.page_size, minimum=16,
-                                     maximum=self.num_pages)
+            num_new[i], cached[i] = len(pending), row.cached
+        items = paged_lib.work_items([row.pages for row, _ in unique], [row.cached for row, _ in unique],
+                                     self.page_size, minimum=16, maximum=self.num_pages)
+        rows_out = sampler_lib.bucket_length(len(chunks), minimum=1)
+        out_source = np.zeros(rows_out, np.int32)
+        out_source[:len(chunks)] = source
+        out_slots = np.full(rows_out, self.slots, np.int32)
+        out_slots[:len(chunks)] = [row.slot for row, _ in chunks]
+        out_table = paged_lib.page_table_array([row.pages for row, _ in chunks], self.table_width, rows=rows_out)
         t0 = time.perf_counter()
         self.state = paged_lib.prefill_program(self.config, self.max_len, self.layout)(
-            self.params, self.state, table, cached, tokens, num_new, slots, items)
+            self.params, self.state, cached, tokens, num_new, items, out_source, out_table, out_slots)
         self.timing["prefill"] += time.perf_counter() - t0
         self.stats.prefill_dispatches += 1
+        self.stats.prefill_tokens += int(num_new.sum())
         for row, pending in chunks:
-            self.stats.prefill_tokens += len(pending)
             if row.recompute:
                 self.stats.recomputed_tokens += len(pending)
             row.cached += len(pending)

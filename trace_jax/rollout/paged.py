@@ -17,8 +17,9 @@ is about the sum of the rows' own lengths, not the batch maximum times the rows,
 Programs (one public builder each, cached per static arguments; `compiled_programs(kind)` counts executables):
   * `init_pool_program`: the empty pool, created inside jit with `out_shardings` (pages over the batch axes, kv heads
     over `tensor`, as `sampler.init_state_program` places the dense cache).
-  * `prefill_program`: a chunk of up to W tokens for each of R rows written into their pages, each row's last
-    logits stored in its slot: admission, observations, and recompute after preemption are this one program.
+  * `prefill_program`: a chunk of up to W tokens for each of U distinct rows run through the model and written into
+    the pages of every row holding those tokens (a prompt's G samples run once), each row's last logits stored in
+    its slot: admission, observations, and recompute after preemption are this one program.
   * `decode_program`: `num_steps` decode steps of the rows that generate (gathered from their slots): sample
     from the pending logits with per-row keys `fold_in(key[row], turn_step[row])` (`sampler.sample_from_logits`),
     write the token's keys/values into the row's page, update the stop state as `sampler.decode_program` does.
@@ -241,27 +242,24 @@ def paged_attention(q, k_pages, v_pages, key_len, items, *, block=None):
     return out.reshape(B, n, H, Dh).astype(v_pages.dtype)
 
 
-def paged_extend(config: ModelConfig, params, k_pool, v_pool, page_table, cached, tokens, num_new, items,
-                 max_len: int):
-    """Run each row's first `num_new[b]` tokens through the model at positions `cached[b] + i` and write their
-    keys/values into the row's pages (traced, not jitted: the programs below call it).
+def extend_rows(config: ModelConfig, params, k_pool, v_pool, cached, tokens, num_new, items):
+    """Run each row's first `num_new[b]` tokens through the model at positions `cached[b] + i`, attending to the
+    row's cached pages (`items`) and its own earlier new tokens (traced, not jitted). Nothing is written.
 
     Args:
       k_pool, v_pool: [layers, num_pages, page_size, K, Dh].
-      page_table: int32 [B, max_pages], the row's pages (-1 = none; the host allocates every page written).
       cached: int32 [B], tokens already in the row's pages (the new ones attend to all of them).
-      tokens: int32 [B, n]; num_new: int32 [B] in [0, n] (0: the row is left alone).
+      tokens: int32 [B, n]; num_new: int32 [B] in [0, n] (0: nothing of the row is kept).
       items: `work_items` over the rows' cached pages.
-      max_len: a row's capacity; tokens at positions >= max_len are not written.
 
-    Returns (last logits float32 [B, V] of each row's last new token, k_pool, v_pool).
+    Returns (last logits float32 [B, V] of each row's last new token, new keys and values
+    [layers, B, n, K, Dh] each, in the pool's dtype).
     """
     B, n = tokens.shape
-    L, num_pages, page_size = k_pool.shape[:3]
     offsets = jnp.arange(n, dtype=jnp.int32)
     positions = cached[:, None] + offsets[None, :]
-    stored = (offsets[None, :] < num_new[:, None]) & (positions < max_len)
-    in_block = (offsets[:, None] >= offsets[None, :])[None] & stored[:, None, :]
+    new = offsets[None, :] < num_new[:, None]
+    in_block = (offsets[:, None] >= offsets[None, :])[None] & new[:, None, :]
 
     def layer(h, xs):
         lp, k_layer, v_layer = xs
@@ -275,19 +273,34 @@ def paged_extend(config: ModelConfig, params, k_pool, v_pool, page_table, cached
 
     h, (k_new, v_new) = jax.lax.scan(layer, dec.embed_tokens(config, params, tokens),
                                      (params["layers"], k_pool, v_pool), unroll=config.scan_unroll)
-    page = jnp.take_along_axis(page_table, jnp.clip(positions // page_size, 0, page_table.shape[1] - 1), axis=1)
-    flat = page * page_size + positions % page_size
-    flat = jnp.where(stored & (page >= 0), flat, num_pages * page_size)  # out of range: dropped
-
-    def write(pool, new):
-        shape = pool.shape
-        pool = pool.reshape(L, num_pages * page_size, *shape[3:])
-        return pool.at[:, flat].set(new, mode="drop").reshape(shape)
-
-    k_pool, v_pool = write(k_pool, k_new), write(v_pool, v_new)
     last = h[jnp.arange(B), jnp.clip(num_new - 1, 0, n - 1)]
     logits = dec.logits_from_hidden(config, params, dec.final_norm(config, params, last))
-    return logits, k_pool, v_pool
+    return logits, k_new, v_new
+
+
+def write_pages(pool, new, page_table, cached, num_new, max_len: int):
+    """`pool [layers, num_pages, page_size, K, Dh]` with row b's new entries `new[:, b, i]` (i < num_new[b]) written
+    at position `cached[b] + i` of its pages (`page_table [B, max_pages]`, -1 = none: dropped, as are positions
+    >= max_len). One scatter for every layer."""
+    L, num_pages, page_size = pool.shape[:3]
+    n = new.shape[2]
+    offsets = jnp.arange(n, dtype=jnp.int32)
+    positions = cached[:, None] + offsets[None, :]
+    stored = (offsets[None, :] < num_new[:, None]) & (positions < max_len)
+    page = jnp.take_along_axis(page_table, jnp.clip(positions // page_size, 0, page_table.shape[1] - 1), axis=1)
+    flat = jnp.where(stored & (page >= 0), page * page_size + positions % page_size, num_pages * page_size)
+    shape = pool.shape
+    flat_pool = pool.reshape(L, num_pages * page_size, *shape[3:])
+    return flat_pool.at[:, flat].set(new.astype(pool.dtype), mode="drop").reshape(shape)
+
+
+def paged_extend(config: ModelConfig, params, k_pool, v_pool, page_table, cached, tokens, num_new, items,
+                 max_len: int):
+    """`extend_rows`, then the new keys/values written into each row's own pages (`write_pages`): one decode step
+    or one chunk of a row. Returns (last logits float32 [B, V], k_pool, v_pool)."""
+    logits, k_new, v_new = extend_rows(config, params, k_pool, v_pool, cached, tokens, num_new, items)
+    return (logits, write_pages(k_pool, k_new, page_table, cached, num_new, max_len),
+            write_pages(v_pool, v_new, page_table, cached, num_new, max_len))
 
 
 # ---------------------------------------------------------------------------------------------------- programs
@@ -371,20 +384,29 @@ def _layout_mesh(layout):
     return None if layout is None else layout.k.mesh
 
 
-def _prefill(config, max_len, layout, params, state: PagedState, page_table, cached, tokens, num_new, slots, items):
-    logits, k, v = paged_extend(config, params, state.k, state.v, page_table, cached, tokens, num_new, items, max_len)
-    target = jnp.where(num_new > 0, slots, state.slots)  # rows without tokens (padding) keep their slot's logits
-    return _keep(PagedState(k=k, v=v, logits=state.logits.at[target].set(logits, mode="drop")), layout)
+def _prefill(config, max_len, layout, params, state: PagedState, cached, tokens, num_new, items, out_source,
+             out_table, out_slots):
+    logits, k_new, v_new = extend_rows(config, params, state.k, state.v, cached, tokens, num_new, items)
+    # every output row takes its computed row's tokens: rows with the same tokens (a prompt's G samples) share one
+    k_new, v_new = k_new[:, out_source], v_new[:, out_source]
+    cached_out, num_out = cached[out_source], num_new[out_source]
+    k = write_pages(state.k, k_new, out_table, cached_out, num_out, max_len)
+    v = write_pages(state.v, v_new, out_table, cached_out, num_out, max_len)
+    target = jnp.where(num_out > 0, out_slots, state.slots)  # padding rows keep their slot's logits
+    return _keep(PagedState(k=k, v=v, logits=state.logits.at[target].set(logits[out_source], mode="drop")), layout)
 
 
 def prefill_program(config: ModelConfig, max_len: int, layout=None) -> sampler_lib.MeshProgram:
     """The paged engine's chunk program:
 
-        program(params, state, page_table int32 [R, max_pages], cached int32 [R], tokens int32 [R, W],
-                num_new int32 [R], slots int32 [R], items) -> state
+        program(params, state, cached int32 [U], tokens int32 [U, W], num_new int32 [U], items,
+                out_source int32 [R], out_table int32 [R, max_pages], out_slots int32 [R]) -> state
 
-    Row i's first `num_new[i]` tokens go to positions `cached[i]..` in its pages and its last logits to slot
-    `slots[i]` (rows with num_new = 0 are padding). Compiles once per (R, W, items) bucket. The state is donated."""
+    Computed row u runs its first `num_new[u]` tokens at positions `cached[u]..`, reading the cached pages `items`
+    list for it. Output row r writes the keys/values of computed row `out_source[r]` into its own pages
+    (`out_table[r]`) and its last logits into slot `out_slots[r]` (a slot >= the state's slots, or a computed row
+    without tokens, is padding). Rows whose tokens so far are the same (a prompt's G samples) run once and are
+    written G times. Compiles once per (U, W, items, R) bucket. The state is donated."""
     return _program("paged_prefill", (config, max_len, layout), lambda: sampler_lib.MeshProgram(
         jax.jit(functools.partial(_prefill, config, max_len, layout), donate_argnums=1), _layout_mesh(layout)))
 
