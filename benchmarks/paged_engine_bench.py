@@ -9,8 +9,8 @@ Reported per engine (best of `--repeats` for time; the counts are the same every
   * generated tokens/s (wall, compile excluded by a warm-up run);
   * useful row-step fraction: decode row-steps that produced a kept token / decode row-steps run (the dense
     engine's row-steps are its slots x steps of every `generate` call, read by wrapping `sampler.generate`);
-  * KV positions read per generated token (paged: its work items; dense: slots x attended bucket per step is not
-    recorded, so only the paged figure is printed);
+  * KV positions read per generated token (paged: its work items, against the ragged minimum: the mean position of
+    the generated tokens; dense: slots x attended bucket per step is not recorded, so only the paged figure);
   * under a pool of 25% of the rows' total tokens (`--quarter`): preemptions and episodes lost (must be 0).
 
 A logits hook makes both engines dispatch one decode step at a time (`sync_every` is 1 with a hook), so this measures
@@ -174,6 +174,11 @@ def main(argv=None):
     print(f"{'dense':8} {tokens / min(dense_s):10.1f} {tokens / max(dense_row_steps, 1):17.1%} {'-':>16}")
     print(f"{'paged':8} {tokens / min(paged_s):10.1f} {stats.useful_row_steps / max(stats.row_steps, 1):17.1%} "
           f"{stats.kv_positions_read / max(tokens, 1):16.1f}")
+    # the ragged minimum: a token generated at position p reads the p positions before it, no more
+    mask = np.asarray(dense.batch.loss_mask) == 1
+    minimum = float(np.asarray(dense.batch.positions)[mask].mean())
+    ratio = stats.kv_positions_read / max(tokens, 1) / minimum
+    print(f"ragged minimum KV read / token: {minimum:.1f} (paged reads {ratio:.2f}x)")
     print(f"paged / dense tokens/s: {min(dense_s) / min(paged_s):.2f}x (paged programs compiled during the timed "
           f"runs: {timed_compiles})")
     if args.quarter:

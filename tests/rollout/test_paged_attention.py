@@ -136,8 +136,9 @@ def test_paged_prefill_and_decode_give_the_dense_cache_logits(tiny):
     for _ in range(3):
         expected_tokens = np.argmax(np.asarray(state.logits), axis=-1)
         items = paged.work_items(tables, lengths_now, page_size)
-        out = decode(rows, params, state, np.arange(B, dtype=np.int32), table_arr, lengths_now, active, np.full(B, 100, np.int32),
-                     np.asarray([-1], np.int32), keys, np.zeros(B, np.int32), np.zeros(B, np.int32), items, None)
+        out = decode(rows, params, state, np.arange(B, dtype=np.int32), table_arr, lengths_now, active,
+                     np.full(B, 100, np.int32), np.asarray([-1], np.int32), keys, np.zeros(B, np.int32),
+                     np.zeros(B, np.int32), items, None)
         state, tokens, lengths_now = out[0], np.asarray(out[1])[0], np.asarray(out[8])
         np.testing.assert_array_equal(tokens, np.where(active, expected_tokens, 0))
         dense_logits, dense = cache_lib.extend(config, params, dense, tokens[:, None].astype(np.int32),

@@ -3,7 +3,8 @@
 Same input and output as `agent.run_episodes` (a `Rollout` of the same `EpisodeRecord`s and `TrajectoryBatch`, the
 same per-row keys), on the paged KV cache of `rollout.paged`:
 
-    page pool  `PagedConfig.num_pages` (`RolloutConfig.paged`) pages of `page_size` tokens (from `RolloutConfig.kv_budget_gib` when set),
+    page pool  `PagedConfig.num_pages` (`RolloutConfig.paged`) pages of `page_size` tokens (from
+               `RolloutConfig.kv_budget_gib` when set),
                shared by `slots` rows in flight; a row holds the pages of the tokens it has cached, no more.
     row states QUEUED -> PREFILL -> DECODE -> TOOL -> PREFILL -> DECODE ... -> DONE
       QUEUED   waiting for a slot and the pages of its tokens (a new episode, or a preempted row to recompute);
@@ -59,7 +60,8 @@ QUEUED, PREFILL, DECODE, TOOL, DONE = "queued", "prefill", "decode", "tool", "do
 class EngineStats:
     """What the engine did. `useful_row_steps / row_steps` is the fraction of decode row-steps that generated a
     kept token; `prefill_tokens` counts tokens run through the model by prefill (a prompt's G samples once);
-    `preemptions_mid_turn` counts rows paused with part of a turn generated; `kv_positions_read` counts the paged positions decode attention read (its work items)."""
+    `preemptions_mid_turn` counts rows paused with part of a turn generated; `kv_positions_read` counts the paged
+    positions decode attention read (its work items, every step of a block)."""
 
     decode_dispatches: int = 0
     row_steps: int = 0
