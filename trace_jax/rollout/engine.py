@@ -129,7 +129,14 @@ def run_paged_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Seq
                        logits_hook: Callable[[np.ndarray, int, list], np.ndarray | None] | None = None
                        ) -> PagedRollout:
     """`agent.run_episodes` on the paged engine (module doc): the same arguments and episodes. `paged`: the engine's
-    settings (default `rollout.paged`). `run_episodes` calls this when `RolloutConfig.engine == 'paged'`."""
+    settings (default `rollout.paged`). `run_episodes` calls this when `RolloutConfig.engine == 'paged'`.
+
+    `mesh` must be this process's own devices (each process running its rows alone, as the loop's process mesh
+    does): the schedule follows the tool latencies of this process's rows, so processes sharing a mesh would
+    dispatch different programs (multi-process lock-step is not wired in yet)."""
+    if mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+        raise ValueError("RolloutConfig.engine = 'paged' needs a mesh of this process's own devices (the engine is "
+                         "not in lock-step across processes yet); pass the process mesh or use engine = 'dense'")
     return _Engine(config, params, chat, tasks, browser, rollout, rng, paged or rollout.paged, mesh, rules, row_offset,
                    logits_hook).run()
 
