@@ -215,10 +215,15 @@ def test_context_management_compacts_rows_into_segments_as_the_dense_engine_does
     dense = run_episodes(config, params, chat, tasks, ScriptedTools, rollout, jax.random.PRNGKey(7))
     result = engine_lib.run_paged_episodes(config, params, chat, tasks, ScriptedTools, rollout,
                                            jax.random.PRNGKey(7), paged=PAGED)
+    one_row = dataclasses.replace(PAGED, num_pages=-(-rollout.max_context // PAGED.page_size))
+    tight = engine_lib.run_paged_episodes(config, params, chat, tasks, ScriptedTools, rollout,
+                                          jax.random.PRNGKey(7), paged=one_row)
     assert len(np.asarray(result.batch.tokens)) > len(result.episodes)  # some episodes took several segments
-    _assert_same_episodes(result, dense)
-    for name in ("episode", "first_turn"):
-        np.testing.assert_array_equal(getattr(result.batch, name), getattr(dense.batch, name))
+    assert tight.stats.preemptions > 0
+    for paged_run in (result, tight):  # compacted rows restart in fresh pages, also when the pool is short
+        _assert_same_episodes(paged_run, dense)
+        for name in ("episode", "first_turn"):
+            np.testing.assert_array_equal(getattr(paged_run.batch, name), getattr(dense.batch, name))
 
 
 def test_a_pool_smaller_than_one_row_is_refused_naming_the_field(setup):

@@ -205,10 +205,11 @@ class _Engine:
 
     def _ensure_pages(self, row: _Row, tokens: int) -> bool:
         """Give `row` the pages of `tokens` positions, preempting the highest-index rows holding pages while the pool
-        is short; False when the row itself was preempted."""
+        is short (the row itself when it has the highest index: a lower row is never paused for a higher one);
+        False when the row itself was preempted."""
         need = paged_lib.pages_for(min(tokens, self.max_len), self.page_size) - len(row.pages)
         while need > self.allocator.free_pages:
-            victim = max((r for r in self.rows if r.pages), key=lambda r: r.index)
+            victim = max((r for r in self.rows if r.pages or r is row), key=lambda r: r.index)
             self._preempt(victim)
             if victim is row:
                 return False
