@@ -152,6 +152,16 @@ def _quarter_pool(dense, page_size):
     return max(total // 4 // page_size, -(-ROLLOUT.max_context // page_size))
 
 
+def test_a_prefill_token_budget_spreads_prefill_over_dispatches_and_changes_no_episode(setup, free_running):
+    dense, unbounded = free_running["sampled"]
+    chat, config, params = setup
+    small = engine_lib.run_paged_episodes(config, params, chat, FREE_TASKS, ScriptedTools, SAMPLED,
+                                          jax.random.PRNGKey(7), paged=dataclasses.replace(PAGED, prefill_tokens=40))
+    assert small.stats.prefill_dispatches > unbounded.stats.prefill_dispatches
+    assert small.stats.prefill_tokens == unbounded.stats.prefill_tokens
+    _assert_same_episodes(small, dense)
+
+
 @pytest.mark.parametrize("kind", ["greedy", "sampled"])
 def test_a_pool_of_a_quarter_of_the_tokens_preempts_rows_and_loses_or_alters_no_episode(setup, free_running, kind):
     dense, _ = free_running[kind]
@@ -235,7 +245,7 @@ def test_a_pool_smaller_than_one_row_is_refused_naming_the_field(setup):
 
 
 @pytest.mark.parametrize("field, value", [("page_size", 0), ("prefill_chunk", -1), ("num_pages", 0),
-                                          ("slots", 1.5), ("tool_workers", True)])
+                                          ("slots", 1.5), ("tool_workers", True), ("prefill_tokens", 0)])
 def test_paged_config_refuses_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"PagedConfig.{field} must be an int"):
         engine_lib.PagedConfig(**{field: value})

@@ -10,7 +10,8 @@ same per-row keys), on the paged KV cache of `rollout.paged`:
       QUEUED   waiting for a slot and the pages of its tokens (a new episode, or a preempted row to recompute);
                admitted in row order as soon as both are free (no round barrier).
       PREFILL  its uncached tokens (a prompt, an observation, or a whole row being recomputed) go into its pages in
-               chunks of `prefill_chunk` tokens, one chunk per engine iteration, between decode blocks.
+               chunks of `prefill_chunk` tokens, one chunk per engine iteration, between decode blocks, at most
+               `prefill_tokens` per dispatch.
       DECODE   generates its turn, `sync_every` steps per dispatch for all slots at once; it leaves the decode
                batch the block it stops in (stop token, stop string, turn budget, full context).
       TOOL     its tool call runs on a host thread pool (`tool_workers`) while the other rows decode; the
@@ -176,7 +177,7 @@ class _Engine:
         self.num_pages = pool_pages(config, rollout, paged, n, mesh=mesh, rules=rules)
         self.slots = max(1, min(n, paged.slots or n))
         self.table_width = paged_lib.pages_for(self.max_len, self.page_size)
-        self.prefill_chunk = paged.prefill_chunk
+        self.prefill_chunk, self.prefill_tokens = paged.prefill_chunk, paged.prefill_tokens
         self.steps = 1 if logits_hook is not None else rollout.sync_every
         self.allocator = paged_lib.PageAllocator(self.num_pages)
         self.state = paged_lib.init_pool_program(config, self.num_pages, self.page_size, self.slots, mesh, rules)()
@@ -251,12 +252,20 @@ class _Engine:
     def _prefill(self) -> bool:
         rows = [r for r in self.rows if r.phase == PREFILL]
         chunks = []
+        computed: set[tuple] = set()  # the distinct (cached, tokens so far) this dispatch runs
+        spent = 0
         for row in rows:
             if row.phase != PREFILL:  # preempted by an earlier row of this list
                 continue
             pending = row.tokens()[row.cached:row.cached + self.prefill_chunk]
+            key = (row.cached, tuple(row.tokens()[:row.cached + len(pending)]))
+            if key not in computed and spent and spent + len(pending) > self.prefill_tokens:
+                continue  # over the dispatch's token budget: next time
             if self._ensure_pages(row, row.cached + len(pending)):
                 chunks.append((row, pending))
+                if key not in computed:
+                    computed.add(key)
+                    spent += len(pending)
         chunks = [(row, pending) for row, pending in chunks if row.phase == PREFILL]
         if not chunks:
             return False

@@ -60,6 +60,9 @@ class PagedConfig:
         (`paged.pages_within_budget`), or, without a budget, every row's `max_context`.
       slots: rows in flight at most (the decode batch). None: every row of the call.
       prefill_chunk: most tokens of one row written by one prefill dispatch (longer inputs take several).
+      prefill_tokens: most tokens one prefill dispatch runs through the model (rows with the same tokens count
+        once); the rows beyond wait for the next dispatch, after a decode block, so that a wave of admissions or
+        observations does not stall the rows that generate. At least one row's chunk always runs.
       tool_workers: host threads running tool calls.
     """
 
@@ -67,10 +70,11 @@ class PagedConfig:
     num_pages: int | None = None
     slots: int | None = None
     prefill_chunk: int = 256
+    prefill_tokens: int = 8192
     tool_workers: int = 4
 
     def __post_init__(self):
-        for name in ("page_size", "prefill_chunk", "tool_workers"):
+        for name in ("page_size", "prefill_chunk", "prefill_tokens", "tool_workers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"PagedConfig.{name} must be an int >= 1, got {value!r}")
