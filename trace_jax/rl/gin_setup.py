@@ -40,6 +40,7 @@ from trace_jax.rl.evaluate import EvalConfig
 from trace_jax.rl.pipeline import UpdateConfig
 from trace_jax.rl.warmstart import WarmStartConfig
 from trace_jax.rollout.agent import RolloutConfig
+from trace_jax.rollout.paged import PagedConfig
 from trace_jax.rollout.sampler import SamplingConfig
 from trace_jax.train.config import CheckpointConfig, LossConfig, MeshConfig, OptimizerConfig
 from trace_jax.train.distributed import DistributedConfig
@@ -326,6 +327,7 @@ CONFIGURABLES: tuple[Configurable, ...] = (
     Configurable("EnvConfig", EnvConfig, "trace_jax.rl", concern="env"),
     Configurable("RolloutConfig", RolloutConfig, "trace_jax.rollout", concern="rollout"),
     Configurable("SamplingConfig", SamplingConfig, "trace_jax.rollout"),
+    Configurable("PagedConfig", PagedConfig, "trace_jax.rollout"),
     Configurable("EvalConfig", EvalConfig, "trace_jax.rl", concern="eval"),
     Configurable("WarmStartConfig", WarmStartConfig, "trace_jax.rl", concern="warmstart"),
     Configurable("LossConfig", LossConfig, "trace_jax.train", concern="loss"),

@@ -582,6 +582,10 @@ class RLPipeline:
             "rows_at_once": float(rollout.rows_at_once),
             "kv_cache_gib": rollout.kv_cache_bytes / GIB,
         }
+        stats = getattr(rollout, "stats", None)
+        if stats is not None:  # the paged engine's (`RolloutConfig.engine = 'paged'`)
+            out["rollout_useful_row_steps"] = stats.useful_row_steps / max(stats.row_steps, 1)
+            out["rollout_preemptions"] = float(stats.preemptions)
         for name in STATUSES[1:]:
             out[f"status/{name}"] = float(np.mean([e.status == name for e in episodes]))
         # the diagnostics read one layout row per episode: the batch's own, or the episodes' `turn_layout`

@@ -7,6 +7,8 @@ Public API (see docs/rollout.md):
   RolloutConfig, Rollout, run_episodes, ScriptedPolicy                        (agent)
   kv_bytes_per_row, kv_bytes_per_chip, rows_within_budget, cache_bytes_per_device (budget)
   SearchState, search_state, render_record, compacted_context                 (context: context management)
+  PagedConfig, PagedState, PageAllocator, paged_attention, the paged programs   (paged: import trace_jax.rollout.paged)
+  run_paged_episodes, PagedRollout, EngineStats        (engine: `RolloutConfig.engine = 'paged'`; import the module)
 
 This package knows nothing about credit assignment or training; it only produces their input.
 """

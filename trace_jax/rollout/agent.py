@@ -72,8 +72,10 @@ from trace_jax.rollout import sampler as sampler_lib
 from trace_jax.rollout.batch import EpisodeRecord, TrajectoryBatch, build_batch
 from trace_jax.rollout.budget import cache_bytes_per_device, rows_within_budget
 from trace_jax.rollout.context import compacted_context, render_record, search_state
+from trace_jax.rollout.paged import PagedConfig
 from trace_jax.train import distributed
 
+ENGINES = ("dense", "paged")
 DEFAULT_SYSTEM_PROMPT = (
     "You are a research agent. Answer the question by searching and reading documents with the browser tools. "
     "Call one tool per turn. When you know the answer, reply with <answer>your answer</answer>."
@@ -104,6 +106,9 @@ class RolloutConfig:
         (`rollout.context`) and the latest tool response when it fits, and a new *segment* row starts (module
         doc). Must exceed `context_record_tokens + turn_token_budget` and be at most `max_context`.
       context_record_tokens: the record's token budget (its user turn, header and end included).
+      engine: which engine runs the episodes: 'dense' (`run_episodes`' rounds over a dense cache) or 'paged'
+        (`rollout.engine`: paged KV, rows advance on their own, tools on a worker pool); the same episodes.
+      paged: the paged engine's settings (page size, pool, slots, prefill chunk, tool workers).
     """
 
     group_size: int = 1
@@ -119,8 +124,14 @@ class RolloutConfig:
     kv_budget_gib: float | None = None
     context_budget: int = 0
     context_record_tokens: int = 256
+    engine: str = "dense"
+    paged: PagedConfig = PagedConfig()
 
     def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise ValueError(f"RolloutConfig.engine must be one of {ENGINES}, got {self.engine!r}")
+        if not isinstance(self.paged, PagedConfig):
+            raise ValueError(f"RolloutConfig.paged must be a PagedConfig, got {self.paged!r}")
         for name in ("group_size", "max_context", "turn_token_budget", "sync_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RolloutConfig.{name} must be >= 1, got {getattr(self, name)!r}")
@@ -276,6 +287,11 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
       ValueError: a prompt does not fit in `max_context` (the message gives the length), or the KV budget holds
         no row.
     """
+    if rollout.engine == "paged":  # the one dispatch between the engines
+        from trace_jax.rollout.engine import run_paged_episodes  # it imports this module
+
+        return run_paged_episodes(config, params, chat, tasks, browser, rollout, rng, mesh=mesh, rules=rules,
+                                  row_offset=row_offset, logits_hook=logits_hook)
     start = time.perf_counter()
     timing = {"prefill": 0.0, "generate": 0.0, "env": 0.0, "agent_host": 0.0, "append": 0.0, "pack": 0.0}
     group = rollout.group_size
@@ -467,3 +483,28 @@ def _batch_placement(mesh, rules):
         return jax.device_put(x, sharding)
 
     return place
+
+
+# ---------------------------------------------------------------------------------------------------- for engines
+# The rules above as public pieces, for the paged engine (`rollout.engine`), which must give the same episodes.
+def row_turn_keys(rng: jax.Array, rows, turns) -> jax.Array:
+    """uint32 [N, 2]: the key of turn `turns[i]` of row `rows[i]`, `fold_in(fold_in(rng, turn), row)`: the keys
+    `run_episodes` samples with (its step s then folds in s)."""
+    return _row_keys(rng, np.asarray(rows, np.int32), np.asarray(turns, np.int32))
+
+
+def new_segment(context: list[int], *, first_turn: int) -> dict:
+    """A row's bookkeeping dict (tokens, masks, log-probs, boundaries, status) starting from `context` as its state
+    `S_{first_turn}`, as `run_episodes` keeps it."""
+    return _segment(context, first_turn=first_turn)
+
+
+def task_episode(task, index: int) -> EpisodeRecord:
+    """The empty `EpisodeRecord` of `task` (the `index`-th task: its id when the task has none)."""
+    return EpisodeRecord(task_id=str(getattr(task, "task_id", index)), question=task.question, gold=_gold(task),
+                         clues=tuple(getattr(task, "clues", ()) or ()))
+
+
+def compact_context(chat: ChatFormat, rollout: RolloutConfig, schemas, episode: EpisodeRecord) -> list[int]:
+    """The compacted context of `episode` after its latest observation (context management, module doc)."""
+    return _compact(chat, rollout, schemas, episode)

@@ -1,0 +1,192 @@
+"""Paged KV (`rollout.paged`): ragged paged attention against a float64 loop, the page allocator, and the paged
+prefill/decode programs against the dense cache (`models.cache.extend`) on the tiny model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trace_jax import models
+from trace_jax.models import cache as cache_lib
+from trace_jax.rollout import paged
+from trace_jax.rollout import sampler as sampler_lib
+
+
+def _padded(chunks, width):
+    tokens = np.zeros((len(chunks), width), np.int32)
+    for row, chunk in enumerate(chunks):
+        tokens[row, :len(chunk)] = chunk
+    return tokens, np.asarray([len(c) for c in chunks], np.int32)
+
+
+def _naive_attention(q, k_pages, v_pages, tables, key_len, k2, v2, mask2):
+    """float64 loop: row b's keys are its pages' positions < key_len[b], then its block keys under mask2."""
+    q, k_pages, v_pages, k2, v2 = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages, k2, v2))
+    B, n, H, Dh = q.shape
+    page_size, K = k_pages.shape[1], k_pages.shape[2]
+    out = np.zeros((B, n, H, Dh))
+    for b in range(B):
+        positions = np.arange(key_len[b])
+        keys = k_pages[[tables[b][p // page_size] for p in positions], positions % page_size]  # [T, K, Dh]
+        values = v_pages[[tables[b][p // page_size] for p in positions], positions % page_size]
+        for i in range(n):
+            for h in range(H):
+                g = h // (H // K)
+                s = [keys[t, g] @ q[b, i, h] / np.sqrt(Dh) for t in range(len(keys))]
+                vals = [values[t, g] for t in range(len(keys))]
+                for j in range(k2.shape[1]):
+                    if mask2[b, i, j]:
+                        s.append(k2[b, j, g] @ q[b, i, h] / np.sqrt(Dh))
+                        vals.append(v2[b, j, g])
+                if not s:
+                    continue
+                s = np.asarray(s)
+                p = np.exp(s - s.max())
+                out[b, i, h] = (p / p.sum()) @ np.asarray(vals)
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_paged_attention_matches_a_float64_loop_on_random_page_tables_and_ragged_lengths(seed):
+    rng = np.random.default_rng(seed)
+    B, n, H, K, Dh, page_size, num_pages = 4, 3, 4, 2, 8, 4, 24
+    key_len = rng.integers(0, 15, size=B)
+    key_len[rng.integers(B)] = 0  # a row with no cached key reads only its block
+    order = rng.permutation(num_pages).tolist()  # pages handed out in random order: tables are not contiguous
+    tables = [[order.pop() for _ in range(paged.pages_for(length, page_size) + int(rng.integers(0, 2)))]
+              for length in key_len]
+    q = rng.normal(size=(B, n, H, Dh)).astype(np.float32)
+    k_pages, v_pages = (rng.normal(size=(num_pages, page_size, K, Dh)).astype(np.float32) for _ in range(2))
+    k2, v2 = (rng.normal(size=(B, n, K, Dh)).astype(np.float32) for _ in range(2))
+    mask2 = np.tril(np.ones((n, n), bool))[None] & (rng.random((B, 1, n)) < 0.8)
+    mask2[:, :, 0] |= True
+    items = paged.work_items(tables, key_len, page_size)
+    out = jax.jit(paged.paged_attention)(q, k_pages, v_pages, key_len.astype(np.int32), items,
+                                         block=(k2, v2, mask2))
+    expected = _naive_attention(q, k_pages, v_pages, tables, key_len, k2, v2, mask2)
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=2e-6, rtol=1e-5)
+
+
+def test_work_items_list_only_the_pages_of_cached_positions_padded_to_a_bucket():
+    rows, pages, starts = paged.work_items([[7, 3, 9], [], [5]], [9, 0, 1], 4)
+    assert rows.tolist()[:4] == [0, 0, 0, 2] and pages.tolist()[:4] == [7, 3, 9, 5]
+    assert starts.tolist()[:4] == [0, 4, 8, 0]
+    assert len(rows) == 4  # a power of two: shapes repeat
+    assert paged.work_items([[1]], [1], 4, minimum=8)[0].tolist() == [0] + [1] * 7  # padding rows are out of range
+    assert len(paged.work_items([[1, 2, 3, 4, 5]], [20], 4, maximum=6)[0]) == 6  # no more items than pool pages
+    with pytest.raises(ValueError, match="row 0 caches 5 tokens but holds 1 pages"):
+        paged.work_items([[1]], [5], 4)
+
+
+def test_the_allocator_hands_out_free_pages_lowest_first_and_refuses_a_double_free():
+    pool = paged.PageAllocator(5)
+    assert pool.alloc(2) == [0, 1] and pool.free_pages == 3
+    pool.release([0])
+    assert pool.alloc(2) == [0, 2]
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.release([4])
+    with pytest.raises(RuntimeError, match="3 pages asked, 2 free"):
+        pool.alloc(3)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = models.get_preset("tiny-qwen3")
+    params = models.init_params(config, jax.random.PRNGKey(3))
+    return config, params
+
+
+def test_paged_prefill_and_decode_give_the_dense_cache_logits(tiny):
+    """Random prompts of ragged lengths (rows 0 and 2 the same: computed once, written into both rows' pages),
+    prefilled in two chunks into randomly ordered pages, then three single-token steps: each step's logits equal
+    `models.cache.extend` on a dense cache to 1e-5 (float32)."""
+    config, params = tiny
+    rng = np.random.default_rng(0)
+    page_size, max_len, num_pages = 4, 40, 40
+    prompts = [rng.integers(0, config.vocab_size, size=n).tolist() for n in (9, 1, 9, 14)]
+    prompts[2] = list(prompts[0])
+    B = len(prompts)
+    order = rng.permutation(num_pages).tolist()
+    tables = [[order.pop() for _ in range(paged.pages_for(max_len, page_size))] for _ in range(B)]
+    table_arr = paged.page_table_array(tables, paged.pages_for(max_len, page_size))
+    state = paged.init_pool_program(config, num_pages, page_size, B)()
+
+    dense = cache_lib.init_cache(config, B, max_len)
+    tokens, num_new = _padded(prompts, 16)
+    dense_logits, dense = cache_lib.extend(config, params, dense, tokens, num_new)
+
+    prefill = paged.prefill_program(config, max_len)
+    computed = [0, 1, 3]  # row 2 takes row 0's computation
+    source = np.asarray([0, 1, 0, 2], np.int32)
+    cached = np.zeros(B, np.int32)
+    for chunk in (6, 16):  # first 6 tokens of each prompt, then the rest: a chunked prefill
+        part = [prompts[r][cached[r]:cached[r] + chunk] for r in computed]
+        tok, num = _padded(part, 16)
+        items = paged.work_items([tables[r] for r in computed], cached[computed], page_size)
+        state = prefill(params, state, cached[computed], tok, num, items, source, table_arr,
+                        np.arange(B, dtype=np.int32))
+        cached = cached + num[source]
+    np.testing.assert_allclose(np.asarray(state.logits), np.asarray(dense_logits), atol=1e-5, rtol=1e-5)
+
+    decode = paged.decode_program(config, 1, max_len)
+    rows = sampler_lib.RowSampling.of([sampler_lib.SamplingConfig(greedy=True)] * B)
+    active = np.asarray([True, False, True, True])  # row 2 decodes from the pages row 0's computation wrote
+    lengths_now = cached.astype(np.int32)
+    keys = np.asarray(jax.random.split(jax.random.PRNGKey(0), B))
+    for _ in range(3):
+        expected_tokens = np.argmax(np.asarray(state.logits), axis=-1)
+        items = paged.work_items(tables, lengths_now, page_size)
+        out = decode(rows, params, state, np.arange(B, dtype=np.int32), table_arr, lengths_now, active,
+                     np.full(B, 100, np.int32), np.asarray([-1], np.int32), keys, np.zeros(B, np.int32),
+                     np.zeros(B, np.int32), items, None)
+        state, tokens, lengths_now = out[0], np.asarray(out[1])[0], np.asarray(out[8])
+        np.testing.assert_array_equal(tokens, np.where(active, expected_tokens, 0))
+        dense_logits, dense = cache_lib.extend(config, params, dense, tokens[:, None].astype(np.int32),
+                                               active.astype(np.int32))
+        np.testing.assert_allclose(np.asarray(state.logits)[active], np.asarray(dense_logits)[active], atol=1e-5,
+                                   rtol=1e-5)
+    np.testing.assert_array_equal(lengths_now, np.asarray(dense.lengths))
+
+
+def test_the_pool_is_created_sharded_pages_over_batch_axes_heads_over_tensor(tiny):
+    config, _ = tiny
+    mesh = models.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    state = paged.init_pool_program(config, 16, 4, 8, mesh)()
+    assert state.k.sharding.spec[1] == ("data", "fsdp") and state.k.sharding.spec[3] == "tensor"
+    assert {s.data.shape for s in state.k.addressable_shards} == {(config.num_hidden_layers, 4, 4, 1,
+                                                                   config.head_dim)}
+    assert paged.init_pool_program(config, 16, 4, 8, mesh) is paged.init_pool_program(config, 16, 4, 8, mesh)
+
+
+def test_the_decode_programs_draws_follow_the_filtered_softmax(tiny):
+    """4096 rows with one pending distribution and their own keys: one decode step's tokens pass a chi-square test
+    against the tempered, top-p filtered softmax (`sampler.sampling_logits`)."""
+    from scipy import stats
+
+    config, params = tiny
+    rows, page_size, max_len = 4096, 4, 8
+    logits = np.asarray(jax.random.normal(jax.random.PRNGKey(4), (config.vocab_size,))) * 3.0
+    state = paged.init_pool_program(config, 2, page_size, 1)()
+    state = state.replace(logits=jnp.asarray(logits[None], jnp.float32))
+    setting = sampler_lib.SamplingConfig(temperature=0.7, top_p=0.9)
+    sampling = sampler_lib.RowSampling.of([setting] * rows)
+    keys = np.asarray(jax.random.split(jax.random.PRNGKey(11), rows))
+    tables = np.full((rows, 2), -1, np.int32)  # no pages: the step's keys/values are dropped, only its draw counts
+    items = paged.work_items([[]] * rows, [0] * rows, page_size)
+    out = paged.decode_program(config, 1, max_len)(
+        sampling, params, state, np.zeros(rows, np.int32), tables, np.zeros(rows, np.int32), np.ones(rows, bool),
+        np.full(rows, 4, np.int32), np.asarray([-1], np.int32), keys, np.zeros(rows, np.int32),
+        np.zeros(rows, np.int32), items, None)
+    drawn = np.asarray(out[1])[0]
+    probs = np.asarray(jax.nn.softmax(sampler_lib.sampling_logits(jnp.asarray(logits[None]), setting)))[0]
+    kept = probs > 0
+    assert set(np.unique(drawn)) <= set(np.nonzero(kept)[0])  # nothing outside the top-p set
+    counts = np.bincount(drawn, minlength=config.vocab_size)[kept]
+    expected = probs[kept].astype(np.float64) * rows
+    big = expected >= 5  # pool the rare tokens into one cell, as the test requires
+    observed, expected = counts[big], expected[big]
+    if (~big).any():
+        observed = np.append(observed, counts[~big].sum())
+        expected = np.append(expected, probs[kept][~big].astype(np.float64).sum() * rows)
+    expected *= observed.sum() / expected.sum()  # float32 probabilities: make the totals agree exactly
+    assert stats.chisquare(observed, expected).pvalue > 1e-3

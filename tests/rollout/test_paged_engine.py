@@ -1,0 +1,251 @@
+"""The paged engine (`rollout.engine.run_paged_episodes`) gives `agent.run_episodes`' episodes: the same tokens
+(greedy and sampled, with the same keys), masks, boundaries, statuses and log-probs, with tools running on a
+worker pool while rows decode, rows paused and recomputed under a small page pool, and no episode lost."""
+
+import copy
+import dataclasses
+import random
+import time
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from trace_jax import models
+from trace_jax.models.chat import ChatFormat
+from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
+from trace_jax.rollout import RolloutConfig, SamplingConfig, ScriptedPolicy, run_episodes
+from trace_jax.rollout import engine as engine_lib
+
+WORDS = ["alpha", "beta", "gamma", "delta", "river", "city", "mayor", "flows", "through", "search", "open", "query",
+         "answer", "The", "is", "Error", "result", "page", "north", "south"]
+FIELDS = ("tokens", "loss_mask", "turn_index", "boundaries", "num_turns", "status", "reward", "lengths")
+ROLLOUT = RolloutConfig(group_size=2, max_turns=3, max_context=192, turn_token_budget=24, max_observation_chars=24,
+                        system_prompt="Use tools.", with_tools=False, sync_every=4,
+                        sampling=SamplingConfig(greedy=True))
+SAMPLED = dataclasses.replace(ROLLOUT, sampling=SamplingConfig(temperature=1.3))
+PAGED = engine_lib.PagedConfig(page_size=8, prefill_chunk=32, tool_workers=3)
+
+
+class ScriptedTools:
+    """A tool environment of one task: each call sleeps 0-30 ms and returns 1-12 words, drawn from the task and the
+    call's number (so its answers do not depend on timing or on other rows)."""
+
+    def __init__(self, task):
+        self.task, self.calls = task, 0
+
+    def execute(self, name, arguments):
+        draw = random.Random(f"{self.task.task_id}/{self.calls}/{name}")
+        self.calls += 1
+        time.sleep(draw.uniform(0.0, 0.03))
+        return " ".join(draw.choice(WORDS) for _ in range(draw.randint(1, 12)))
+
+
+def _tasks(seed, count):
+    draw = random.Random(seed)
+    return [types.SimpleNamespace(task_id=f"t{seed}-{i}", answer=draw.choice(WORDS),
+                                  question=" ".join(draw.choice(WORDS) for _ in range(draw.randint(2, 14))))
+            for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tokenizer = load_tokenizer(build_word_tokenizer(WORDS, tmp_path_factory.mktemp("tok")))
+    chat = ChatFormat(tokenizer)
+    # untied: with tied embeddings a random model's greedy choice is the token it was just fed ("\n" forever)
+    config = models.get_preset("tiny-qwen3", vocab_size=len(tokenizer), num_hidden_layers=1, tie_word_embeddings=False)
+    params = models.init_params(config, jax.random.PRNGKey(1))
+    return chat, config, params
+
+
+def _scripts(chat, tasks, seed):
+    """Per row, per turn: a valid tool call of 1-6 query words, nothing (the model's own greedy turn), or an
+    answer; random lengths, so rows end their turns and episodes at different steps."""
+    draw = random.Random(seed)
+    rows = []
+    for _ in range(len(tasks) * ROLLOUT.group_size):
+        turns = []
+        for _ in range(ROLLOUT.max_turns + 1):
+            kind = draw.choice(["call", "call", "free", "answer"])
+            if kind == "call":
+                query = " ".join(draw.choice(WORDS) for _ in range(draw.randint(1, 6)))
+                turns.append(chat.assistant_content_ids(None, [{"name": "search", "arguments": {"query": query}}]))
+            elif kind == "answer":
+                turns.append(chat.assistant_content_ids(f"<answer>{draw.choice(WORDS)}</answer>")
+                             + [chat.im_end_id])
+            else:
+                turns.append([])
+        rows.append(turns)
+    return rows
+
+
+def _both(setup, tasks, rollout, *, paged=PAGED, hook=None, rng=jax.random.PRNGKey(7)):
+    chat, config, params = setup
+    dense = run_episodes(config, params, chat, tasks, ScriptedTools, rollout, rng, logits_hook=hook)
+    result = engine_lib.run_paged_episodes(config, params, chat, tasks, ScriptedTools, rollout, rng, paged=paged,
+                                           logits_hook=hook)
+    return dense, result
+
+
+def _assert_same_episodes(result, reference):
+    for name in FIELDS:
+        np.testing.assert_array_equal(getattr(result.batch, name), getattr(reference.batch, name), err_msg=name)
+    np.testing.assert_allclose(result.batch.sampler_logprobs, reference.batch.sampler_logprobs, atol=1e-5)
+    for mine, theirs in zip(result.episodes, reference.episodes):
+        assert dataclasses.asdict(mine) == dataclasses.asdict(theirs)
+    assert result.generated_tokens == reference.generated_tokens
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_scripted_tool_episodes_with_random_turn_lengths_are_the_dense_engines(setup, seed):
+    chat, config, _ = setup
+    tasks = _tasks(seed, 3)
+    hook = ScriptedPolicy(_scripts(chat, tasks, seed), config.vocab_size)
+    dense, result = _both(setup, tasks, ROLLOUT, hook=hook)
+    _assert_same_episodes(result, dense)
+    statuses = {e.status for e in result.episodes}
+    assert len(statuses) > 1  # episodes ended in different ways and at different turns
+    assert sum(len(e.observations) for e in result.episodes) > 0
+
+
+FREE_TASKS = _tasks(3, 4)  # 8 rows running free (the model's own turns), shared by the tests below
+
+
+@pytest.fixture(scope="module")
+def free_running(setup):
+    """Per sampling mode: (dense engine, paged engine with an unbounded pool) on FREE_TASKS."""
+    return {name: _both(setup, FREE_TASKS, rollout) for name, rollout in (("greedy", ROLLOUT), ("sampled", SAMPLED))}
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_free_running_greedy_and_sampled_tokens_are_the_dense_engines(free_running, kind):
+    dense, result = free_running[kind]
+    _assert_same_episodes(result, dense)
+    assert result.stats.decode_dispatches > 0 and result.stats.preemptions == 0
+    assert 0 < result.stats.useful_row_steps <= result.stats.row_steps
+
+
+def test_prefill_runs_a_prompts_samples_once_and_every_observation(free_running):
+    """Tokens prefill ran through the model: every row's tokens but its generated ones, with each prompt once for
+    its G samples (they are admitted together). Sampled, so a prompt's rows part after their prompt (greedy rows
+    stay identical, and so share every prefill)."""
+    dense, result = free_running["sampled"]
+    batch = result.batch
+    not_generated = int(np.asarray(batch.lengths).sum() - np.asarray(batch.loss_mask).sum())
+    prompts = np.asarray(batch.boundaries)[::ROLLOUT.group_size, 0]
+    assert result.stats.prefill_tokens == not_generated - (ROLLOUT.group_size - 1) * int(prompts.sum())
+
+
+def test_sampled_log_probs_equal_the_trainers(setup, free_running):
+    _, config, params = setup
+    batch = free_running["sampled"][1].batch
+    trainer = np.asarray(models.to_token_aligned(models.token_logprobs(config, params, batch.tokens)))
+    mask = np.asarray(batch.loss_mask) == 1
+    assert mask.sum() > 20
+    np.testing.assert_allclose(np.asarray(batch.sampler_logprobs)[mask], trainer[mask], atol=1e-5)
+
+
+def _quarter_pool(dense, page_size):
+    """Pages of a pool holding 25% of the rows' total tokens (at least one row of max_context)."""
+    total = int(np.asarray(dense.batch.lengths).sum())
+    return max(total // 4 // page_size, -(-ROLLOUT.max_context // page_size))
+
+
+def test_a_prefill_token_budget_spreads_prefill_over_dispatches_and_changes_no_episode(setup, free_running):
+    dense, unbounded = free_running["sampled"]
+    chat, config, params = setup
+    small = engine_lib.run_paged_episodes(config, params, chat, FREE_TASKS, ScriptedTools, SAMPLED,
+                                          jax.random.PRNGKey(7), paged=dataclasses.replace(PAGED, prefill_tokens=40))
+    assert small.stats.prefill_dispatches > unbounded.stats.prefill_dispatches
+    assert small.stats.prefill_tokens == unbounded.stats.prefill_tokens
+    _assert_same_episodes(small, dense)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_a_pool_of_a_quarter_of_the_tokens_preempts_rows_and_loses_or_alters_no_episode(setup, free_running, kind):
+    dense, _ = free_running[kind]
+    pages = _quarter_pool(dense, PAGED.page_size)
+    chat, config, params = setup
+    small = engine_lib.run_paged_episodes(config, params, chat, FREE_TASKS, ScriptedTools,
+                                          ROLLOUT if kind == "greedy" else SAMPLED, jax.random.PRNGKey(7),
+                                          paged=dataclasses.replace(PAGED, num_pages=pages))
+    assert small.stats.preemptions > 0 and small.stats.recomputed_tokens > 0
+    assert small.stats.max_pages_held <= pages
+    assert all(e.status != "running" for e in small.episodes)
+    _assert_same_episodes(small, dense)
+
+
+def test_a_row_preempted_mid_turn_is_recomputed_and_gives_the_same_tokens(setup, free_running):
+    """A pool of exactly one row's context for 8 rows: rows are paused while generating, and their turns resume
+    after recompute with the same keys."""
+    dense, _ = free_running["greedy"]
+    chat, config, params = setup
+    pages = -(-ROLLOUT.max_context // PAGED.page_size)
+    small = engine_lib.run_paged_episodes(config, params, chat, FREE_TASKS, ScriptedTools, ROLLOUT,
+                                          jax.random.PRNGKey(7), paged=dataclasses.replace(PAGED, num_pages=pages))
+    assert small.stats.preemptions_mid_turn > 0
+    _assert_same_episodes(small, dense)
+
+
+def test_on_a_mesh_the_pool_is_split_and_the_episodes_are_one_devices(setup, free_running):
+    """8 fake CPU devices (tests/conftest.py): pages over data x fsdp, kv heads over tensor."""
+    chat, config, params = setup
+    mesh = models.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    sharded = engine_lib.run_paged_episodes(config, models.shard_params(params, config, mesh), chat, FREE_TASKS,
+                                            ScriptedTools, ROLLOUT, jax.random.PRNGKey(7), paged=PAGED, mesh=mesh)
+    single = free_running["greedy"][1]
+    assert sharded.kv_cache_bytes * 8 == single.kv_cache_bytes
+    _assert_same_episodes(sharded, single)
+
+
+def test_stop_strings_end_turns_and_drop_the_overshoot_as_the_dense_engine_does(setup):
+    """A chat format whose stop *string* is "a" (any word or byte with an a): turns end mid decode block, and the
+    tokens drawn after the string within the block are dropped and uncached, as `sampler.generate` rolls back."""
+    chat, config, params = setup
+    stringy = copy.copy(chat)
+    stringy.assistant_stop_strings = ("a",)
+    tasks = FREE_TASKS[:2]
+    dense = run_episodes(config, params, stringy, tasks, ScriptedTools, ROLLOUT, jax.random.PRNGKey(7))
+    result = engine_lib.run_paged_episodes(config, params, stringy, tasks, ScriptedTools, ROLLOUT,
+                                           jax.random.PRNGKey(7), paged=PAGED)
+    _assert_same_episodes(result, dense)
+    turns = [text for e in result.episodes for text in e.turn_texts]
+    assert sum("a" in text for text in turns) > len(turns) // 2
+    short = [text for text in turns if len(stringy.tokenizer.encode(text)) < ROLLOUT.turn_token_budget]
+    assert short  # ended by the stop string before the turn budget
+
+
+def test_context_management_compacts_rows_into_segments_as_the_dense_engine_does(setup):
+    """`RolloutConfig.context_budget`: a row whose next observation would pass the budget starts a new segment from
+    its compacted context, recomputed into fresh pages of its slot."""
+    chat, config, params = setup
+    rollout = dataclasses.replace(SAMPLED, context_budget=150, context_record_tokens=48)
+    tasks = FREE_TASKS[:2]
+    dense = run_episodes(config, params, chat, tasks, ScriptedTools, rollout, jax.random.PRNGKey(7))
+    result = engine_lib.run_paged_episodes(config, params, chat, tasks, ScriptedTools, rollout,
+                                           jax.random.PRNGKey(7), paged=PAGED)
+    one_row = dataclasses.replace(PAGED, num_pages=-(-rollout.max_context // PAGED.page_size))
+    tight = engine_lib.run_paged_episodes(config, params, chat, tasks, ScriptedTools, rollout,
+                                          jax.random.PRNGKey(7), paged=one_row)
+    assert len(np.asarray(result.batch.tokens)) > len(result.episodes)  # some episodes took several segments
+    assert tight.stats.preemptions > 0
+    for paged_run in (result, tight):  # compacted rows restart in fresh pages, also when the pool is short
+        _assert_same_episodes(paged_run, dense)
+        for name in ("episode", "first_turn"):
+            np.testing.assert_array_equal(getattr(paged_run.batch, name), getattr(dense.batch, name))
+
+
+def test_a_pool_smaller_than_one_row_is_refused_naming_the_field(setup):
+    chat, config, params = setup
+    with pytest.raises(ValueError, match=r"PagedConfig.num_pages = 3 gives a pool of 3 pages of 8 tokens; one row "
+                                         r"of max_context = 192 needs 24"):
+        engine_lib.run_paged_episodes(config, params, chat, _tasks(0, 1), ScriptedTools, ROLLOUT,
+                                      jax.random.PRNGKey(0), paged=dataclasses.replace(PAGED, num_pages=3))
+
+
+@pytest.mark.parametrize("field, value", [("page_size", 0), ("prefill_chunk", -1), ("num_pages", 0),
+                                          ("slots", 1.5), ("tool_workers", True), ("prefill_tokens", 0)])
+def test_paged_config_refuses_bad_values_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=f"PagedConfig.{field} must be an int"):
+        engine_lib.PagedConfig(**{field: value})

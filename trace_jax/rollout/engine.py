@@ -1,0 +1,532 @@
+"""The paged, continuously batched rollout engine: rows advance on their own, tools run while others decode.
+
+Same input and output as `agent.run_episodes` (a `Rollout` of the same `EpisodeRecord`s and `TrajectoryBatch`, the
+same per-row keys), on the paged KV cache of `rollout.paged`:
+
+    page pool  `PagedConfig.num_pages` (`RolloutConfig.paged`) pages of `page_size` tokens (from
+               `RolloutConfig.kv_budget_gib` when set),
+               shared by `slots` rows in flight; a row holds the pages of the tokens it has cached, no more.
+    row states QUEUED -> PREFILL -> DECODE -> TOOL -> PREFILL -> DECODE ... -> DONE
+      QUEUED   waiting for a slot and the pages of its tokens (a new episode, or a preempted row to recompute);
+               admitted in row order as soon as both are free (no round barrier).
+      PREFILL  its uncached tokens (a prompt, an observation, or a whole row being recomputed) go into its pages in
+               chunks of `prefill_chunk` tokens, one chunk per engine iteration, between decode blocks, at most
+               `prefill_tokens` per dispatch.
+      DECODE   generates its turn, `sync_every` steps per dispatch for all slots at once; it leaves the decode
+               batch the block it stops in (stop token, stop string, turn budget, full context).
+      TOOL     its tool call runs on a host thread pool (`tool_workers`) while the other rows decode; the
+               observation is appended and the row goes back to PREFILL.
+      DONE     its pages and slot are freed at once.
+    preemption when a row needs a page and none is free, the row admitted last (highest row index) that holds
+               pages is paused: its pages and slot are released and it waits at the head of the queue; on
+               re-admission its tokens are recomputed by PREFILL (vLLM's recompute preemption). Nothing of the
+               episode is lost: its tokens, log-probs and turn state are host lists, and the rest of its turn is
+               drawn with the same keys. A pool of at least one row of `max_context` always makes progress: the
+               first row in row order can preempt every other.
+
+Tokens: turn k of row r samples its i-th token with `fold_in(fold_in(fold_in(rng, k), row_offset + r), i)`, as
+`run_episodes` does (`agent.row_turn_keys`), so the two engines give the same episodes (up to float32 summation
+order in attention: logits agree to ~1e-6, greedy and sampled tokens are the same in the tests). The turn rules
+(answer, max_turns, context overflow, tool errors, compaction) are `run_episodes`' own, step for step
+(`_end_turn`, `_observe`; tests/rollout/test_paged_engine.py pins the equality).
+
+This module knows nothing about the model's internals, credit assignment or training.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import heapq
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from trace_jax.envs.answers import answer_reward
+from trace_jax.envs.browser import ERROR_PREFIX, Browser, tool_schemas
+from trace_jax.models.chat import TOOL_CALL_OPEN, ChatFormat, ToolCall, parse_tool_call
+from trace_jax.models.config import ModelConfig
+from trace_jax.rollout import agent as agent_lib
+from trace_jax.rollout import paged as paged_lib
+from trace_jax.rollout import sampler as sampler_lib
+from trace_jax.rollout.batch import EpisodeRecord, build_batch
+from trace_jax.rollout.paged import PagedConfig
+
+QUEUED, PREFILL, DECODE, TOOL, DONE = "queued", "prefill", "decode", "tool", "done"
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """What the engine did. `useful_row_steps / row_steps` is the fraction of decode row-steps that generated a
+    kept token; `prefill_tokens` counts tokens run through the model by prefill (a prompt's G samples once);
+    `preemptions_mid_turn` counts rows paused with part of a turn generated; `kv_positions_read` counts the paged
+    positions decode attention read (its work items, every step of a block)."""
+
+    decode_dispatches: int = 0
+    row_steps: int = 0
+    useful_row_steps: int = 0
+    prefill_dispatches: int = 0
+    prefill_tokens: int = 0
+    recomputed_tokens: int = 0
+    preemptions: int = 0
+    preemptions_mid_turn: int = 0
+    kv_positions_read: int = 0
+    max_pages_held: int = 0
+
+
+@dataclasses.dataclass
+class PagedRollout(agent_lib.Rollout):
+    """A `Rollout` with the engine's statistics."""
+
+    stats: EngineStats = dataclasses.field(default_factory=EngineStats)
+
+
+@dataclasses.dataclass
+class _Row:
+    index: int
+    segment: dict  # `agent.new_segment`: the row's current segment
+    phase: str = QUEUED
+    slot: int | None = None
+    pages: list = dataclasses.field(default_factory=list)
+    cached: int = 0  # tokens of `tokens()` in its pages
+    turn_open: bool = False
+    turn_ids: list = dataclasses.field(default_factory=list)
+    turn_lp: list = dataclasses.field(default_factory=list)
+    turn_slp: list = dataclasses.field(default_factory=list)
+    turn_budget: int = 0
+    checked: int = 0  # turn tokens already scanned for stop strings
+    key: Any = None
+    future: Any = None  # the running tool call
+    call_ids: list = dataclasses.field(default_factory=list)  # the turn that made it (for the response's ids)
+    recompute: bool = False
+
+    def tokens(self) -> list[int]:
+        return self.segment["tokens"] + self.turn_ids
+
+
+def pool_pages(config: ModelConfig, rollout: agent_lib.RolloutConfig, paged: PagedConfig, rows: int, *, mesh=None,
+               rules=None) -> int:
+    """The pool's page count (`PagedConfig.num_pages`, see there); at least one row of `max_context` must fit."""
+    needed = paged_lib.pages_for(rollout.max_context, paged.page_size)
+    if paged.num_pages is not None:
+        pages, source = paged.num_pages, f"PagedConfig.num_pages = {paged.num_pages}"
+    elif rollout.kv_budget_gib is not None:
+        pages = paged_lib.pages_within_budget(config, paged.page_size, rollout.kv_budget_gib, mesh=mesh,
+                                              rules=rules)
+        source = f"RolloutConfig.kv_budget_gib = {rollout.kv_budget_gib}"
+    else:
+        return needed * max(rows, 1)
+    if pages < needed:
+        raise ValueError(f"{source} gives a pool of {pages} pages of {paged.page_size} tokens; one row of "
+                         f"max_context = {rollout.max_context} needs {needed}: raise it")
+    return pages
+
+
+def run_paged_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[Any],
+                       browser: Browser | Callable[[Any], Browser], rollout: agent_lib.RolloutConfig, rng: jax.Array,
+                       *, paged: PagedConfig | None = None, mesh=None, rules=None, row_offset: int = 0,
+                       logits_hook: Callable[[np.ndarray, int, list], np.ndarray | None] | None = None
+                       ) -> PagedRollout:
+    """`agent.run_episodes` on the paged engine (module doc): the same arguments and episodes. `paged`: the engine's
+    settings (default `rollout.paged`). `run_episodes` calls this when `RolloutConfig.engine == 'paged'`.
+
+    `mesh` must be this process's own devices (each process running its rows alone, as the loop's process mesh
+    does): the schedule follows the tool latencies of this process's rows, so processes sharing a mesh would
+    dispatch different programs (multi-process lock-step is not wired in yet)."""
+    if mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat):
+        raise ValueError("RolloutConfig.engine = 'paged' needs a mesh of this process's own devices (the engine is "
+                         "not in lock-step across processes yet); pass the process mesh or use engine = 'dense'")
+    return _Engine(config, params, chat, tasks, browser, rollout, rng, paged or rollout.paged, mesh, rules, row_offset,
+                   logits_hook).run()
+
+
+class _Engine:
+    def __init__(self, config, params, chat, tasks, browser, rollout, rng, paged, mesh, rules, row_offset,
+                 logits_hook):
+        self.start = time.perf_counter()
+        self.config, self.params, self.chat, self.rollout, self.rng = config, params, chat, rollout, rng
+        self.row_offset, self.logits_hook = row_offset, logits_hook
+        self.timing = {"prefill": 0.0, "generate": 0.0, "env": 0.0, "agent_host": 0.0, "append": 0.0, "pack": 0.0}
+        self.stats = EngineStats()
+        self.max_len = rollout.max_context
+        self.stop_strings = (sampler_lib.StopStrings(chat.tokenizer, chat.assistant_stop_strings)
+                             if chat.assistant_stop_strings else None)
+        self.schemas = tool_schemas() if rollout.with_tools else None
+        self.rows: list[_Row] = []
+        self.finished_segments: list[list[dict]] = []
+        self.episodes: list[EpisodeRecord] = []
+        self.browsers = []
+        for t, task in enumerate(tasks):
+            prompt = chat.prompt_ids(rollout.system_prompt, task.question, self.schemas)
+            if len(prompt) >= self.max_len:
+                raise ValueError(f"task {t}: the prompt has {len(prompt)} tokens but max_context={self.max_len}; "
+                                 "raise RolloutConfig.max_context or shorten the system prompt")
+            needed = len(prompt) + rollout.context_record_tokens + rollout.turn_token_budget
+            if rollout.context_budget and needed > rollout.context_budget:
+                raise ValueError(f"task {t}: a compacted context needs {needed} tokens (prompt, record, one turn), "
+                                 f"more than RolloutConfig.context_budget = {rollout.context_budget}; raise it")
+            for _ in range(rollout.group_size):
+                self.rows.append(_Row(len(self.rows), agent_lib.new_segment(prompt, first_turn=0)))
+                self.finished_segments.append([])
+                self.episodes.append(agent_lib.task_episode(task, t))
+                self.browsers.append(browser.fork() if isinstance(browser, Browser) else browser(task))
+        n = len(self.rows)
+        self.page_size = paged.page_size
+        self.num_pages = pool_pages(config, rollout, paged, n, mesh=mesh, rules=rules)
+        self.slots = max(1, min(n, paged.slots or n))
+        self.table_width = paged_lib.pages_for(self.max_len, self.page_size)
+        self.prefill_chunk, self.prefill_tokens = paged.prefill_chunk, paged.prefill_tokens
+        self.steps = 1 if logits_hook is not None else rollout.sync_every
+        self.allocator = paged_lib.PageAllocator(self.num_pages)
+        self.state = paged_lib.init_pool_program(config, self.num_pages, self.page_size, self.slots, mesh, rules)()
+        self.layout = paged_lib.state_layout(self.state)
+        self.slot_row = np.full(self.slots, -1, np.int64)
+        self.queue = list(range(n))  # a heap of row indices: admission (and re-admission) in row order
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=paged.tool_workers)
+        self.sampling, self.sampling_rows = None, 0  # the decode batch's `RowSampling`, rebuilt when its size changes
+        self.stop_arr = np.asarray(list(chat.assistant_stop_ids) or [-1], np.int32)
+        self.generated_tokens = 0
+        self.decode_step = 0
+
+    # ------------------------------------------------------------------------------------------------ pages
+    def _preempt(self, row: _Row) -> None:
+        """Release the row's pages and slot; it is recomputed from its host tokens when re-admitted."""
+        self.allocator.release(row.pages)
+        row.pages, row.cached = [], 0
+        self.slot_row[row.slot] = -1
+        row.slot = None
+        row.recompute = True
+        self.stats.preemptions += 1
+        self.stats.preemptions_mid_turn += int(row.turn_open and bool(row.turn_ids))
+        if row.phase in (PREFILL, DECODE):
+            row.phase = QUEUED
+            heapq.heappush(self.queue, row.index)
+
+    def _ensure_pages(self, row: _Row, tokens: int) -> bool:
+        """Give `row` the pages of `tokens` positions, preempting the highest-index rows holding pages while the pool
+        is short (the row itself when it has the highest index: a lower row is never paused for a higher one);
+        False when the row itself was preempted."""
+        need = paged_lib.pages_for(min(tokens, self.max_len), self.page_size) - len(row.pages)
+        while need > self.allocator.free_pages:
+            victim = max((r for r in self.rows if r.pages or r is row), key=lambda r: r.index)
+            self._preempt(victim)
+            if victim is row:
+                return False
+        if need > 0:
+            row.pages += self.allocator.alloc(need)
+        self.stats.max_pages_held = max(self.stats.max_pages_held, self.num_pages - self.allocator.free_pages)
+        return True
+
+    def _release(self, row: _Row) -> None:
+        self.allocator.release(row.pages)
+        row.pages = []
+        if row.slot is not None:
+            self.slot_row[row.slot] = -1
+            row.slot = None
+
+    # ------------------------------------------------------------------------------------------------ phases
+    def _admit(self) -> None:
+        while self.queue:
+            free = np.nonzero(self.slot_row < 0)[0]
+            if not len(free):
+                return
+            row = self.rows[self.queue[0]]
+            need = paged_lib.pages_for(min(len(row.tokens()) + self.steps, self.max_len), self.page_size)
+            if need > self.allocator.free_pages:
+                return  # in row order: the head waits for pages, as vLLM's admission does
+            heapq.heappop(self.queue)
+            row.slot = int(free[0])
+            self.slot_row[row.slot] = row.index
+            row.pages = self.allocator.alloc(need)
+            row.phase = PREFILL
+
+    def _open_turn(self, row: _Row) -> None:
+        episode = self.episodes[row.index]
+        row.turn_open, row.turn_ids, row.turn_lp, row.turn_slp, row.checked = True, [], [], [], 0
+        row.key = np.asarray(agent_lib.row_turn_keys(self.rng, [row.index + self.row_offset],
+                                                     [len(episode.turn_texts)]))[0]
+        row.turn_budget = min(self.rollout.turn_token_budget, self.max_len - len(row.segment["tokens"]))
+
+    def _prefill(self) -> bool:
+        rows = [r for r in self.rows if r.phase == PREFILL]
+        chunks = []
+        computed: set[tuple] = set()  # the distinct (cached, tokens so far) this dispatch runs
+        spent = 0
+        for row in rows:
+            if row.phase != PREFILL:  # preempted by an earlier row of this list
+                continue
+            pending = row.tokens()[row.cached:row.cached + self.prefill_chunk]
+            key = (row.cached, tuple(row.tokens()[:row.cached + len(pending)]))
+            if key not in computed and spent and spent + len(pending) > self.prefill_tokens:
+                continue  # over the dispatch's token budget: next time
+            if self._ensure_pages(row, row.cached + len(pending)):
+                chunks.append((row, pending))
+                if key not in computed:
+                    computed.add(key)
+                    spent += len(pending)
+        chunks = [(row, pending) for row, pending in chunks if row.phase == PREFILL]
+        if not chunks:
+            return False
+        # Rows whose tokens so far are the same (a prompt's G samples, admitted together) run once: the first of
+        # them reads its pages, and the result is written into each one's own pages.
+        leaders: dict[tuple, int] = {}
+        source = []
+        for row, pending in chunks:
+            key = (row.cached, tuple(row.tokens()[:row.cached + len(pending)]))
+            source.append(leaders.setdefault(key, len(leaders)))
+        unique = [chunks[source.index(u)] for u in range(len(leaders))]
+        count = sampler_lib.bucket_length(len(unique), minimum=1)
+        width = sampler_lib.bucket_length(max(len(p) for _, p in unique))
+        tokens = np.zeros((count, width), np.int32)
+        num_new = np.zeros(count, np.int32)
+        cached = np.zeros(count, np.int32)
+        for i, (row, pending) in enumerate(unique):
+            tokens[i, :len(pending)] = pending
+            num_new[i], cached[i] = len(pending), row.cached
+        items = paged_lib.work_items([row.pages for row, _ in unique], [row.cached for row, _ in unique],
+                                     self.page_size, minimum=16, maximum=self.num_pages)
+        rows_out = sampler_lib.bucket_length(len(chunks), minimum=1)
+        out_source = np.zeros(rows_out, np.int32)
+        out_source[:len(chunks)] = source
+        out_slots = np.full(rows_out, self.slots, np.int32)
+        out_slots[:len(chunks)] = [row.slot for row, _ in chunks]
+        out_table = paged_lib.page_table_array([row.pages for row, _ in chunks], self.table_width, rows=rows_out)
+        t0 = time.perf_counter()
+        self.state = paged_lib.prefill_program(self.config, self.max_len, self.layout)(
+            self.params, self.state, cached, tokens, num_new, items, out_source, out_table, out_slots)
+        self.timing["prefill"] += time.perf_counter() - t0
+        self.stats.prefill_dispatches += 1
+        self.stats.prefill_tokens += int(num_new.sum())
+        for row, pending in chunks:
+            if row.recompute:
+                self.stats.recomputed_tokens += len(pending)
+            row.cached += len(pending)
+            if row.cached == len(row.tokens()):
+                row.recompute = False
+                row.phase = DECODE
+                if not row.turn_open:
+                    self._open_turn(row)
+        return True
+
+    def _decode(self) -> bool:
+        for row in sorted((r for r in self.rows if r.phase == DECODE), key=lambda r: r.index):
+            if row.phase == DECODE:
+                self._ensure_pages(row, len(row.tokens()) + self.steps)
+        rows = [r for r in self.rows if r.phase == DECODE]
+        if not rows:
+            return False
+        rows.sort(key=lambda r: r.index)
+        D = sampler_lib.bucket_length(len(rows), minimum=1)  # the decode batch: only the rows that generate
+        slots = np.full(D, self.slots, np.int32)
+        active = np.zeros(D, bool)
+        lengths = np.zeros(D, np.int32)
+        budget = np.zeros(D, np.int32)
+        turn_step = np.zeros(D, np.int32)
+        keys = np.zeros((D, 2), np.uint32)
+        for i, row in enumerate(rows):
+            slots[i], active[i], lengths[i] = row.slot, True, row.cached
+            budget[i] = row.turn_budget - len(row.turn_ids)
+            turn_step[i], keys[i] = len(row.turn_ids), row.key
+        tables = [row.pages for row in rows]
+        items = paged_lib.work_items(tables, [min(r.cached + self.steps - 1, self.max_len) for r in rows],
+                                     self.page_size, minimum=16, maximum=self.num_pages)
+        bias = self._bias(rows, D) if self.logits_hook is not None else None
+        sampling = self.sampling if self.sampling_rows == D else sampler_lib.RowSampling.broadcast(
+            self.rollout.sampling, D)
+        self.sampling, self.sampling_rows = sampling, D
+        t0 = time.perf_counter()
+        out = paged_lib.decode_program(self.config, self.steps, self.max_len, self.layout)(
+            sampling, self.params, self.state, slots, paged_lib.page_table_array(tables, self.table_width, rows=D),
+            lengths, active, budget, self.stop_arr, keys, turn_step, np.zeros(D, np.int32), items, bias)
+        self.state = out[0]
+        tokens, lp, slp, was_active, still, reason = (np.asarray(x) for x in out[1:7])
+        self.timing["generate"] += time.perf_counter() - t0
+        self.decode_step += self.steps
+        self.stats.decode_dispatches += 1
+        self.stats.row_steps += D * self.steps
+        self.stats.useful_row_steps += int(was_active.sum())
+        self.stats.kv_positions_read += int((items[0] < D).sum()) * self.page_size * self.steps
+        t0 = time.perf_counter()
+        for s, row in enumerate(rows):
+            steps = was_active[:, s]
+            row.turn_ids += tokens[steps, s].astype(int).tolist()
+            row.turn_lp += lp[steps, s].tolist()
+            row.turn_slp += slp[steps, s].tolist()
+            row.cached += int(steps.sum())
+            stop = int(reason[s]) if not still[s] else sampler_lib.RUNNING
+            if self.stop_strings is not None and self.stop_strings.strings:
+                stop = self._check_stop_strings(row, stop)
+            if stop != sampler_lib.RUNNING:
+                self._end_turn(row, stop)
+        self.timing["agent_host"] += time.perf_counter() - t0
+        return True
+
+    def _bias(self, rows: list[_Row], width: int) -> np.ndarray:
+        """The row-indexed test hook as a bias of the decode batch (see `agent.ScriptedPolicy`)."""
+        turn_of_row = np.asarray([len(e.turn_texts) for e in self.episodes], np.int64)
+        by_row = [list(r.turn_ids) if r.phase == DECODE else [] for r in self.rows]
+        bias = self.logits_hook(turn_of_row, self.decode_step, by_row)
+        out = np.zeros((width, self.config.vocab_size), np.float32)
+        if bias is not None:
+            bias = np.asarray(bias, np.float32)
+            out[:len(rows)] = bias[[r.index for r in rows]]
+        return out
+
+    def _check_stop_strings(self, row: _Row, stop: int) -> int:
+        """`sampler.generate`'s stop-string rule on the row's turn so far: a completed stop string ends the turn
+        and the tokens after it are dropped (and uncached)."""
+        ids = row.turn_ids
+        if stop == sampler_lib.STOP_TOKEN and row.checked >= len(ids):
+            return stop
+        hit = self.stop_strings.first_stop(ids, start=row.checked)
+        row.checked = len(ids)
+        if hit is None or (stop == sampler_lib.STOP_TOKEN and hit >= len(ids) - 1):
+            return stop
+        keep = hit + 1
+        del row.turn_ids[keep:], row.turn_lp[keep:], row.turn_slp[keep:]
+        row.cached = len(row.tokens())
+        return sampler_lib.STOP_STRING
+
+    # ------------------------------------------------------------------------------------------------ turns
+    def _finish(self, row: _Row, status: str) -> None:
+        row.segment["status"] = self.episodes[row.index].status = status
+        row.phase = DONE
+        self._release(row)
+
+    def _end_turn(self, row: _Row, stop: int) -> None:
+        """The end of an assistant turn, `run_episodes`' rule: answer, context overflow, max_turns or a tool call."""
+        seg, episode = row.segment, self.episodes[row.index]
+        ids = list(row.turn_ids)
+        self.generated_tokens += len(ids)
+        tool_turn = seg["first_turn"] + len(seg["boundaries"]) - 1
+        seg["tokens"] += ids
+        seg["loss_mask"] += [1.0] * len(ids)
+        seg["turn_index"] += [tool_turn] * len(ids)
+        seg["logprobs"] += row.turn_lp
+        seg["sampling_logprobs"] += row.turn_slp
+        row.turn_open, row.turn_ids, row.turn_lp, row.turn_slp = False, [], [], []
+        text = self.chat.tokenizer.decode(ids, skip_special_tokens=False)
+        episode.turn_texts.append(text)
+        episode.final_text = text
+        if TOOL_CALL_OPEN not in text:
+            result = answer_reward(text, episode.gold, format_weight=self.rollout.format_weight)
+            if result.has_answer:
+                seg["status"] = "answered" if result.well_formed else "malformed_answer"
+                seg["reward"] = result.reward
+                episode.answer = result.answer
+        if seg["status"] == "running":
+            if stop == sampler_lib.CONTEXT_FULL:
+                seg["status"] = "context_overflow"
+            elif tool_turn >= self.rollout.max_turns:
+                seg["status"] = "max_turns"
+        if seg["status"] != "running":
+            self._finish(row, seg["status"])
+            return
+        call = parse_tool_call(text)
+        row.phase = TOOL
+        if isinstance(call, ToolCall):
+            episode.tool_calls.append((call.name, call.arguments))
+            row.future = self.executor.submit(_timed, self.browsers[row.index].execute, call.name, call.arguments)
+            row.call_ids = ids
+        else:
+            episode.tool_calls.append(call.message)
+            self._observe(row, agent_lib.error_observation(call.message), ids)
+
+    def _collect_tools(self, wait: bool) -> bool:
+        pending = [r for r in self.rows if r.phase == TOOL and r.future is not None]
+        if not pending:
+            return False
+        if wait:
+            concurrent.futures.wait([r.future for r in pending], return_when=concurrent.futures.FIRST_COMPLETED)
+        done = False
+        for row in pending:
+            if row.future.done():
+                observation, seconds = row.future.result()
+                ids, row.future, row.call_ids = row.call_ids, None, []
+                self.timing["env"] += seconds
+                self._observe(row, observation, ids)
+                done = True
+        return done
+
+    def _observe(self, row: _Row, observation: str, ids: list[int]) -> None:
+        """Append the observation to the row (or compact its context), `run_episodes`' rule; the row then waits
+        for its prefill (in its slot, or in the queue when it was preempted while its tool ran)."""
+        rollout, seg, episode = self.rollout, row.segment, self.episodes[row.index]
+        if observation.startswith(ERROR_PREFIX):
+            episode.num_tool_errors += 1
+        observation = rollout.cut_observation(observation)
+        episode.observations.append(observation)
+        response = self.chat.tool_response_ids(observation, previous_ids=ids)
+        if rollout.context_budget and len(seg["tokens"]) + len(response) > rollout.context_budget:
+            context = agent_lib.compact_context(self.chat, rollout, self.schemas, episode)
+            if len(context) >= self.max_len:
+                self._finish(row, "context_overflow")
+                return
+            tool_turn = seg["first_turn"] + len(seg["boundaries"]) - 1
+            self.finished_segments[row.index].append(seg)
+            row.segment = agent_lib.new_segment(context, first_turn=tool_turn + 1)
+            self.allocator.release(row.pages)  # the new segment starts over in the row's pages
+            row.pages, row.cached = [], 0
+        elif len(seg["tokens"]) + len(response) >= self.max_len:
+            self._finish(row, "context_overflow")
+            return
+        else:
+            seg["tokens"] += response
+            seg["loss_mask"] += [0.0] * len(response)
+            seg["turn_index"] += [-1] * len(response)
+            seg["logprobs"] += [0.0] * len(response)
+            seg["sampling_logprobs"] += [0.0] * len(response)
+            seg["boundaries"].append(len(seg["tokens"]))
+        if row.slot is None:
+            row.phase = QUEUED
+            heapq.heappush(self.queue, row.index)
+        else:
+            row.phase = PREFILL
+
+    # ------------------------------------------------------------------------------------------------ loop
+    def run(self) -> PagedRollout:
+        idle = 0
+        try:
+            while any(r.phase != DONE for r in self.rows):
+                self._collect_tools(wait=False)
+                self._admit()
+                worked = self._prefill()
+                worked = self._decode() or worked
+                # nothing to run: wait for a tool; an iteration that only preempted runs again (admission next)
+                idle = 0 if worked or self._collect_tools(wait=True) else idle + 1
+                if idle > 1:
+                    raise RuntimeError("paged engine: no row can advance (a bug: report the config)")
+        finally:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+        return self._pack()
+
+    def _pack(self) -> PagedRollout:
+        t0 = time.perf_counter()
+        pad_id = self.chat.end_of_text_id if self.chat.end_of_text_id is not None else 0
+        segment_rows, episode_of, first_turn = [], [], []
+        for r, row in enumerate(self.rows):
+            last = row.segment
+            for segment in self.finished_segments[r] + [last]:
+                segment["status"], segment["reward"] = last["status"], last["reward"]
+                segment_rows.append(segment)
+                episode_of.append(r)
+                first_turn.append(segment["first_turn"])
+        batch = build_batch(segment_rows, max_len=self.max_len, max_turns=self.rollout.max_turns,
+                            group_id=np.asarray(episode_of) // self.rollout.group_size, pad_id=pad_id,
+                            episode=episode_of, first_turn=first_turn)
+        self.timing["pack"] = time.perf_counter() - t0
+        self.timing["total"] = time.perf_counter() - self.start
+        pool_bytes = max(sum(shard.data.nbytes for leaf in (self.state.k, self.state.v)
+                             for shard in leaf.addressable_shards if shard.device == device)
+                         for device in {s.device for s in self.state.k.addressable_shards})
+        return PagedRollout(batch=batch, episodes=self.episodes, timing=self.timing,
+                            generated_tokens=self.generated_tokens, rows_at_once=self.slots,
+                            kv_cache_bytes=pool_bytes, stats=self.stats)
+
+
+def _timed(fn, *args):
+    start = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - start

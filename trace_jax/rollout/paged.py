@@ -1,0 +1,468 @@
+"""Paged KV cache: one pool of fixed-size pages shared by every row, host page tables, ragged paged attention, and
+the device programs of the paged engine (`rollout.engine`).
+
+The pool (`PagedState`) holds `k, v [layers, num_pages, page_size, kv_heads, head_dim]` and each slot's pending
+next-token logits `[slots, V]`. A row's token at position `p` lives in page `page_table[row][p // page_size]` at
+offset `p % page_size`. Page tables, the rows' cached lengths and which pages they hold are host state
+(`PageAllocator`, the engine), passed into every program as small int32 arrays: memory held is proportional to the
+tokens held, not to `max_context`, and a row that is freed or paused leaves nothing on the device to clean up.
+
+Ragged attention (`paged_attention`, the XLA path for CPU and GPU). The keys a program reads are a list of *work
+items* `(row, page, first position)` built on the host from the page tables (`work_items`): only the pages the
+rows hold, padded to a bucket of items (`sampler.bucket_length`) so shapes repeat. Each item scores the queries of
+its row against its page; a segment max / sum over items (`jax.ops.segment_*`) joins each row's pages into one
+float32 softmax, together with the row's new tokens (the `block` keys, as `models.cache.extend` passes them). Work
+is about the sum of the rows' own lengths, not the batch maximum times the rows, and freed slots read nothing.
+
+Programs (one public builder each, cached per static arguments; `compiled_programs(kind)` counts executables):
+  * `init_pool_program`: the empty pool, created inside jit with `out_shardings` (pages over the batch axes, kv heads
+    over `tensor`, as `sampler.init_state_program` places the dense cache).
+  * `prefill_program`: a chunk of up to W tokens for each of U distinct rows run through the model and written into
+    the pages of every row holding those tokens (a prompt's G samples run once), each row's last logits stored in
+    its slot: admission, observations, and recompute after preemption are this one program.
+  * `decode_program`: `num_steps` decode steps of the rows that generate (gathered from their slots): sample
+    from the pending logits with per-row keys `fold_in(key[row], turn_step[row])` (`sampler.sample_from_logits`),
+    write the token's keys/values into the row's page, update the stop state as `sampler.decode_program` does.
+
+On a mesh the programs run under `jax.set_mesh` (`sampler.MeshProgram`); the output state is pinned to `layout`.
+
+This module knows nothing about chat formats, tools, episodes or scheduling (see `rollout.engine`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax.sharding import PartitionSpec as P
+
+from trace_jax.models import decoder as dec
+from trace_jax.models.config import ModelConfig
+from trace_jax.models.sharding import logical_to_sharding
+from trace_jax.rollout import sampler as sampler_lib
+from trace_jax.rollout.budget import GIB, batch_shards
+
+_NEG_INF = -1e30  # finite, so a row with no visible key stays finite
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedConfig:
+    """Settings of the paged engine (`rollout.engine`; `RolloutConfig.paged`).
+
+    Attributes:
+      page_size: tokens per page.
+      num_pages: pages in the pool. None: what `RolloutConfig.kv_budget_gib` holds per chip
+        (`paged.pages_within_budget`), or, without a budget, every row's `max_context`.
+      slots: rows in flight at most (the decode batch). None: every row of the call.
+      prefill_chunk: most tokens of one row written by one prefill dispatch (longer inputs take several).
+      prefill_tokens: most tokens one prefill dispatch runs through the model (rows with the same tokens count
+        once); the rows beyond wait for the next dispatch, after a decode block, so that a wave of admissions or
+        observations does not stall the rows that generate. At least one row's chunk always runs.
+      tool_workers: host threads running tool calls.
+    """
+
+    page_size: int = 16
+    num_pages: int | None = None
+    slots: int | None = None
+    prefill_chunk: int = 256
+    prefill_tokens: int = 8192
+    tool_workers: int = 4
+
+    def __post_init__(self):
+        for name in ("page_size", "prefill_chunk", "prefill_tokens", "tool_workers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PagedConfig.{name} must be an int >= 1, got {value!r}")
+        for name in ("num_pages", "slots"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"PagedConfig.{name} must be an int >= 1 or None, got {value!r}")
+
+
+@struct.dataclass
+class PagedState:
+    """The paged engine's device state.
+
+    Attributes:
+      k, v: [layers, num_pages, page_size, kv_heads, head_dim], the page pool (any page may belong to any row).
+      logits: float32 [slots, V], each slot's logits after its last cached token (valid after a prefill to it or
+        a decode step in which it was active).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    logits: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def slots(self) -> int:
+        return self.logits.shape[0]
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold `tokens` positions."""
+    return -(-int(tokens) // page_size)
+
+
+class PageAllocator:
+    """Host free list of the pool's pages. Pages are handed out lowest id first and a freed page can go to any row.
+
+    Allocation never fails silently: `alloc` raises when fewer pages are free than asked (callers check
+    `free_pages` first and preempt a row when the pool is full)."""
+
+    def __init__(self, num_pages: int):
+        if num_pages < 1:
+            raise ValueError(f"PageAllocator: num_pages must be >= 1, got {num_pages!r}")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest id
+        self._held = np.zeros(num_pages, bool)
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def alloc(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise RuntimeError(f"PageAllocator.alloc: {count} pages asked, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(count)]
+        self._held[pages] = True
+        return pages
+
+    def release(self, pages: Sequence[int]) -> None:
+        pages = list(pages)
+        if pages and not self._held[pages].all():
+            raise RuntimeError(f"PageAllocator.release: pages {pages} are not all held (double free)")
+        self._held[pages] = False
+        self._free.extend(sorted(pages, reverse=True))
+        self._free.sort(reverse=True)
+
+
+def page_bytes(config: ModelConfig, page_size: int, *, mesh=None, dtype=None, rules=None) -> int:
+    """Bytes one page (k and v, every layer) takes on one chip: its kv heads are split over `tensor` when the rules
+    split them (`budget.kv_bytes_per_row`'s rule)."""
+    from trace_jax.rollout.budget import kv_bytes_per_row
+
+    return kv_bytes_per_row(config, page_size, mesh=mesh, dtype=dtype, rules=rules) - jnp.dtype(jnp.int32).itemsize
+
+
+def pages_within_budget(config: ModelConfig, page_size: int, budget_gib: float, *, mesh=None, dtype=None,
+                        rules=None) -> int:
+    """Pages of a pool that fits `budget_gib` GiB per chip: pages are split over the batch shards of `mesh`, so the
+    pool holds `batch_shards` times what one chip's budget holds, rounded down to a multiple of the shards."""
+    shards = batch_shards(mesh, rules)
+    per_chip = int(budget_gib * GIB // page_bytes(config, page_size, mesh=mesh, dtype=dtype, rules=rules))
+    return per_chip * shards
+
+
+def work_items(page_tables: Sequence[Sequence[int]], cached: Sequence[int], page_size: int, *,
+               minimum: int = 1, maximum: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The keys a program reads: for each row i, the pages holding its positions `< cached[i]`, as items
+    `(row int32 [I], page int32 [I], first position int32 [I])`, padded to a power of two >= `minimum` items, at
+    most `maximum` (the pool's page count: a page belongs to one row, so no program reads more), so that few shapes
+    compile whatever the rows' lengths (padding: row = number of rows, which no query belongs to)."""
+    rows, pages, starts = [], [], []
+    for row, (table, length) in enumerate(zip(page_tables, cached)):
+        count = pages_for(length, page_size)
+        if count > len(table):
+            raise ValueError(f"work_items: row {row} caches {length} tokens but holds {len(table)} pages of "
+                             f"{page_size}")
+        rows += [row] * count
+        pages += list(table[:count])
+        starts += [j * page_size for j in range(count)]
+    size = max(minimum, 1 << max(len(rows) - 1, 0).bit_length())
+    if maximum is not None:
+        size = max(min(size, maximum), len(rows))
+    pad = size - len(rows)
+    return (np.asarray(rows + [len(page_tables)] * pad, np.int32), np.asarray(pages + [0] * pad, np.int32),
+            np.asarray(starts + [0] * pad, np.int32))
+
+
+def page_table_array(page_tables: Sequence[Sequence[int]], width: int, rows: int | None = None) -> np.ndarray:
+    """int32 [rows, width] page tables (row i's pages first; -1 after: a write there is dropped)."""
+    out = np.full((len(page_tables) if rows is None else rows, width), -1, np.int32)
+    for row, table in enumerate(page_tables):
+        if len(table) > width:
+            raise ValueError(f"page_table_array: row {row} holds {len(table)} pages, more than the width {width}")
+        out[row, :len(table)] = table
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+def paged_attention(q, k_pages, v_pages, key_len, items, *, block=None):
+    """Grouped-query attention of each row's queries over its own pages (and optional block keys).
+
+    Args:
+      q: [B, n, H, Dh] queries (unscaled).
+      k_pages, v_pages: [num_pages, page_size, K, Dh], one layer of the pool.
+      key_len: int [B]: every query of row b sees the paged keys at positions `< key_len[b]`.
+      items: `(row [I], page [I], start [I])` (`work_items`): row `row[i]`'s positions `start[i] .. start[i] +
+        page_size - 1` live in page `page[i]`; items with `row >= B` are padding.
+      block: optional `(k2 [B, n2, K, Dh], v2, mask2 bool [B, n, n2])`, keys of each row beside its pages (the new
+        tokens of an extend), in the same softmax.
+
+    Returns [B, n, H, Dh] in v's dtype. Softmax statistics are float32; a query with no visible key gets 0.
+    """
+    B, n, H, Dh = q.shape
+    page_size, K = k_pages.shape[1], k_pages.shape[2]
+    G = H // K
+    row, page, start = items
+    live = row < B
+    r = jnp.where(live, row, 0)
+    qg = (q * jnp.asarray(Dh ** -0.5, q.dtype)).reshape(B, n, K, G, Dh)
+    kp = k_pages[page].astype(q.dtype)  # [I, page, K, Dh]
+    vp = v_pages[page].astype(q.dtype)
+    s = jnp.einsum("inkgd,itkd->inkgt", qg[r], kp, preferred_element_type=jnp.float32)
+    pos = start[:, None] + jnp.arange(page_size, dtype=jnp.int32)[None, :]
+    vis = (live[:, None] & (pos < key_len[r][:, None]))[:, None, None, None, :]  # [I, 1, 1, 1, page]
+    s = jnp.where(vis, s, _NEG_INF)
+    top = jnp.maximum(jax.ops.segment_max(jnp.max(s, axis=-1), r, num_segments=B), _NEG_INF)  # [B, n, K, G]
+    if block is not None:
+        k2, v2, mask2 = block
+        sb = jnp.einsum("bnkgd,bjkd->bnkgj", qg, k2.astype(q.dtype), preferred_element_type=jnp.float32)
+        sb = jnp.where(mask2[:, :, None, None, :], sb, _NEG_INF)
+        top = jnp.maximum(top, jnp.max(sb, axis=-1))
+    p = jnp.where(vis, jnp.exp(s - top[r][..., None]), 0.0)
+    denom = jax.ops.segment_sum(jnp.sum(p, axis=-1), r, num_segments=B)
+    out = jax.ops.segment_sum(jnp.einsum("inkgt,itkd->inkgd", p.astype(vp.dtype), vp,
+                                         preferred_element_type=jnp.float32), r, num_segments=B)
+    if block is not None:
+        pb = jnp.where(mask2[:, :, None, None, :], jnp.exp(sb - top[..., None]), 0.0)
+        denom = denom + jnp.sum(pb, axis=-1)
+        out = out + jnp.einsum("bnkgj,bjkd->bnkgd", pb.astype(v2.dtype), v2.astype(q.dtype),
+                               preferred_element_type=jnp.float32)
+    out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.reshape(B, n, H, Dh).astype(v_pages.dtype)
+
+
+def extend_rows(config: ModelConfig, params, k_pool, v_pool, cached, tokens, num_new, items):
+    """Run each row's first `num_new[b]` tokens through the model at positions `cached[b] + i`, attending to the
+    row's cached pages (`items`) and its own earlier new tokens (traced, not jitted). Nothing is written.
+
+    Args:
+      k_pool, v_pool: [layers, num_pages, page_size, K, Dh].
+      cached: int32 [B], tokens already in the row's pages (the new ones attend to all of them).
+      tokens: int32 [B, n]; num_new: int32 [B] in [0, n] (0: nothing of the row is kept).
+      items: `work_items` over the rows' cached pages.
+
+    Returns (last logits float32 [B, V] of each row's last new token, new keys and values
+    [layers, B, n, K, Dh] each, in the pool's dtype).
+    """
+    B, n = tokens.shape
+    offsets = jnp.arange(n, dtype=jnp.int32)
+    positions = cached[:, None] + offsets[None, :]
+    new = offsets[None, :] < num_new[:, None]
+    in_block = (offsets[:, None] >= offsets[None, :])[None] & new[:, None, :]
+
+    def layer(h, xs):
+        lp, k_layer, v_layer = xs
+
+        def attend(q, k, v):
+            out = paged_attention(q, k_layer, v_layer, cached, items, block=(k, v, in_block))
+            return out, (k.astype(k_pool.dtype), v.astype(v_pool.dtype))
+
+        h, kv, _ = dec.decoder_layer(config, lp, h, positions, attend)
+        return h, kv
+
+    h, (k_new, v_new) = jax.lax.scan(layer, dec.embed_tokens(config, params, tokens),
+                                     (params["layers"], k_pool, v_pool), unroll=config.scan_unroll)
+    last = h[jnp.arange(B), jnp.clip(num_new - 1, 0, n - 1)]
+    logits = dec.logits_from_hidden(config, params, dec.final_norm(config, params, last))
+    return logits, k_new, v_new
+
+
+def write_pages(pool, new, page_table, cached, num_new, max_len: int):
+    """`pool [layers, num_pages, page_size, K, Dh]` with row b's new entries `new[:, b, i]` (i < num_new[b]) written
+    at position `cached[b] + i` of its pages (`page_table [B, max_pages]`, -1 = none: dropped, as are positions
+    >= max_len). One scatter for every layer."""
+    L, num_pages, page_size = pool.shape[:3]
+    n = new.shape[2]
+    offsets = jnp.arange(n, dtype=jnp.int32)
+    positions = cached[:, None] + offsets[None, :]
+    stored = (offsets[None, :] < num_new[:, None]) & (positions < max_len)
+    page = jnp.take_along_axis(page_table, jnp.clip(positions // page_size, 0, page_table.shape[1] - 1), axis=1)
+    flat = jnp.where(stored & (page >= 0), page * page_size + positions % page_size, num_pages * page_size)
+    shape = pool.shape
+    flat_pool = pool.reshape(L, num_pages * page_size, *shape[3:])
+    return flat_pool.at[:, flat].set(new.astype(pool.dtype), mode="drop").reshape(shape)
+
+
+def paged_extend(config: ModelConfig, params, k_pool, v_pool, page_table, cached, tokens, num_new, items,
+                 max_len: int):
+    """`extend_rows`, then the new keys/values written into each row's own pages (`write_pages`): one decode step
+    or one chunk of a row. Returns (last logits float32 [B, V], k_pool, v_pool)."""
+    logits, k_new, v_new = extend_rows(config, params, k_pool, v_pool, cached, tokens, num_new, items)
+    return (logits, write_pages(k_pool, k_new, page_table, cached, num_new, max_len),
+            write_pages(v_pool, v_new, page_table, cached, num_new, max_len))
+
+
+# ---------------------------------------------------------------------------------------------------- programs
+_PROGRAMS: dict[tuple, Callable] = {}
+_KINDS = ("paged_init", "paged_prefill", "paged_decode")
+
+
+def _program(kind: str, key: tuple, build: Callable):
+    program = _PROGRAMS.get((kind, *key))
+    if program is None:
+        program = _PROGRAMS[(kind, *key)] = build()
+    return program
+
+
+def compiled_programs(kind: str) -> int:
+    """Executables compiled so far by one builder: "paged_init", "paged_prefill" or "paged_decode"."""
+    if kind not in _KINDS:
+        raise ValueError(f"paged.compiled_programs: kind must be one of {_KINDS}, got {kind!r}")
+    return sum(program.jitted._cache_size() for key, program in _PROGRAMS.items() if key[0] == kind)
+
+
+def state_shardings(mesh, rules=None) -> PagedState:
+    """`NamedSharding`s of a `PagedState` on `mesh`: pages over the batch axes, kv heads over `tensor` (the dense
+    cache's logical axes with pages in the place of rows), the slots' logits over the batch axes."""
+    pool = P("layers", "batch", "length", "kv_heads", "head_dim")
+    return PagedState(k=logical_to_sharding(pool, mesh, rules), v=logical_to_sharding(pool, mesh, rules),
+                      logits=logical_to_sharding(P("batch", "vocab"), mesh, rules))
+
+
+def abstract_state(config: ModelConfig, num_pages: int, page_size: int, slots: int, *, mesh=None, rules=None,
+                   cache_dtype=None) -> PagedState:
+    """The `ShapeDtypeStruct`s (with shardings) of an empty pool; nothing is allocated."""
+    dtype = jnp.dtype(cache_dtype or config.dtype)
+    shape = (config.num_hidden_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim)
+    shapes = PagedState(k=jax.ShapeDtypeStruct(shape, dtype), v=jax.ShapeDtypeStruct(shape, dtype),
+                        logits=jax.ShapeDtypeStruct((slots, config.vocab_size), jnp.float32))
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = jax.tree_util.tree_map(lambda _: device, shapes)
+    else:
+        shardings = sampler_lib.divisible_shardings(shapes, state_shardings(mesh, rules))
+    return jax.tree_util.tree_map(lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                                  shapes, shardings)
+
+
+def _empty_pool(config, num_pages, page_size, slots, dtype) -> PagedState:
+    shape = (config.num_hidden_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim)
+    return PagedState(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                      logits=jnp.zeros((slots, config.vocab_size), jnp.float32))
+
+
+def init_pool_program(config: ModelConfig, num_pages: int, page_size: int, slots: int, mesh=None, rules=None, *,
+                      cache_dtype=None) -> sampler_lib.MeshProgram:
+    """The paged engine's state initialiser `program() -> PagedState` (zeros), created by one jitted program with
+    `out_shardings` (`abstract_state`): each device writes its own pages; the pool never exists whole on one chip."""
+    for name, value in (("num_pages", num_pages), ("page_size", page_size), ("slots", slots)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"init_pool_program: {name} must be an int >= 1, got {value!r}")
+    dtype = jnp.dtype(cache_dtype or config.dtype)
+    rules = None if rules is None else tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in rules)
+
+    def build():
+        layout = jax.tree_util.tree_map(lambda s: s.sharding, abstract_state(
+            config, num_pages, page_size, slots, mesh=mesh, rules=rules, cache_dtype=dtype))
+        return sampler_lib.MeshProgram(jax.jit(functools.partial(_empty_pool, config, num_pages, page_size, slots,
+                                                                 dtype), out_shardings=layout), mesh)
+
+    return _program("paged_init", (config, num_pages, page_size, slots, mesh, rules, dtype), build)
+
+
+def state_layout(state: PagedState):
+    """The canonical `NamedSharding`s of a state on a mesh (hashable), or None on one device."""
+    return sampler_lib.state_layout(state)
+
+
+def _keep(state, layout):
+    return state if layout is None else jax.lax.with_sharding_constraint(state, layout)
+
+
+def _layout_mesh(layout):
+    return None if layout is None else layout.k.mesh
+
+
+def _prefill(config, max_len, layout, params, state: PagedState, cached, tokens, num_new, items, out_source,
+             out_table, out_slots):
+    logits, k_new, v_new = extend_rows(config, params, state.k, state.v, cached, tokens, num_new, items)
+    # every output row takes its computed row's tokens: rows with the same tokens (a prompt's G samples) share one
+    k_new, v_new = k_new[:, out_source], v_new[:, out_source]
+    cached_out, num_out = cached[out_source], num_new[out_source]
+    k = write_pages(state.k, k_new, out_table, cached_out, num_out, max_len)
+    v = write_pages(state.v, v_new, out_table, cached_out, num_out, max_len)
+    target = jnp.where(num_out > 0, out_slots, state.slots)  # padding rows keep their slot's logits
+    return _keep(PagedState(k=k, v=v, logits=state.logits.at[target].set(logits[out_source], mode="drop")), layout)
+
+
+def prefill_program(config: ModelConfig, max_len: int, layout=None) -> sampler_lib.MeshProgram:
+    """The paged engine's chunk program:
+
+        program(params, state, cached int32 [U], tokens int32 [U, W], num_new int32 [U], items,
+                out_source int32 [R], out_table int32 [R, max_pages], out_slots int32 [R]) -> state
+
+    Computed row u runs its first `num_new[u]` tokens at positions `cached[u]..`, reading the cached pages `items`
+    list for it. Output row r writes the keys/values of computed row `out_source[r]` into its own pages
+    (`out_table[r]`) and its last logits into slot `out_slots[r]` (a slot >= the state's slots, or a computed row
+    without tokens, is padding). Rows whose tokens so far are the same (a prompt's G samples) run once and are
+    written G times. Compiles once per (U, W, items, R) bucket. The state is donated."""
+    return _program("paged_prefill", (config, max_len, layout), lambda: sampler_lib.MeshProgram(
+        jax.jit(functools.partial(_prefill, config, max_len, layout), donate_argnums=1), _layout_mesh(layout)))
+
+
+def _decode_steps(config, num_steps, max_len, layout, sampling, params, state: PagedState, slots, page_table,
+                  lengths, active, budget_left, stop_ids, keys, turn_step, reason, items, logit_bias):
+    # The decode batch is the rows that generate, gathered from their slots; their logits go back at the end.
+    slot = jnp.clip(slots, 0, state.slots - 1)
+
+    def body(carry, _):
+        k, v, logits, lengths, active, budget_left, reason, turn_step = carry
+        biased = logits if logit_bias is None else logits + logit_bias
+        step_keys = jax.vmap(jax.random.fold_in)(keys, turn_step.astype(jnp.uint32))
+        tokens, lp, slp = sampler_lib.sample_from_logits(biased, step_keys, sampling)
+        tokens = jnp.where(active, tokens, 0)
+        new_logits, k, v = paged_extend(config, params, k, v, page_table, lengths, tokens[:, None],
+                                        active.astype(jnp.int32), items, max_len)
+        step = active.astype(jnp.int32)
+        lengths, budget_left, turn_step = lengths + step, budget_left - step, turn_step + step
+        # the stop rule of `sampler.decode_program`: stop token, then a full row, then the budget
+        hit_stop = jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
+        step_reason = jnp.where(hit_stop, sampler_lib.STOP_TOKEN, jnp.where(
+            lengths >= max_len, sampler_lib.CONTEXT_FULL,
+            jnp.where(budget_left <= 0, sampler_lib.BUDGET, sampler_lib.RUNNING)))
+        reason = jnp.where(active, step_reason, reason)
+        logits = jnp.where(active[:, None], new_logits, logits)
+        still = active & (step_reason == sampler_lib.RUNNING)
+        return (k, v, logits, lengths, still, budget_left, reason, turn_step), (tokens, lp, slp, active)
+
+    carry = (state.k, state.v, state.logits[slot], lengths, active, budget_left, reason, turn_step)
+    (k, v, logits, lengths, active, budget_left, reason, turn_step), (tokens, lp, slp, was_active) = jax.lax.scan(
+        body, carry, None, length=num_steps)
+    state = _keep(PagedState(k=k, v=v, logits=state.logits.at[slots].set(logits, mode="drop")), layout)
+    return state, tokens, lp, slp, was_active, active, reason, budget_left, lengths
+
+
+def decode_program(config: ModelConfig, num_steps: int, max_len: int, layout=None) -> sampler_lib.MeshProgram:
+    """The paged engine's decode program, `num_steps` steps of D decoding rows in one dispatch:
+
+        program(sampling: RowSampling [D], params, state, slots int32 [D], page_table int32 [D, max_pages],
+                lengths int32 [D], active bool [D], budget_left int32 [D], stop_ids int32 [n_stop],
+                keys uint32 [D, 2], turn_step int32 [D], reason int32 [D], items, logit_bias float32 [D, V] or None)
+          -> (state, tokens [steps, D], logprobs [steps, D], sampling_logprobs [steps, D], active before each step
+              [steps, D], active after [D], reason [D], budget_left [D], lengths [D])
+
+    Row i reads its pending logits from slot `slots[i]` and writes them back there (a slot >= the state's slots is
+    padding: nothing is kept). Only the rows that generate run: the host passes the decoding rows, padded to a
+    bucket (`sampler.bucket_length(D, minimum=1)`), not every slot. Row i's token at its turn step t is drawn with
+    `fold_in(keys[i], t)`: the per-row keys of `sampler.generate` (its step s is the row's t when the row started
+    its turn with the call). The host must have given each active row the pages of its positions
+    `< lengths + num_steps`, and `items` must cover its cached pages up to `lengths + num_steps - 1`. The state is
+    donated. Stop rule and log-probs as `sampler.decode_program`."""
+    return _program("paged_decode", (config, num_steps, max_len, layout), lambda: sampler_lib.MeshProgram(
+        jax.jit(functools.partial(_decode_steps, config, num_steps, max_len, layout), donate_argnums=2),
+        _layout_mesh(layout)))
