@@ -19,6 +19,7 @@ from collections import Counter
 from pathlib import Path
 
 import jax
+import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 import pytest
 
@@ -244,3 +245,74 @@ def test_on_sharded_meshes_with_a_bfloat16_rollout_every_program_is_an_entry(mes
     assert recorder.unlisted() == []
     assert {entry.name for _, entry in recorder.calls} == {"rollout_cast", "reshard", "init", "prefill_rows",
                                                            "decode", "append", "score", "update"}
+
+
+# the paged engine (RolloutConfig.engine = 'paged'): its three programs in the place of the dense sampler's four
+@pytest.fixture(scope="module")
+def paged_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("paged_programs")
+    (root / "paged.gin").write_text(SMALL + "RolloutConfig.engine = 'paged'\nPagedConfig.page_size = 8\n"
+                                    "RolloutConfig.paged = @PagedConfig()\n")
+    config = parse([str(root / "paged.gin")])
+    environment = build_environment(config, root)
+    rl = make_rl_step(config, environment)
+    return config, environment, rl, rl.programs(environment.train_tasks)
+
+
+def test_on_the_paged_engine_every_program_two_rl_steps_dispatch_is_an_entry_of_the_registry(paged_run):
+    recorder = _steps(paged_run, paged_run[3], 2)
+    assert recorder.unlisted() == []
+    assert {entry.name for _, entry in recorder.calls} == {"reshard", "paged_init", "paged_prefill", "paged_decode",
+                                                           "score", "update"}
+
+
+def test_on_the_paged_engine_the_registry_lists_no_dense_rollout_program(paged_run):
+    registry = paged_run[3]
+    assert not any(registry.named(name) for name in ("init", "prefill_rows", "decode", "append"))
+    without_decode = dataclasses.replace(registry, entries=tuple(e for e in registry.entries
+                                                                 if e.name != "paged_decode"))
+    unlisted = _steps(paged_run, without_decode, 1).unlisted()
+    assert unlisted and all("_decode_steps" in line for line in unlisted), unlisted
+
+
+def test_the_paged_entries_are_every_bucket_the_engine_can_reach_and_no_more(paged_run):
+    config, _, _, registry = paged_run
+    paged = config.rollout.paged
+    slots = config.train.prompts_per_step * config.rollout.group_size  # 4: every row in flight
+    pool = slots * config.rollout.max_context // paged.page_size      # no budget: every row's max_context
+    (init,) = registry.named("paged_init")
+    assert registry.rows_at_once == slots
+    assert f"a pool of {pool} pages x {paged.page_size} tokens, {slots} slots" == init.shape
+    decode = {(e.args[3].shape[0], e.args[12][0].shape[0]) for e in registry.named("paged_decode")}
+    # decode batches 1, 2, 4; pages read: powers of two from 16, at most the batch's rows' pages (64 a row of 512)
+    assert decode == {(d, i) for d in (1, 2, 4) for i in (16, 32, 64, 128, 256) if i <= d * 64}
+    prefill = {(e.args[3].shape, e.args[6].shape[0]) for e in registry.named("paged_prefill")}
+    assert all(r >= u for (u, _), r in prefill)  # each distinct row is written to at least one row
+    assert max(w for (_, w), _ in prefill) == sampler.bucket_length(min(paged.prefill_chunk, 511))
+
+
+def test_a_prefill_token_budget_leaves_out_the_buckets_it_cannot_reach(paged_run):
+    config, environment, rl, registry = paged_run
+    tight = dataclasses.replace(config, rollout=dataclasses.replace(
+        config.rollout, paged=dataclasses.replace(config.rollout.paged, prefill_tokens=40)))
+    entries, _, _ = programs_lib.paged_entries(tight, environment.model_config, rl.placement.mesh,
+                                               registry.rollout_params, 4, 1)
+    shapes = {e.args[3].shape for e in entries if e.name == "paged_prefill"}
+    # one row runs whatever its chunk; U rows whose longest chunk is in width bucket W run at least (the fewest
+    # tokens of W) + U - 1: 2 rows in bucket 64 (33..64 tokens): 34 <= 40; 3 rows (bucket 4): 35; bucket 128: 66
+    assert (1, 256) in shapes and (2, 64) in shapes and (4, 64) in shapes
+    assert (2, 128) not in shapes and (4, 128) not in shapes
+
+
+def test_the_paged_registry_refuses_a_mesh_over_several_processes(paged_run):
+    config, environment, rl, registry = paged_run
+
+    class Device:
+        def __init__(self, process_index):
+            self.process_index = process_index
+
+    class Mesh:
+        devices = np.asarray([Device(0), Device(1)], dtype=object)
+
+    with pytest.raises(ValueError, match="RolloutConfig.engine = 'dense'"):
+        programs_lib.paged_entries(config, environment.model_config, Mesh(), registry.rollout_params, 4, 1)

@@ -12,6 +12,12 @@ and in the arguments' pytree structure), so `entry.lower()` lowers what the loop
   * "decode":        `sampler.decode_program`, `RolloutConfig.sync_every` steps at every attention bucket
                      (`sampler.bucket_length`) up to `max_context`;
   * "append":        `sampler.append_program`, the tool observations appended to the rows, at every width bucket;
+  * "paged_init", "paged_prefill", "paged_decode": in the place of the four above when `RolloutConfig.engine` is
+                     'paged' (`paged_entries`): `paged.init_pool_program`, the page pool, created sharded;
+                     `paged.prefill_program`, admissions, observations and recomputes, at every (distinct rows,
+                     chunk width, work items, output rows) bucket that `PagedConfig.prefill_tokens` lets through;
+                     `paged.decode_program`, `sync_every` steps at every decode-batch bucket (powers of two up to
+                     the slots) and work-item bucket (powers of two from 16, capped at the pool's pages);
   * "rollout_cast", "reshard": `models.cast_program` / `models.reshard_program`, the policy's rollout copy
                      (`Placement.rollout_params`), where it is not the train-layout params as they are;
   * "score":         `scoring.fork.fork_scores_program`, the reference's prefix-fork pass, at every padded shape
@@ -52,6 +58,7 @@ from trace_jax import models
 from trace_jax.credit.registry import get_estimator
 from trace_jax.rl.pipeline import behaviour_program, update_shapes
 from trace_jax.rollout import budget, sampler
+from trace_jax.rollout import paged as paged_lib
 from trace_jax.scoring import fork
 from trace_jax.train.checkpoint import abstract_train_state
 from trace_jax.train.loss import LossBatch, length_bucket
@@ -59,7 +66,8 @@ from trace_jax.train.optimizer import make_optimizer
 from trace_jax.train.step import batch_sharding, make_train_step
 
 PHASES = {"init": "rollout", "prefill_rows": "rollout", "decode": "rollout", "append": "rollout",
-          "rollout_cast": "rollout", "reshard": "rollout", "score": "score", "behaviour": "update", "update": "update"}
+          "rollout_cast": "rollout", "reshard": "rollout", "score": "score", "behaviour": "update", "update": "update",
+          "paged_init": "rollout", "paged_prefill": "rollout", "paged_decode": "rollout"}
 NAMES = tuple(PHASES)
 
 
@@ -130,8 +138,9 @@ class Programs:
     Attributes:
       entries: the `Entry`s, in the order of the step (rollout, score, update).
       train_step: the update (`TrainStep`), the object the loop's pipeline calls.
-      rows: rollout rows of this process per step; rows_at_once: the rows the KV cache holds at once.
-      kv_cache_bytes: the KV cache's bytes on one device.
+      rows: rollout rows of this process per step; rows_at_once: the rows the KV cache holds at once (the paged
+        engine: its slots, the most rows in flight).
+      kv_cache_bytes: the KV cache's bytes on one device (the paged engine: its page pool's).
       state, reference, rollout_params: the abstract train state, frozen reference and rollout copy.
     """
 
@@ -262,6 +271,12 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
         args = (rollout_params, sampler_state, _host((slots, width), jnp.int32), _host((slots,), jnp.int32))
         entries.append(Entry("append", append, args, f"{slots} rows x {width} observation tokens"))
 
+    if rollout.engine == "paged":  # the paged engine's programs in the place of the dense sampler's
+        dense = {"init", "prefill_rows", "decode", "append"}
+        paged_list, slots, kv_cache_bytes = paged_entries(run_config, model_config, mesh, rollout_params, episodes,
+                                                          num_stop_ids, kv_budget_gib)
+        entries = [e for e in entries if e.name not in dense] + paged_list
+
     # score: the reference's prefix-fork pass (pipeline.score -> fork.score_answer_prefixes)
     estimator = get_estimator(run_config.credit.estimator)
     token_logprobs = loss.needs_reference or update.kl_metric
@@ -290,6 +305,89 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
                              f"{loss.micro_batches} micro-batch(es)" + ("" if shape == fixed else " (fallback)"),
                              fallback=shape != fixed))
     return Programs(tuple(entries), train_step, episodes, slots, kv_cache_bytes, state, reference, rollout_params)
+
+
+def item_buckets(most_pages: int, num_pages: int) -> tuple[int, ...]:
+    """Every work-item count `paged.work_items(..., minimum=16, maximum=num_pages)` can give for at most
+    `most_pages` pages read: powers of two from 16, each capped at the pool's pages."""
+    out, size = set(), 16
+    while True:
+        out.add(min(size, num_pages))
+        if size >= min(most_pages, num_pages):
+            return tuple(sorted(out))
+        size *= 2
+
+
+def paged_entries(run_config, model_config, mesh, rollout_params, episodes: int, num_stop_ids: int,
+                  kv_budget_gib: float | None = None) -> tuple[list[Entry], int, int]:
+    """The paged engine's programs (`rollout.engine`, `RolloutConfig.engine = 'paged'`) for one process's
+    `episodes` rows, at every shape its host schedule can give: (entries, slots, pool bytes on one device).
+
+    The engine buckets each dispatch: decode batch D and distinct prefill rows U and output rows R to
+    `sampler.bucket_length(n, minimum=1)` (n <= slots), a prefill chunk's width W to `sampler.bucket_length` (at
+    most `PagedConfig.prefill_chunk`, and under `max_context`), the pages read to `item_buckets` (at most the
+    pool's pages, and the pages D or U rows of `max_context` hold). A prefill dispatch runs at most
+    `PagedConfig.prefill_tokens` distinct tokens unless it runs one row: a (U, W) bucket is listed when its
+    fewest tokens (the smallest U' and W' that round to it: W' + U' - 1) fit, or U is 1. The engine runs on one
+    process's devices (`engine.run_paged_episodes` refuses a mesh spanning processes), so a mesh over several
+    processes is an error here too."""
+    from trace_jax.rollout.engine import pool_pages  # it imports the rollout agent, which the loop imports first
+
+    rollout = run_config.rollout
+    paged, rules = rollout.paged, run_config.mesh.rollout_rules()
+    if len({device.process_index for device in mesh.devices.flat}) > 1:
+        raise ValueError("RolloutConfig.engine = 'paged' runs on one process's devices (no multi-process lock-step "
+                         "yet): plan it on a one-host topology or use RolloutConfig.engine = 'dense'")
+    if kv_budget_gib is not None:
+        rollout = dataclasses.replace(rollout, kv_budget_gib=kv_budget_gib)
+    max_len, page_size, steps = rollout.max_context, paged.page_size, rollout.sync_every
+    num_pages = pool_pages(model_config, rollout, paged, episodes, mesh=mesh, rules=rules)
+    slots = max(1, min(episodes, paged.slots or episodes))
+    width = paged_lib.pages_for(max_len, page_size)  # a page table's width
+    state = paged_lib.abstract_state(model_config, num_pages, page_size, slots, mesh=mesh, rules=rules)
+    layout = paged_lib.state_layout(state)
+    pool_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+                     for x in (state.k, state.v))
+    pool = f"a pool of {num_pages} pages x {page_size} tokens, {slots} slots"
+    entries = [Entry("paged_init", paged_lib.init_pool_program(model_config, num_pages, page_size, slots, mesh,
+                                                               rules), (), pool)]
+
+    def smallest(buckets):  # the fewest rows (tokens) that round up to each bucket
+        return {b: a + 1 for a, b in zip((0,) + buckets, buckets)}
+
+    def items(count):
+        return tuple(_host((count,), jnp.int32) for _ in range(3))
+
+    rows = bucket_lengths(slots, minimum=1)
+    fewest_rows = smallest(rows)
+    chunk_widths = bucket_lengths(min(paged.prefill_chunk, max_len - 1))
+    fewest_tokens = smallest(chunk_widths)
+    prefill = paged_lib.prefill_program(model_config, max_len, layout)
+    for unique in rows:
+        for chunk in chunk_widths:
+            if unique > 1 and fewest_tokens[chunk] + fewest_rows[unique] - 1 > paged.prefill_tokens:
+                continue
+            for count in item_buckets(unique * width, num_pages):
+                for out in (r for r in rows if r >= unique):
+                    args = (rollout_params, state, _host((unique,), jnp.int32), _host((unique, chunk), jnp.int32),
+                            _host((unique,), jnp.int32), items(count), _host((out,), jnp.int32),
+                            _host((out, width), jnp.int32), _host((out,), jnp.int32))
+                    entries.append(Entry("paged_prefill", prefill, args,
+                                         f"{unique} rows x {chunk} tokens reading {count} pages, written to {out} "
+                                         f"rows; {pool}"))
+    decode = paged_lib.decode_program(model_config, steps, max_len, layout)
+    for batch in rows:
+        host = sampler.RowSampling.broadcast(rollout.sampling, batch)
+        sampling = host.replace(temperature=_host((batch,), jnp.float32), top_p=_host((batch,), jnp.float32),
+                                greedy=_host((batch,), jnp.bool_))
+        vector = _host((batch,), jnp.int32)
+        for count in item_buckets(batch * width, num_pages):
+            args = (sampling, rollout_params, state, vector, _host((batch, width), jnp.int32), vector,
+                    _host((batch,), jnp.bool_), vector, _host((num_stop_ids,), jnp.int32),
+                    _host((batch, 2), jnp.uint32), vector, vector, items(count), None)
+            entries.append(Entry("paged_decode", decode, args, f"{batch} rows x {steps} steps reading {count} "
+                                                               f"pages; {pool}"))
+    return entries, slots, pool_bytes
 
 
 def abstract_loss_batch(loss, mesh, rules, rows: int, shape) -> LossBatch:
