@@ -148,6 +148,21 @@ def test_a_program_lowered_again_alike_is_not_compiled_again_and_gets_the_same_f
 
 
 @needs_libtpu
+def test_on_the_paged_engine_plan_compiles_its_pool_prefill_and_decode_and_reports_the_pool():
+    run = parse(["configs/tiny.gin"], SMALL + ["RolloutConfig.engine = 'paged'"])
+    report = plan.plan(run, plan.PlanConfig("v5e:2x2", programs=("init", "prefill", "decode", "append"),
+                                            estimate_time=False), model_preset="tiny-qwen3")
+    assert report.verdict == "FIT"
+    # no "append": the paged engine prefills observations; each program is the paged builder's largest entry
+    assert [p.name for p in report.programs] == ["init", "prefill", "decode"]
+    assert all("a pool of 64 pages x 16 tokens, 4 slots" in p.shape for p in report.programs)  # 4 rows x 256
+    assert all(p.temp_bytes is not None for p in report.programs)
+    text = plan.format_report(report)
+    assert "rollout (paged engine): a pool of 64 pages x 16 tokens (1024 tokens)" in text
+    assert "4 of 4 rows in flight" in text and "(the page pool, during the rollout)" in text
+
+
+@needs_libtpu
 def test_a_kv_budget_sets_the_rollout_rows_at_once_in_whole_rows_per_chip(tiny_run):
     # tiny-qwen3 at 16384 tokens: 2 layers x 2 kv heads x 16 dims x K,V x 4 bytes = 512 B a token, 8 MiB a row plus
     # its 4-byte length; a 1 GiB budget holds 127 whole rows per chip, 508 over the 4 batch shards of v5e:2x2 (of 4096)

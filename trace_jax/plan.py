@@ -18,6 +18,10 @@ the loop runs. Each kind is reported by its largest entry (most argument bytes p
                every attention bucket up to the whole `max_context` cache; the rows at once are every rollout row
                of the step (every process's, over the whole mesh), or as many as a per-chip KV budget holds (`rollout.budget.rows_within_budget`);
   * "append":  `rollout.sampler.append_program`, tool observations appended to the rows, at every width bucket;
+  * with `RolloutConfig.engine = 'paged'`, "init", "prefill" and "decode" are the paged engine's
+               (`rollout.paged.init_pool_program`, `prefill_program`, `decode_program`: the page pool, chunks of
+               admissions, observations and recomputes, decode of the rows in flight, at every bucket of
+               `rl.programs.paged_entries`) and there is no "append" (observations are prefilled);
   * "score":   `scoring.fork.fork_scores_program`, the reference's prefix-fork pass, at every padded shape
                (`fork.padded_shape`) of the step's length buckets, scorer chunks (`scoring_batch`) and answers up
                to `--answer-tokens`;
@@ -95,9 +99,11 @@ _SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8
 _SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
               256: (4, 8, 8), 512: (8, 8, 8)}
 PROGRAMS = ("train", "behaviour", "score", "reshard", "init", "prefill", "decode", "append")
-# the registry's kind (`rl.programs.NAMES`) each program of the report is the largest entry of
-KINDS = {"train": "update", "behaviour": "behaviour", "score": "score", "reshard": "reshard", "init": "init",
-         "prefill": "prefill_rows", "decode": "decode", "append": "append"}
+# the registry's kinds (`rl.programs.NAMES`) each program of the report is the largest entry of (the dense
+# sampler's or the paged engine's: a run's registry lists one engine's)
+KINDS = {"train": ("update",), "behaviour": ("behaviour",), "score": ("score",), "reshard": ("reshard",),
+         "init": ("init", "paged_init"), "prefill": ("prefill_rows", "paged_prefill"),
+         "decode": ("decode", "paged_decode"), "append": ("append",)}
 
 
 class PlanError(ValueError):
@@ -761,6 +767,9 @@ class _Programs:
         self.state, self.reference, self.rollout_params = registry.state, registry.reference, registry.rollout_params
         self.rows = run_config.train.prompts_per_step * run_config.rollout.group_size
         self.rows_at_once, self.kv_cache_bytes = registry.rows_at_once, registry.kv_cache_bytes
+        # the paged engine's pool (pages, tokens a page), read off its decode program's state; None: dense
+        paged = registry.largest("paged_decode")
+        self.pool = None if paged is None else (paged.args[2].num_pages, paged.args[2].page_size)
         # Each process rolls out (and scores) its own rows, in programs over the whole mesh (a TPU topology's
         # processes are its hosts): the rows at once are every process's together, the bytes per chip the mesh's.
         self.processes = len({device.process_index for device in self.devices})
@@ -825,7 +834,11 @@ class _Programs:
 
     def dispatches(self, program: str) -> bool:
         """Whether the run's step dispatches the report's `program` (`PROGRAMS`) at all."""
-        return bool(self.registry.named(KINDS[program]))
+        return any(self.registry.named(kind) for kind in KINDS[program])
+
+    def _kind(self, program: str) -> str:
+        """The registry's kind of the report's `program` for this run's engine."""
+        return next((kind for kind in KINDS[program] if self.registry.named(kind)), KINDS[program][0])
 
     def behaviour(self, report: ProgramReport):
         """The trainer's pi_old on one chunk of the batch (`LossConfig.tis`): the train state (its params are the
@@ -851,14 +864,15 @@ class _Programs:
         return device_bytes(self.state) + device_bytes(self.reference)
 
     def init(self, report: ProgramReport):
-        self._lower(report, "init", self._rollout_resident() + device_bytes(self.rollout_params))
+        self._lower(report, self._kind("init"), self._rollout_resident() + device_bytes(self.rollout_params))
 
     def prefill(self, report: ProgramReport):
-        """The admission of waiting rows (`sampler.prefill_rows_program`), the loop's only prefill."""
-        self._lower(report, "prefill_rows", self._rollout_resident())
+        """The admission of waiting rows (`sampler.prefill_rows_program`), the loop's only prefill (the paged
+        engine: `paged.prefill_program`, admissions, observations and recomputes)."""
+        self._lower(report, self._kind("prefill"), self._rollout_resident())
 
     def decode(self, report: ProgramReport):
-        self._lower(report, "decode", self._rollout_resident())
+        self._lower(report, self._kind("decode"), self._rollout_resident())
 
     def append(self, report: ProgramReport):
         self._lower(report, "append", self._rollout_resident())
@@ -945,6 +959,8 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
                     waves=-(-programs.rows // programs.rows_at_once),
                     reference_dtype=run_config.train.reference_dtype, processes=programs.processes,
                     process_rows=programs.process_rows)
+    if programs.pool is not None:
+        settings.update(pool_pages=programs.pool[0], page_size=programs.pool[1])
     resident = {"train state": device_bytes(programs.state), "reference": device_bytes(programs.reference),
                 "rollout copy": device_bytes(programs.rollout_params), "KV cache": programs.kv_cache_bytes}
     reports = []
@@ -1100,10 +1116,11 @@ def format_report(report: PlanReport) -> str:
 def _resident_lines(report: PlanReport) -> list[str]:
     """What stays on each chip across the step's phases, and the rollout rows that run at once."""
     r, s = report.resident, report.settings
+    cache = "the page pool" if "pool_pages" in s else "the rows at once"
     lines = [f"resident per chip across phases: train state {_gib(r['train state'])} (params + AdamW, always), "
              f"reference {_gib(r['reference'])} ({s.get('reference_dtype', 'float32')}, always)"
              + (f", rollout copy {_gib(r['rollout copy'])} (the policy in the rollout layout, during the rollout), "
-                f"KV cache {_gib(r['KV cache'])} (the rows at once, during the rollout)" if "KV cache" in r else "")
+                f"KV cache {_gib(r['KV cache'])} ({cache}, during the rollout)" if "KV cache" in r else "")
              + " (bytes per chip below: G = GiB, M = MiB)"]
     if "rows_at_once" in s:
         budget = (f"a KV budget of {s['kv_budget_gib']:g} GiB per chip" if s["kv_budget_gib"]
@@ -1112,8 +1129,14 @@ def _resident_lines(report: PlanReport) -> list[str]:
             lines.append(f"processes: {s['processes']} (one a host), each feeding {s['process_rows']} of the "
                          f"{s['rows']} rows (and running their tools) into the rollout and scoring programs over "
                          "the whole mesh")
-        lines.append(f"rollout: {s['rows_at_once']} of {s['rows']} rows at once under {budget}, "
-                     f"{s['waves']} wave(s) of rows")
+        if "pool_pages" in s:  # the paged engine: a pool of pages shared by the rows in flight
+            budget = budget.split(":")[0]
+            lines.append(f"rollout (paged engine): a pool of {s['pool_pages']} pages x {s['page_size']} tokens "
+                         f"({s['pool_pages'] * s['page_size']} tokens) under {budget}, shared by at most "
+                         f"{s['rows_at_once']} of {s['rows']} rows in flight")
+        else:
+            lines.append(f"rollout: {s['rows_at_once']} of {s['rows']} rows at once under {budget}, "
+                         f"{s['waves']} wave(s) of rows")
     return lines
 
 
