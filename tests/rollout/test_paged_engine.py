@@ -17,6 +17,7 @@ from trace_jax.models.chat import ChatFormat
 from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
 from trace_jax.rollout import RolloutConfig, SamplingConfig, ScriptedPolicy, run_episodes
 from trace_jax.rollout import engine as engine_lib
+from trace_jax.rollout import paged as paged_lib
 
 WORDS = ["alpha", "beta", "gamma", "delta", "river", "city", "mayor", "flows", "through", "search", "open", "query",
          "answer", "The", "is", "Error", "result", "page", "north", "south"]
@@ -249,3 +250,19 @@ def test_a_pool_smaller_than_one_row_is_refused_naming_the_field(setup):
 def test_paged_config_refuses_bad_values_naming_the_field(field, value):
     with pytest.raises(ValueError, match=f"PagedConfig.{field} must be an int"):
         engine_lib.PagedConfig(**{field: value})
+
+
+def test_the_pool_line_says_the_pages_and_tokens_the_engine_holds_and_where_they_come_from(setup):
+    _, config, _ = setup
+    paged = dataclasses.replace(ROLLOUT, paged=dataclasses.replace(PAGED, slots=2))
+    # no budget: every row's max_context, 4 rows x 192 / 8 = 96 pages
+    assert engine_lib.paged_pool_line(config, paged, 4) == (
+        "rollout (paged engine): a pool of 96 pages x 8 tokens (768 tokens, from every row's max_context (no KV "
+        "budget)) for at most 2 of 4 rows in flight")
+    set_pages = dataclasses.replace(paged, paged=dataclasses.replace(paged.paged, num_pages=30))
+    assert "a pool of 30 pages x 8 tokens (240 tokens, from PagedConfig.num_pages)" in engine_lib.paged_pool_line(
+        config, set_pages, 4)
+    budget = dataclasses.replace(paged, kv_budget_gib=0.001)
+    pages = paged_lib.pages_within_budget(config, 8, 0.001)
+    assert (f"a pool of {pages} pages x 8 tokens ({pages * 8} tokens, from the KV budget of 0.001 GiB per chip)"
+            in engine_lib.paged_pool_line(config, budget, 4))

@@ -86,6 +86,7 @@ from trace_jax.rl.pipeline import Prepared, RLPipeline, check_compatible
 from trace_jax.rl.warmstart import abc_sft_weighted, oracle_trajectories, sft_arrays
 from trace_jax.rollout.batch import episode_view
 from trace_jax.rollout.budget import rows_within_budget
+from trace_jax.rollout.engine import paged_pool_line
 from trace_jax.scoring.receipts import excerpt, safe_filename, write_receipt
 from trace_jax.train import distributed
 from trace_jax.train.checkpoint import Checkpointer, PreemptionGuard, abstract_train_state, restore_params_from_copies
@@ -905,14 +906,17 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
     stages["build"] = time.perf_counter() - t0
     rl = make_rl_step(run_config, environment)
     placement, pipeline, optimizer, mesh = rl.placement, rl.pipeline, rl.optimizer, rl.placement.mesh
-    rows_at_once = rows_within_budget(environment.model_config, run_config.rollout, mesh=mesh, rows=rows,
-                                      rules=placement.rollout_rules)
     checkpoint_config = dataclasses.replace(run_config.checkpoint,
                                             directory=str(run_dir / run_config.checkpoint.directory))
     log(f"run {run_dir}: {train_config.steps} RL steps of {train_config.prompts_per_step} prompts x "
         f"{run_config.rollout.group_size} samples, credit {run_config.credit.estimator}, "
         f"{len(environment.train_tasks)} train / {len(environment.eval_tasks)} held-out tasks, {placement.line()}")
-    if run_config.rollout.kv_budget_gib is not None:
+    if run_config.rollout.engine == "paged":  # a pool of pages for the rows in flight, not dense rows at once
+        log(paged_pool_line(environment.model_config, run_config.rollout, rows // jax.process_count(), mesh=mesh,
+                            rules=placement.rollout_rules))
+    elif run_config.rollout.kv_budget_gib is not None:
+        rows_at_once = rows_within_budget(environment.model_config, run_config.rollout, mesh=mesh, rows=rows,
+                                          rules=placement.rollout_rules)
         log(f"rollout: {rows_at_once} of {rows} rows at once over the mesh under the KV budget of "
             f"{run_config.rollout.kv_budget_gib:g} GiB per chip")
 

@@ -59,6 +59,7 @@ from trace_jax.credit.registry import get_estimator
 from trace_jax.rl.pipeline import behaviour_program, update_shapes
 from trace_jax.rollout import budget, sampler
 from trace_jax.rollout import paged as paged_lib
+from trace_jax.rollout.engine import pool_pages
 from trace_jax.scoring import fork
 from trace_jax.train.checkpoint import abstract_train_state
 from trace_jax.train.loss import LossBatch, length_bucket
@@ -331,8 +332,6 @@ def paged_entries(run_config, model_config, mesh, rollout_params, episodes: int,
     fewest tokens (the smallest U' and W' that round to it: W' + U' - 1) fit, or U is 1. The engine runs on one
     process's devices (`engine.run_paged_episodes` refuses a mesh spanning processes), so a mesh over several
     processes is an error here too."""
-    from trace_jax.rollout.engine import pool_pages  # it imports the rollout agent, which the loop imports first
-
     rollout = run_config.rollout
     paged, rules = rollout.paged, run_config.mesh.rollout_rules()
     if len({device.process_index for device in mesh.devices.flat}) > 1:

@@ -124,6 +124,18 @@ def pool_pages(config: ModelConfig, rollout: agent_lib.RolloutConfig, paged: Pag
     return pages
 
 
+def paged_pool_line(config: ModelConfig, rollout: agent_lib.RolloutConfig, rows: int, *, mesh=None,
+                    rules=None) -> str:
+    """What the paged engine holds for a call of `rows` rows, in words (the loop's log line): its pool's pages and
+    tokens (`pool_pages`) and the rows in flight at most."""
+    paged = rollout.paged
+    pages = pool_pages(config, rollout, paged, rows, mesh=mesh, rules=rules)
+    slots = max(1, min(rows, paged.slots or rows))
+    source = ("PagedConfig.num_pages" if paged.num_pages is not None else
+              f"the KV budget of {rollout.kv_budget_gib:g} GiB per chip" if rollout.kv_budget_gib is not None else
+              "every row's max_context (no KV budget)")
+    return (f"rollout (paged engine): a pool of {pages} pages x {paged.page_size} tokens ({pages * paged.page_size} "
+            f"tokens, from {source}) for at most {slots} of {rows} rows in flight")
 def run_paged_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[Any],
                        browser: Browser | Callable[[Any], Browser], rollout: agent_lib.RolloutConfig, rng: jax.Array,
                        *, paged: PagedConfig | None = None, mesh=None, rules=None, row_offset: int = 0,
