@@ -244,3 +244,20 @@ def test_on_sharded_meshes_with_a_bfloat16_rollout_every_program_is_an_entry(mes
     assert recorder.unlisted() == []
     assert {entry.name for _, entry in recorder.calls} == {"rollout_cast", "reshard", "init", "prefill_rows",
                                                            "decode", "append", "score", "update"}
+
+
+def test_with_chunks_shorter_than_the_prompts_and_observations_each_dispatch_is_an_entry_at_most_a_chunk_wide(run):
+    # the registry lists append and prefill_rows widths only up to their chunks (RolloutConfig), and the loop cuts
+    # the tiny config's prompts (hundreds of tokens: the tool schemas) and observations to fit them
+    config, environment, _, _ = run
+    chunked = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, append_chunk_tokens=32,
+                                                                      prefill_chunk_tokens=64))
+    rl = make_rl_step(chunked, environment)
+    registry = rl.programs(environment.train_tasks)
+    assert max(e.args[2].shape[1] for e in registry.named("append")) == 32
+    assert max(e.args[2].shape[1] for e in registry.named("prefill_rows")) == 64
+    recorder = _steps(run, registry, 1, rl=rl)
+    assert recorder.unlisted() == []
+    widths = Counter((entry.name, entry.args[2].shape[1]) for _, entry in recorder.calls
+                     if entry is not None and entry.name in ("append", "prefill_rows"))
+    assert widths[("prefill_rows", 64)] >= 1 and widths[("append", 32)] >= 2, widths
