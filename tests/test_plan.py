@@ -413,3 +413,19 @@ def test_short_contexts_halve_until_the_variants_fit(tiny_run, monkeypatch):
     assert estimate.lengths == (768, 1536)
     assert estimate.xla_seconds == pytest.approx(cost(4, 2, 49152))
     assert 6144 in compiled and 3072 in compiled and compiled.count(1536) == 4  # each length compiled once
+
+
+@needs_libtpu
+def test_the_append_and_admission_reported_are_at_most_their_chunks_wide_whatever_the_context(tiny_run):
+    # the loop dispatches observations and admitted prompts in pieces of RolloutConfig's chunks, so the registry,
+    # and the plan's largest append and prefill, stop there: 64 and 128 tokens, not the 256-token context
+    import dataclasses
+
+    run = dataclasses.replace(tiny_run, rollout=dataclasses.replace(tiny_run.rollout, append_chunk_tokens=64,
+                                                                    prefill_chunk_tokens=128))
+    report = plan.plan(run, plan.PlanConfig("v5e:2x2", programs=("prefill", "append"), estimate_time=False),
+                       model_preset="tiny-qwen3")
+    append, prefill = report.program("append"), report.program("prefill")
+    assert append.shape == "4 rows x 64 observation tokens (largest of 3 shapes)"  # 16, 32, 64
+    assert prefill.shape.startswith("4 prompts x 128 tokens into 4 rows x 256")
+    assert append.temp_bytes is not None and prefill.temp_bytes is not None

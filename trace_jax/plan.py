@@ -13,11 +13,13 @@ the loop runs. Each kind is reported by its largest entry (most argument bytes p
                (`Placement.rollout_params`; after `models.cast_program` to `TrainConfig.rollout_dtype`);
   * "init":    `rollout.sampler.init_state_program`, the rollout's KV cache of the rows at once, created sharded;
   * "prefill": `rollout.sampler.prefill_rows_program`, the admission of waiting rows into free cache rows, at
-               every (distinct prompts, prompt width) bucket up to `max_context`;
+               every (distinct prompts, prompt width) bucket up to `RolloutConfig.prefill_chunk_tokens` (the loop
+               appends the rest of a longer prompt);
   * "decode":  `rollout.sampler.decode_program`, `RolloutConfig.sync_every` decode steps of the rows at once, at
                every attention bucket up to the whole `max_context` cache; the rows at once are every rollout row
                of the step (every process's, over the whole mesh), or as many as a per-chip KV budget holds (`rollout.budget.rows_within_budget`);
-  * "append":  `rollout.sampler.append_program`, tool observations appended to the rows, at every width bucket;
+  * "append":  `rollout.sampler.append_program`, tool observations appended to the rows, at every width bucket
+               up to `RolloutConfig.append_chunk_tokens` (the loop appends longer ones in pieces);
   * with `RolloutConfig.engine = 'paged'`, "init", "prefill" and "decode" are the paged engine's
                (`rollout.paged.init_pool_program`, `prefill_program`, `decode_program`: the page pool, chunks of
                admissions, observations and recomputes, decode of the rows in flight, at every bucket of

@@ -30,10 +30,14 @@ model_preset.head_dim = 16
 DataConfig.num_train_tasks = 8
 DataConfig.num_eval_tasks = 3
 RolloutConfig.group_size = 2
-RolloutConfig.system_prompt = None
+RolloutConfig.system_prompt = 'Search, open a page, then answer.'
 RolloutConfig.max_turns = 1
 RolloutConfig.max_context = 128
 RolloutConfig.turn_token_budget = 8
+# 29-30-token prompts admitted in pieces (16 tokens, then the rest appended; RolloutConfig's chunks), and
+# observations over 16 tokens too: every process must dispatch as many pieces
+RolloutConfig.prefill_chunk_tokens = 16
+RolloutConfig.append_chunk_tokens = 16
 UpdateConfig.length_multiple = 128
 WarmStartConfig.steps = 0
 TrainConfig.prompts_per_step = 4

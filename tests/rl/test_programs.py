@@ -316,3 +316,20 @@ def test_the_paged_registry_refuses_a_mesh_over_several_processes(paged_run):
 
     with pytest.raises(ValueError, match="RolloutConfig.engine = 'dense'"):
         programs_lib.paged_entries(config, environment.model_config, Mesh(), registry.rollout_params, 4, 1)
+
+
+def test_with_chunks_shorter_than_the_prompts_and_observations_each_dispatch_is_an_entry_at_most_a_chunk_wide(run):
+    # the registry lists append and prefill_rows widths only up to their chunks (RolloutConfig), and the loop cuts
+    # the tiny config's prompts (hundreds of tokens: the tool schemas) and observations to fit them
+    config, environment, _, _ = run
+    chunked = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, append_chunk_tokens=32,
+                                                                      prefill_chunk_tokens=64))
+    rl = make_rl_step(chunked, environment)
+    registry = rl.programs(environment.train_tasks)
+    assert max(e.args[2].shape[1] for e in registry.named("append")) == 32
+    assert max(e.args[2].shape[1] for e in registry.named("prefill_rows")) == 64
+    recorder = _steps(run, registry, 1, rl=rl)
+    assert recorder.unlisted() == []
+    widths = Counter((entry.name, entry.args[2].shape[1]) for _, entry in recorder.calls
+                     if entry is not None and entry.name in ("append", "prefill_rows"))
+    assert widths[("prefill_rows", 64)] >= 1 and widths[("append", 32)] >= 2, widths

@@ -62,17 +62,17 @@ class SamplerInputs:
         self.stream, self.seen, self.ended = {}, {}, {}
         prefill_rows, append, generate = sampler_lib.prefill_rows, sampler_lib.append, sampler_lib.generate
 
-        def recording_prefill(config, params, state, rows, prompts):
+        def recording_prefill(config, params, state, rows, prompts, **chunks):
             for slot, prompt in zip(rows, prompts):
                 if slot in self.stream:
                     self.ended.setdefault(slot, []).append(self.stream[slot])
                 self.stream[slot] = [int(t) for t in prompt]
-            return prefill_rows(config, params, state, rows, prompts)
+            return prefill_rows(config, params, state, rows, prompts, **chunks)
 
-        def recording_append(config, params, state, chunks):
+        def recording_append(config, params, state, chunks, **chunk_tokens):
             for slot, chunk in enumerate(chunks):
                 self.stream[slot] = self.stream[slot] + [int(t) for t in chunk]
-            return append(config, params, state, chunks)
+            return append(config, params, state, chunks, **chunk_tokens)
 
         def recording_generate(config, params, state, *, active, **kwargs):
             state, out = generate(config, params, state, active=active, **kwargs)

@@ -64,9 +64,9 @@ def _run(setup, rollout, *, params=None, mesh=None, logits_hook=None):
         record["cache_bytes"].append(max(per_device.values()))
         return generate(config_, params_, state, **kwargs)
 
-    def recording_prefill_rows(config_, params_, state, rows, prompts):
+    def recording_prefill_rows(config_, params_, state, rows, prompts, **chunks):
         record["admitted"].append(list(rows))
-        return prefill_rows(config_, params_, state, rows, prompts)
+        return prefill_rows(config_, params_, state, rows, prompts, **chunks)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(agent_lib.sampler_lib, "generate", recording_generate)
@@ -177,3 +177,16 @@ def test_on_a_mesh_the_budget_is_per_chip_and_the_sampled_tokens_are_one_devices
     # the same rows unbounded would take 2 rows per chip: the budget did bind
     assert 2 * kv_bytes_per_row(config, rollout.max_context, mesh=mesh) > rollout.kv_budget_gib * GIB
     _assert_same_episodes(result, unbounded["sampled"])
+
+
+@pytest.mark.parametrize("name", ["greedy", "sampled"])
+def test_admissions_and_observations_dispatched_in_chunks_give_the_unchunked_runs_rows(setup, unbounded, name):
+    # the 60- and 72-token prompts admit 32 tokens and append the rest in 16-token pieces, under a budget of 3 rows
+    # (admissions while other rows are mid-episode); the observations' tool responses go in 16-token pieces too
+    _, config, _, _ = setup
+    rollout = dataclasses.replace(GREEDY if name == "greedy" else SAMPLED, prefill_chunk_tokens=32,
+                                  append_chunk_tokens=16)
+    rollout = dataclasses.replace(rollout, kv_budget_gib=_budget(config, rollout, 3))
+    result, record = _run(setup, rollout)
+    assert len(record["admitted"]) > 1
+    _assert_same_episodes(result, unbounded[name])

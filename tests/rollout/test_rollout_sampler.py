@@ -275,3 +275,80 @@ def test_decode_step_writes_the_cache_once_outside_loops_and_conditionals(model)
     assert not [line for line in nested.splitlines() if is_write(line) and " fusion(" in line], \
         "a scatter into the whole cache runs inside a nested computation (the layer loop)"
     assert not [line for line in hlo.splitlines() if cache_shape in line and " conditional(" in line]
+
+
+def _widths(monkeypatch, kind):
+    """The token widths the programs of builder `kind` ("append_program" / "prefill_rows_program") are called with."""
+    widths, build = [], getattr(S, kind)
+
+    def recording(*args, **kwargs):
+        program = build(*args, **kwargs)
+
+        def call(params, state, tokens, *rest):
+            widths.append(tokens.shape[1])
+            return program(params, state, tokens, *rest)
+        return call
+    monkeypatch.setattr(S, kind, recording)
+    return widths
+
+
+def _greedy(config, params, state, rows):
+    return S.generate(config, params, state, rng=jax.random.PRNGKey(2), active=np.ones(rows, bool),
+                      max_new_tokens=8, stop_ids=(), sampling=GREEDY, sync_every=4)[1].tokens
+
+
+def _assert_same_rows(config, params, chunked, whole, rows):
+    assert chunked.lengths.tolist() == whole.lengths.tolist()
+    np.testing.assert_allclose(np.asarray(chunked.logits), np.asarray(whole.logits), atol=1e-5)
+    for row, length in enumerate(whole.lengths.tolist()):
+        for name in ("k", "v"):
+            np.testing.assert_allclose(np.asarray(getattr(chunked.cache, name)[:, row, :length]),
+                                       np.asarray(getattr(whole.cache, name)[:, row, :length]), atol=1e-5)
+    for a, b in zip(_greedy(config, params, chunked, rows), _greedy(config, params, whole, rows)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_an_append_longer_than_the_chunk_runs_in_pieces_of_the_chunk_with_the_same_cache_and_logits(model,
+                                                                                                  monkeypatch):
+    config, params = model
+    rng = np.random.default_rng(7)
+    chunks = [rng.integers(1, config.vocab_size, n).tolist() for n in (40, 0, 17, 5)]
+    whole = S.append(config, params, S.append(config, params, S.init_state(config, 4, MAX_LEN), PROMPTS), chunks)
+    widths = _widths(monkeypatch, "append_program")
+    state = S.append(config, params, S.init_state(config, 4, MAX_LEN), PROMPTS, chunk_tokens=32)
+    chunked = S.append(config, params, state, chunks, chunk_tokens=32)
+    # the prompts (at most 7 tokens) in one dispatch; the chunks (40 the longest) in 32 + 8 (padded to 16)
+    assert widths == [16, 32, 16]
+    _assert_same_rows(config, params, chunked, whole, 4)
+
+
+def test_a_prompt_longer_than_the_prefill_chunk_is_admitted_in_pieces_with_the_same_cache_and_logits(model,
+                                                                                                  monkeypatch):
+    config, params = model
+    rng = np.random.default_rng(8)
+    long, short = rng.integers(1, config.vocab_size, 60).tolist(), [21, 22, 23]
+
+    def running():
+        return S.append(config, params, S.init_state(config, 4, MAX_LEN), PROMPTS)
+
+    rows, prompts = [3, 1, 0], [long, short, long]
+    whole = S.prefill_rows(config, params, running(), rows, prompts)
+    state = running()
+    prefills, appends = _widths(monkeypatch, "prefill_rows_program"), _widths(monkeypatch, "append_program")
+    chunked = S.prefill_rows(config, params, state, rows, prompts, chunk_tokens=32, append_chunk_tokens=16)
+    # the first 32 tokens admitted (the long prompt once for its two rows), the other 28 appended in 16 + 12
+    assert prefills == [32] and appends == [16, 16]
+    assert chunked.lengths.tolist() == [60, 3, len(PROMPTS[2]), 60]
+    _assert_same_rows(config, params, chunked, whole, 4)
+
+
+@pytest.mark.parametrize("value", [0, 15, 100, 600, 4000, True])
+def test_a_chunk_that_is_not_a_padded_width_is_refused_naming_the_field(value):
+    with pytest.raises(ValueError, match="RolloutConfig.append_chunk_tokens must be a padded chunk width"):
+        S.check_chunk_tokens(value, "RolloutConfig.append_chunk_tokens")
+    from trace_jax.rollout.agent import RolloutConfig
+
+    with pytest.raises(ValueError, match="RolloutConfig.prefill_chunk_tokens must be a padded chunk width"):
+        RolloutConfig(prefill_chunk_tokens=value)
+    for good in (16, 512, 768, 4096):
+        S.check_chunk_tokens(good, "chunk")

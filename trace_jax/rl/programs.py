@@ -8,10 +8,13 @@ and in the arguments' pytree structure), so `entry.lower()` lowers what the loop
 
   * "init":          `sampler.init_state_program`, the rollout's empty KV cache, created sharded;
   * "prefill_rows":  `sampler.prefill_rows_program`, the admission of waiting rows into free cache rows (and the
-                     re-prefill of a compacted context), at every (distinct prompts, prompt width) bucket;
+                     re-prefill of a compacted context), at every (distinct prompts, prompt width) bucket up to
+                     `RolloutConfig.prefill_chunk_tokens` (a longer prompt's rest goes through "append");
   * "decode":        `sampler.decode_program`, `RolloutConfig.sync_every` steps at every attention bucket
                      (`sampler.bucket_length`) up to `max_context`;
-  * "append":        `sampler.append_program`, the tool observations appended to the rows, at every width bucket;
+  * "append":        `sampler.append_program`, the tool observations appended to the rows (and the rest of a
+                     prompt longer than the prefill chunk), at every width bucket up to
+                     `RolloutConfig.append_chunk_tokens` (longer ones are dispatched in pieces);
   * "paged_init", "paged_prefill", "paged_decode": in the place of the four above when `RolloutConfig.engine` is
                      'paged' (`paged_entries`): `paged.init_pool_program`, the page pool, created sharded;
                      `paged.prefill_program`, admissions, observations and recomputes, at every (distinct rows,
@@ -250,7 +253,8 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
     entries.append(Entry("init", sampler.init_state_program(model_config, slots, max_len, mesh, rollout_rules), (),
                          f"{slots} rows x {max_len} tokens"))
     prefill = sampler.prefill_rows_program(model_config, layout)
-    for width in sorted({min(w, max_len) for w in bucket_lengths(max_len)}):
+    # the loop dispatches at most a chunk of a prompt (the rest is appended) and of an observation (`agent`)
+    for width in sorted({min(w, max_len) for w in bucket_lengths(min(rollout.prefill_chunk_tokens, max_len))}):
         for prompts in bucket_lengths(slots, minimum=1):
             args = (rollout_params, sampler_state, _host((prompts, width), jnp.int32), _host((prompts,), jnp.int32),
                     _host((slots,), jnp.int32), _host((slots,), jnp.int32), _host((), jnp.int32))
@@ -268,7 +272,7 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
         entries.append(Entry("decode", sampler.decode_program(model_config, steps, attend, mesh, layout), args,
                              f"{slots} rows x {steps} steps, attending {attend or max_len} of {max_len} slots"))
     append = sampler.append_program(model_config, layout)
-    for width in bucket_lengths(max_len):
+    for width in bucket_lengths(min(rollout.append_chunk_tokens, max_len)):
         args = (rollout_params, sampler_state, _host((slots, width), jnp.int32), _host((slots,), jnp.int32))
         entries.append(Entry("append", append, args, f"{slots} rows x {width} observation tokens"))
 

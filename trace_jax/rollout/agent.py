@@ -109,6 +109,13 @@ class RolloutConfig:
       engine: which engine runs the episodes: 'dense' (`run_episodes`' rounds over a dense cache) or 'paged'
         (`rollout.engine`: paged KV, rows advance on their own, tools on a worker pool); the same episodes.
       paged: the paged engine's settings (page size, pool, slots, prefill chunk, tool workers).
+      append_chunk_tokens: the most tokens of a row one observation append dispatches; a longer observation (or
+        the rest of a long admitted prompt) is appended in pieces of at most this many (`sampler.append`), so the
+        append program's width, and its temporaries, never exceed it whatever the context (the same tokens).
+        A `sampler.bucket_length` size (`sampler.check_chunk_tokens`).
+      prefill_chunk_tokens: the most prompt tokens of a row one admission dispatches (`sampler.prefill_rows`); the
+        rest of a longer prompt (a compacted context) is appended in `append_chunk_tokens` pieces. A
+        `bucket_length` size.
     """
 
     group_size: int = 1
@@ -126,6 +133,8 @@ class RolloutConfig:
     context_record_tokens: int = 256
     engine: str = "dense"
     paged: PagedConfig = PagedConfig()
+    append_chunk_tokens: int = 4096
+    prefill_chunk_tokens: int = 8192
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -144,6 +153,8 @@ class RolloutConfig:
                                    or not 0 < budget < float("inf")):
             raise ValueError(f"RolloutConfig.kv_budget_gib must be a positive number of GiB per chip or None "
                              f"(unbounded), got {budget!r}")
+        sampler_lib.check_chunk_tokens(self.append_chunk_tokens, "RolloutConfig.append_chunk_tokens")
+        sampler_lib.check_chunk_tokens(self.prefill_chunk_tokens, "RolloutConfig.prefill_chunk_tokens")
         if self.context_record_tokens < 1:
             raise ValueError(f"RolloutConfig.context_record_tokens must be >= 1, got {self.context_record_tokens!r}")
         if self.context_budget and not (self.context_record_tokens + self.turn_token_budget < self.context_budget
@@ -332,6 +343,8 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
     slots = max(1, rows_within_budget(config, rollout, mesh=mesh, rows=max(most * processes, 1),
                                       rules=rules) // processes)
     state = sampler_lib.init_state(config, slots * processes, max_len, mesh=mesh, rules=rules)
+    # every dispatch at most a chunk wide (RolloutConfig): the widths `rl.programs` lists, whatever the context
+    chunks = dict(chunk_tokens=rollout.prefill_chunk_tokens, append_chunk_tokens=rollout.append_chunk_tokens)
     slot_row = np.full(slots, -1, np.int64)  # the row each of this process's cache rows (slots) holds; -1 = free
     waiting = collections.deque(range(n))
     kv_cache_bytes = 0
@@ -343,7 +356,7 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
             admitted = [waiting.popleft() for _ in free]
             t0 = time.perf_counter()
             state = sampler_lib.prefill_rows(config, params, state, free.tolist(),
-                                             [rows[r]["tokens"] for r in admitted])
+                                             [rows[r]["tokens"] for r in admitted], **chunks)
             jax.block_until_ready(state.logits)
             timing["prefill"] += time.perf_counter() - t0
             slot_row[free] = admitted
@@ -439,10 +452,10 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
 
         if distributed.agree_any(bool(refills)):  # compacted rows start over in their slot, through admission
             t0 = time.perf_counter()
-            state = sampler_lib.prefill_rows(config, params, state, list(refills), list(refills.values()))
+            state = sampler_lib.prefill_rows(config, params, state, list(refills), list(refills.values()), **chunks)
             timing["prefill"] += time.perf_counter() - t0
         t0 = time.perf_counter()
-        state = sampler_lib.append(config, params, state, appends)
+        state = sampler_lib.append(config, params, state, appends, chunk_tokens=rollout.append_chunk_tokens)
         timing["append"] += time.perf_counter() - t0
 
     t0 = time.perf_counter()

@@ -7,7 +7,8 @@ The device side is jitted functions with the cache donated:
   * `append_program` runs a variable-length chunk per row through the model (`trace_jax.models.extend`) and keeps
     the last logits of every row that received tokens. Prefill of the prompts and appending tool responses to some
     rows are the same call. Chunks are padded to buckets (`bucket_length`: powers of two >= 16, multiples of 256
-    above 512), so it compiles once per bucket.
+    above 512), so it compiles once per bucket. `append(..., chunk_tokens=)` (and `prefill_rows(..., chunk_tokens=)`
+    for the prompt past its first chunk) dispatches longer chunks in pieces, so no width exceeds a fixed chunk.
   * `_decode_step` samples one token per active row from the pending logits, feeds it to the model
     (`_decode_model`: `models.extend` with n = 1, which updates the cache in place) and updates each row's stop
     state (stop token, per-row token budget, cache full). The model runs every step, also for rows that stopped
@@ -505,11 +506,28 @@ def decode_program(config: ModelConfig, num_steps: int, attend_len: int | None =
         jax.jit(functools.partial(_decode_steps, config, num_steps, attend_len, layout), donate_argnums=2), mesh))
 
 
-def append(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Sequence[int]]) -> SamplerState:
+def check_chunk_tokens(value, name: str) -> None:
+    """Raise unless `value` is a dispatch chunk size: a `bucket_length` size (a power of two from `MIN_BUCKET` up to
+    512, or a multiple of 256 above), so that a chunk's padded width never exceeds the chunk. `name` names the
+    field in the error."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < MIN_BUCKET or bucket_length(value) != value:
+        near = bucket_length(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 4096
+        raise ValueError(f"{name} must be a padded chunk width (a power of two from {MIN_BUCKET} to 512, or a "
+                         f"multiple of 256 above 512), got {value!r}; use e.g. {near}")
+
+
+def append(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Sequence[int]], *,
+           chunk_tokens: int | None = None) -> SamplerState:
     """Append `chunks[b]` (token ids; empty = leave row b alone) to each row and refresh its pending logits.
 
     Prefill is `append` to a fresh state. The caller checks capacity (`len(chunk) <= max_len - length`); tokens
     beyond the cache are dropped by the model's `extend`. The old state is donated: do not reuse it.
+
+    `chunk_tokens` (None: one dispatch): the most tokens of a row per dispatch (`check_chunk_tokens`); longer chunks
+    run as several dispatches of at most that many tokens each, every row's next piece in the same dispatch, so
+    the program's width never exceeds it (the same cache and logits as one dispatch, up to float rounding). With
+    several processes the count of dispatches comes from every process's chunks (gathered), so it is the same on
+    every process.
     """
     if distributed.spans_processes(state.cache.k):  # this process's rows -> every row's (module doc)
         mine = distributed.process_share(state.cache.batch_size)
@@ -521,13 +539,25 @@ def append(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Se
     if len(chunks) != state.cache.batch_size:
         raise ValueError(f"append got {len(chunks)} chunks for a state of {state.cache.batch_size} rows; pass one "
                          "(possibly empty) chunk per row")
-    longest = max((len(c) for c in chunks), default=0)
-    if longest == 0:
-        return state
     for row, chunk in enumerate(chunks):
-        dec.check_token_ids(config, np.asarray(chunk, np.int64), f"append chunk {row}")
-    width = min(bucket_length(longest), bucket_length(state.max_len))
-    return append_program(config, state_layout(state))(params, state, *_padded(chunks, width))
+        if len(chunk):
+            dec.check_token_ids(config, np.asarray(chunk, np.int64), f"append chunk {row}")
+    return _append_chunked(config, params, state, chunks, chunk_tokens)
+
+
+def _append_chunked(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Sequence[int]],
+                    chunk_tokens: int | None) -> SamplerState:
+    """`append` of every row's (checked, gathered) chunk, in dispatches of at most `chunk_tokens` tokens a row."""
+    if chunk_tokens is not None:
+        check_chunk_tokens(chunk_tokens, "append's chunk_tokens")
+    longest = max((len(c) for c in chunks), default=0)
+    step = longest if chunk_tokens is None else chunk_tokens
+    program = append_program(config, state_layout(state))
+    for start in range(0, longest, max(step, 1)):
+        pieces = [list(c[start:start + step]) for c in chunks]
+        width = min(bucket_length(max(len(p) for p in pieces)), bucket_length(state.max_len))
+        state = program(params, state, *_padded(pieces, width))
+    return state
 
 
 def _canonical(sharding, ndim: int):
@@ -643,7 +673,8 @@ def prefill_rows_program(config: ModelConfig, layout=None):
 
 
 def prefill_rows(config: ModelConfig, params, state: SamplerState, rows: Sequence[int],
-                 prompts: Sequence[Sequence[int]]) -> SamplerState:
+                 prompts: Sequence[Sequence[int]], *, chunk_tokens: int | None = None,
+                 append_chunk_tokens: int | None = None) -> SamplerState:
     """Replace rows `rows[i]` of a running state by fresh prompts `prompts[i]` (their old tokens are discarded);
     the other rows are untouched. Same result as resetting those rows' lengths to 0 and `append`ing the prompts.
 
@@ -656,7 +687,15 @@ def prefill_rows(config: ModelConfig, params, state: SamplerState, rows: Sequenc
     Args:
       rows: distinct row indices in [0, batch).
       prompts: one non-empty token-id sequence per row, each at most `max_len` tokens.
+      chunk_tokens: the most prompt tokens a row admits in this program (`check_chunk_tokens`; None: the whole
+        prompt). A longer prompt admits its first `chunk_tokens` here and the rest is appended to its row
+        (`append`, in pieces of at most `append_chunk_tokens`, the other rows' pieces empty), so no dispatch is
+        wider than its chunk; the same cache and logits as one dispatch, up to float rounding. With several
+        processes every process decides the dispatches from every process's prompts (gathered): the same count.
+      append_chunk_tokens: the pieces of that rest (None: one `append`).
     """
+    if chunk_tokens is not None:
+        check_chunk_tokens(chunk_tokens, "prefill_rows' chunk_tokens")
     batch = state.cache.batch_size
     if len(rows) != len(prompts):
         raise ValueError(f"prefill_rows got {len(rows)} rows and {len(prompts)} prompts; pass one prompt per row")
@@ -673,13 +712,16 @@ def prefill_rows(config: ModelConfig, params, state: SamplerState, rows: Sequenc
         raise ValueError(f"prefill_rows needs distinct rows in [0, {batch}), got {list(rows)}")
     unique: dict[tuple[int, ...], int] = {}
     source = []
+    rests = [[] for _ in range(batch)]  # the prompts' tokens past the first chunk, appended after the admission
     for row, prompt in zip(rows, prompts):
         prompt = tuple(int(t) for t in prompt)
         if not prompt or len(prompt) > state.max_len:
             raise ValueError(f"prefill_rows: the prompt for row {row} has {len(prompt)} tokens; it must have 1 to "
                              f"{state.max_len} (the cache's max_len)")
+        dec.check_token_ids(config, np.asarray(prompt, np.int64), f"prompt for row {row}")
+        if chunk_tokens is not None:
+            prompt, rests[int(row)] = prompt[:chunk_tokens], list(prompt[chunk_tokens:])
         if prompt not in unique:
-            dec.check_token_ids(config, np.asarray(prompt, np.int64), f"prompt for row {row}")
             unique[prompt] = len(unique)
         source.append(unique[prompt])
     width = min(bucket_length(max(len(p) for p in unique)), state.max_len)
@@ -688,8 +730,11 @@ def prefill_rows(config: ModelConfig, params, state: SamplerState, rows: Sequenc
     row_ids[:len(rows)] = rows
     source_ids = np.zeros(batch, np.int32)
     source_ids[:len(rows)] = source
-    return prefill_rows_program(config, state_layout(state))(params, state, tokens, num_new, row_ids, source_ids,
-                                                                np.int32(len(rows)))
+    state = prefill_rows_program(config, state_layout(state))(params, state, tokens, num_new, row_ids, source_ids,
+                                                                 np.int32(len(rows)))
+    if any(rests):
+        state = _append_chunked(config, params, state, rests, append_chunk_tokens)
+    return state
 
 
 @dataclasses.dataclass
