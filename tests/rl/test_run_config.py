@@ -73,8 +73,6 @@ RESTATED_ON_PURPOSE = {
     ("configs/credit/trace.gin", "CreditConfig.estimator"),
     # the sweep's reference steps 5 and 10 need checkpoints at those steps, whatever tiny.gin's frequency
     ("configs/sweeps/reference_swap_step.gin", "CheckpointConfig.every_steps"),
-    # the powered study's warm-start length, marked as the number its calibration runs fix (issue 47)
-    ("configs/powered.gin", "WarmStartConfig.steps"),
 }
 BINDING_FILES = sorted(CONFIGS.glob("*.gin")) + sorted((CONFIGS / "credit").glob("*.gin"))
 SWEEPS = sorted((CONFIGS / "sweeps").glob("*.gin"))  # their `sweep.params` are bindings too

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Remedy for seed 2 (stop rule of issue 46): a warm start twice as long (1920 SFT steps instead of the study's 960),
 # then credit-quality on it exactly as on the study's warm starts (run.sh). Resumable: skips a finished stage. Run
-# from the repository root in the project's venv; ~35 minutes on an idle 2-core machine. Not yet run to the end.
+# from the repository root in the project's venv; ~35 minutes on an idle 2-core machine. Ran 2026-12-05
+# 17:04-18:52 UTC beside other jobs (warm start 100 min, credit-quality 447 s): record in ws1920-seed2/ and the two
+# logs beside it; summary in docs/results.md.
 set -u
 TREE=${TREE:-$(git rev-parse --show-toplevel)}
 OUT=${OUT:-$TREE/docs/results/credit_quality}
