@@ -8,55 +8,17 @@ reference scores and losses (tests/rl/multihost_spmd.py runs the steps)."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.multiprocess import launch, wait_all
 from tests.rl import multihost_spmd
 
 REPO = Path(__file__).resolve().parents[2]
 HELPER = Path(__file__).with_name("multihost_spmd.py")
-TIMEOUT_S = 600  # a hung collective fails the test instead of blocking CI
 pytestmark = pytest.mark.slow  # three processes compile the step's programs on 2 busy cores (~1-2 min a setting)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _two_processes(out_dir: Path, setting: str) -> list[subprocess.Popen]:
-    port = _free_port()
-    procs = []
-    for index in range(2):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-               "TRACE_JAX_COORDINATOR": f"127.0.0.1:{port}", "TRACE_JAX_NUM_PROCESSES": "2",
-               "TRACE_JAX_PROCESS_ID": str(index)}
-        with open(out_dir / f"process{index}.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, str(HELPER), str(out_dir), setting], env=env, cwd=REPO,
-                                          stdout=log, stderr=subprocess.STDOUT))
-    return procs
-
-
-def _wait(procs: list[subprocess.Popen], out_dir: Path) -> None:
-    try:
-        for p in procs:
-            p.wait(timeout=TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for index, p in enumerate(procs):
-        log = (out_dir / f"process{index}.log").read_text()
-        assert p.returncode == 0, f"process {index} exited with {p.returncode}:\n{log[-4000:]}"
 
 
 @pytest.fixture(scope="module", params=sorted(multihost_spmd.SETTINGS))
@@ -64,11 +26,11 @@ def runs(request, tmp_path_factory):
     """(two processes x 4 devices, one process x 8 devices) of one setting, run side by side."""
     multi_dir = tmp_path_factory.mktemp(f"{request.param}_two")
     single_dir = tmp_path_factory.mktemp(f"{request.param}_one")
-    procs = _two_processes(multi_dir, request.param)
+    procs = launch([str(HELPER), str(multi_dir), request.param], 2, REPO, multi_dir)
     try:
         single = multihost_spmd.run_steps(single_dir, request.param)  # the same 8 devices (conftest)
     finally:
-        _wait(procs, multi_dir)
+        wait_all(procs, multi_dir)
     return request.param, json.loads((multi_dir / "result.json").read_text()), single
 
 

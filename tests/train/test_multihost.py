@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,51 +13,13 @@ import jax
 import numpy as np
 import pytest
 
+from tests.multiprocess import free_port, launch, wait_all
 from trace_jax import models
 from trace_jax.train import distributed
 from trace_jax.train.distributed import DistributedConfig
 
 REPO = Path(__file__).resolve().parents[2]
 HELPER = Path(__file__).with_name("multihost_step.py")
-TIMEOUT_S = 600  # a hung collective fails the test instead of blocking CI (a run takes 1-4 min on 2 busy cores)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(args: list[str], num_processes: int, cwd: Path, log_dir: Path) -> list[subprocess.Popen]:
-    """`num_processes` processes of `python args...`, joined through the TRACE_JAX_* variables, 4 CPU devices
-    each; stdout and stderr go to log_dir/process<i>.log."""
-    port = _free_port()
-    procs = []
-    for index in range(num_processes):
-        env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": ("--xla_force_host_platform_device_count=4 "
-                             + os.environ.get("TRACE_JAX_TEST_XLA_OPTIONS", "")).strip(),
-               "TRACE_JAX_COORDINATOR": f"127.0.0.1:{port}", "TRACE_JAX_NUM_PROCESSES": str(num_processes),
-               "TRACE_JAX_PROCESS_ID": str(index)}
-        log = open(log_dir / f"process{index}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, *args], env=env, cwd=cwd, stdout=log,
-                                      stderr=subprocess.STDOUT))
-        log.close()
-    return procs
-
-
-def _wait(procs: list[subprocess.Popen], log_dir: Path) -> None:
-    try:
-        for p in procs:
-            p.wait(timeout=TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for index, p in enumerate(procs):
-        log = (log_dir / f"process{index}.log").read_text()
-        assert p.returncode == 0, f"process {index} exited with {p.returncode}:\n{log[-4000:]}"
 
 
 def _flat(tree) -> dict[str, np.ndarray]:
@@ -135,7 +96,7 @@ def test_parsing_a_config_leaves_jax_free_to_join_a_multi_process_run(tmp_path):
               "from trace_jax.train import distributed\n"
               "config = parse(['configs/tiny.gin'])\n"
               f"print(distributed.initialize(config.distributed, environ={{'TRACE_JAX_COORDINATOR': "
-              f"'127.0.0.1:{_free_port()}', 'TRACE_JAX_NUM_PROCESSES': '1', 'TRACE_JAX_PROCESS_ID': '0'}}))\n")
+              f"'127.0.0.1:{free_port()}', 'TRACE_JAX_NUM_PROCESSES': '1', 'TRACE_JAX_PROCESS_ID': '0'}}))\n")
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -160,11 +121,11 @@ def test_two_processes_train_like_one_and_their_checkpoint_restores_in_one_proce
 
     multi_dir, single_dir = tmp_path / "two_processes", tmp_path / "one_process"
     multi_dir.mkdir()
-    procs = _launch([str(HELPER), str(multi_dir)], 2, REPO, multi_dir)
+    procs = launch([str(HELPER), str(multi_dir)], 2, REPO, multi_dir)
     try:
         single = multihost_step.run_steps(single_dir)  # meanwhile: one process, the same 8 devices (conftest)
     finally:
-        _wait(procs, multi_dir)
+        wait_all(procs, multi_dir)
     assert single["processes"] == 1
     logs = [(multi_dir / f"process{i}.log").read_text() for i in range(2)]
     assert "distributed: process 0 of 2" in logs[0] and "distributed: process 1 of 2" in logs[1]
@@ -220,12 +181,12 @@ def test_two_processes_run_the_rl_loop_and_only_process_0_writes_the_record(tmp_
                         "UpdateConfig.mini_batches = 2\nSamplingConfig.greedy = True\n"
                         "DataConfig.num_eval_tasks = 8\nEvalConfig.num_tasks = 8\nRolloutConfig.max_turns = 1\n")
     run_dir = tmp_path / "run"
-    procs = _launch(["-m", "trace_jax.cli", "train", "--gin-file", str(gin_file), "--run-dir", str(run_dir),
+    procs = launch(["-m", "trace_jax.cli", "train", "--gin-file", str(gin_file), "--run-dir", str(run_dir),
                      "--no-progress"], 2, REPO, tmp_path)
     try:  # meanwhile: one process, the same 8 devices (conftest)
         train(parse([str(gin_file)]), tmp_path / "one_process", progress=False, log=lambda _line: None)
     finally:
-        _wait(procs, tmp_path)
+        wait_all(procs, tmp_path)
     logs = [(tmp_path / f"process{i}.log").read_text() for i in range(2)]
     assert "run " in logs[0] and "after RL" in logs[0]
     assert "distributed: process 1 of 2" in logs[1] and "eval (" not in logs[1]
@@ -272,11 +233,11 @@ def test_two_processes_split_the_evaluation_and_both_get_the_one_process_result(
     multi_dir, single_dir = tmp_path / "two_processes", tmp_path / "one_process"
     multi_dir.mkdir()
     single_dir.mkdir()
-    procs = _launch([str(REPO / "tests" / "train" / "multihost_eval.py"), str(multi_dir)], 2, REPO, multi_dir)
+    procs = launch([str(REPO / "tests" / "train" / "multihost_eval.py"), str(multi_dir)], 2, REPO, multi_dir)
     try:
         single = multihost_eval.run_eval(single_dir)  # meanwhile: one process
     finally:
-        _wait(procs, multi_dir)
+        wait_all(procs, multi_dir)
     records = [json.loads((multi_dir / f"process{i}.json").read_text()) for i in range(2)]
     assert single["processes"] == 1 and all(r["processes"] == 2 for r in records)
     # greedy, then sampled (2 samples a task, 4 tasks a chunk): process 1's sampled chunk is not one of the
