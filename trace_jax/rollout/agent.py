@@ -440,12 +440,7 @@ def run_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[
                 row["status"] = episode.status = "context_overflow"
                 slot_row[s] = -1
                 continue
-            row["tokens"] += response
-            row["loss_mask"] += [0.0] * len(response)
-            row["turn_index"] += [-1] * len(response)
-            row["logprobs"] += [0.0] * len(response)
-            row["sampling_logprobs"] += [0.0] * len(response)
-            row["boundaries"].append(len(row["tokens"]))
+            append_observation(row, response)
             appends[s] = response
         timing["env"] += env_time
         timing["agent_host"] += time.perf_counter() - t0 - env_time
@@ -504,6 +499,17 @@ def row_turn_keys(rng: jax.Array, rows, turns) -> jax.Array:
     """uint32 [N, 2]: the key of turn `turns[i]` of row `rows[i]`, `fold_in(fold_in(rng, turn), row)`: the keys
     `run_episodes` samples with (its step s then folds in s)."""
     return _row_keys(rng, np.asarray(rows, np.int32), np.asarray(turns, np.int32))
+
+
+def append_observation(segment: dict, response: list[int]) -> None:
+    """Append a tool response's ids to a row's bookkeeping dict (`new_segment`): untrained, outside every turn,
+    zero log-probs, and a new state boundary after it; both engines record an observation this way."""
+    segment["tokens"] += response
+    segment["loss_mask"] += [0.0] * len(response)
+    segment["turn_index"] += [-1] * len(response)
+    segment["logprobs"] += [0.0] * len(response)
+    segment["sampling_logprobs"] += [0.0] * len(response)
+    segment["boundaries"].append(len(segment["tokens"]))
 
 
 def new_segment(context: list[int], *, first_turn: int) -> dict:

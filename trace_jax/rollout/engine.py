@@ -485,12 +485,7 @@ class _Engine:
             self._finish(row, "context_overflow")
             return
         else:
-            seg["tokens"] += response
-            seg["loss_mask"] += [0.0] * len(response)
-            seg["turn_index"] += [-1] * len(response)
-            seg["logprobs"] += [0.0] * len(response)
-            seg["sampling_logprobs"] += [0.0] * len(response)
-            seg["boundaries"].append(len(seg["tokens"]))
+            agent_lib.append_observation(seg, response)
         if row.slot is None:
             row.phase = QUEUED
             heapq.heappush(self.queue, row.index)
