@@ -247,40 +247,39 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
                              ([leaves[i] for i in moving],),
                              f"{len(moving)} of {len(leaves)} policy params, train layout -> rollout layout"))
 
-    # rollout: the sampler's programs (rollout.agent.run_episodes -> sampler)
-    sampler_state = sampler.abstract_state(model_config, slots, max_len, mesh=mesh, rules=rollout_rules)
-    layout = sampler.state_layout(sampler_state)
-    entries.append(Entry("init", sampler.init_state_program(model_config, slots, max_len, mesh, rollout_rules), (),
-                         f"{slots} rows x {max_len} tokens"))
-    prefill = sampler.prefill_rows_program(model_config, layout)
-    # the loop dispatches at most a chunk of a prompt (the rest is appended) and of an observation (`agent`)
-    for width in sorted({min(w, max_len) for w in bucket_lengths(min(rollout.prefill_chunk_tokens, max_len))}):
-        for prompts in bucket_lengths(slots, minimum=1):
-            args = (rollout_params, sampler_state, _host((prompts, width), jnp.int32), _host((prompts,), jnp.int32),
-                    _host((slots,), jnp.int32), _host((slots,), jnp.int32), _host((), jnp.int32))
-            entries.append(Entry("prefill_rows", prefill, args, f"{prompts} prompts x {width} tokens into {slots} "
-                                                                  f"rows x {max_len}"))
-    steps = rollout.sync_every
-    host = sampler.RowSampling.broadcast(rollout.sampling, slots)
-    row_sampling = host.replace(temperature=_host((slots,), jnp.float32), top_p=_host((slots,), jnp.float32),
-                                greedy=_host((slots,), jnp.bool_))
-    keys = _host((slots, 2), jnp.uint32)  # one key per row (agent's row keys), uncommitted
-    attends = [a for a in bucket_lengths(max_len - 1 + steps) if sampler.bucket_length(1 + steps) <= a < max_len]
-    for attend in attends + [None]:
-        args = (row_sampling, rollout_params, sampler_state, _host((slots,), jnp.bool_), _host((slots,), jnp.int32),
-                _host((num_stop_ids,), jnp.int32), keys, _host((), jnp.uint32), _host((slots,), jnp.int32))
-        entries.append(Entry("decode", sampler.decode_program(model_config, steps, attend, mesh, layout), args,
-                             f"{slots} rows x {steps} steps, attending {attend or max_len} of {max_len} slots"))
-    append = sampler.append_program(model_config, layout)
-    for width in bucket_lengths(min(rollout.append_chunk_tokens, max_len)):
-        args = (rollout_params, sampler_state, _host((slots, width), jnp.int32), _host((slots,), jnp.int32))
-        entries.append(Entry("append", append, args, f"{slots} rows x {width} observation tokens"))
-
     if rollout.engine == "paged":  # the paged engine's programs in the place of the dense sampler's
-        dense = {"init", "prefill_rows", "decode", "append"}
         paged_list, slots, kv_cache_bytes = paged_entries(run_config, model_config, mesh, rollout_params, episodes,
                                                           num_stop_ids, kv_budget_gib)
-        entries = [e for e in entries if e.name not in dense] + paged_list
+        entries += paged_list
+    else:
+        # rollout: the sampler's programs (rollout.agent.run_episodes -> sampler)
+        sampler_state = sampler.abstract_state(model_config, slots, max_len, mesh=mesh, rules=rollout_rules)
+        layout = sampler.state_layout(sampler_state)
+        entries.append(Entry("init", sampler.init_state_program(model_config, slots, max_len, mesh, rollout_rules), (),
+                             f"{slots} rows x {max_len} tokens"))
+        prefill = sampler.prefill_rows_program(model_config, layout)
+        # the loop dispatches at most a chunk of a prompt (the rest is appended) and of an observation (`agent`)
+        for width in sorted({min(w, max_len) for w in bucket_lengths(min(rollout.prefill_chunk_tokens, max_len))}):
+            for prompts in bucket_lengths(slots, minimum=1):
+                args = (rollout_params, sampler_state, _host((prompts, width), jnp.int32), _host((prompts,), jnp.int32),
+                        _host((slots,), jnp.int32), _host((slots,), jnp.int32), _host((), jnp.int32))
+                entries.append(Entry("prefill_rows", prefill, args, f"{prompts} prompts x {width} tokens into {slots} "
+                                                                      f"rows x {max_len}"))
+        steps = rollout.sync_every
+        host = sampler.RowSampling.broadcast(rollout.sampling, slots)
+        row_sampling = host.replace(temperature=_host((slots,), jnp.float32), top_p=_host((slots,), jnp.float32),
+                                    greedy=_host((slots,), jnp.bool_))
+        keys = _host((slots, 2), jnp.uint32)  # one key per row (agent's row keys), uncommitted
+        attends = [a for a in bucket_lengths(max_len - 1 + steps) if sampler.bucket_length(1 + steps) <= a < max_len]
+        for attend in attends + [None]:
+            args = (row_sampling, rollout_params, sampler_state, _host((slots,), jnp.bool_), _host((slots,), jnp.int32),
+                    _host((num_stop_ids,), jnp.int32), keys, _host((), jnp.uint32), _host((slots,), jnp.int32))
+            entries.append(Entry("decode", sampler.decode_program(model_config, steps, attend, mesh, layout), args,
+                                 f"{slots} rows x {steps} steps, attending {attend or max_len} of {max_len} slots"))
+        append = sampler.append_program(model_config, layout)
+        for width in bucket_lengths(min(rollout.append_chunk_tokens, max_len)):
+            args = (rollout_params, sampler_state, _host((slots, width), jnp.int32), _host((slots,), jnp.int32))
+            entries.append(Entry("append", append, args, f"{slots} rows x {width} observation tokens"))
 
     # score: the reference's prefix-fork pass (pipeline.score -> fork.score_answer_prefixes)
     estimator = get_estimator(run_config.credit.estimator)
