@@ -16,17 +16,25 @@ Reported per engine (best of `--repeats` for time; the counts are the same every
 A logits hook makes both engines dispatch one decode step at a time (`sync_every` is 1 with a hook), so this measures
 scheduling (round barriers, serial tools, batch-max reads), not the per-dispatch batching of free-running decode.
 
+`--config FILE --init-from RUN_DIR` measures instead the loop's own rollout: one step's episodes of that config
+(`prompts_per_step x group_size`, e.g. 6 x 8 = 48 on configs/study.gin) from the policy a run started RL from
+(its `reference/` step 0, as benchmarks/step_bench.py reads it), collected by `RLPipeline.collect` with
+`RolloutConfig.engine` 'dense' and 'paged' (everything else as the config says: its sampling, its tools), the same key,
+interleaved, best of `--repeats` after a warm-up; generated tokens/s per engine and their ratio (issue 45: >= 2x).
+
 Do not quote figures from a loaded machine: run it on an idle one. `--smoke` runs a few rows of short turns.
 
 Usage:
   python benchmarks/paged_engine_bench.py [--rows 16] [--turns 8] [--turn-tokens 10,400] [--latency-ms 10,500]
                                           [--repeats 3] [--quarter] [--smoke]
+  python benchmarks/paged_engine_bench.py --config configs/study.gin --init-from docs/results/study/grpo/seed0
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import random
 import sys
 import tempfile
@@ -125,6 +133,68 @@ def run_paged(config, params, chat, tasks, rollout, hook, paged):
     return result, time.perf_counter() - start
 
 
+def study(args) -> None:
+    """The loop's rollout on a config (see the module docstring), dense against paged."""
+    from trace_jax.credit.config import CreditConfig
+    from trace_jax.rl.gin_setup import parse
+    from trace_jax.rl.loop import build_environment
+    from trace_jax.rl.pipeline import RLPipeline
+    from trace_jax.train.checkpoint import Checkpointer
+    from trace_jax.train.config import CheckpointConfig
+    from trace_jax.train.optimizer import make_optimizer
+
+    config = parse([args.config], list(args.gin_param))
+    environment = build_environment(config, tempfile.mkdtemp(prefix="paged_bench_"))
+    params = environment.params
+    if args.init_from:
+        with Checkpointer(CheckpointConfig(directory=str(Path(args.init_from) / "reference"),
+                                           async_save=False)) as store:
+            params = store.restore_params(0)
+    tasks = environment.train_tasks[:config.train.prompts_per_step]
+    optimizer = make_optimizer(config.optimizer)
+    pipelines = {engine: RLPipeline(environment.model_config, environment.chat, environment.browser,
+                                    dataclasses.replace(config.rollout, engine=engine), CreditConfig(estimator="grpo"),
+                                    config.loss, config.update, optimizer)
+                 for engine in ("dense", "paged")}
+    key = jax.random.PRNGKey(args.seed)
+
+    def collect(engine):
+        start = time.perf_counter()
+        result = pipelines[engine].collect(params, tasks, key)
+        jax.block_until_ready(result.batch.tokens)
+        return result, time.perf_counter() - start
+
+    results = {engine: collect(engine)[0] for engine in pipelines}  # warm-up: compiles
+    for _ in range(2):  # the paged engine's shapes follow tool timing: warm up until nothing new compiles
+        before = compiles()
+        results["paged"] = collect("paged")[0]
+        if compiles() == before:
+            break
+    seconds = {engine: [] for engine in pipelines}
+    before = compiles()
+    for repeat in range(args.repeats):
+        for engine in (("dense", "paged") if repeat % 2 == 0 else ("paged", "dense")):
+            results[engine], s = collect(engine)
+            seconds[engine].append(s)
+    dense, paged = results["dense"], results["paged"]
+    same = all(np.array_equal(np.asarray(getattr(dense.batch, f)), np.asarray(getattr(paged.batch, f)))
+               for f in ("tokens", "lengths"))
+    tokens = dense.generated_tokens
+    lengths = np.asarray(dense.batch.lengths)
+    print(f"{args.config}{' from ' + args.init_from if args.init_from else ' (fresh policy)'}: {len(lengths)} rows, "
+          f"lengths {lengths.min()}..{lengths.max()} (mean {lengths.mean():.0f}), "
+          f"{np.mean([len(e.turn_texts) for e in dense.episodes]):.2f} turns an episode, {tokens} generated tokens; "
+          f"same episodes: {same}; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'engine':8} {'best s':>8} {'all runs (s)':>30} {'tokens/s':>10}")
+    for engine in pipelines:
+        runs = " ".join(f"{s:.2f}" for s in seconds[engine])
+        print(f"{engine:8} {min(seconds[engine]):8.2f} {runs:>30} {tokens / min(seconds[engine]):10.1f}")
+    stats = paged.stats
+    print(f"paged / dense tokens/s: {min(seconds['dense']) / min(seconds['paged']):.2f}x; paged useful row-steps "
+          f"{stats.useful_row_steps / max(stats.row_steps, 1):.1%}, preemptions {stats.preemptions}; paged programs "
+          f"compiled during the timed runs: {compiles() - before}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=16)
@@ -135,7 +205,14 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quarter", action="store_true", help="also run the paged engine on a 25%% pool")
     parser.add_argument("--smoke", action="store_true", help="4 rows, 2 turns of 10-30 tokens, 1-5 ms tools")
+    parser.add_argument("--config", default="", help="measure the loop's rollout on this gin file instead")
+    parser.add_argument("--gin-param", action="append", default=[], help="an extra binding with --config")
+    parser.add_argument("--init-from", default="", help="with --config: the run directory whose initial policy "
+                        "(reference/ step 0) runs the episodes (default: a fresh policy)")
+    parser.add_argument("--seed", type=int, default=0, help="with --config: the rollout key")
     args = parser.parse_args(argv)
+    if args.config:
+        return study(args)
     if args.smoke:
         args.rows, args.turns, args.turn_tokens, args.latency_ms, args.repeats = 4, 2, (10, 30), (1, 5), 1
         args.quarter = True
