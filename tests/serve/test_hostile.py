@@ -81,13 +81,13 @@ def test_seeds_at_the_ends_of_int64_are_served_and_reproducible(http):
 
 
 def test_an_unseen_temperature_or_top_p_compiles_no_program(http):
-    from trace_jax.rollout import sampler
+    from trace_jax.rollout import paged
 
     assert chat(http, temperature=0.7, seed=1).status_code == 200
-    compiled = sampler.compiled_programs("decode"), sampler.compiled_programs("prefill_rows")
+    compiled = paged.compiled_programs("paged_decode"), paged.compiled_programs("paged_prefill")
     for temperature, top_p in [(0.7013, None), (1.37, 0.9123), (0.01, 0.5)]:
         assert chat(http, temperature=temperature, top_p=top_p, seed=1).status_code == 200
-    assert (sampler.compiled_programs("decode"), sampler.compiled_programs("prefill_rows")) == compiled
+    assert (paged.compiled_programs("paged_decode"), paged.compiled_programs("paged_prefill")) == compiled
 
 
 def test_a_seeded_request_gives_the_same_text_alone_and_batched_with_other_values(http):

@@ -36,3 +36,10 @@ def test_serve_command_serves_the_checkpoint_to_the_openai_client(tiny_checkpoin
     finally:
         server.stop()
     assert server.process.returncode is not None  # it shut down when asked
+
+
+def test_a_page_pool_below_one_row_exits_2_naming_the_fix(tiny_checkpoint, capsys):
+    from trace_jax.cli import main
+
+    assert main(["serve", str(tiny_checkpoint), "--max-context", "512", "--num-pages", "3"]) == 2
+    assert "num_pages = 3 pages of 16 tokens hold less than one row of max_context = 512" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from trace_jax.rollout.sampler import SamplingConfig
 from trace_jax.serve import Engine, EngineConfig, QueueFull, ScriptedBackend, ServeConfig, ServerThread, create_app
 from trace_jax.serve.engine import GenerationRequest
 
-from serve_helpers import greedy_ids
+from serve_helpers import greedy_ids, reference_ids
 
 
 def _request(n=1, prompt=(1, 2, 3), max_tokens=4):
@@ -37,10 +37,35 @@ def test_requests_that_cannot_fit_are_refused_before_queueing():
 
 
 @pytest.mark.parametrize("field, value", [("max_batch", 0), ("max_queue", -1), ("max_context", 1),
-                                          ("slice_tokens", 0), ("batch_wait_s", -0.1)])
+                                          ("slice_tokens", 0), ("batch_wait_s", -0.1), ("page_size", 0),
+                                          ("prefill_chunk", 0), ("num_pages", 0), ("kv_budget_gib", -1.0)])
 def test_engine_config_rejects_impossible_values(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
+
+
+def test_a_pool_smaller_than_one_row_is_refused_naming_the_fix():
+    with pytest.raises(ValueError, match="num_pages = 3 pages of 16 tokens hold less than one row of max_context = "
+                                         "64 .4 pages.: raise num_pages"):
+        EngineConfig(max_context=64, page_size=16, num_pages=3)
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(num_pages=200, kv_budget_gib=1.0)
+
+
+def test_a_kv_budget_below_one_row_is_refused_when_the_engine_is_built(tiny_model):
+    config, params = tiny_model
+    with pytest.raises(ValueError, match="kv_budget_gib = 1e-06 GiB holds 0 pages"):
+        Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=_engine_config(kv_budget_gib=1e-6))
+    roomy = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=_engine_config(kv_budget_gib=0.01))
+    assert roomy.num_pages >= roomy.config.row_pages
+
+
+def test_choices_that_cannot_start_in_the_pool_are_refused_before_queueing():
+    engine = Engine(None, None, None, stop_ids=(0,), engine=EngineConfig(max_batch=4, max_context=64, page_size=16,
+                                                                          num_pages=6))
+    with pytest.raises(ValueError, match="n=3 choices of a 40-token prompt need 9 pages"):
+        engine.submit(_request(n=3, prompt=range(40), max_tokens=4))
+    engine.submit(_request(n=2, prompt=range(40), max_tokens=4))  # 6 pages: fits
 
 
 def test_full_queue_is_a_429_with_a_message():
@@ -165,23 +190,90 @@ def test_requests_admitted_into_a_running_batch_decode_as_if_alone(tiny_model):
             assert event.token_ids == expected and event.reason == "length", (prompt, event)
 
 
+def _seeded(engine, prompt, max_tokens, n=1, seed=0, temperature=0.9, top_p=0.9):
+    collect = _Collect()
+    engine.submit(GenerationRequest(prompt_ids=list(prompt), max_tokens=max_tokens, n=n, emit=collect, seed=seed,
+                                    sampling=SamplingConfig(temperature=temperature, top_p=top_p)))
+    return collect
+
+
+def _reference(config, params, prompt, max_tokens, seed=None, choice=0, sampling=None, width=CONTEXT):
+    """The choice's tokens by the cache-free reference: greedy, or drawn with the engine's key rule."""
+    import jax
+
+    from trace_jax.serve.engine import seed_key
+
+    key = None if seed is None else jax.random.fold_in(seed_key(seed), choice)
+    return reference_ids(config, params, prompt, max_tokens, width, sampling=sampling, key=key, slice_tokens=4)
+
+
+def _finished(collect):
+    from trace_jax.serve.engine import Finished
+
+    return sorted((e for e in collect.events if isinstance(e, Finished)), key=lambda e: e.choice)
+
+
+def test_seeded_choices_draw_the_tokens_of_the_documented_keys(tiny_model):
+    """Choice c of a seeded request draws token t with `fold_in(fold_in(fold_in(key(seed), c), t0), t - t0)` (t0 the
+    first token of its slice): the cache-free reference gives the same tokens, as it gave the dense engine's before
+    the paged port (checked then), so seeded output did not change."""
+    config, params = tiny_model
+    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=_engine_config()).start()
+    try:
+        collect = _seeded(engine, (44, 45), 10, n=2, seed=2 ** 63 - 1, temperature=1.5, top_p=0.8)
+        assert collect.done.wait(120)
+        while len(_finished(collect)) < 2:
+            time.sleep(0.01)
+    finally:
+        engine.close()
+    sampling = SamplingConfig(temperature=1.5, top_p=0.8)
+    assert [e.token_ids for e in _finished(collect)] == [
+        _reference(config, params, (44, 45), 10, 2 ** 63 - 1, c, sampling) for c in range(2)]
+
+
+def test_a_pool_too_small_for_every_request_preempts_and_returns_exact_tokens(tiny_model):
+    """Four requests of 4 pages each at their end on a pool of 8 pages (one row of the context): all four start (2
+    pages each), the newest rows are preempted as the older ones grow, recomputed when pages free up, and every
+    choice, greedy or seeded, ends with the tokens of the cache-free reference."""
+    config, params = tiny_model
+    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=_engine_config(max_context=128,
+                                                                                         num_pages=8))
+    jobs = [(tuple(range(60, 80)), 40, None), (tuple(range(10, 30)), 40, 7), (tuple(range(100, 120)), 40, None),
+            (tuple(range(200, 220)), 40, 9)]
+    sampling = SamplingConfig(temperature=0.9, top_p=0.9)
+    pending = [_seeded(engine, p, m, seed=seed) if seed is not None else _submit(engine, p, m)
+               for p, m, seed in jobs]  # queued before the start: admitted together
+    engine.start()
+    try:
+        assert all(collect.done.wait(300) for collect in pending)
+    finally:
+        engine.close()
+    assert engine.stats["preemptions"] > 0 and engine.stats["recomputed_tokens"] > 0
+    assert engine.stats["max_pages_held"] <= 8
+    for (prompt, max_tokens, seed), collect in zip(jobs, pending):
+        (finished,) = _finished(collect)
+        expected = _reference(config, params, prompt, max_tokens, seed, 0, None if seed is None else sampling, 128)
+        assert finished.token_ids == expected and finished.reason == "length", (prompt, seed)
+
+
 @pytest.mark.parametrize("donated", [False, True], ids=["before-the-device", "state-lost"])
 def test_a_failed_prefill_fails_its_requests_and_the_server_goes_on(tiny_model, donated):
-    """A prefill that raises fails the requests it admitted; if the donated state was lost with it, the running
-    rows fail too (their caches are gone) instead of decoding garbage; later requests are served correctly."""
+    """A prefill that raises fails the requests it admitted; if the donated pool was lost with it, the running
+    rows are recomputed into a new pool from their host tokens (never decoded from garbage) and finish with their
+    exact tokens; later requests are served correctly."""
     from trace_jax.serve.engine import Failed, Finished
 
     config, params = tiny_model
     engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=_engine_config())
     real_prefill, calls = engine._prefill, []
 
-    def flaky(state, admitted):
-        calls.append(len(admitted))
+    def flaky(chunks):
+        calls.append(len(chunks))
         if len(calls) == 2:
             if donated:
-                state.cache.k.delete()
+                engine._state.k.delete()
             raise RuntimeError("device fell over")
-        return real_prefill(state, admitted)
+        return real_prefill(chunks)
 
     engine._prefill = flaky
     engine.start()
@@ -196,26 +288,25 @@ def test_a_failed_prefill_fails_its_requests_and_the_server_goes_on(tiny_model, 
     finally:
         engine.close()
     assert isinstance(broken.events[-1], Failed) and "device fell over" in broken.events[-1].message
-    if donated:
-        assert isinstance(running.events[-1], Failed)
-    else:
-        assert running.events[-1] == Finished(0, "length", running.events[-1].text,
-                                              greedy_ids(config, params, (5, 9, 17, 33), 48, CONTEXT))
+    assert running.events[-1] == Finished(0, "length", running.events[-1].text,
+                                          greedy_ids(config, params, (5, 9, 17, 33), 48, CONTEXT))
+    assert (engine.stats["recomputed_tokens"] > 0) == donated
     assert later.events[-1].token_ids == greedy_ids(config, params, (7, 8), 5, CONTEXT)
 
 
 def test_warmup_compiles_every_prefill_shape_the_requests_then_meet(tiny_model):
-    """With `warmup_tokens`, `start` compiles the prefill for every count of distinct prompts and length bucket up
-    to that many tokens and the greedy and the sampling slice for every cache-read bucket: greedy and sampled
+    """With `warmup_tokens`, `start` compiles the prefill for every count of distinct prompts and rows written and
+    every width bucket up to that many tokens and the greedy and the sampling slice for every (decode rows, pages
+    read) bucket: greedy and sampled
     requests of those shapes then compile neither (and greedy ones still decode as if alone)."""
-    from trace_jax.rollout import sampler
+    from trace_jax.rollout import paged
     from trace_jax.serve.engine import Finished
 
     config, params = tiny_model
     engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=EngineConfig(  # shapes no other test meets
         max_batch=3, max_context=32, slice_tokens=4, batch_wait_s=0.05, warmup_tokens=20)).start()
     try:
-        compiled = sampler.compiled_programs("prefill_rows"), sampler.compiled_programs("decode")
+        compiled = paged.compiled_programs("paged_prefill"), paged.compiled_programs("paged_decode")
         jobs = [((3,) * 19, 3, 1), ((4, 5), 3, 1), ((6,) * 9, 3, 2)]  # 3 distinct prompts of 2-19 tokens together
         pending = [_submit(engine, prompt, max_tokens, n) for prompt, max_tokens, n in jobs]
         assert all(collect.done.wait(120) for collect in pending)
@@ -226,7 +317,7 @@ def test_warmup_compiles_every_prefill_shape_the_requests_then_meet(tiny_model):
         assert later.done.wait(120) and sampled.done.wait(120)
     finally:
         engine.close()
-    assert (sampler.compiled_programs("prefill_rows"), sampler.compiled_programs("decode")) == compiled
+    assert (paged.compiled_programs("paged_prefill"), paged.compiled_programs("paged_decode")) == compiled
     for (prompt, max_tokens, n), collect in zip(jobs + [((9,) * 17, 4, 1)], pending + [later]):
         finished = [e for e in collect.events if isinstance(e, Finished)]
         # the reference's cache size does not change its greedy tokens: CONTEXT's programs are the other tests'
@@ -327,9 +418,9 @@ def test_health_reports_a_stalled_and_a_dead_engine(tiny_model):
     engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=_engine_config(heartbeat_timeout_s=0.3))
     release, prefill = threading.Event(), engine._prefill
 
-    def stuck(state, admitted):
+    def stuck(chunks):
         release.wait(60)
-        return prefill(state, admitted)
+        return prefill(chunks)
 
     engine._prefill = stuck
     engine.start()
