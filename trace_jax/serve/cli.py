@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-batching", "--no_batching", action="store_true", help="serve one request at a time")
     parser.add_argument("--batch-wait-ms", "--batch_wait_ms", type=float, default=5.0,
                         help="when idle, wait this long for more requests to batch with the first one")
+    pool = parser.add_mutually_exclusive_group()
+    pool.add_argument("--num-pages", "--num_pages", type=int, default=None,
+                      help="pages of the KV page pool (default: --max-batch rows of --max-context)")
+    pool.add_argument("--kv-budget-gib", "--kv_budget_gib", type=float, default=None,
+                      help="size the KV page pool to this many GiB of the device instead")
+    parser.add_argument("--page-size", "--page_size", type=int, default=16, help="tokens per page of the KV pool")
     parser.add_argument("--warmup-tokens", "--warmup_tokens", type=int, default=0,
                         help="before serving, compile the prefill of every batch shape for prompts up to this many "
                              "tokens (0: compile each shape when first met)")
@@ -108,14 +114,17 @@ def run(args: argparse.Namespace, *, scripted_reply: Callable[[dict], Any] | Non
         try:
             engine = None
             if args.max_context is not None or args.max_batch != 16 or args.no_batching or args.max_queue != 256 \
-                    or args.slice_tokens != 16 or args.batch_wait_ms != 5.0 or args.warmup_tokens:
+                    or args.slice_tokens != 16 or args.batch_wait_ms != 5.0 or args.warmup_tokens \
+                    or args.num_pages is not None or args.kv_budget_gib is not None or args.page_size != 16:
                 from trace_jax.models.config import ModelConfig
 
                 limit = ModelConfig.from_hf(args.checkpoint).max_position_embeddings
                 engine = EngineConfig(max_batch=args.max_batch, max_queue=args.max_queue,
                                       max_context=args.max_context or min(limit, 4096),
                                       slice_tokens=args.slice_tokens, batching=not args.no_batching,
-                                      batch_wait_s=args.batch_wait_ms / 1000, warmup_tokens=args.warmup_tokens)
+                                      batch_wait_s=args.batch_wait_ms / 1000, warmup_tokens=args.warmup_tokens,
+                                      page_size=args.page_size, num_pages=args.num_pages,
+                                      kv_budget_gib=args.kv_budget_gib)
             backend = ModelBackend.from_checkpoint(args.checkpoint, tokenizer_path=args.tokenizer,
                                                    name=args.model_name, dtype=args.dtype, engine=engine)
         except (ValueError, FileNotFoundError, OSError) as error:
