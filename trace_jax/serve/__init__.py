@@ -1,6 +1,7 @@
 """`trace-jax serve`: an OpenAI-compatible HTTP API over any checkpoint `trace_jax.models.load_pretrained` reads.
 
-  engine    the batching generation engine (the project's sampler, requests decoded together in slices)
+  engine    the batching generation engine (the paged KV cache of `rollout.paged`, requests decoded together in
+            slices)
   backend   what a served model is: `ModelBackend` (checkpoint + chat format + engine) or `ScriptedBackend`
   app       the FastAPI app: /v1/chat/completions, /v1/completions, /v1/models, /health
   server    uvicorn in the foreground or on a background thread (`ServerThread`)

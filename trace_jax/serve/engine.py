@@ -679,12 +679,14 @@ class Engine:
         active = np.zeros(D, bool)
         lengths = np.zeros(D, np.int32)
         budget = np.zeros(D, np.int32)
-        keys = np.zeros((D, 2), np.uint32)
+        row_keys = np.zeros((D, 2), np.uint32)
+        generated = np.zeros(D, np.uint32)
         for i, (row, left) in enumerate(zip(rows, budgets)):
             slots[i], active[i], lengths[i], budget[i] = row.slot, True, row.cached, left
-        # the slice's key of each row folds in its count of generated tokens; the program folds in the step
-        keys[:len(rows)] = np.asarray(_fold_in_rows(np.stack([r.key for r in rows]),
-                                                    np.asarray([len(r.generated) for r in rows], np.uint32)))
+            row_keys[i], generated[i] = row.key, len(row.generated)
+        # the slice's key of each row folds in its count of generated tokens; the program folds in the step (padded
+        # to the decode batch: one compile of the fold per bucket)
+        keys = np.asarray(_fold_in_rows(row_keys, generated))
         sampling = sampler_lib.RowSampling.of([r.request.sampling for r in rows] + [_GREEDY] * (D - len(rows)))
         sampling = sampling.replace(filter_top_p=sampling.sample)  # two programs: all greedy, or any sampling
         tables = [row.pages for row in rows]
@@ -732,10 +734,11 @@ class Engine:
                 for setting in (_GREEDY, SamplingConfig()):
                     sampling = sampler_lib.RowSampling.of([setting] * rows)
                     sampling = sampling.replace(filter_top_p=sampling.sample)
+                    keys = np.asarray(_fold_in_rows(np.zeros((rows, 2), np.uint32), np.zeros(rows, np.uint32)))
                     out = self._decode_program(sampling, np.full(rows, config.max_batch, np.int32),
                                                np.full((rows, self._table_width), -1, np.int32),
                                                np.zeros(rows, np.int32), np.zeros(rows, bool),
-                                               np.zeros(rows, np.int32), np.zeros((rows, 2), np.uint32), items)
+                                               np.zeros(rows, np.int32), keys, items)
                     self._state = out[0]
         jax.block_until_ready(self._state)
 
