@@ -231,6 +231,24 @@ def test_seeded_choices_draw_the_tokens_of_the_documented_keys(tiny_model):
         _reference(config, params, (44, 45), 10, 2 ** 63 - 1, c, sampling) for c in range(2)]
 
 
+def test_a_prompt_longer_than_a_chunk_is_prefilled_in_pieces_and_decodes_as_if_alone(tiny_model):
+    """`prefill_chunk=8`: a 30-token prompt (n=2, one computation for both choices) goes into its pages in four
+    dispatches while a short request decodes; both give the greedy tokens of the cache-free reference."""
+    config, params = tiny_model
+    engine = Engine(config, params, _IdsTokenizer(), stop_ids=(), engine=_engine_config(prefill_chunk=8))
+    short, long = _submit(engine, (5, 9), 12), _submit(engine, tuple(range(60, 90)), 7, n=2)
+    engine.start()
+    try:
+        assert short.done.wait(300) and long.done.wait(300)
+        while len(_finished(long)) < 2:
+            time.sleep(0.01)
+    finally:
+        engine.close()
+    assert engine.stats["prefill_dispatches"] >= 4 and engine.stats["prefill_tokens"] == 2 + 30
+    assert [e.token_ids for e in _finished(short)] == [greedy_ids(config, params, (5, 9), 12, CONTEXT)]
+    assert [e.token_ids for e in _finished(long)] == [greedy_ids(config, params, tuple(range(60, 90)), 7, CONTEXT)] * 2
+
+
 def test_a_pool_too_small_for_every_request_preempts_and_returns_exact_tokens(tiny_model):
     """Four requests of 4 pages each at their end on a pool of 8 pages (one row of the context): all four start (2
     pages each), the newest rows are preempted as the older ones grow, recomputed when pages free up, and every
