@@ -778,7 +778,7 @@ class _Programs:
         self.process_rows = registry.rows
         self.length = run_config.rollout.max_context
         # the update's token width (`pipeline.update_shapes`: `UpdateConfig.max_length`, default the context)
-        (update,) = [e for e in registry.named("update") if not e.fallback]
+        update = registry.fixed_update()
         self.update_length = update.args[1].shape[1]
         self.jnp = jnp
 
@@ -806,7 +806,7 @@ class _Programs:
 
         loss = self.run.loss
         if rows is None and not unroll:
-            (entry,) = [e for e in self.registry.named("update") if not e.fallback]
+            entry = self.registry.fixed_update()
             step, batch = entry.program, entry.args[1]
         else:
             # A variant is as wide as its own context (`estimate_train_time` sets it) and runs the LM head over

@@ -17,7 +17,7 @@ The number of packed rows a group needs varies with the lengths; it is rounded u
 most 16 sizes up to the group's row count), so a jitted consumer compiles a bounded number of shapes.
 
 Host side: `plan_packing(lengths, budget, micro_batches=, shards=) -> PackPlan`, `pack(values, plan, fill)`,
-`PackedRows.build(tokens, positions, plan)`. Device side: `take_packed(x, slot, index, shards)`.
+`PackedRows.build(tokens, positions, plan)`. Device side: `take_packed(x, slot, index, shards)`, `take_rows`, `unpack_token_values`.
 
 This module knows nothing about losses, scoring or configs.
 """
@@ -200,6 +200,17 @@ def take_packed(x, slot, index, shards: int = 1):
     flat = (local[:, None] * B + jnp.clip(index.astype(jnp.int32), 0, B - 1)).reshape(shards, (N // shards) * K)
     flat = flat.reshape(flat.shape + (1,) * len(trailing))
     return jnp.take_along_axis(blocks, flat, axis=1).reshape(N, K, *trailing)
+
+
+def take_rows(x, slot, shards: int = 1):
+    """Device: whole packed rows `x [P, ...]` at row n's slot, `[N, ...]` (per shard block, as `take_packed`)."""
+    P, N = x.shape[0], slot.shape[0]
+    per_block = P // shards
+    blocks = x.reshape(shards, per_block, *x.shape[1:])
+    local = slot.astype(jnp.int32) - (jnp.arange(N, dtype=jnp.int32) // (N // shards)) * per_block
+    index = local.reshape(shards, N // shards)
+    return jnp.take_along_axis(blocks, index.reshape(index.shape + (1,) * (x.ndim - 1)), axis=1).reshape(
+        N, *x.shape[1:])
 
 
 def unpack_token_values(values, packing: PackedRows, width: int, *, shift: int = 0):
