@@ -26,11 +26,13 @@ the loop runs. Each kind is reported by its largest entry (most argument bytes p
                `rl.programs.paged_entries`) and there is no "append" (observations are prefilled);
   * "score":   `scoring.fork.fork_scores_program`, the reference's prefix-fork pass, at every padded shape
                (`fork.padded_shape`) of the step's length buckets, scorer chunks (`scoring_batch`) and answers up
-               to `--answer-tokens`;
+               to `--answer-tokens` (with `UpdateConfig.packing`, the packed-trajectory pass at every packed-row
+               bucket where it takes the cached layout);
   * "behaviour": `rl.pipeline.behaviour_program`, the trainer's pi_old on each chunk of the batch (with
                `LossConfig.tis` only);
   * "train":   `train.step.make_train_step` on one mini-batch of the run's fixed update shape
-               (`pipeline.update_shapes`: `trained_index` and `token_mask` included), the donated train state.
+               (`pipeline.update_shapes`: `trained_index` and `token_mask` included; with `UpdateConfig.packing`
+               its largest packed-row count, every row alone), the donated train state.
 
 For each, the compiler's per-device memory (arguments, outputs, temporaries, aliased) and its FLOPs. A phase's
 peak adds what stays resident while it runs (the train state and the frozen reference always, in its

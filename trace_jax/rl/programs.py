@@ -25,12 +25,15 @@ and in the arguments' pytree structure), so `entry.lower()` lowers what the loop
                      (`Placement.rollout_params`), where it is not the train-layout params as they are;
   * "score":         `scoring.fork.fork_scores_program`, the reference's prefix-fork pass, at every padded shape
                      the step's length buckets, scorer chunks and answer lengths reach (only when the estimator
-                     reads answer scores or the loss or metrics read the reference's token log-probs);
+                     reads answer scores or the loss or metrics read the reference's token log-probs); with
+                     `UpdateConfig.packing`, a cached-layout pass is `fork.rows_packed_program` at every packed-row
+                     bucket (`models.packing.packed_row_buckets`) instead;
   * "behaviour":     `pipeline.behaviour_program`, the trainer's recomputation of pi_old on each chunk of the
                      step's batch (`LossConfig.tis` only);
   * "update":        `train.step.make_train_step` on one mini-batch of the step's `LossBatch`, padded to the run's
                      fixed update shape (`pipeline.update_shapes`, with `trained_index` and `token_mask`), and the
-                     fallback shapes a step that does not fit it is padded to.
+                     fallback shapes a step that does not fit it is padded to; with `UpdateConfig.packing`, each at
+                     every packed-row bucket (`LossBatch.packed`; `Programs.fixed_update` is the largest).
 
 Host arrays the loop passes as they are (numpy token chunks, per-row flags) have no sharding here (`sharding=None`),
 as jit sees them; device arrays carry the layout the loop gives them. Every program is over the whole mesh, at the
