@@ -337,7 +337,7 @@ def test_with_chunks_shorter_than_the_prompts_and_observations_each_dispatch_is_
 
 # packed reference scoring (`UpdateConfig.packing`) runs where the scorer takes the cached layout, which the tiny
 # config's short rows never reach: every pass is made to take it here, so the packed-row entries are what it runs
-# (19 s on this host)
+@pytest.mark.slow  # 19-22 s on this host
 def test_with_packed_rows_in_the_cached_scorer_every_program_is_an_entry(run, monkeypatch):
     from trace_jax.scoring import fork
 
