@@ -23,7 +23,9 @@ row can hold), each rounded up by `length_bucket` (the one bucketing rule) to `U
 and credit run on the step's own length bucket (its longest row rounded up the same way); the `LossBatch` is then
 padded with untrained zeros (`LossBatch.padded`). A step that does not fit a width the config lowered is padded to
 the fallback that always fits (`max_context`; the trained-token bound; the next multiple of `P x G` rows): one more
-compile, announced by an `UpdateShapeWarning` that names the field to raise, never a silent one.
+compile, announced by an `UpdateShapeWarning` that names the field to raise, never a silent one. With
+`UpdateConfig.packing` the scorer's trajectories and each update call's rows are packed end to end by segment ids
+(`models.packing`; the packed-row count bucketed, so a bounded number of compiles) instead of padded to the width.
 
 Context management (`RolloutConfig.context_budget`): an episode that compacted its context is several *segment* rows
 (`rollout.batch`). Each row is scored on its own tokens (the contexts the policy saw); the scores are placed at the
@@ -544,13 +546,13 @@ class RLPipeline:
                 index = jnp.asarray(order[k * per:(k + 1) * per])
                 mini = loss_batch if self.update_config.mini_batches == 1 else jax.tree_util.tree_map(
                     lambda x: x[index], loss_batch)
-                if self.update_config.packing:
-                    mini = self.packed(mini)
                 # a mini-batch whose rows were all dropped has no loss; an optimizer step on its zero gradient
                 # would still move the params (AdamW's momentum) and advance the schedule
                 if may_drop and not float(jnp.sum(mini.loss_mask)):
                     skipped += 1
                     continue
+                if self.update_config.packing:
+                    mini = self.packed(mini)
                 state, metrics = self.train_step(state, mini, ref)
                 collected.append(metrics)
         collected = jax.device_get(collected)
@@ -566,9 +568,12 @@ class RLPipeline:
 
     def packed(self, batch: LossBatch) -> LossBatch:
         """One update call's batch with its rows packed (`LossBatch.packed`) in the groups the train step splits
-        it in: `LossConfig.micro_batches`, and the batch shards of the update's mesh."""
-        shards = packing_shards(getattr(self.train_step, "mesh", None), self.rules, batch.shape[0],
-                                self.loss.micro_batches)
+        it in: `LossConfig.micro_batches`, and the batch shards of the update's mesh. On a mesh over several
+        processes the batch is a global array no process reads whole: it stays padded (no lock-step plan yet)."""
+        mesh = getattr(self.train_step, "mesh", None)
+        if distributed.spans_processes(mesh):
+            return batch
+        shards = packing_shards(mesh, self.rules, batch.shape[0], self.loss.micro_batches)
         return batch.packed(micro_batches=self.loss.micro_batches, shards=shards)
 
     def with_trainer_behaviour(self, params, loss_batch: LossBatch) -> tuple[LossBatch, float]:

@@ -319,7 +319,7 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
         words = (f"{rows} rows x {shape.length} tokens, {shape.head_width} trained positions, "
                  f"{loss.micro_batches} micro-batch(es)")
         fallback = "" if shape == fixed else " (fallback)"
-        if not update.packing:
+        if not update.packing or processes > 1:  # several processes: the update runs padded (`RLPipeline.packed`)
             batch = abstract_loss_batch(loss, mesh, rules, rows, shape)
             entries.append(Entry("update", train_step, (state, batch, None), words + fallback,
                                  fallback=shape != fixed))
