@@ -1,7 +1,6 @@
 """Row packing in the update (`models.packing`, `LossBatch.packed`): rows laid end to end in fewer rows of the same
 width give each row's log-probs as the row alone does, and the same loss, gradients and update as the padded batch."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +9,8 @@ import optax
 import pytest
 
 from trace_jax import models, train
-from trace_jax.models.packing import (PackedRows, packed_row_buckets, packed_rows_bucket, padding_fraction,
-                                      plan_packing, take_packed)
+from trace_jax.models.packing import (packed_row_buckets, packed_rows_bucket, padding_fraction, plan_packing,
+                                      take_packed)
 from trace_jax.train.loss import LossBatch, loss_terms, policy_logprobs, trained_positions
 
 WIDTH = 48
@@ -162,7 +161,8 @@ def test_packed_loss_and_gradients_equal_the_padded_batchs(model, loss_config):
         np.testing.assert_allclose(np.asarray(sums_b[name]), np.asarray(sums_a[name]), atol=TOL, rtol=TOL,
                                    err_msg=name)
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(grads_a), jax.tree_util.tree_leaves(grads_b)):
-        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=TOL, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=TOL, rtol=1e-4,
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("indexed", [False, True], ids=["every-position", "trained-index"])
@@ -184,7 +184,8 @@ def test_a_packed_train_step_with_micro_batches_and_a_reference_equals_the_padde
         np.testing.assert_allclose(results[1][1][name], value, rtol=TOL, atol=TOL, err_msg=name)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(results[0][0]),
                             jax.tree_util.tree_leaves(results[1][0])):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=TOL, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=TOL, rtol=1e-4,
+                                   err_msg=jax.tree_util.keystr(path))
 
 
 def test_a_packed_batch_refuses_padding_and_a_second_kind_of_packing(model):

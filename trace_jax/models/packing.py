@@ -17,7 +17,8 @@ The number of packed rows a group needs varies with the lengths; it is rounded u
 most 16 sizes up to the group's row count), so a jitted consumer compiles a bounded number of shapes.
 
 Host side: `plan_packing(lengths, budget, micro_batches=, shards=) -> PackPlan`, `pack(values, plan, fill)`,
-`PackedRows.build(tokens, positions, plan)`. Device side: `take_packed(x, slot, index, shards)`, `take_rows`, `unpack_token_values`.
+`PackedRows.build(tokens, positions, plan)`. Device side: `take_packed(x, slot, index, shards)`, `take_rows`,
+`unpack_token_values`.
 
 This module knows nothing about losses, scoring or configs.
 """
@@ -215,8 +216,8 @@ def take_rows(x, slot, shards: int = 1):
 
 def unpack_token_values(values, packing: PackedRows, width: int, *, shift: int = 0):
     """Device: per-token values of packed rows `[P, B]` back at the original rows, `[N, width]`: `out[n, t] =
-    values[slot[n], offset[n] + t + shift]` where both t and `t + shift` are in [0, length[n]), else 0. `shift = -1` reads a
-    next-token-aligned value (computed at the token before) as token-aligned."""
+    values[slot[n], offset[n] + t + shift]` where both t and `t + shift` are in [0, length[n]), else 0.
+    `shift = -1` reads a next-token-aligned value (computed at the token before) as token-aligned."""
     t = jnp.arange(width, dtype=jnp.int32)[None, :]
     source = t + shift
     out = take_packed(values, packing.slot, packing.offset[:, None] + source, packing.shards)
