@@ -26,11 +26,13 @@ the loop runs. Each kind is reported by its largest entry (most argument bytes p
                `rl.programs.paged_entries`) and there is no "append" (observations are prefilled);
   * "score":   `scoring.fork.fork_scores_program`, the reference's prefix-fork pass, at every padded shape
                (`fork.padded_shape`) of the step's length buckets, scorer chunks (`scoring_batch`) and answers up
-               to `--answer-tokens`;
+               to `--answer-tokens` (with `UpdateConfig.packing`, the packed-trajectory pass at every packed-row
+               bucket where it takes the cached layout);
   * "behaviour": `rl.pipeline.behaviour_program`, the trainer's pi_old on each chunk of the batch (with
                `LossConfig.tis` only);
   * "train":   `train.step.make_train_step` on one mini-batch of the run's fixed update shape
-               (`pipeline.update_shapes`: `trained_index` and `token_mask` included), the donated train state.
+               (`pipeline.update_shapes`: `trained_index` and `token_mask` included; with `UpdateConfig.packing`
+               its largest packed-row count, every row alone), the donated train state.
 
 For each, the compiler's per-device memory (arguments, outputs, temporaries, aliased) and its FLOPs. A phase's
 peak adds what stays resident while it runs (the train state and the frozen reference always, in its
@@ -778,7 +780,7 @@ class _Programs:
         self.process_rows = registry.rows
         self.length = run_config.rollout.max_context
         # the update's token width (`pipeline.update_shapes`: `UpdateConfig.max_length`, default the context)
-        (update,) = [e for e in registry.named("update") if not e.fallback]
+        update = registry.fixed_update()
         self.update_length = update.args[1].shape[1]
         self.jnp = jnp
 
@@ -806,7 +808,7 @@ class _Programs:
 
         loss = self.run.loss
         if rows is None and not unroll:
-            (entry,) = [e for e in self.registry.named("update") if not e.fallback]
+            entry = self.registry.fixed_update()
             step, batch = entry.program, entry.args[1]
         else:
             # A variant is as wide as its own context (`estimate_train_time` sets it) and runs the LM head over

@@ -196,7 +196,7 @@ def test_the_recorder_fails_when_the_registry_leaves_out_a_program_the_loop_runs
 
 def test_the_update_entry_is_the_loops_train_step_at_the_configs_fixed_shape(run):
     config, _, rl, registry = run
-    (update,) = [e for e in registry.named("update") if not e.fallback]
+    update = registry.fixed_update()
     assert update.program is rl.pipeline.train_step
     batch = update.args[1]
     rows = config.train.prompts_per_step * config.rollout.group_size
@@ -333,3 +333,20 @@ def test_with_chunks_shorter_than_the_prompts_and_observations_each_dispatch_is_
     widths = Counter((entry.name, entry.args[2].shape[1]) for _, entry in recorder.calls
                      if entry is not None and entry.name in ("append", "prefill_rows"))
     assert widths[("prefill_rows", 64)] >= 1 and widths[("append", 32)] >= 2, widths
+
+
+# packed reference scoring (`UpdateConfig.packing`) runs where the scorer takes the cached layout, which the tiny
+# config's short rows never reach: every pass is made to take it here, so the packed-row entries are what it runs
+@pytest.mark.slow  # 19-22 s on this host
+def test_with_packed_rows_in_the_cached_scorer_every_program_is_an_entry(run, monkeypatch):
+    from trace_jax.scoring import fork
+
+    config, environment, _, _ = run
+    monkeypatch.setattr(fork, "choose_layout", lambda *args, **kwargs: "cached")
+    rl = make_rl_step(config, environment)
+    registry = rl.programs(environment.train_tasks)
+    assert any("packed in" in e.shape for e in registry.named("score"))
+    recorder = _steps(run, registry, 2, rl=rl)
+    assert recorder.unlisted() == []
+    scored = [entry for _, entry in recorder.calls if entry is not None and entry.name == "score"]
+    assert scored and all("packed in" in entry.shape for entry in scored)

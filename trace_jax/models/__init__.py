@@ -8,7 +8,8 @@ Public API (see docs/models.md):
   DEFAULT_RULES, ROLLOUT_RULES, LOGICAL_AXES, check_rule_overrides, merge_rules, rollout_rules, placed_on,
   reshard_program, in_layout, cast_program.
 
-Tokenizer, chat format and GGUF conversion live in sibling modules and are imported from there directly.
+Tokenizer, chat format, GGUF conversion and row packing (`models.packing`: several rows end to end in one, by
+segment ids) live in sibling modules and are imported from there directly.
 """
 
 from trace_jax.models.alignment import to_next_token_aligned, to_token_aligned  # noqa: F401

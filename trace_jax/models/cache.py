@@ -25,6 +25,7 @@ from flax import struct
 
 from trace_jax.models import attention as attention_api
 from trace_jax.models import decoder as dec
+from trace_jax.models.packing import take_rows
 from trace_jax.models.config import ModelConfig
 
 
@@ -71,15 +72,18 @@ def write_rows(cache: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def prefill(config: ModelConfig, params: dict, tokens: jax.Array) -> tuple[jax.Array, KVCache]:
+def prefill(config: ModelConfig, params: dict, tokens: jax.Array, *, positions=None,
+            segment_ids=None) -> tuple[jax.Array, KVCache]:
     """One causal pass over full rows `tokens [B, S]`.
 
     Returns `(hidden [B, S, D], cache)`: the final-normed hidden states (score them in chunks with
     `hidden_logprobs`) and a `KVCache` with `max_len = S` and `lengths = S` for every row, ready for
     `attend_cached_block`. Padding at the end of a row is harmless to earlier tokens (causality).
+    `positions`, `segment_ids` [B, S]: packed rows (`models.packing`), as in `forward_hidden`.
     """
     dec._check_tokens(tokens)
-    hidden, (keys, values) = dec._forward_hidden(config, params, tokens, None, None, None, return_kv=True)
+    hidden, (keys, values) = dec._forward_hidden(config, params, tokens, positions, segment_ids, None,
+                                                 return_kv=True)
     lengths = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32)
     return hidden, KVCache(k=keys, v=values, lengths=lengths)
 
@@ -149,10 +153,11 @@ def extend(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
     return logits, new_cache
 
 
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("block_band",))
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("block_band", "cache_shards"))
 def attend_cached_block(config: ModelConfig, params: dict, cache: KVCache, tokens: jax.Array,
                         positions: jax.Array, key_limit: jax.Array, block_mask: jax.Array, *,
-                        block_band: int | None = None) -> jax.Array:
+                        block_band: int | None = None, key_start=None, cache_rows=None,
+                        cache_shards: int = 1) -> jax.Array:
     """Final-normed hidden states [B, Q, D] of a query block run against a prefilled cache (cache not modified).
 
     Args:
@@ -164,6 +169,11 @@ def attend_cached_block(config: ModelConfig, params: dict, cache: KVCache, token
         copy boundaries explicitly; it is not added for you).
       block_band: optional static promise that `block_mask[b, q, q']` is False whenever `|q - q'| >= block_band`
         (e.g. answer copies of width w: band w); each query tile then scores only the block tokens near it.
+      key_start: optional int [B, Q]; query q sees cached slots j >= key_start[b, q] only (a row packed after
+        others: its first slot).
+      cache_rows: optional int [B], the cache row that block row b reads (the cache holds packed rows,
+        `models.packing`; counted over `cache_shards` contiguous blocks of rows, gathered per block: each layer
+        reads its own rows' keys and values, one layer at a time).
 
     Attention is the one attention API (`attention.attention`) with the cache as the main keys
     (`KeyRanges(key_end=key_limit)`) and the block's own keys as its `block` keys: on the tiled kernel each query
@@ -174,10 +184,13 @@ def attend_cached_block(config: ModelConfig, params: dict, cache: KVCache, token
     Compute log-probs from the result with `hidden_logprobs` (chunked; no [B, Q, V] float32 tensor).
     """
     block_mask = block_mask.astype(bool)
-    cached = attention_api.KeyRanges(key_end=key_limit.astype(jnp.int32))
+    cached = attention_api.KeyRanges(key_end=key_limit.astype(jnp.int32),
+                                     key_start=None if key_start is None else key_start.astype(jnp.int32))
 
     def layer(h, xs):
         lp, k_cache, v_cache = xs
+        if cache_rows is not None:
+            k_cache, v_cache = (take_rows(c, cache_rows, cache_shards) for c in (k_cache, v_cache))
 
         def attend(q, k, v):
             return dec.attend(config, q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), cached,

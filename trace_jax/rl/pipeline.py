@@ -23,7 +23,9 @@ row can hold), each rounded up by `length_bucket` (the one bucketing rule) to `U
 and credit run on the step's own length bucket (its longest row rounded up the same way); the `LossBatch` is then
 padded with untrained zeros (`LossBatch.padded`). A step that does not fit a width the config lowered is padded to
 the fallback that always fits (`max_context`; the trained-token bound; the next multiple of `P x G` rows): one more
-compile, announced by an `UpdateShapeWarning` that names the field to raise, never a silent one.
+compile, announced by an `UpdateShapeWarning` that names the field to raise, never a silent one. With
+`UpdateConfig.packing` the scorer's trajectories and each update call's rows are packed end to end by segment ids
+(`models.packing`; the packed-row count bucketed, so a bounded number of compiles) instead of padded to the width.
 
 Context management (`RolloutConfig.context_budget`): an episode that compacted its context is several *segment* rows
 (`rollout.batch`). Each row is scored on its own tokens (the contexts the policy saw); the scores are placed at the
@@ -79,13 +81,16 @@ from trace_jax.train import distributed
 from trace_jax.train.config import LossConfig
 from trace_jax.train.flops import flops_per_token
 from trace_jax.train.loss import LossBatch, batch_logprobs, length_bucket, real_token_mask, trained_positions
-from trace_jax.train.step import make_train_step
+from trace_jax.train.step import batch_shards, make_train_step
 
 SCORING_METHODS = ("fork", "naive")
 # The answer template TRACE scores after each state unless a run binds `UpdateConfig.answer_template`: the policy's
 # own opening, which marked the turns that open evidence better than '<answer>' on all three study warm starts
 # (credit-quality report, docs/results.md; docs/credit.md, "Which template").
 DEFAULT_ANSWER_TEMPLATE = "policy"
+# Rows packed by segment ids in scoring and the update (`UpdateConfig.packing`): exact, and on the tiny config no
+# slower (docs/training.md, "Packed rows").
+DEFAULT_PACKING = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +124,11 @@ class UpdateConfig:
         0` the update computes those anyway and the train step logs `kl`).
       abc: the ABC step scorer of abc_grpo / abc_sft_online (`ABCScorerConfig`: `rules` or the LLM `judge`; bind
         `UpdateConfig.abc = @ABCScorerConfig()`).
+      packing: run the reference scoring's trajectories and each update's rows packed end to end, by segment ids,
+        into as few rows of the same width as first-fit decreasing gives (`models.packing`; the packed-row count
+        bucketed to at most 16 sizes), instead of each row padded to the width: the same scores, log-probs, loss
+        and gradients (within float32 rounding), fewer padding tokens through every layer. Default
+        `DEFAULT_PACKING` (docs/training.md, "Packed rows").
     """
 
     epochs: int = 1
@@ -132,6 +142,7 @@ class UpdateConfig:
     answer_template: str = DEFAULT_ANSWER_TEMPLATE
     kl_metric: bool = False
     abc: ABCScorerConfig = ABCScorerConfig()
+    packing: bool = DEFAULT_PACKING
 
     def __post_init__(self):
         for name in ("epochs", "mini_batches", "length_multiple", "rows_per_episode"):
@@ -147,6 +158,9 @@ class UpdateConfig:
             raise ValueError(f"UpdateConfig.scoring_batch must be an int >= 0 (0 = all rows), got "
                              f"{self.scoring_batch!r}")
         check_answer_template_choice(self.answer_template, where="UpdateConfig.answer_template")
+        if not isinstance(self.packing, bool):
+            raise ValueError(f"UpdateConfig.packing must be True or False (pack rows by segment ids, or pad each "
+                             f"row to the width), got {self.packing!r}")
         if not isinstance(self.abc, ABCScorerConfig):
             raise ValueError(f"UpdateConfig.abc must be an ABCScorerConfig (bind `UpdateConfig.abc = "
                              f"@ABCScorerConfig()`), got {self.abc!r}")
@@ -209,6 +223,14 @@ def update_shapes(rollout: RolloutConfig, update: UpdateConfig, episodes: int, *
     head_width = length_bucket(min(update.max_trained_tokens or most_trained, length), multiple, length)
     rows = episodes * (update.rows_per_episode if rollout.context_budget else 1)
     return UpdateShapes(rows=rows, length=length, head_width=head_width)
+
+
+def packing_shards(mesh, rules, rows: int, micro_batches: int) -> int:
+    """The batch shards an update call of `rows` rows is packed within (`LossBatch.packed`): those of its rows on
+    the update's mesh (`train.step.batch_shards`), or 1 where each micro-batch's rows do not split evenly over them
+    (then the gathers cross shards; the values are the same)."""
+    shards = batch_shards(mesh, rules, rows)
+    return shards if rows % (micro_batches * shards) == 0 else 1
 
 
 def _fallback(message: str) -> None:
@@ -359,7 +381,7 @@ class RLPipeline:
             result = score_answer_prefixes(self.model_config, reference_params, tokens[part], boundaries[part],
                                            num_states[part], answers[part], masks[part], lengths=lengths[part],
                                            method=self.update_config.scoring, mesh=self.mesh, rules=self.rules,
-                                           token_logprobs=token_logprobs)
+                                           token_logprobs=token_logprobs, pack_rows=self.update_config.packing)
             scores.append(np.asarray(result.answer_scores))
             if token_logprobs:
                 token_lp.append(np.asarray(result.token_logprobs))
@@ -529,6 +551,8 @@ class RLPipeline:
                 if may_drop and not float(jnp.sum(mini.loss_mask)):
                     skipped += 1
                     continue
+                if self.update_config.packing:
+                    mini = self.packed(mini)
                 state, metrics = self.train_step(state, mini, ref)
                 collected.append(metrics)
         collected = jax.device_get(collected)
@@ -541,6 +565,16 @@ class RLPipeline:
             out["sampler_trainer_gap"] = float(collected[0]["logprob_gap"])
         out["updates"] = float(len(collected))
         return state, out
+
+    def packed(self, batch: LossBatch) -> LossBatch:
+        """One update call's batch with its rows packed (`LossBatch.packed`) in the groups the train step splits
+        it in: `LossConfig.micro_batches`, and the batch shards of the update's mesh. On a mesh over several
+        processes the batch is a global array no process reads whole: it stays padded (no lock-step plan yet)."""
+        mesh = getattr(self.train_step, "mesh", None)
+        if distributed.spans_processes(mesh):
+            return batch
+        shards = packing_shards(mesh, self.rules, batch.shape[0], self.loss.micro_batches)
+        return batch.packed(micro_batches=self.loss.micro_batches, shards=shards)
 
     def with_trainer_behaviour(self, params, loss_batch: LossBatch) -> tuple[LossBatch, float]:
         """The batch with `behaviour_logprobs` recomputed by the trainer under `params` (pi_old for the clipped

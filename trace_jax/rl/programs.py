@@ -25,12 +25,15 @@ and in the arguments' pytree structure), so `entry.lower()` lowers what the loop
                      (`Placement.rollout_params`), where it is not the train-layout params as they are;
   * "score":         `scoring.fork.fork_scores_program`, the reference's prefix-fork pass, at every padded shape
                      the step's length buckets, scorer chunks and answer lengths reach (only when the estimator
-                     reads answer scores or the loss or metrics read the reference's token log-probs);
+                     reads answer scores or the loss or metrics read the reference's token log-probs); with
+                     `UpdateConfig.packing`, a cached-layout pass is `fork.rows_packed_program` at every packed-row
+                     bucket (`models.packing.packed_row_buckets`) instead;
   * "behaviour":     `pipeline.behaviour_program`, the trainer's recomputation of pi_old on each chunk of the
                      step's batch (`LossConfig.tis` only);
   * "update":        `train.step.make_train_step` on one mini-batch of the step's `LossBatch`, padded to the run's
                      fixed update shape (`pipeline.update_shapes`, with `trained_index` and `token_mask`), and the
-                     fallback shapes a step that does not fit it is padded to.
+                     fallback shapes a step that does not fit it is padded to; with `UpdateConfig.packing`, each at
+                     every packed-row bucket (`LossBatch.packed`; `Programs.fixed_update` is the largest).
 
 Host arrays the loop passes as they are (numpy token chunks, per-row flags) have no sharding here (`sharding=None`),
 as jit sees them; device arrays carry the layout the loop gives them. Every program is over the whole mesh, at the
@@ -59,7 +62,8 @@ import numpy as np
 
 from trace_jax import models
 from trace_jax.credit.registry import get_estimator
-from trace_jax.rl.pipeline import behaviour_program, update_shapes
+from trace_jax.models import packing as packing_lib
+from trace_jax.rl.pipeline import behaviour_program, packing_shards, update_shapes
 from trace_jax.rollout import budget, sampler
 from trace_jax.rollout import paged as paged_lib
 from trace_jax.rollout.engine import pool_pages
@@ -87,6 +91,8 @@ class Entry:
       shape: what the shapes are, in words.
       fallback: a shape the loop runs only for a step that does not fit the run's fixed update shape (warned:
         `pipeline.UpdateShapeWarning`).
+      bucket: one of the smaller packed-row counts of the update at its shape (`UpdateConfig.packing`); the entry
+        without it is the largest, every row alone in a packed row.
     """
 
     name: str
@@ -94,6 +100,7 @@ class Entry:
     args: tuple
     shape: str
     fallback: bool = False
+    bucket: bool = False
 
     @property
     def phase(self) -> str:
@@ -166,6 +173,12 @@ class Programs:
         """The entry of `name` with the most argument bytes on a device (ties: the last listed), or None."""
         entries = self.named(name)
         return max(reversed(entries), key=lambda e: e.argument_bytes) if entries else None
+
+    def fixed_update(self) -> Entry:
+        """The update at the run's fixed shape (`pipeline.update_shapes`): with packing, its largest packed-row
+        count."""
+        (entry,) = [e for e in self.named("update") if not e.fallback and not e.bucket]
+        return entry
 
     def match(self, program, args) -> Entry | None:
         """The entry of `program` (the same object) that accepts `args`, or None."""
@@ -303,11 +316,22 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
                                      f"{rows} rows x {shape.length} tokens, {shape.head_width} trained positions"
                                      + ("" if shape == fixed else " (fallback)"), fallback=shape != fixed))
         rows = shape.rows * processes // update.mini_batches
-        batch = abstract_loss_batch(loss, mesh, rules, rows, shape)
-        entries.append(Entry("update", train_step, (state, batch, None),
-                             f"{rows} rows x {shape.length} tokens, {shape.head_width} trained positions, "
-                             f"{loss.micro_batches} micro-batch(es)" + ("" if shape == fixed else " (fallback)"),
-                             fallback=shape != fixed))
+        words = (f"{rows} rows x {shape.length} tokens, {shape.head_width} trained positions, "
+                 f"{loss.micro_batches} micro-batch(es)")
+        fallback = "" if shape == fixed else " (fallback)"
+        if not update.packing or processes > 1:  # several processes: the update runs padded (`RLPipeline.packed`)
+            batch = abstract_loss_batch(loss, mesh, rules, rows, shape)
+            entries.append(Entry("update", train_step, (state, batch, None), words + fallback,
+                                 fallback=shape != fixed))
+            continue
+        # packed (`RLPipeline.packed`): every packed-row count a group of rows can take, largest first
+        shards = packing_shards(train_step.mesh, rules, rows, loss.micro_batches)
+        groups = loss.micro_batches * shards
+        for size in sorted(packing_lib.packed_row_buckets(rows // groups), reverse=True):
+            batch = abstract_loss_batch(loss, mesh, rules, rows, shape, packed_rows=groups * size, shards=shards)
+            entries.append(Entry("update", train_step, (state, batch, None),
+                                 words + f", packed in {groups * size} rows" + fallback,
+                                 fallback=shape != fixed, bucket=size != rows // groups))
     return Programs(tuple(entries), train_step, episodes, slots, kv_cache_bytes, state, reference, rollout_params)
 
 
@@ -392,13 +416,14 @@ def paged_entries(run_config, model_config, mesh, rollout_params, episodes: int,
     return entries, slots, pool_bytes
 
 
-def abstract_loss_batch(loss, mesh, rules, rows: int, shape) -> LossBatch:
+def abstract_loss_batch(loss, mesh, rules, rows: int, shape, *, packed_rows: int | None = None,
+                        shards: int = 1) -> LossBatch:
     """The abstract `LossBatch` of one update call of `rows` rows at `shape` (`pipeline.UpdateShapes`: its token
     and `trained_index` widths; a `head_width` of None: no `trained_index`), as `TrainStep` places it
-    (`shard_batch`)."""
-    def spec(width, dtype):
-        return jax.ShapeDtypeStruct((rows, width), jnp.dtype(dtype), sharding=batch_sharding(mesh, rules,
-                                                                                            (rows, width)))
+    (`shard_batch`); with `packed_rows`, packed in that many rows (`LossBatch.packed` with `shards`)."""
+    def spec(width, dtype, count=rows):
+        shape = (count,) if width is None else (count, width)
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=batch_sharding(mesh, rules, shape))
 
     length = shape.length
     return LossBatch(tokens=spec(length, jnp.int32), positions=spec(length, jnp.int32),
@@ -407,7 +432,11 @@ def abstract_loss_batch(loss, mesh, rules, rows: int, shape) -> LossBatch:
                      reference_logprobs=spec(length, jnp.float32) if loss.needs_reference else None,
                      sampler_logprobs=spec(length, jnp.float32) if loss.needs_sampler_logprobs else None,
                      token_mask=spec(length, jnp.float32),
-                     trained_index=None if shape.head_width is None else spec(shape.head_width, jnp.int32))
+                     trained_index=None if shape.head_width is None else spec(shape.head_width, jnp.int32),
+                     packing=None if packed_rows is None else packing_lib.PackedRows(
+                         tokens=spec(length, jnp.int32, packed_rows), positions=spec(length, jnp.int32, packed_rows),
+                         segment_ids=spec(length, jnp.int32, packed_rows), slot=spec(None, jnp.int32),
+                         offset=spec(None, jnp.int32), length=spec(None, jnp.int32), shards=shards))
 
 
 def _score_entries(run_config, model_config, mesh, rules, reference, episodes: int, answer_tokens: int,
@@ -428,17 +457,29 @@ def _score_entries(run_config, model_config, mesh, rules, reference, episodes: i
                      for n in chunk_rows for w in widths for m in range(1, answer_tokens + 1)})
     shapes = sorted({(-(-pn // processes) * processes, *rest) for pn, *rest in shapes})
     entries = []
+
+    def arg(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=fork.row_sharding(mesh, len(shape), rules))
+
     for pn, pl, ps, pm in shapes:
         layout = fork.choose_layout(pl, ps, pm, rows=pn)
+        rest = (arg((pn, ps), jnp.int32), arg((pn, ps), jnp.bool_), arg((pn, pm), jnp.int32), arg((pn, pm), jnp.int32))
+        words = (f"{pn} rows x {pl} tokens, {ps} states x {pm} answer tokens, {layout} layout"
+                 + (", + trajectory log-probs" if token_logprobs else ""))
+        if update.packing and layout == "cached" and processes == 1:
+            # the trajectories packed (`score_answer_prefixes(..., pack_rows=True)`): every packed-row bucket
+            shards = fork.row_shards(mesh, rules)
+            program = fork.rows_packed_program(model_config, shards=shards, logprob_chunk=256, query_chunk=0,
+                                               with_token_logprobs=token_logprobs, mesh=mesh)
+            for size in packing_lib.packed_row_buckets(pn // shards):
+                packed = packing_lib.PackedRows(
+                    tokens=arg((shards * size, pl), jnp.int32), positions=arg((shards * size, pl), jnp.int32),
+                    segment_ids=arg((shards * size, pl), jnp.int32), slot=arg((pn,), jnp.int32),
+                    offset=arg((pn,), jnp.int32), length=arg((pn,), jnp.int32), shards=shards)
+                entries.append(Entry("score", program, (reference, packed) + rest,
+                                     words + f", packed in {shards * size} rows"))
+            continue
         program = fork.fork_scores_program(model_config, layout=layout, logprob_chunk=256, query_chunk=0,
                                            with_token_logprobs=token_logprobs, mesh=mesh)
-
-        def arg(shape, dtype):
-            return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=fork.row_sharding(mesh, len(shape), rules))
-
-        args = (reference, arg((pn, pl), jnp.int32), arg((pn, ps), jnp.int32), arg((pn, ps), jnp.bool_),
-                arg((pn, pm), jnp.int32), arg((pn, pm), jnp.int32))
-        entries.append(Entry("score", program, args, f"{pn} rows x {pl} tokens, {ps} states x {pm} answer tokens, "
-                                                     f"{layout} layout"
-                                                     + (", + trajectory log-probs" if token_logprobs else "")))
+        entries.append(Entry("score", program, (reference, arg((pn, pl), jnp.int32)) + rest, words))
     return entries

@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from trace_jax import models
 from trace_jax.models.config import ModelConfig
+from trace_jax.models.packing import PackedRows, plan_packing, take_packed, unpack_token_values
 from trace_jax.train import distributed
 
 METHODS = ("fork", "cached", "naive")
@@ -161,6 +162,12 @@ def row_sharding(mesh, rank: int, rules=None) -> NamedSharding:
     return NamedSharding(mesh, spec)
 
 
+def row_shards(mesh, rules=None) -> int:
+    """How many blocks a scoring pass's rows are split in on `mesh` (the `batch` rule's mesh axes; 1 without a
+    mesh): `padded_shape` pads rows to a multiple of it, and packed rows are packed within each block."""
+    return _batch_multiple(mesh, rules)
+
+
 def _batch_multiple(mesh, rules) -> int:
     if mesh is None:
         return 1
@@ -187,13 +194,12 @@ def padded_shape(n: int, length: int, slots: int, m: int, *, mesh=None, rules=No
 
 
 # ---------------------------------------------------------------------------------------------------- device code
-def _answer_log_probs(config, params, traj_hidden, copy_hidden, boundaries, answer_tokens, answer_mask,
-                      logprob_chunk):
-    """Mean gold log-prob per state from the trajectory hidden [N, L, D] and copy hidden [N, S, m-1, D]."""
-    n, slots = boundaries.shape
+def _answer_log_probs(config, params, first, copy_hidden, answer_tokens, answer_mask, logprob_chunk):
+    """Mean gold log-prob per state from the trajectory's hidden state before each boundary, `first [N, S, D]`
+    (`traj_hidden[:, b_k - 1]`), and the copies' hidden states `copy_hidden [N, S, m-1, D]`."""
+    n, slots = first.shape[:2]
     m = answer_tokens.shape[1]
     # Answer token 0 is predicted by the trajectory's own state at b_k - 1 (it sees exactly tokens < b_k).
-    first = jnp.take_along_axis(traj_hidden, (boundaries - 1)[:, :, None], axis=1)  # [N, S, D]
     predictors = first[:, :, None, :]
     if copy_hidden is not None:
         predictors = jnp.concatenate([predictors, copy_hidden], axis=2)  # [N, S, m, D]
@@ -271,12 +277,50 @@ def _fork_scores(config: ModelConfig, layout: str, logprob_chunk: int, query_chu
         if query_chunk:
             config = config.replace(attention_query_chunk=query_chunk)
         traj_hidden, copy_hidden = _cached_hidden(config, params, tokens, boundaries, answer_tokens)
-    scores = _answer_log_probs(config, params, traj_hidden, copy_hidden, boundaries, answer_tokens, answer_mask,
-                               logprob_chunk)
+    first = jnp.take_along_axis(traj_hidden, (boundaries - 1)[:, :, None], axis=1)  # [N, S, D]
+    scores = _answer_log_probs(config, params, first, copy_hidden, answer_tokens, answer_mask, logprob_chunk)
     scores = jnp.where(state_valid, scores, 0.0)
     if not with_token_logprobs:  # the LM head over every trajectory position is most of a small model's cost
         return scores, None
     return scores, _trajectory_log_probs(config, params, traj_hidden, tokens, logprob_chunk)
+
+
+def _fork_scores_rows_packed(config: ModelConfig, logprob_chunk: int, query_chunk: int, with_token_logprobs: bool,
+                             shards: int, params, packed: PackedRows, boundaries, state_valid, answer_tokens,
+                             answer_mask):
+    """`_fork_scores` of the cached layout with the trajectories packed (`models.packing`): one causal prefill
+    of the packed rows (segments, each row's own positions), then every row's answer copies against its packed
+    row's cache from the row's first slot (`key_start`) to its boundary. Returns the same `(scores [N, S],
+    token_logprobs [N, B] or None)`, each row's log-probs 0 from its last real token on."""
+    if query_chunk:
+        config = config.replace(attention_query_chunk=query_chunk)
+    n, slots = boundaries.shape
+    width = answer_tokens.shape[1] - 1
+    length = packed.tokens.shape[1]
+    boundaries = jnp.clip(boundaries, 1, length)
+    traj_hidden, cache = models.prefill(config, params, packed.tokens, positions=packed.positions,
+                                        segment_ids=packed.segment_ids)
+    offset = packed.offset[:, None]
+    first = take_packed(traj_hidden, packed.slot, offset + boundaries - 1, shards)  # [N, S, D]
+    copy_hidden = None
+    if width:
+        copy_tokens, copy_positions, state_of, offset_of = _copies(answer_tokens, boundaries)
+        same_copy = (state_of[:, None] == state_of[None, :]) & (offset_of[None, :] <= offset_of[:, None])
+        copy_hidden = models.attend_cached_block(
+            config, params, cache, copy_tokens, copy_positions, offset + jnp.repeat(boundaries, width, axis=1),
+            jnp.broadcast_to(same_copy, (n,) + same_copy.shape), block_band=width,
+            key_start=jnp.broadcast_to(offset, copy_tokens.shape), cache_rows=packed.slot, cache_shards=shards)
+        copy_hidden = copy_hidden.reshape(n, slots, width, -1)
+    scores = _answer_log_probs(config, params, first, copy_hidden, answer_tokens, answer_mask, logprob_chunk)
+    scores = jnp.where(state_valid, scores, 0.0)
+    if not with_token_logprobs:
+        return scores, None
+    shifted = jnp.concatenate([packed.tokens[:, 1:], jnp.zeros_like(packed.tokens[:, :1])], axis=1)
+    log_probs = models.hidden_logprobs(config, params, traj_hidden, shifted, chunk_size=logprob_chunk)
+    # next-token-aligned: a row's last real token predicts the next row's first; keep positions < length - 1
+    token_lp = unpack_token_values(log_probs, packed, length)
+    real = jnp.arange(length)[None, :] < (packed.length[:, None] - 1)
+    return scores, jnp.where(real, token_lp, 0.0)
 
 
 class ScoringProgram:
@@ -320,6 +364,24 @@ def fork_scores_program(config: ModelConfig, *, layout: str, logprob_chunk: int 
     return ScoringProgram(jitted, mesh)
 
 
+@functools.lru_cache(maxsize=None)
+def rows_packed_program(config: ModelConfig, *, shards: int = 1, logprob_chunk: int = 256, query_chunk: int = 0,
+                        with_token_logprobs: bool = True, mesh: Mesh | None = None) -> ScoringProgram:
+    """The reference-scoring program of one prefix-fork pass (cached layout) over packed trajectories
+    (`score_answer_prefixes(..., pack_rows=True)`):
+
+        program(params, packed PackedRows (tokens, positions, segment_ids [P, L]; slot, offset, length [N]),
+                boundaries int32 [N, S], state_valid bool [N, S], answer_tokens int32 [N, m],
+                answer_mask int32 [N, m])
+          -> (answer_scores float32 [N, S], token_logprobs float32 [N, L] or None)
+
+    `shards`: the batch shards of the rows on `mesh` (`PackedRows.shards`); one program object per set of
+    arguments, as `fork_scores_program`."""
+    jitted = jax.jit(functools.partial(_fork_scores_rows_packed, config, logprob_chunk, query_chunk,
+                                       with_token_logprobs, shards))
+    return ScoringProgram(jitted, mesh)
+
+
 def packed_length(length: int, num_slots: int, answer_length: int) -> int:
     """Tokens in one packed fork pass: the trajectory plus `m - 1` answer tokens per state."""
     return length + num_slots * (answer_length - 1)
@@ -338,7 +400,8 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
                           *, method: str = "fork", layout: str = "auto", lengths=None, mesh=None, rules=None,
                           packed_max_len: int = DEFAULT_PACKED_MAX_LEN,
                           packed_max_tokens: int = DEFAULT_PACKED_MAX_TOKENS, logprob_chunk: int = 256,
-                          query_chunk: int = 0, bucket: bool = True, token_logprobs: bool = True) -> PrefixScores:
+                          query_chunk: int = 0, bucket: bool = True, token_logprobs: bool = True,
+                          pack_rows: bool = False) -> PrefixScores:
     """Score the gold answer after every state boundary of every trajectory (TRACE's reference scores).
 
         answer_scores[n, k] = (1/|y*|) sum_j log pi_ref(y*_j | tokens[n, :b_k] + template, y*_<j)
@@ -368,6 +431,10 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
       bucket: pad `N, L, S, m` up to buckets (`bucket_size`) so jit compiles once per bucket.
       token_logprobs: also compute the trajectory's own log-probs (False: `token_logprobs` is None, and the
         fork methods skip the LM head over the trajectory; the trainer needs them only for a KL term).
+      pack_rows: where the pass runs the cached layout, pack the trajectories (their `lengths`; every row whole
+        without them) end to end into as few rows of the padded length as first-fit decreasing gives
+        (`models.packing`, `rows_packed_program`) instead of padding each: the same results, fewer padding
+        tokens through the prefill. On one process only (a mesh over several processes runs unpacked).
 
     Returns:
       `PrefixScores(answer_scores [N, S] float32, token_logprobs [N, L] float32)`, as numpy-convertible jax arrays
@@ -404,12 +471,21 @@ def score_answer_prefixes(config: ModelConfig, params, tokens, boundaries, num_s
             _pad_to(answer_tokens, (pn, pm)), _pad_to(answer_mask, (pn, pm)))
     if n < pn:
         args[4][n:, 0] = 1
+    if pack_rows and layout == "cached":
+        shards = row_shards(mesh, rules)
+        real = np.full((n,), length, np.int32) if lengths is None else np.asarray(lengths, np.int32)
+        plan = plan_packing(_pad_to(real, (pn,)), pl, shards=shards)  # padded rows: length 0, not placed
+        positions = np.broadcast_to(np.arange(pl, dtype=np.int32), (pn, pl))
+        args = (PackedRows.build(args[0], positions, plan),) + args[1:]
+        program = rows_packed_program(config, shards=shards, logprob_chunk=logprob_chunk, query_chunk=query_chunk,
+                                      with_token_logprobs=token_logprobs, mesh=mesh)
+    else:
+        program = fork_scores_program(config, layout=layout, logprob_chunk=logprob_chunk, query_chunk=query_chunk,
+                                      with_token_logprobs=token_logprobs, mesh=mesh)
     if mesh is not None:
         if not models.placed_on(params, mesh):  # params already on the mesh (e.g. a sharded reference) stay put
             params = models.shard_params(params, config, mesh, rules)
-        args = tuple(jax.device_put(a, row_sharding(mesh, a.ndim, rules)) for a in args)
-    program = fork_scores_program(config, layout=layout, logprob_chunk=logprob_chunk, query_chunk=query_chunk,
-                                  with_token_logprobs=token_logprobs, mesh=mesh)
+        args = jax.tree_util.tree_map(lambda a: jax.device_put(a, row_sharding(mesh, a.ndim, rules)), args)
     scores, token_lp = program(params, *args)
     if token_lp is None:
         return PrefixScores(scores[:n, :slots], None)

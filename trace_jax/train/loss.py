@@ -24,6 +24,10 @@ log pi_old(tokens[n, t] | tokens[n, :t])`, and index 0 is never trained.
                                         With it the LM head runs on those K positions per row instead of all L:
                                         an agent trajectory is mostly prompt and observation tokens, which the
                                         loss never reads. None = the head runs everywhere. Same loss either way
+    packing             PackedRows      optional: the rows packed end to end into fewer rows of the same width
+                                        (`LossBatch.packed`, `models.packing`): the model runs on those, and its
+                                        log-probs are read back at the rows above. None = the rows as they are.
+                                        Same loss either way
 
 Formulas (per trained token, `r` the importance ratio, `A` the advantage):
 
@@ -60,6 +64,7 @@ from flax import struct
 from trace_jax import models
 from trace_jax.credit.gspo import gspo_sequence_ratio
 from trace_jax.models.alignment import to_token_aligned
+from trace_jax.models.packing import PackedRows, plan_packing, take_packed, unpack_token_values
 from trace_jax.train.config import AGGREGATIONS, KL_ESTIMATORS, TIS_LEVELS, LossConfig
 
 # Qwen3-MoE's published default, used when the model config does not carry its own coefficient.
@@ -80,6 +85,7 @@ class LossBatch:
     segment_ids: jax.Array | None = None
     token_mask: jax.Array | None = None
     trained_index: jax.Array | None = None
+    packing: PackedRows | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -100,6 +106,8 @@ class LossBatch:
         tokens never attend to appended columns (causal attention, padding on the right).
         """
         n, width = self.shape
+        if self.packing is not None:
+            raise ValueError("LossBatch.padded: the batch is packed; pad it before packing (`LossBatch.packed`)")
         k = None if self.trained_index is None else int(self.trained_index.shape[1])
         head_width = k if head_width is None else head_width
         if rows < n or length < width:
@@ -122,6 +130,29 @@ class LossBatch:
             "sampler_logprobs", "segment_ids", "token_mask")}
         return batch.replace(**fields, trained_index=pad(batch.trained_index, head_width))
 
+    def real_lengths(self) -> np.ndarray:
+        """Host: int32 [N], each row's real tokens (its `token_mask`, right-padded; L for every row without one)."""
+        n, width = self.shape
+        if self.token_mask is None:
+            return np.full((n,), width, np.int32)
+        return np.asarray(jnp.sum(jnp.asarray(self.token_mask) > 0, axis=1), np.int32)
+
+    def packed(self, *, micro_batches: int = 1, shards: int = 1, rows_per_group: int | None = None) -> "LossBatch":
+        """This batch with its rows packed (`models.packing.plan_packing`): rows of `token_mask`'s real tokens
+        laid end to end in rows of the batch's own width L (every row fits one), within the groups the train step
+        splits rows into (`micro_batches` as `LossConfig.micro_batches`; `shards`, the mesh's batch shards), the
+        packed-row count per group rounded by `packed_rows_bucket` (or `rows_per_group`). Host side: reads the
+        tokens, positions and token mask. The loss, its gradient and the metrics are those of the batch unpacked."""
+        if self.segment_ids is not None:
+            raise ValueError("LossBatch.packed: the batch already has segment_ids (it is packed by its maker); "
+                             "leave UpdateConfig.packing off for it")
+        if self.packing is not None:
+            return self
+        width = self.shape[1]
+        plan = plan_packing(self.real_lengths(), width, micro_batches=micro_batches, shards=shards,
+                            rows_per_group=rows_per_group)
+        return self.replace(packing=PackedRows.build(np.asarray(self.tokens), np.asarray(self.positions), plan))
+
     def validate(self, loss_config: LossConfig | None = None, *, reference_params_given: bool = False) -> None:
         """Host-side check of shapes and of what the loss config needs; raises ValueError naming the field."""
         shape = self.shape
@@ -132,6 +163,18 @@ class LossBatch:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
                 raise ValueError(f"LossBatch.{name} has shape {tuple(value.shape)}, expected {shape} like tokens")
+        if self.packing is not None:
+            packed = tuple(self.packing.tokens.shape)
+            if len(packed) != 2 or packed[1] != shape[1] or tuple(self.packing.slot.shape) != (shape[0],):
+                raise ValueError(f"LossBatch.packing has packed rows {packed} and {tuple(self.packing.slot.shape)} "
+                                 f"row slots, expected [P, {shape[1]}] and [{shape[0]}]: build it with "
+                                 "LossBatch.packed()")
+            if self.segment_ids is not None:
+                raise ValueError("LossBatch has both segment_ids and packing: pack a batch one way")
+        if (self.packing is not None and loss_config is not None
+                and self.packing.tokens.shape[0] % loss_config.micro_batches):
+            raise ValueError(f"LossBatch.packing has {self.packing.tokens.shape[0]} packed rows, not divisible by "
+                             f"LossConfig.micro_batches={loss_config.micro_batches}: pack with micro_batches set")
         if self.trained_index is not None:
             index_shape = tuple(self.trained_index.shape)
             if len(index_shape) != 2 or index_shape[0] != shape[0] or index_shape[1] > shape[1]:
@@ -195,7 +238,7 @@ def _policy_hidden(model_config, params, tokens, positions, segment_ids, with_ro
 
 def policy_logprobs(model_config, params, tokens, *, positions=None, segment_ids=None, chunk_size: int = 256,
                     with_entropy: bool = False, with_router_loss: bool = False, token_mask=None,
-                    trained_index=None):
+                    trained_index=None, packing: PackedRows | None = None):
     """Token-aligned log-probs of `tokens [N, L]` under `params`, computed in sequence chunks.
 
     Returns `(logp, entropy, router_aux)`: `logp [N, L]` float32 with `logp[n, t] = log pi(tokens[n, t] |
@@ -206,13 +249,26 @@ def policy_logprobs(model_config, params, tokens, *, positions=None, segment_ids
 
     With `trained_index [N, K]` (see `LossBatch`) the LM head runs only at those positions: `logp` and `entropy`
     hold the same values there and 0 at every other position.
+
+    With `packing` (`LossBatch.packed`) the model runs on the packed rows instead of `tokens` (whose values it then
+    reads only as the targets at `trained_index`); the results are read back at the rows, the same values on each
+    row's real tokens and 0 past them (`positions`, `segment_ids` and `token_mask` are then unused: the packed
+    rows carry their own, and their padding is what the router statistics leave out).
     """
-    hidden, router_aux = _policy_hidden(model_config, params, tokens, positions, segment_ids, with_router_loss,
-                                        token_mask)
+    if packing is not None:
+        hidden, router_aux = _policy_hidden(model_config, params, packing.tokens, packing.positions,
+                                            packing.segment_ids, with_router_loss)
+    else:
+        hidden, router_aux = _policy_hidden(model_config, params, tokens, positions, segment_ids, with_router_loss,
+                                            token_mask)
     if trained_index is not None:
         index = trained_index.astype(jnp.int32)
         # token t is predicted from the hidden state at t - 1; padding entries (0) read position 0, then drop out
-        picked_hidden = jnp.take_along_axis(hidden, jnp.maximum(index - 1, 0)[..., None], axis=1)
+        before = jnp.maximum(index - 1, 0)
+        if packing is None:
+            picked_hidden = jnp.take_along_axis(hidden, before[..., None], axis=1)
+        else:
+            picked_hidden = take_packed(hidden, packing.slot, packing.offset[:, None] + before, packing.shards)
         out = models.hidden_logprobs(model_config, params, picked_hidden, jnp.take_along_axis(tokens, index, axis=1),
                                      chunk_size=chunk_size, with_entropy=with_entropy)
         rows = jnp.arange(tokens.shape[0])[:, None]
@@ -223,13 +279,28 @@ def policy_logprobs(model_config, params, tokens, *, positions=None, segment_ids
         if with_entropy:
             return scatter(out[0]), scatter(out[1]), router_aux
         return scatter(out), None, router_aux
-    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    source = tokens if packing is None else packing.tokens
+    targets = jnp.concatenate([source[:, 1:], jnp.zeros_like(source[:, :1])], axis=1)
     out = models.hidden_logprobs(model_config, params, hidden, targets, chunk_size=chunk_size,
                                  with_entropy=with_entropy)
+    if packing is None:
+        align = to_token_aligned
+    else:  # next-token-aligned at the packed token before; a segment's last token predicts nothing of its row
+        def align(values):
+            return unpack_token_values(values, packing, tokens.shape[1], shift=-1)
     if with_entropy:
         logp, entropy = out
-        return to_token_aligned(logp), to_token_aligned(entropy), router_aux
-    return to_token_aligned(out), None, router_aux
+        return align(logp), align(entropy), router_aux
+    return align(out), None, router_aux
+
+
+def head_rows(batch: "LossBatch") -> tuple[int, int]:
+    """(rows, positions per row) the LM head runs on for `batch`: its trained_index, else every position of the
+    packed rows (with packing) or of the rows."""
+    if batch.trained_index is not None:
+        return batch.tokens.shape[0], batch.head_width
+    tokens = batch.tokens if batch.packing is None else batch.packing.tokens
+    return tokens.shape[0], tokens.shape[1]
 
 
 # ---------------------------------------------------------------------------------------------------- terms
@@ -431,13 +502,13 @@ def loss_terms(model_config, loss_config: LossConfig, params, batch: LossBatch, 
     The loss is `objective_sum / objective_count(...) + router_aux_coef(model_config) * router_aux`.
     """
     cfg = loss_config
-    rows = batch.tokens.shape[0]
+    rows, width = head_rows(batch)
     logp, entropy, router_aux = policy_logprobs(
         model_config, params, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids,
-        chunk_size=cfg.chunk_for(max(1, rows // batch_shards), batch.head_width, model_config.vocab_size),
+        chunk_size=cfg.chunk_for(max(1, rows // batch_shards), width, model_config.vocab_size),
         with_entropy=cfg.needs_entropy,
         with_router_loss=cfg.router_aux and model_config.is_moe, token_mask=batch.token_mask,
-        trained_index=batch.trained_index)
+        trained_index=batch.trained_index, packing=batch.packing)
     objective_sum, sums = objective_from_logprobs(cfg, logp, entropy, batch)
     return objective_sum, router_aux, sums
 
@@ -446,11 +517,11 @@ def batch_logprobs(model_config, loss_config: LossConfig, params, batch: LossBat
     """`[N, L]` float32 log-probs of the batch's tokens under `params`, on its trained positions (`trained_index`)
     or everywhere: what the trainer computes for the loss, without gradients (the pipeline's recomputation of
     pi_old for `LossConfig.tis`)."""
-    rows = batch.tokens.shape[0]
+    rows, width = head_rows(batch)
     logp, _, _ = policy_logprobs(
         model_config, params, batch.tokens, positions=batch.positions, segment_ids=batch.segment_ids,
-        chunk_size=loss_config.chunk_for(max(1, rows // batch_shards), batch.head_width, model_config.vocab_size),
-        trained_index=batch.trained_index)
+        chunk_size=loss_config.chunk_for(max(1, rows // batch_shards), width, model_config.vocab_size),
+        trained_index=batch.trained_index, packing=batch.packing)
     return jax.lax.stop_gradient(logp)
 
 

@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from trace_jax import models
 from trace_jax.train.config import LossConfig
-from trace_jax.train.loss import LossBatch, loss_terms, objective_count, policy_logprobs, router_aux_coef
+from trace_jax.train.loss import (LossBatch, head_rows, loss_terms, objective_count, policy_logprobs,
+                                  router_aux_coef)
 from trace_jax.train.state import TrainState, state_shardings
 
 _MAX_METRICS = ("ratio_max",)
@@ -32,8 +33,22 @@ _MIN_METRICS = ("ratio_min",)
 
 
 def batch_sharding(mesh: Mesh, rules=None, shape=None) -> NamedSharding:
-    """The sharding of a `[N, L]` batch array: rows over the `batch` rule's mesh axes."""
-    return NamedSharding(mesh, models.logical_to_mesh_spec(P("batch", "length"), mesh, rules, shape))
+    """The sharding of a `[N, L]` batch array (or a `[N]` one: `PackedRows`' per-row slots): rows over the
+    `batch` rule's mesh axes."""
+    logical = P("batch") if shape is not None and len(shape) == 1 else P("batch", "length")
+    return NamedSharding(mesh, models.logical_to_mesh_spec(logical, mesh, rules, shape))
+
+
+def batch_shards(mesh: Mesh | None, rules=None, rows: int | None = None) -> int:
+    """How many blocks the rows of a batch are split in on `mesh` (1 without one; with `rows`, 1 where the batch
+    axes do not divide them, as `batch_sharding` falls back to)."""
+    if mesh is None:
+        return 1
+    spec = models.logical_to_mesh_spec(P("batch"), mesh, rules, None if rows is None else (rows,))[0] or ()
+    count = 1
+    for axis in (spec,) if isinstance(spec, str) else spec:
+        count *= dict(mesh.shape)[axis]
+    return count
 
 
 def shard_batch(batch: LossBatch, mesh: Mesh, rules=None) -> LossBatch:
@@ -112,11 +127,7 @@ def make_train_step(model_config, loss_config: LossConfig, optimizer: optax.Grad
     micro = cfg.micro_batches
     aux_coef = router_aux_coef(model_config) if (cfg.router_aux and model_config.is_moe) else 0.0
 
-    batch_shards = 1
-    if mesh is not None:
-        axes = models.logical_to_mesh_spec(P("batch"), mesh, rules)[0] or ()
-        for axis in (axes,) if isinstance(axes, str) else axes:
-            batch_shards *= dict(mesh.shape)[axis]
+    shards = batch_shards(mesh, rules)
 
     def update(state: TrainState, batch: LossBatch, reference_params):
         count = objective_count(cfg, batch.loss_mask)
@@ -126,15 +137,15 @@ def make_train_step(model_config, loss_config: LossConfig, optimizer: optax.Grad
                 if reference_params is None:
                     raise ValueError("LossConfig.kl_coef > 0 needs reference log-probs: put them in "
                                      "LossBatch.reference_logprobs or pass reference_params to the train step")
-                chunk = cfg.chunk_for(max(1, mb.tokens.shape[0] // batch_shards), mb.head_width,
-                                      model_config.vocab_size)
+                rows, width = head_rows(mb)
+                chunk = cfg.chunk_for(max(1, rows // shards), width, model_config.vocab_size)
                 ref_lp = policy_logprobs(model_config, reference_params, mb.tokens, positions=mb.positions,
                                          segment_ids=mb.segment_ids, chunk_size=chunk,
-                                         trained_index=mb.trained_index)[0]
+                                         trained_index=mb.trained_index, packing=mb.packing)[0]
                 mb = mb.replace(reference_logprobs=jax.lax.stop_gradient(ref_lp))
 
             def objective(params):
-                objective_sum, router_aux, sums = loss_terms(model_config, cfg, params, mb, batch_shards=batch_shards)
+                objective_sum, router_aux, sums = loss_terms(model_config, cfg, params, mb, batch_shards=shards)
                 return objective_sum / jnp.maximum(count, 1e-30) + aux_coef * router_aux / micro, (sums, router_aux)
 
             (_, (sums, router_aux)), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
