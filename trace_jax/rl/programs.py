@@ -313,7 +313,8 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
 
 def item_buckets(most_pages: int, num_pages: int) -> tuple[int, ...]:
     """Every work-item count `paged.work_items(..., minimum=16, maximum=num_pages)` can give for at most
-    `most_pages` pages read: powers of two from 16, each capped at the pool's pages."""
+    `most_pages` pages read: powers of two from 16, each capped at `num_pages` (the engine passes the pool's pages
+    times G: a prompt's G samples share its full pages, so a page is read by at most G rows)."""
     out, size = set(), 16
     while True:
         out.add(min(size, num_pages))
@@ -329,7 +330,7 @@ def paged_entries(run_config, model_config, mesh, rollout_params, episodes: int,
 
     The engine buckets each dispatch: decode batch D and distinct prefill rows U and output rows R to
     `sampler.bucket_length(n, minimum=1)` (n <= slots), a prefill chunk's width W to `sampler.bucket_length` (at
-    most `PagedConfig.prefill_chunk`, and under `max_context`), the pages read to `item_buckets` (at most the
+    most `PagedConfig.prefill_chunk`, and under `max_context`), the pages read to `item_buckets` (at most G x the
     pool's pages, and the pages D or U rows of `max_context` hold). A prefill dispatch runs at most
     `PagedConfig.prefill_tokens` distinct tokens unless it runs one row: a (U, W) bucket is listed when its
     fewest tokens (the smallest U' and W' that round to it: W' + U' - 1) fit, or U is 1. On a mesh over several
@@ -371,7 +372,7 @@ def paged_entries(run_config, model_config, mesh, rollout_params, episodes: int,
                     and fewest_tokens[chunk] + fewest_rows[unique] - 1 > paged.prefill_tokens):
                 continue
             u = processes * unique
-            for count in item_buckets(unique * width, num_pages):
+            for count in item_buckets(unique * width, rollout.group_size * num_pages):
                 for out in (processes * r for r in rows if r >= unique):
                     args = (rollout_params, state, _host((u,), jnp.int32), _host((u, chunk), jnp.int32),
                             _host((u,), jnp.int32), items(count), _host((out,), jnp.int32),
@@ -386,7 +387,7 @@ def paged_entries(run_config, model_config, mesh, rollout_params, episodes: int,
         sampling = host.replace(temperature=_host((d,), jnp.float32), top_p=_host((d,), jnp.float32),
                                 greedy=_host((d,), jnp.bool_))
         vector = _host((d,), jnp.int32)
-        for count in item_buckets(batch * width, num_pages):
+        for count in item_buckets(batch * width, rollout.group_size * num_pages):
             args = (sampling, rollout_params, state, vector, _host((d, width), jnp.int32), vector,
                     _host((d,), jnp.bool_), vector, _host((num_stop_ids,), jnp.int32),
                     _host((d, 2), jnp.uint32), vector, vector, items(count), None)

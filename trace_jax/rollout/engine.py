@@ -5,7 +5,9 @@ same per-row keys), on the paged KV cache of `rollout.paged`:
 
     page pool  `PagedConfig.num_pages` (`RolloutConfig.paged`) pages of `page_size` tokens (from
                `RolloutConfig.kv_budget_gib` when set),
-               shared by `slots` rows in flight; a row holds the pages of the tokens it has cached, no more.
+               shared by `slots` rows in flight; a row holds the pages of the tokens it has cached, no more. A
+               prompt's samples admitted together hold its full pages once (`_sibling_pages`, refcounted by
+               `PageAllocator.share`); each holds its last partial page and its generated tokens alone.
     row states QUEUED -> PREFILL -> DECODE -> TOOL -> PREFILL -> DECODE ... -> DONE
       QUEUED   waiting for a slot and the pages of its tokens (a new episode, or a preempted row to recompute);
                admitted in row order as soon as both are free (no round barrier).
@@ -235,6 +237,8 @@ class _Engine:
         self.num_pages = pool_pages(config, rollout, paged, most, mesh=mesh, rules=rules, processes=self.processes)
         self.slots = max(1, min(most, paged.slots or most))
         self.page_base, self.slot_base = self.process * self.num_pages, self.process * self.slots
+        # the most pages a dispatch reads: a page has at most G holders (a prompt's samples share its full pages)
+        self.item_cap = self.num_pages * rollout.group_size
         self.table_width = paged_lib.pages_for(self.max_len, self.page_size)
         self.prefill_chunk, self.prefill_tokens = paged.prefill_chunk, paged.prefill_tokens
         hooked = logits_hook is not None
@@ -295,14 +299,33 @@ class _Engine:
             if not len(free):
                 return
             row = self.rows[self.queue[0]]
+            shared = self._sibling_pages(row)
             need = paged_lib.pages_for(min(len(row.tokens()) + self.steps, self.max_len), self.page_size)
+            need -= len(shared)
             if need > self.allocator.free_pages:
                 return  # in row order: the head waits for pages, as vLLM's admission does
             heapq.heappop(self.queue)
             row.slot = int(free[0])
             self.slot_row[row.slot] = row.index
-            row.pages = self.allocator.alloc(need)
+            row.pages = self.allocator.share(shared) + self.allocator.alloc(need)
             row.phase = PREFILL
+
+    def _sibling_pages(self, row: _Row) -> list[int]:
+        """The full pages of `row`'s tokens held by a sample of the same prompt with the same tokens that is not
+        prefilled yet (a prompt's G samples, admitted together), or none. Both run through the same prefill
+        dispatches as one computed row (`_prefill`), so those pages get the keys and values the row's own would
+        get; the row shares them (one more holder) instead of holding copies. Its last partial page and every
+        token after the prompt (decode writes only positions past what the row has cached) are its own pages."""
+        tokens = row.tokens()
+        full = len(tokens) // self.page_size
+        group = self.rollout.group_size
+        if not full or row.cached:
+            return []
+        for other in self.rows[row.index - row.index % group:][:group]:
+            if (other is not row and other.phase == PREFILL and not other.cached and len(other.pages) >= full
+                    and other.tokens() == tokens):
+                return other.pages[:full]
+        return []
 
     def _open_turn(self, row: _Row) -> None:
         episode = self.episodes[row.index]
@@ -342,7 +365,7 @@ class _Engine:
             source.append(leaders.setdefault(key, len(leaders)))
         unique = [chunks[source.index(u)] for u in range(len(leaders))]
         items = paged_lib.work_items([row.pages for row, _ in unique], [row.cached for row, _ in unique],
-                                     self.page_size, minimum=16, maximum=self.num_pages)
+                                     self.page_size, minimum=16, maximum=self.item_cap)
         shape = (sampler_lib.bucket_length(len(unique), minimum=1),
                  sampler_lib.bucket_length(max(len(p) for _, p in unique)), len(items[0]),
                  sampler_lib.bucket_length(len(chunks), minimum=1))
@@ -396,7 +419,7 @@ class _Engine:
             return None
         items = paged_lib.work_items([row.pages for row in rows],
                                      [min(r.cached + self.steps - 1, self.max_len) for r in rows],
-                                     self.page_size, minimum=16, maximum=self.num_pages)
+                                     self.page_size, minimum=16, maximum=self.item_cap)
         return {"rows": rows, "items": items, "shape": (sampler_lib.bucket_length(len(rows), minimum=1),
                                                         len(items[0]))}
 
