@@ -321,7 +321,8 @@ class _Engine:
         group = self.rollout.group_size
         if not full or row.cached:
             return []
-        for other in self.rows[row.index - row.index % group:][:group]:
+        first = row.index - row.index % group  # a prompt's G samples are rows [first, first + G)
+        for other in self.rows[first:first + group]:
             if (other is not row and other.phase == PREFILL and not other.cached and len(other.pages) >= full
                     and other.tokens() == tokens):
                 return other.pages[:full]
