@@ -203,6 +203,31 @@ def test_on_several_hosts_the_rollout_runs_every_processs_rows_over_the_whole_me
     assert all(leaf.sharding.mesh is mesh for leaf in jax.tree_util.tree_leaves(programs.rollout_params))
 
 
+def test_on_several_hosts_the_paged_engine_lists_every_processs_pool_part_and_rows(tiny_run):
+    # v6e-8: two hosts of 4 chips, 8 rows each (2 prompts x 4), 256 tokens a row in pages of 16: each process's part
+    # of the pool is 8 x 16 pages, the pool 256 pages and 16 slots; process p's part lives on its own 4 chips
+    # (pages over fsdp), and every dispatch takes both processes' rows (decode batches of 2 x 1..8 rows)
+    import dataclasses
+
+    from trace_jax import models
+
+    run = dataclasses.replace(tiny_run, train=dataclasses.replace(tiny_run.train, prompts_per_step=4),
+                              rollout=dataclasses.replace(tiny_run.rollout, group_size=4, max_context=256,
+                                                          engine="paged"))
+    devices = plan.tpu_devices(plan.parse_topology("v6e-8"))
+    mesh = models.make_mesh({"data": 1, "fsdp": 8, "tensor": 1, "expert": 1}, devices)
+    programs = plan._Programs(models.get_preset("tiny-qwen3"), run, mesh, plan.PlanConfig("v6e-8"))
+    decodes = programs.registry.named("paged_decode")
+    assert {entry.args[3].shape[0] for entry in decodes} == {2, 4, 8, 16}
+    assert all(entry.args[12][0].shape[0] % 2 == 0 for entry in decodes)  # work items: both processes' parts
+    pool = decodes[0].args[2].k
+    assert pool.shape[1] == 256 and decodes[0].args[2].slots == 16
+    for process in (0, 1):
+        pages = {index[1].indices(256)[:2] for device, index in pool.sharding.devices_indices_map(pool.shape).items()
+                 if device.process_index == process}
+        assert min(a for a, _ in pages) == 128 * process and max(b for _, b in pages) == 128 * (process + 1)
+
+
 def test_plan_reaches_other_packages_only_through_public_names_and_patches_nothing():
     """`plan` compiles the loop's programs through their owners' public builders: no `from x import _name`, no
     `module._name` of an imported trace_jax module other than plan itself, and no assignment to an attribute of

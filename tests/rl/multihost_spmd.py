@@ -5,11 +5,12 @@ hold on each device and what the steps produce.
 `python tests/rl/multihost_spmd.py OUT_DIR SETTING` is what each process of tests/rl/test_spmd_processes.py runs (the
 `TRACE_JAX_*` variables make it join the run); `run_steps(out_dir, setting)` is the same in the calling process.
 Bytes come from the live device buffers the programs read (each addressable shard's `nbytes`, by device), taken
-when the rollout's first `generate` and the first reference scoring are called; the steps run under the program
-recorder of tests/rl/test_programs.py against the run's registry (what `trace-jax plan` lowers). Process 0 writes
-OUT_DIR/result.json: the largest bytes on any of its devices, every process's rows (gathered) of each step, and
-what the recorder saw dispatched outside the registry; with fsdp=8 also an evaluation of 3 held-out tasks split
-unevenly over the processes.
+when the rollout's first `generate` (the paged engine: its first decode) and the first reference scoring are called;
+the steps run under the program recorder of tests/rl/test_programs.py against the run's registry (what `trace-jax
+plan` lowers). Process 0 writes OUT_DIR/result.json: the largest bytes on any of its devices, every process's rows
+(gathered) of each step, and what the recorder saw dispatched outside the registry; with fsdp=8 (on the paged
+engine, `PAGED`) also an evaluation of 3 held-out tasks split unevenly over the processes and the engine alone on
+tasks split unevenly (`engine_episodes`).
 """
 
 from __future__ import annotations
@@ -48,8 +49,78 @@ model_preset.name = 'tiny-qwen3-moe'
 model_preset.moe_intermediate_size = 16
 model_preset.num_experts = 8
 """
-SETTINGS = {"fsdp8": (GIN, {"fsdp": 8}), "expert8": (GIN + MOE, {"expert": 8})}
+# the paged engine (rollout.engine) in lock step; its prompts go in as two chunks of at most 16 tokens as well
+PAGED = """
+RolloutConfig.engine = 'paged'
+RolloutConfig.paged = @PagedConfig()
+PagedConfig.prefill_chunk = 16
+"""
+SETTINGS = {"fsdp8": (GIN + PAGED, {"fsdp": 8}), "expert8": (GIN + MOE, {"expert": 8})}
 STEPS = 2
+# the engine-level check (fsdp8): 3 tasks, 2 on process 0 (whose tool calls take 150 ms) and 1 on process 1 (fast
+# tools: it finishes first and takes part with padding); every row's first turn scripted as a tool call or not
+ENGINE_TASKS = 3
+ENGINE_TURN_BUDGET = 32
+TOOL_SECONDS = (0.15, 0.0)
+WORDS = ("river", "city", "north", "south", "mayor", "page")
+
+
+class LatentTools:
+    """One task's tools: each call returns 1-5 words drawn from the task and the call's number (the same on any
+    process) after a latency that depends on the process (`TOOL_SECONDS`), so processes wait on tools at different
+    times."""
+
+    def __init__(self, task):
+        self.task, self.calls = task, 0
+
+    def execute(self, name, arguments):
+        import random
+        import time
+
+        import jax
+
+        draw = random.Random(f"{self.task.task_id}/{self.calls}/{name}")
+        self.calls += 1
+        time.sleep(TOOL_SECONDS[jax.process_index() % len(TOOL_SECONDS)])
+        return " ".join(draw.choice(WORDS) for _ in range(draw.randint(1, 5)))
+
+
+def engine_episodes(environment, config, placement, params) -> dict:
+    """`engine.run_paged_episodes` on `ENGINE_TASKS` tasks split unevenly over the processes (process p's rows keep
+    their global keys through `row_offset`), sampled, with a scripted first turn per row (a tool call for rows 0, 1,
+    3 and 4, the model's own turn for rows 2 and 5) and `LatentTools`: every process's rows (gathered) and
+    dispatch counts."""
+    import random
+
+    import jax
+    import numpy as np
+
+    from trace_jax.rollout import engine as engine_lib
+    from trace_jax.rollout.agent import ScriptedPolicy
+    from trace_jax.train import distributed
+
+    chat, group = environment.chat, config.rollout.group_size
+    tasks = environment.train_tasks[:ENGINE_TASKS]
+    draw = random.Random(0)
+    scripts = [[chat.assistant_content_ids(None, [{"name": "search", "arguments": {"query": draw.choice(WORDS)}}])
+                if row % 3 != 2 else []] for row in range(len(tasks) * group)]
+    # process 0 runs the first 2 tasks, process 1 the last one (one process: all three)
+    first, last = ((0, len(tasks)) if jax.process_count() == 1 else
+                   ((0, 2), (2, len(tasks)))[jax.process_index()])
+    offset = first * group
+    hook = ScriptedPolicy(scripts[offset:last * group], environment.model_config.vocab_size)
+    rollout = dataclasses.replace(config.rollout, turn_token_budget=ENGINE_TURN_BUDGET)
+    result = engine_lib.run_paged_episodes(environment.model_config, params, chat, tasks[first:last], LatentTools,
+                                           rollout, jax.random.PRNGKey(5), mesh=placement.mesh,
+                                           rules=placement.rollout_rules, row_offset=offset, logits_hook=hook)
+    batch, stats = result.batch, result.stats
+    return {name: distributed.gather_rows(np.asarray(getattr(batch, name))).tolist()
+            for name in ("tokens", "status", "lengths", "loss_mask", "sampler_logprobs")} | {
+        "tool_calls": distributed.gather_rows(np.asarray([sum(isinstance(call, tuple) for call in e.tool_calls)
+                                                          for e in result.episodes], np.int32)).tolist(),
+        "dispatches": distributed.gather_rows(np.asarray([[stats.decode_dispatches, stats.prefill_dispatches,
+                                                           stats.row_steps, stats.useful_row_steps]],
+                                                         np.int32)).tolist()}
 
 
 def _bytes_by_device(tree) -> dict:
@@ -83,6 +154,7 @@ def run_steps(out_dir: str | Path, setting: str) -> dict:
     from trace_jax.rl.gin_setup import parse
     from trace_jax.rl.loop import Placement, build_environment, make_rl_step, prompt_stream, rl_step
     from trace_jax.rollout import agent as agent_lib
+    from trace_jax.rollout import paged as paged_lib
     from trace_jax.train import distributed
     from trace_jax.train.config import MeshConfig
     from trace_jax.train.state import init_train_state
@@ -102,6 +174,7 @@ def run_steps(out_dir: str | Path, setting: str) -> dict:
                              mesh=placement.mesh)
 
     seen: dict = {}
+    pool: dict = {}
     generate, score = agent_lib.sampler_lib.generate, pipeline_lib.score_answer_prefixes
 
     def measuring_generate(config_, params_, state_, **kwargs):
@@ -118,9 +191,28 @@ def run_steps(out_dir: str | Path, setting: str) -> dict:
             seen["reference_experts_whole"] = sum(x.size * x.dtype.itemsize for x in _experts(params_))
         return score(config_, params_, *args, **kwargs)
 
-    agent_lib.sampler_lib.generate, pipeline_lib.score_answer_prefixes = measuring_generate, measuring_score
-    record = {"processes": jax.process_count(), "tokens": [], "rewards": [], "scores": [], "losses": []}
+    decode_program = paged_lib.decode_program
+
+    def measuring_decode_program(*args, **kwargs):  # the paged engine's decode reads the params and the pool
+        program = decode_program(*args, **kwargs)
+
+        def call(sampling, params_, state_, *rest):
+            if "rollout_params" not in seen:
+                seen["rollout_params"], seen["cache"] = _most(params_), _most((state_.k, state_.v))
+                # the pool's pages on this process's devices: its own part of the pool (engine module doc)
+                here = [shard.index[1].indices(state_.num_pages)[:2] for shard in state_.k.addressable_shards]
+                pool.update(pages=state_.num_pages, here=[min(a for a, _ in here), max(b for _, b in here)])
+                seen["rollout_experts"] = _most(_experts(params_))
+                seen["rollout_experts_whole"] = sum(x.size * x.dtype.itemsize for x in _experts(params_))
+            return program(sampling, params_, state_, *rest)
+
+        return call
+
+    record = {"processes": jax.process_count(), "tokens": [], "logprobs": [], "rewards": [], "scores": [],
+              "losses": []}
     recorder = Recorder(rl.programs(environment.train_tasks))  # what `trace-jax plan` lowers for this run
+    agent_lib.sampler_lib.generate, pipeline_lib.score_answer_prefixes = measuring_generate, measuring_score
+    paged_lib.decode_program = measuring_decode_program
     try:
         prompts = prompt_stream(config, environment.train_tasks)
         with recorder:
@@ -129,11 +221,15 @@ def run_steps(out_dir: str | Path, setting: str) -> dict:
                                                    jax.random.PRNGKey(100 + step), seed=step)
                 batch = prepared.rollout.batch
                 record["tokens"].append(distributed.gather_rows(np.asarray(batch.tokens)).tolist())
+                # the sampler's log-probs: KV a row reads wrongly shows here (a tiny random policy's sampled tokens
+                # hardly change under it)
+                record["logprobs"].append(distributed.gather_rows(np.asarray(batch.sampler_logprobs)).tolist())
                 record["rewards"].append(distributed.gather_rows(np.asarray(batch.reward)).tolist())
                 record["scores"].append(distributed.gather_rows(np.asarray(prepared.answer_scores)).tolist())
                 record["losses"].append(float(metrics["loss"]))
     finally:
         agent_lib.sampler_lib.generate, pipeline_lib.score_answer_prefixes = generate, score
+        paged_lib.decode_program = decode_program
     if setting == "fsdp8":  # 3 held-out tasks a task a call: process 0 runs 1, then takes part with an empty call
         from trace_jax.rl.evaluate import EvalConfig, evaluate
 
@@ -141,7 +237,10 @@ def run_steps(out_dir: str | Path, setting: str) -> dict:
                           environment.eval_tasks[:3], environment.browser, config.rollout,
                           EvalConfig(num_tasks=3, batch_size=1), mesh=placement.mesh, rules=placement.rollout_rules)
         record["evaluation"] = {k: v for k, v in result.to_json().items() if k != "seconds"}
+        record["engine"] = engine_episodes(environment, config, placement, placement.rollout_params(state.params))
+    record["engine_kind"] = config.rollout.engine
     record["bytes"] = seen
+    record["pool"] = pool
     record["unlisted"] = recorder.unlisted()
     record["dispatched"] = sorted({entry.name for _, entry in recorder.calls if entry is not None})
     if distributed.is_primary():

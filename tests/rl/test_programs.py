@@ -304,20 +304,6 @@ def test_a_prefill_token_budget_leaves_out_the_buckets_it_cannot_reach(paged_run
     assert (2, 128) not in shapes and (4, 128) not in shapes
 
 
-def test_the_paged_registry_refuses_a_mesh_over_several_processes(paged_run):
-    config, environment, rl, registry = paged_run
-
-    class Device:
-        def __init__(self, process_index):
-            self.process_index = process_index
-
-    class Mesh:
-        devices = np.asarray([Device(0), Device(1)], dtype=object)
-
-    with pytest.raises(ValueError, match="RolloutConfig.engine = 'dense'"):
-        programs_lib.paged_entries(config, environment.model_config, Mesh(), registry.rollout_params, 4, 1)
-
-
 def test_with_chunks_shorter_than_the_prompts_and_observations_each_dispatch_is_an_entry_at_most_a_chunk_wide(run):
     # the registry lists append and prefill_rows widths only up to their chunks (RolloutConfig), and the loop cuts
     # the tiny config's prompts (hundreds of tokens: the tool schemas) and observations to fit them

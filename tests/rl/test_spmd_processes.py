@@ -3,7 +3,9 @@
 expert=8, hold per device the params and cache bytes one process with 8 devices holds on the same mesh (spanning
 processes adds no copy: with expert=8 each device holds 1/8 of the experts), dispatch only programs the run's
 registry lists (what `trace-jax plan` lowers), and two RL steps give the one process's rollout tokens, rewards,
-reference scores and losses (tests/rl/multihost_spmd.py runs the steps)."""
+reference scores and losses (tests/rl/multihost_spmd.py runs the steps). fsdp8 runs the rollout on the paged
+engine (`RolloutConfig.engine = 'paged'`, in lock step over the processes) and also checks the engine alone on tasks
+split unevenly, with tool latencies that differ per process; expert8 on the dense engine."""
 
 from __future__ import annotations
 
@@ -44,6 +46,17 @@ def test_spanning_processes_adds_no_copy_of_params_or_cache(runs):
         assert multi["bytes"][name] >= 0.9 * single["bytes"][name], (setting, name, multi["bytes"], single["bytes"])
 
 
+def test_the_paged_pool_is_split_by_process_each_holding_its_own_part_on_its_devices(runs):
+    """Process 0's rows hold pages of its part, [0, pages / 2), which its 4 devices hold (pages over fsdp)."""
+    setting, multi, single = runs
+    if multi["engine_kind"] != "paged":
+        assert multi["pool"] == {} and single["pool"] == {}
+        return
+    assert multi["pool"]["pages"] == single["pool"]["pages"]
+    assert multi["pool"]["here"] == [0, multi["pool"]["pages"] // 2]
+    assert single["pool"]["here"] == [0, single["pool"]["pages"]]
+
+
 def test_with_expert8_each_device_holds_an_eighth_of_the_experts(runs):
     setting, multi, _ = runs
     for phase in ("rollout", "reference"):
@@ -58,14 +71,17 @@ def test_every_program_the_processes_dispatch_is_a_registry_entry_at_the_global_
     _, multi, single = runs
     assert multi["unlisted"] == [] and single["unlisted"] == []
     assert multi["dispatched"] == single["dispatched"]
-    assert {"init", "prefill_rows", "decode", "append", "score", "update"} <= set(multi["dispatched"])
+    rollout = ({"paged_init", "paged_prefill", "paged_decode"} if multi["engine_kind"] == "paged" else
+               {"init", "prefill_rows", "decode", "append"})
+    assert rollout | {"score", "update"} <= set(multi["dispatched"])
 
 
-def test_two_rl_steps_give_the_one_processs_tokens_rewards_scores_and_loss(runs):
+def test_two_rl_steps_give_the_one_processs_tokens_log_probs_rewards_scores_and_loss(runs):
     _, multi, single = runs
     for step in range(multihost_spmd.STEPS):
         np.testing.assert_array_equal(multi["tokens"][step], single["tokens"][step], err_msg=f"step {step}")
         np.testing.assert_array_equal(multi["rewards"][step], single["rewards"][step], err_msg=f"step {step}")
+        np.testing.assert_allclose(multi["logprobs"][step], single["logprobs"][step], atol=1e-5, rtol=0)
         np.testing.assert_allclose(multi["scores"][step], single["scores"][step], atol=1e-5, rtol=0)
     np.testing.assert_allclose(multi["losses"], single["losses"], atol=1e-5, rtol=0)
 
@@ -77,3 +93,22 @@ def test_an_evaluation_split_unevenly_over_the_processes_gives_the_one_processs_
         assert multi["evaluation"]["num_tasks"] == 3
     else:
         assert "evaluation" not in multi and "evaluation" not in single
+
+
+def test_the_paged_engine_in_lock_step_gives_the_one_processs_episodes_with_uneven_tasks_and_tool_latencies(runs):
+    """fsdp8 runs the paged engine: 3 tasks (2 on process 0, whose tools are slow, 1 on process 1), sampled, with
+    scripted tool calls; the processes dispatch as many programs (padding where they have nothing to run) and give
+    the rows one process gives."""
+    setting, multi, single = runs
+    if setting != "fsdp8":
+        assert "engine" not in multi
+        return
+    two, one = multi["engine"], single["engine"]
+    for name in ("tokens", "status", "lengths", "loss_mask", "tool_calls"):
+        np.testing.assert_array_equal(two[name], one[name], err_msg=name)
+    np.testing.assert_allclose(two["sampler_logprobs"], one["sampler_logprobs"], atol=1e-5, rtol=0)
+    assert len(one["tokens"]) == multihost_spmd.ENGINE_TASKS * 2  # G = 2
+    assert 0 < sum(one["tool_calls"]) < len(one["tool_calls"])  # some rows ran a tool call, some did not
+    (decode0, prefill0, steps0, useful0), (decode1, prefill1, steps1, useful1) = two["dispatches"]
+    assert (decode0, prefill0, steps0) == (decode1, prefill1, steps1)  # lock step: the same dispatches and shapes
+    assert useful1 < useful0  # process 1 (one task, fast tools) ran padding while process 0 still had rows

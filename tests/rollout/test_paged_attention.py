@@ -89,6 +89,20 @@ def test_the_allocator_hands_out_free_pages_lowest_first_and_refuses_a_double_fr
         pool.alloc(3)
 
 
+def test_a_shared_page_is_free_again_only_when_its_last_holder_releases_it():
+    pool = paged.PageAllocator(4)
+    first = pool.alloc(2)
+    assert pool.share(first) == first and pool.holders(first[0]) == 2 and pool.free_pages == 2
+    pool.release(first)  # one holder left: still held
+    assert pool.free_pages == 2 and pool.holders(first[1]) == 1
+    pool.release(first)
+    assert pool.free_pages == 4 and pool.alloc(1) == [0]
+    with pytest.raises(RuntimeError, match="not all held"):
+        pool.share([3])
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.release([0, 0])
+
+
 @pytest.fixture(scope="module")
 def tiny():
     config = models.get_preset("tiny-qwen3")

@@ -266,3 +266,29 @@ def test_the_pool_line_says_the_pages_and_tokens_the_engine_holds_and_where_they
     pages = paged_lib.pages_within_budget(config, 8, 0.001)
     assert (f"a pool of {pages} pages x 8 tokens ({pages * 8} tokens, from the KV budget of 0.001 GiB per chip)"
             in engine_lib.paged_pool_line(config, budget, 4))
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_a_prompts_samples_share_its_full_pages_and_hold_only_their_own_tokens_besides(setup, kind):
+    """G = 4 samples of one long prompt (5 full pages of 8 tokens) admitted together: they hold the prompt's full
+    pages once (refcounted) and each its own last partial page and generated tokens, with the dense engine's
+    episodes. Greedy rows stay identical and end together, so the most pages held is exactly that; sampled rows
+    part and end apart, so it is at most that."""
+    chat, config, params = setup
+    rollout = dataclasses.replace(ROLLOUT if kind == "greedy" else SAMPLED, group_size=4, max_turns=0,
+                                  sync_every=1)
+    tasks = [types.SimpleNamespace(task_id="long", answer="alpha", question=" ".join(["river"] * 36))]
+    dense = run_episodes(config, params, chat, tasks, ScriptedTools, rollout, jax.random.PRNGKey(7))
+    result = engine_lib.run_paged_episodes(config, params, chat, tasks, ScriptedTools, rollout,
+                                           jax.random.PRNGKey(7), paged=PAGED)
+    _assert_same_episodes(result, dense)
+    size = PAGED.page_size
+    full = int(np.asarray(result.batch.boundaries)[0, 0]) // size
+    own = [paged_lib.pages_for(n, size) - full for n in np.asarray(result.batch.lengths)]
+    assert full >= 5 and all(n >= 1 for n in own)
+    shared = full + sum(own)  # the prompt's full pages once, then each row's own
+    assert shared < sum(full + n for n in own)  # what copies of the prompt would hold
+    if kind == "greedy":
+        assert result.stats.max_pages_held == shared
+    else:
+        assert result.stats.max_pages_held <= shared

@@ -337,7 +337,8 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
 
 def item_buckets(most_pages: int, num_pages: int) -> tuple[int, ...]:
     """Every work-item count `paged.work_items(..., minimum=16, maximum=num_pages)` can give for at most
-    `most_pages` pages read: powers of two from 16, each capped at the pool's pages."""
+    `most_pages` pages read: powers of two from 16, each capped at `num_pages` (the engine passes the pool's pages
+    times G: a prompt's G samples share its full pages, so a page is read by at most G rows)."""
     out, size = set(), 16
     while True:
         out.add(min(size, num_pages))
@@ -353,36 +354,36 @@ def paged_entries(run_config, model_config, mesh, rollout_params, episodes: int,
 
     The engine buckets each dispatch: decode batch D and distinct prefill rows U and output rows R to
     `sampler.bucket_length(n, minimum=1)` (n <= slots), a prefill chunk's width W to `sampler.bucket_length` (at
-    most `PagedConfig.prefill_chunk`, and under `max_context`), the pages read to `item_buckets` (at most the
+    most `PagedConfig.prefill_chunk`, and under `max_context`), the pages read to `item_buckets` (at most G x the
     pool's pages, and the pages D or U rows of `max_context` hold). A prefill dispatch runs at most
     `PagedConfig.prefill_tokens` distinct tokens unless it runs one row: a (U, W) bucket is listed when its
-    fewest tokens (the smallest U' and W' that round to it: W' + U' - 1) fit, or U is 1. The engine runs on one
-    process's devices (`engine.run_paged_episodes` refuses a mesh spanning processes), so a mesh over several
-    processes is an error here too."""
+    fewest tokens (the smallest U' and W' that round to it: W' + U' - 1) fit, or U is 1. On a mesh over several
+    processes the engine runs in lock step (`engine` module doc): the pool and the slots are every process's parts,
+    and each dispatch takes every process's rows at the largest bucket any process needs (so U and W of different
+    processes meet: every (U, W) is listed), the global shapes being the processes times those buckets."""
     rollout = run_config.rollout
     paged, rules = rollout.paged, run_config.mesh.rollout_rules()
-    if len({device.process_index for device in mesh.devices.flat}) > 1:
-        raise ValueError("RolloutConfig.engine = 'paged' runs on one process's devices (no multi-process lock-step "
-                         "yet): plan it on a one-host topology or use RolloutConfig.engine = 'dense'")
+    processes = len({device.process_index for device in mesh.devices.flat})
     if kv_budget_gib is not None:
         rollout = dataclasses.replace(rollout, kv_budget_gib=kv_budget_gib)
     max_len, page_size, steps = rollout.max_context, paged.page_size, rollout.sync_every
-    num_pages = pool_pages(model_config, rollout, paged, episodes, mesh=mesh, rules=rules)
+    num_pages = pool_pages(model_config, rollout, paged, episodes, mesh=mesh, rules=rules, processes=processes)
     slots = max(1, min(episodes, paged.slots or episodes))
     width = paged_lib.pages_for(max_len, page_size)  # a page table's width
-    state = paged_lib.abstract_state(model_config, num_pages, page_size, slots, mesh=mesh, rules=rules)
+    state = paged_lib.abstract_state(model_config, processes * num_pages, page_size, processes * slots, mesh=mesh,
+                                     rules=rules)
     layout = paged_lib.state_layout(state)
     pool_bytes = sum(int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
                      for x in (state.k, state.v))
-    pool = f"a pool of {num_pages} pages x {page_size} tokens, {slots} slots"
-    entries = [Entry("paged_init", paged_lib.init_pool_program(model_config, num_pages, page_size, slots, mesh,
-                                                               rules), (), pool)]
+    pool = f"a pool of {processes * num_pages} pages x {page_size} tokens, {processes * slots} slots"
+    entries = [Entry("paged_init", paged_lib.init_pool_program(model_config, processes * num_pages, page_size,
+                                                               processes * slots, mesh, rules), (), pool)]
 
     def smallest(buckets):  # the fewest rows (tokens) that round up to each bucket
         return {b: a + 1 for a, b in zip((0,) + buckets, buckets)}
 
     def items(count):
-        return tuple(_host((count,), jnp.int32) for _ in range(3))
+        return tuple(_host((processes * count,), jnp.int32) for _ in range(3))
 
     rows = bucket_lengths(slots, minimum=1)
     fewest_rows = smallest(rows)
@@ -391,29 +392,32 @@ def paged_entries(run_config, model_config, mesh, rollout_params, episodes: int,
     prefill = paged_lib.prefill_program(model_config, max_len, layout)
     for unique in rows:
         for chunk in chunk_widths:
-            if unique > 1 and fewest_tokens[chunk] + fewest_rows[unique] - 1 > paged.prefill_tokens:
+            if (processes == 1 and unique > 1
+                    and fewest_tokens[chunk] + fewest_rows[unique] - 1 > paged.prefill_tokens):
                 continue
-            for count in item_buckets(unique * width, num_pages):
-                for out in (r for r in rows if r >= unique):
-                    args = (rollout_params, state, _host((unique,), jnp.int32), _host((unique, chunk), jnp.int32),
-                            _host((unique,), jnp.int32), items(count), _host((out,), jnp.int32),
+            u = processes * unique
+            for count in item_buckets(unique * width, rollout.group_size * num_pages):
+                for out in (processes * r for r in rows if r >= unique):
+                    args = (rollout_params, state, _host((u,), jnp.int32), _host((u, chunk), jnp.int32),
+                            _host((u,), jnp.int32), items(count), _host((out,), jnp.int32),
                             _host((out, width), jnp.int32), _host((out,), jnp.int32))
                     entries.append(Entry("paged_prefill", prefill, args,
-                                         f"{unique} rows x {chunk} tokens reading {count} pages, written to {out} "
-                                         f"rows; {pool}"))
+                                         f"{u} rows x {chunk} tokens reading {processes * count} pages, written to "
+                                         f"{out} rows; {pool}"))
     decode = paged_lib.decode_program(model_config, steps, max_len, layout)
     for batch in rows:
-        host = sampler.RowSampling.broadcast(rollout.sampling, batch)
-        sampling = host.replace(temperature=_host((batch,), jnp.float32), top_p=_host((batch,), jnp.float32),
-                                greedy=_host((batch,), jnp.bool_))
-        vector = _host((batch,), jnp.int32)
-        for count in item_buckets(batch * width, num_pages):
-            args = (sampling, rollout_params, state, vector, _host((batch, width), jnp.int32), vector,
-                    _host((batch,), jnp.bool_), vector, _host((num_stop_ids,), jnp.int32),
-                    _host((batch, 2), jnp.uint32), vector, vector, items(count), None)
-            entries.append(Entry("paged_decode", decode, args, f"{batch} rows x {steps} steps reading {count} "
-                                                               f"pages; {pool}"))
-    return entries, slots, pool_bytes
+        d = processes * batch
+        host = sampler.RowSampling.broadcast(rollout.sampling, d)
+        sampling = host.replace(temperature=_host((d,), jnp.float32), top_p=_host((d,), jnp.float32),
+                                greedy=_host((d,), jnp.bool_))
+        vector = _host((d,), jnp.int32)
+        for count in item_buckets(batch * width, rollout.group_size * num_pages):
+            args = (sampling, rollout_params, state, vector, _host((d, width), jnp.int32), vector,
+                    _host((d,), jnp.bool_), vector, _host((num_stop_ids,), jnp.int32),
+                    _host((d, 2), jnp.uint32), vector, vector, items(count), None)
+            entries.append(Entry("paged_decode", decode, args, f"{d} rows x {steps} steps reading "
+                                                               f"{processes * count} pages; {pool}"))
+    return entries, processes * slots, pool_bytes
 
 
 def abstract_loss_batch(loss, mesh, rules, rows: int, shape, *, packed_rows: int | None = None,

@@ -5,7 +5,9 @@ same per-row keys), on the paged KV cache of `rollout.paged`:
 
     page pool  `PagedConfig.num_pages` (`RolloutConfig.paged`) pages of `page_size` tokens (from
                `RolloutConfig.kv_budget_gib` when set),
-               shared by `slots` rows in flight; a row holds the pages of the tokens it has cached, no more.
+               shared by `slots` rows in flight; a row holds the pages of the tokens it has cached, no more. A
+               prompt's samples admitted together hold its full pages once (`_sibling_pages`, refcounted by
+               `PageAllocator.share`); each holds its last partial page and its generated tokens alone.
     row states QUEUED -> PREFILL -> DECODE -> TOOL -> PREFILL -> DECODE ... -> DONE
       QUEUED   waiting for a slot and the pages of its tokens (a new episode, or a preempted row to recompute);
                admitted in row order as soon as both are free (no round barrier).
@@ -30,6 +32,29 @@ order in attention: logits agree to ~1e-6, greedy and sampled tokens are the sam
 (answer, max_turns, context overflow, tool errors, compaction) are `run_episodes`' own, step for step
 (`_end_turn`, `_observe`; tests/rollout/test_paged_engine.py pins the equality).
 
+Several processes (a `mesh` over their devices, `distributed.spans_processes`): every process runs the host loop
+for its own tasks (their rows, tool calls, preemptions) and every dispatch is one SPMD program over the whole mesh,
+so the processes dispatch the same programs in the same order, in lock step:
+
+    state      one global pool of `processes x num_pages` pages and `processes x slots` slots (`num_pages` and
+               `slots` from the most rows any process has, agreed). Process p's rows hold only pages of its part,
+               [p x num_pages, (p+1) x num_pages), and slots [p x slots, (p+1) x slots): the p-th block of the pool's
+               page axis, which the data-parallel layout (pages over the batch axes, devices in process order)
+               puts on process p's own devices. Each process keeps its own `PageAllocator` of its part.
+    iteration  after the host work (tools collected, admissions), one agreement (`_agree`: each value's largest
+               over the processes, one collective) of whether any row is left anywhere and the prefill's shapes
+               (U, W, work items, R buckets); then the prefill dispatch if any process has a chunk; then a second
+               agreement of the decode batch D, its work items, and whether any tool runs; then the decode
+               dispatch if any process has a decoding row. A process with nothing to do dispatches padding
+               (inactive rows, zero-token chunks) at the agreed shapes; one with no row left takes part until no
+               process has one. The programs' host arguments are each process's padded arrays concatenated in
+               process order (`_everyone`, one collective a dispatch): process p's rows are the p-th block of D
+               (or U, R) rows, and the results are read from its block (`distributed.local_rows`).
+    local      tool calls, page allocation, preemption and admission are each process's own decisions; only the
+               dispatch shapes are agreed, so a row's tokens do not depend on the other processes' schedules.
+               Row keys fold in `row_offset + r` (the row's global index), so 2 processes x 4 devices give the
+               episodes of 1 process x 8 (tests/rl/test_spmd_processes.py).
+
 This module knows nothing about the model's internals, credit assignment or training.
 """
 
@@ -52,7 +77,9 @@ from trace_jax.rollout import agent as agent_lib
 from trace_jax.rollout import paged as paged_lib
 from trace_jax.rollout import sampler as sampler_lib
 from trace_jax.rollout.batch import EpisodeRecord, build_batch
+from trace_jax.rollout.budget import batch_shards
 from trace_jax.rollout.paged import PagedConfig
+from trace_jax.train import distributed
 
 QUEUED, PREFILL, DECODE, TOOL, DONE = "queued", "prefill", "decode", "tool", "done"
 
@@ -106,18 +133,31 @@ class _Row:
         return self.segment["tokens"] + self.turn_ids
 
 
+def mesh_processes(mesh) -> int:
+    """The processes whose devices `mesh` spans when this process runs them in lock step: `jax.process_count()` on a
+    mesh over other processes' devices (`distributed.spans_processes`), else 1 (one device, or this process's)."""
+    return jax.process_count() if distributed.spans_processes(mesh) else 1
+
+
 def pool_pages(config: ModelConfig, rollout: agent_lib.RolloutConfig, paged: PagedConfig, rows: int, *, mesh=None,
-               rules=None) -> int:
-    """The pool's page count (`PagedConfig.num_pages`, see there); at least one row of `max_context` must fit."""
+               rules=None, processes: int = 1) -> int:
+    """Pages of one process's part of the pool (`PagedConfig.num_pages`, see there; the pool holds `processes` x
+    this): `num_pages` as set, else an equal part of what `RolloutConfig.kv_budget_gib` holds per chip, else `rows`
+    (this process's, the most any process has) rows of `max_context`, rounded up so that the pool divides over the
+    batch shards (each process's part then lives on its own devices). At least one row of `max_context` must fit."""
     needed = paged_lib.pages_for(rollout.max_context, paged.page_size)
     if paged.num_pages is not None:
         pages, source = paged.num_pages, f"PagedConfig.num_pages = {paged.num_pages}"
     elif rollout.kv_budget_gib is not None:
         pages = paged_lib.pages_within_budget(config, paged.page_size, rollout.kv_budget_gib, mesh=mesh,
-                                              rules=rules)
+                                              rules=rules) // processes
         source = f"RolloutConfig.kv_budget_gib = {rollout.kv_budget_gib}"
+        if processes > 1:
+            source += f" shared by {processes} processes"
     else:
-        return needed * max(rows, 1)
+        shards = batch_shards(mesh, rules)
+        part = shards // processes if shards % processes == 0 else 1  # the batch shards of one process's pages
+        return -(-needed * max(rows, 1) // part) * part
     if pages < needed:
         raise ValueError(f"{source} gives a pool of {pages} pages of {paged.page_size} tokens; one row of "
                          f"max_context = {rollout.max_context} needs {needed}: raise it")
@@ -126,16 +166,21 @@ def pool_pages(config: ModelConfig, rollout: agent_lib.RolloutConfig, paged: Pag
 
 def paged_pool_line(config: ModelConfig, rollout: agent_lib.RolloutConfig, rows: int, *, mesh=None,
                     rules=None) -> str:
-    """What the paged engine holds for a call of `rows` rows, in words (the loop's log line): its pool's pages and
-    tokens (`pool_pages`) and the rows in flight at most."""
-    paged = rollout.paged
-    pages = pool_pages(config, rollout, paged, rows, mesh=mesh, rules=rules)
-    slots = max(1, min(rows, paged.slots or rows))
+    """What the paged engine holds for a call of `rows` rows (this process's), in words (the loop's log line): its
+    pool's pages and tokens (`pool_pages`; every process's part on a mesh over several) and the rows in flight at
+    most."""
+    paged, processes = rollout.paged, mesh_processes(mesh)
+    pages = processes * pool_pages(config, rollout, paged, rows, mesh=mesh, rules=rules, processes=processes)
+    slots = processes * max(1, min(rows, paged.slots or rows))
+    rows *= processes
     source = ("PagedConfig.num_pages" if paged.num_pages is not None else
               f"the KV budget of {rollout.kv_budget_gib:g} GiB per chip" if rollout.kv_budget_gib is not None else
               "every row's max_context (no KV budget)")
+    where = f", {processes} processes' parts" if processes > 1 else ""
     return (f"rollout (paged engine): a pool of {pages} pages x {paged.page_size} tokens ({pages * paged.page_size} "
-            f"tokens, from {source}) for at most {slots} of {rows} rows in flight")
+            f"tokens, from {source}{where}) for at most {slots} of {rows} rows in flight")
+
+
 def run_paged_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Sequence[Any],
                        browser: Browser | Callable[[Any], Browser], rollout: agent_lib.RolloutConfig, rng: jax.Array,
                        *, paged: PagedConfig | None = None, mesh=None, rules=None, row_offset: int = 0,
@@ -144,12 +189,9 @@ def run_paged_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Seq
     """`agent.run_episodes` on the paged engine (module doc): the same arguments and episodes. `paged`: the engine's
     settings (default `rollout.paged`). `run_episodes` calls this when `RolloutConfig.engine == 'paged'`.
 
-    `mesh` must be this process's own devices (each process running its rows alone, as the loop's process mesh
-    does): the schedule follows the tool latencies of this process's rows, so processes sharing a mesh would
-    dispatch different programs (multi-process lock-step is not wired in yet)."""
-    if mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat):
-        raise ValueError("RolloutConfig.engine = 'paged' needs a mesh of this process's own devices (the engine is "
-                         "not in lock-step across processes yet); pass the process mesh or use engine = 'dense'")
+    A `mesh` over several processes' devices: every process calls this with its own tasks (any number, none
+    included) and `row_offset` its first row's global index; the programs run over the whole mesh in lock step
+    (module doc, "Several processes"), and the result is this process's rows (the batch on the host)."""
     return _Engine(config, params, chat, tasks, browser, rollout, rng, paged or rollout.paged, mesh, rules, row_offset,
                    logits_hook).run()
 
@@ -185,14 +227,26 @@ class _Engine:
                 self.episodes.append(agent_lib.task_episode(task, t))
                 self.browsers.append(browser.fork() if isinstance(browser, Browser) else browser(task))
         n = len(self.rows)
+        # Several processes (module doc): process p's part of the pool is pages [p x num_pages, (p+1) x num_pages)
+        # and its slots [p x slots, (p+1) x slots) of the global state; every count is agreed, so every process
+        # builds the same programs.
+        self.processes = mesh_processes(mesh)
+        self.process = jax.process_index() if self.processes > 1 else 0
+        most = distributed.agree_max(n) if self.processes > 1 else n
         self.page_size = paged.page_size
-        self.num_pages = pool_pages(config, rollout, paged, n, mesh=mesh, rules=rules)
-        self.slots = max(1, min(n, paged.slots or n))
+        self.num_pages = pool_pages(config, rollout, paged, most, mesh=mesh, rules=rules, processes=self.processes)
+        self.slots = max(1, min(most, paged.slots or most))
+        self.page_base, self.slot_base = self.process * self.num_pages, self.process * self.slots
+        # the most pages a dispatch reads: a page has at most G holders (a prompt's samples share its full pages)
+        self.item_cap = self.num_pages * rollout.group_size
         self.table_width = paged_lib.pages_for(self.max_len, self.page_size)
         self.prefill_chunk, self.prefill_tokens = paged.prefill_chunk, paged.prefill_tokens
-        self.steps = 1 if logits_hook is not None else rollout.sync_every
+        hooked = logits_hook is not None
+        self.with_bias = distributed.agree_any(hooked) if self.processes > 1 else hooked
+        self.steps = 1 if self.with_bias else rollout.sync_every
         self.allocator = paged_lib.PageAllocator(self.num_pages)
-        self.state = paged_lib.init_pool_program(config, self.num_pages, self.page_size, self.slots, mesh, rules)()
+        self.state = paged_lib.init_pool_program(config, self.processes * self.num_pages, self.page_size,
+                                                 self.processes * self.slots, mesh, rules)()
         self.layout = paged_lib.state_layout(self.state)
         self.slot_row = np.full(self.slots, -1, np.int64)
         self.queue = list(range(n))  # a heap of row indices: admission (and re-admission) in row order
@@ -245,14 +299,34 @@ class _Engine:
             if not len(free):
                 return
             row = self.rows[self.queue[0]]
+            shared = self._sibling_pages(row)
             need = paged_lib.pages_for(min(len(row.tokens()) + self.steps, self.max_len), self.page_size)
+            need -= len(shared)
             if need > self.allocator.free_pages:
                 return  # in row order: the head waits for pages, as vLLM's admission does
             heapq.heappop(self.queue)
             row.slot = int(free[0])
             self.slot_row[row.slot] = row.index
-            row.pages = self.allocator.alloc(need)
+            row.pages = self.allocator.share(shared) + self.allocator.alloc(need)
             row.phase = PREFILL
+
+    def _sibling_pages(self, row: _Row) -> list[int]:
+        """The full pages of `row`'s tokens held by a sample of the same prompt with the same tokens that is not
+        prefilled yet (a prompt's G samples, admitted together), or none. Both run through the same prefill
+        dispatches as one computed row (`_prefill`), so those pages get the keys and values the row's own would
+        get; the row shares them (one more holder) instead of holding copies. Its last partial page and every
+        token after the prompt (decode writes only positions past what the row has cached) are its own pages."""
+        tokens = row.tokens()
+        full = len(tokens) // self.page_size
+        group = self.rollout.group_size
+        if not full or row.cached:
+            return []
+        first = row.index - row.index % group  # a prompt's G samples are rows [first, first + G)
+        for other in self.rows[first:first + group]:
+            if (other is not row and other.phase == PREFILL and not other.cached and len(other.pages) >= full
+                    and other.tokens() == tokens):
+                return other.pages[:full]
+        return []
 
     def _open_turn(self, row: _Row) -> None:
         episode = self.episodes[row.index]
@@ -261,7 +335,9 @@ class _Engine:
                                                      [len(episode.turn_texts)]))[0]
         row.turn_budget = min(self.rollout.turn_token_budget, self.max_len - len(row.segment["tokens"]))
 
-    def _prefill(self) -> bool:
+    def _plan_prefill(self) -> dict | None:
+        """This iteration's prefill chunks of this process's rows (pages given, rows preempted as needed) and the
+        shapes they take, or None when it has none."""
         rows = [r for r in self.rows if r.phase == PREFILL]
         chunks = []
         computed: set[tuple] = set()  # the distinct (cached, tokens so far) this dispatch runs
@@ -280,7 +356,7 @@ class _Engine:
                     spent += len(pending)
         chunks = [(row, pending) for row, pending in chunks if row.phase == PREFILL]
         if not chunks:
-            return False
+            return None
         # Rows whose tokens so far are the same (a prompt's G samples, admitted together) run once: the first of
         # them reads its pages, and the result is written into each one's own pages.
         leaders: dict[tuple, int] = {}
@@ -289,28 +365,40 @@ class _Engine:
             key = (row.cached, tuple(row.tokens()[:row.cached + len(pending)]))
             source.append(leaders.setdefault(key, len(leaders)))
         unique = [chunks[source.index(u)] for u in range(len(leaders))]
-        count = sampler_lib.bucket_length(len(unique), minimum=1)
-        width = sampler_lib.bucket_length(max(len(p) for _, p in unique))
+        items = paged_lib.work_items([row.pages for row, _ in unique], [row.cached for row, _ in unique],
+                                     self.page_size, minimum=16, maximum=self.item_cap)
+        shape = (sampler_lib.bucket_length(len(unique), minimum=1),
+                 sampler_lib.bucket_length(max(len(p) for _, p in unique)), len(items[0]),
+                 sampler_lib.bucket_length(len(chunks), minimum=1))
+        return {"chunks": chunks, "unique": unique, "source": source, "items": items, "shape": shape}
+
+    def _prefill(self, plan: dict | None, count: int, width: int, num_items: int, rows_out: int) -> None:
+        """Dispatch the prefill program at the agreed shapes: `count` computed rows of `width` tokens reading
+        `num_items` pages, written to `rows_out` rows, per process (this process's `plan`, padded; None: only
+        padding, taking part in the other processes' dispatch)."""
+        chunks, unique = (plan["chunks"], plan["unique"]) if plan else ([], [])
         tokens = np.zeros((count, width), np.int32)
         num_new = np.zeros(count, np.int32)
         cached = np.zeros(count, np.int32)
         for i, (row, pending) in enumerate(unique):
             tokens[i, :len(pending)] = pending
             num_new[i], cached[i] = len(pending), row.cached
-        items = paged_lib.work_items([row.pages for row, _ in unique], [row.cached for row, _ in unique],
-                                     self.page_size, minimum=16, maximum=self.num_pages)
-        rows_out = sampler_lib.bucket_length(len(chunks), minimum=1)
+        empty = (np.zeros(0, np.int32),) * 3
+        items = self._global_items(plan["items"] if plan else empty, len(unique), count, num_items)
         out_source = np.zeros(rows_out, np.int32)
-        out_source[:len(chunks)] = source
+        out_source[:len(chunks)] = plan["source"] if plan else []
+        out_source += self.process * count  # this process's block of the computed rows
         out_slots = np.full(rows_out, self.slots, np.int32)
         out_slots[:len(chunks)] = [row.slot for row, _ in chunks]
-        out_table = paged_lib.page_table_array([row.pages for row, _ in chunks], self.table_width, rows=rows_out)
+        out_table = self._global_table([row.pages for row, _ in chunks], rows_out)
         t0 = time.perf_counter()
+        cached, tokens, num_new, *items, out_source, out_table, out_slots = self._everyone(
+            [cached, tokens, num_new, *items, out_source, out_table, self._global_slots(out_slots)])
         self.state = paged_lib.prefill_program(self.config, self.max_len, self.layout)(
-            self.params, self.state, cached, tokens, num_new, items, out_source, out_table, out_slots)
+            self.params, self.state, cached, tokens, num_new, tuple(items), out_source, out_table, out_slots)
         self.timing["prefill"] += time.perf_counter() - t0
         self.stats.prefill_dispatches += 1
-        self.stats.prefill_tokens += int(num_new.sum())
+        self.stats.prefill_tokens += sum(len(pending) for _, pending in unique)
         for row, pending in chunks:
             if row.recompute:
                 self.stats.recomputed_tokens += len(pending)
@@ -320,17 +408,26 @@ class _Engine:
                 row.phase = DECODE
                 if not row.turn_open:
                     self._open_turn(row)
-        return True
 
-    def _decode(self) -> bool:
+    def _plan_decode(self) -> dict | None:
+        """This iteration's decoding rows of this process (in row order, each given the pages of the block) and
+        their work items, or None when it has none."""
         for row in sorted((r for r in self.rows if r.phase == DECODE), key=lambda r: r.index):
             if row.phase == DECODE:
                 self._ensure_pages(row, len(row.tokens()) + self.steps)
-        rows = [r for r in self.rows if r.phase == DECODE]
+        rows = sorted((r for r in self.rows if r.phase == DECODE), key=lambda r: r.index)
         if not rows:
-            return False
-        rows.sort(key=lambda r: r.index)
-        D = sampler_lib.bucket_length(len(rows), minimum=1)  # the decode batch: only the rows that generate
+            return None
+        items = paged_lib.work_items([row.pages for row in rows],
+                                     [min(r.cached + self.steps - 1, self.max_len) for r in rows],
+                                     self.page_size, minimum=16, maximum=self.item_cap)
+        return {"rows": rows, "items": items, "shape": (sampler_lib.bucket_length(len(rows), minimum=1),
+                                                        len(items[0]))}
+
+    def _decode(self, plan: dict | None, D: int, num_items: int) -> None:
+        """Dispatch `sync_every` decode steps at the agreed shapes: `D` rows per process reading `num_items` pages
+        (this process's `plan`, padded with inactive rows; None: only padding), then read this process's rows."""
+        rows = plan["rows"] if plan else []
         slots = np.full(D, self.slots, np.int32)
         active = np.zeros(D, bool)
         lengths = np.zeros(D, np.int32)
@@ -341,25 +438,33 @@ class _Engine:
             slots[i], active[i], lengths[i] = row.slot, True, row.cached
             budget[i] = row.turn_budget - len(row.turn_ids)
             turn_step[i], keys[i] = len(row.turn_ids), row.key
-        tables = [row.pages for row in rows]
-        items = paged_lib.work_items(tables, [min(r.cached + self.steps - 1, self.max_len) for r in rows],
-                                     self.page_size, minimum=16, maximum=self.num_pages)
-        bias = self._bias(rows, D) if self.logits_hook is not None else None
-        sampling = self.sampling if self.sampling_rows == D else sampler_lib.RowSampling.broadcast(
-            self.rollout.sampling, D)
-        self.sampling, self.sampling_rows = sampling, D
+        empty = (np.zeros(0, np.int32),) * 3
+        items = self._global_items(plan["items"] if plan else empty, len(rows), D, num_items)
+        table = self._global_table([row.pages for row in rows], D)
+        host = [self._global_slots(slots), table, lengths, active, budget, keys, turn_step, *items]
+        if self.with_bias:
+            host.append(self._bias(rows, D))
+        D_all = self.processes * D
+        sampling = self.sampling if self.sampling_rows == D_all else sampler_lib.RowSampling.broadcast(
+            self.rollout.sampling, D_all)
+        self.sampling, self.sampling_rows = sampling, D_all
         t0 = time.perf_counter()
+        slots_all, table, lengths, active, budget, keys, turn_step, *rest = self._everyone(host)
+        bias = rest[3] if self.with_bias else None
         out = paged_lib.decode_program(self.config, self.steps, self.max_len, self.layout)(
-            sampling, self.params, self.state, slots, paged_lib.page_table_array(tables, self.table_width, rows=D),
-            lengths, active, budget, self.stop_arr, keys, turn_step, np.zeros(D, np.int32), items, bias)
+            sampling, self.params, self.state, slots_all, table, lengths, active, budget, self.stop_arr, keys,
+            turn_step, np.zeros(D_all, np.int32), tuple(rest[:3]), bias)
         self.state = out[0]
-        tokens, lp, slp, was_active, still, reason = (np.asarray(x) for x in out[1:7])
+        mine = slice(self.process * D, (self.process + 1) * D)
+        tokens, lp, slp, was_active = (distributed.local_rows(x, mine, axis=1) for x in out[1:5])
+        still, reason = (distributed.local_rows(x, mine) for x in out[5:7])
         self.timing["generate"] += time.perf_counter() - t0
         self.decode_step += self.steps
         self.stats.decode_dispatches += 1
         self.stats.row_steps += D * self.steps
         self.stats.useful_row_steps += int(was_active.sum())
-        self.stats.kv_positions_read += int((items[0] < D).sum()) * self.page_size * self.steps
+        if plan:
+            self.stats.kv_positions_read += int((plan["items"][0] < len(rows)).sum()) * self.page_size * self.steps
         t0 = time.perf_counter()
         for s, row in enumerate(rows):
             steps = was_active[:, s]
@@ -373,10 +478,59 @@ class _Engine:
             if stop != sampler_lib.RUNNING:
                 self._end_turn(row, stop)
         self.timing["agent_host"] += time.perf_counter() - t0
-        return True
+
+    # ------------------------------------------------------------------------------------------------ lock step
+    # With one process these are the identity; with several (a mesh over their devices) every process calls them in
+    # the same order, once per decision, and each is one collective.
+    def _agree(self, values: Sequence[int]) -> list[int]:
+        """Each value's largest over the processes."""
+        if self.processes == 1:
+            return [int(v) for v in values]
+        return [int(v) for v in distributed.gather_to_hosts(np.asarray(values, np.int32)).max(axis=0)]
+
+    def _everyone(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """Every process's arrays (each the same shape on every process: the agreed buckets), each concatenated
+        along its first axis in process order: the host arguments of the global program, the same on every
+        process. One collective for all of them (4-byte and bool values travel as int32)."""
+        if self.processes == 1:
+            return arrays
+        flat = np.concatenate([(a.astype(np.int32) if a.dtype == np.bool_ else np.ascontiguousarray(a).view(
+            np.int32)).ravel() for a in arrays])
+        stacked = distributed.gather_to_hosts(flat)  # [processes, total]
+        out, offset = [], 0
+        for a in arrays:
+            part = np.ascontiguousarray(stacked[:, offset:offset + a.size])
+            offset += a.size
+            part = part != 0 if a.dtype == np.bool_ else part.view(a.dtype)
+            out.append(part.reshape(self.processes * a.shape[0], *a.shape[1:]))
+        return out
+
+    def _global_items(self, items, rows_here: int, rows_each: int, size: int) -> tuple[np.ndarray, ...]:
+        """`work_items` of this process's `rows_here` rows as the global program reads them: `size` items, rows
+        in this process's block of `rows_each`, pages in its part of the pool (padding: no process's row)."""
+        row, page, start = items
+        pad_row = self.processes * rows_each
+        out = (np.full(size, pad_row, np.int32), np.zeros(size, np.int32), np.zeros(size, np.int32))
+        live = row < rows_here
+        out[0][:len(row)] = np.where(live, row + self.process * rows_each, pad_row)
+        out[1][:len(row)] = np.where(live, page + self.page_base, 0)
+        out[2][:len(row)] = np.where(live, start, 0)
+        return out
+
+    def _global_table(self, tables: list[list[int]], rows: int) -> np.ndarray:
+        """int32 [rows, pages of max_context]: this process's rows' page tables as pages of the global pool."""
+        table = paged_lib.page_table_array(tables, self.table_width, rows=rows)
+        return np.where(table >= 0, table + self.page_base, -1).astype(np.int32)
+
+    def _global_slots(self, slots: np.ndarray) -> np.ndarray:
+        """This process's slots (`self.slots`: padding) as slots of the global state (padding: none of them)."""
+        return np.where(slots < self.slots, slots + self.slot_base, self.processes * self.slots).astype(np.int32)
 
     def _bias(self, rows: list[_Row], width: int) -> np.ndarray:
-        """The row-indexed test hook as a bias of the decode batch (see `agent.ScriptedPolicy`)."""
+        """The row-indexed test hook as a bias of the decode batch (see `agent.ScriptedPolicy`): zeros without a hook
+        or rows (a process taking part in another's hooked run)."""
+        if self.logits_hook is None or not rows:
+            return np.zeros((width, self.config.vocab_size), np.float32)
         turn_of_row = np.asarray([len(e.turn_texts) for e in self.episodes], np.int64)
         by_row = [list(r.turn_ids) if r.phase == DECODE else [] for r in self.rows]
         bias = self.logits_hook(turn_of_row, self.decode_step, by_row)
@@ -496,13 +650,29 @@ class _Engine:
     def run(self) -> PagedRollout:
         idle = 0
         try:
-            while any(r.phase != DONE for r in self.rows):
+            while True:
                 self._collect_tools(wait=False)
                 self._admit()
-                worked = self._prefill()
-                worked = self._decode() or worked
-                # nothing to run: wait for a tool; an iteration that only preempted runs again (admission next)
-                idle = 0 if worked or self._collect_tools(wait=True) else idle + 1
+                plan = self._plan_prefill()
+                alive = any(r.phase != DONE for r in self.rows)
+                # one agreement a phase: whether any process has a row left, then the shapes of the dispatches
+                alive, *shape = self._agree([alive, *(plan["shape"] if plan else (0, 0, 0, 0))])
+                if not alive:
+                    break
+                if shape[3]:
+                    self._prefill(plan, *shape)
+                plan = self._plan_decode()
+                rows, num_items, waiting = self._agree([*(plan["shape"] if plan else (0, 0)),
+                                                        any(r.future is not None for r in self.rows)])
+                if rows:
+                    self._decode(plan, rows, num_items)
+                # nothing ran anywhere: wait for a tool (each process for its own); an iteration that only preempted
+                # runs again (admission next). `idle` is the same on every process (agreed values only).
+                if shape[3] or rows:
+                    idle = 0
+                else:
+                    self._collect_tools(wait=True)
+                    idle = 0 if waiting else idle + 1
                 if idle > 1:
                     raise RuntimeError("paged engine: no row can advance (a bug: report the config)")
         finally:
@@ -520,16 +690,18 @@ class _Engine:
                 segment_rows.append(segment)
                 episode_of.append(r)
                 first_turn.append(segment["first_turn"])
+        # over several processes the batch stays on the host (this process's rows), as `run_episodes` keeps it
         batch = build_batch(segment_rows, max_len=self.max_len, max_turns=self.rollout.max_turns,
                             group_id=np.asarray(episode_of) // self.rollout.group_size, pad_id=pad_id,
-                            episode=episode_of, first_turn=first_turn)
+                            episode=episode_of, first_turn=first_turn,
+                            placement=np.asarray if self.processes > 1 else None)
         self.timing["pack"] = time.perf_counter() - t0
         self.timing["total"] = time.perf_counter() - self.start
         pool_bytes = max(sum(shard.data.nbytes for leaf in (self.state.k, self.state.v)
                              for shard in leaf.addressable_shards if shard.device == device)
                          for device in {s.device for s in self.state.k.addressable_shards})
         return PagedRollout(batch=batch, episodes=self.episodes, timing=self.timing,
-                            generated_tokens=self.generated_tokens, rows_at_once=self.slots,
+                            generated_tokens=self.generated_tokens, rows_at_once=self.processes * self.slots,
                             kv_cache_bytes=pool_bytes, stats=self.stats)
 
 

@@ -117,7 +117,9 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 class PageAllocator:
-    """Host free list of the pool's pages. Pages are handed out lowest id first and a freed page can go to any row.
+    """Host free list of the pool's pages, with a holder count per page. Pages are handed out lowest id first and a
+    freed page can go to any row. A page may have several holders (`share`: the full pages of a prompt its G
+    samples hold together); it is free again when its last holder releases it.
 
     Allocation never fails silently: `alloc` raises when fewer pages are free than asked (callers check
     `free_pages` first and preempt a row when the pool is full)."""
@@ -127,7 +129,7 @@ class PageAllocator:
             raise ValueError(f"PageAllocator: num_pages must be >= 1, got {num_pages!r}")
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest id
-        self._held = np.zeros(num_pages, bool)
+        self._holders = np.zeros(num_pages, np.int64)
 
     @property
     def free_pages(self) -> int:
@@ -137,15 +139,28 @@ class PageAllocator:
         if count > len(self._free):
             raise RuntimeError(f"PageAllocator.alloc: {count} pages asked, {len(self._free)} free")
         pages = [self._free.pop() for _ in range(count)]
-        self._held[pages] = True
+        self._holders[pages] = 1
         return pages
 
-    def release(self, pages: Sequence[int]) -> None:
+    def share(self, pages: Sequence[int]) -> list[int]:
+        """One more holder of each of `pages` (held pages: a row reading another row's pages); returns them."""
         pages = list(pages)
-        if pages and not self._held[pages].all():
+        if pages and not (self._holders[pages] > 0).all():
+            raise RuntimeError(f"PageAllocator.share: pages {pages} are not all held")
+        np.add.at(self._holders, pages, 1)
+        return pages
+
+    def holders(self, page: int) -> int:
+        return int(self._holders[page])
+
+    def release(self, pages: Sequence[int]) -> None:
+        """One holder fewer of each of `pages`; those left without a holder are free."""
+        pages = list(pages)
+        if len(set(pages)) != len(pages) or (pages and not (self._holders[pages] > 0).all()):
             raise RuntimeError(f"PageAllocator.release: pages {pages} are not all held (double free)")
-        self._held[pages] = False
-        self._free.extend(sorted(pages, reverse=True))
+        self._holders[pages] -= 1
+        freed = [p for p in pages if self._holders[p] == 0]
+        self._free.extend(freed)
         self._free.sort(reverse=True)
 
 
@@ -170,7 +185,7 @@ def work_items(page_tables: Sequence[Sequence[int]], cached: Sequence[int], page
                minimum: int = 1, maximum: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The keys a program reads: for each row i, the pages holding its positions `< cached[i]`, as items
     `(row int32 [I], page int32 [I], first position int32 [I])`, padded to a power of two >= `minimum` items, at
-    most `maximum` (the pool's page count: a page belongs to one row, so no program reads more), so that few shapes
+    most `maximum` (the engine's: the pool's page count times the most rows that hold one page), so that few shapes
     compile whatever the rows' lengths (padding: row = number of rows, which no query belongs to)."""
     rows, pages, starts = [], [], []
     for row, (table, length) in enumerate(zip(page_tables, cached)):
