@@ -67,6 +67,32 @@ def test_paged_attention_matches_a_float64_loop_on_random_page_tables_and_ragged
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("seed", [3, 4])
+def test_paged_attention_loops_over_item_chunks_and_never_reads_the_padding(seed, monkeypatch):
+    """Many pages in chunks of 16 items (a small ITEM_PAIRS), the items padded to one fixed size whose chunks
+    after the last live one point at a poisoned page: the online softmax over the chunks gives the float64 loop's
+    answer, and the poison is never read."""
+    monkeypatch.setattr(paged, "ITEM_PAIRS", 16)
+    rng = np.random.default_rng(seed)
+    B, n, H, K, Dh, page_size, num_pages = 3, 1, 4, 2, 8, 2, 100
+    key_len = rng.integers(40, 60, size=B)
+    order = rng.permutation(num_pages - 1).tolist()  # page num_pages - 1 is never held
+    tables = [[order.pop() for _ in range(paged.pages_for(length, page_size))] for length in key_len]
+    q = rng.normal(size=(B, n, H, Dh)).astype(np.float32)
+    k_pages, v_pages = (rng.normal(size=(num_pages, page_size, K, Dh)).astype(np.float32) for _ in range(2))
+    k_pages[-1], v_pages[-1] = np.nan, np.nan
+    k2, v2 = (rng.normal(size=(B, n, K, Dh)).astype(np.float32) for _ in range(2))
+    mask2 = np.ones((B, n, n), bool)
+    rows, pages, starts = paged.work_items(tables, key_len, page_size, size=paged.item_capacity(num_pages))
+    assert len(rows) == 1024 and paged.item_chunk(n, len(rows)) == 16 and (rows < B).sum() > 3 * 16
+    live = int((rows < B).sum())
+    pages[-(-live // 16) * 16:] = num_pages - 1
+    out = jax.jit(paged.paged_attention)(q, k_pages, v_pages, key_len.astype(np.int32), (rows, pages, starts),
+                                         block=(k2, v2, mask2))
+    expected = _naive_attention(q, k_pages, v_pages, tables, key_len, k2, v2, mask2)
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=2e-6, rtol=1e-5)
+
+
 def test_work_items_list_only_the_pages_of_cached_positions_padded_to_a_bucket():
     rows, pages, starts = paged.work_items([[7, 3, 9], [], [5]], [9, 0, 1], 4)
     assert rows.tolist()[:4] == [0, 0, 0, 2] and pages.tolist()[:4] == [7, 3, 9, 5]
@@ -76,6 +102,9 @@ def test_work_items_list_only_the_pages_of_cached_positions_padded_to_a_bucket()
     assert len(paged.work_items([[1, 2, 3, 4, 5]], [20], 4, maximum=6)[0]) == 6  # no more items than pool pages
     with pytest.raises(ValueError, match="row 0 caches 5 tokens but holds 1 pages"):
         paged.work_items([[1]], [5], 4)
+    assert len(paged.work_items([[1, 2]], [8], 4, size=paged.item_capacity(3))[0]) == 1024  # one fixed size
+    with pytest.raises(ValueError, match="3 pages to read, more than size=2"):
+        paged.work_items([[1, 2, 3]], [12], 4, size=2)
 
 
 def test_the_allocator_hands_out_free_pages_lowest_first_and_refuses_a_double_free():

@@ -335,18 +335,6 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
     return Programs(tuple(entries), train_step, episodes, slots, kv_cache_bytes, state, reference, rollout_params)
 
 
-def item_buckets(most_pages: int, num_pages: int) -> tuple[int, ...]:
-    """Every work-item count `paged.work_items(..., minimum=16, maximum=num_pages)` can give for at most
-    `most_pages` pages read: powers of two from 16, each capped at `num_pages` (the engine passes the pool's pages
-    times G: a prompt's G samples share its full pages, so a page is read by at most G rows)."""
-    out, size = set(), 16
-    while True:
-        out.add(min(size, num_pages))
-        if size >= min(most_pages, num_pages):
-            return tuple(sorted(out))
-        size *= 2
-
-
 def paged_entries(run_config, model_config, mesh, rollout_params, episodes: int, num_stop_ids: int,
                   kv_budget_gib: float | None = None) -> tuple[list[Entry], int, int]:
     """The paged engine's programs (`rollout.engine`, `RolloutConfig.engine = 'paged'`) for one process's
@@ -354,10 +342,10 @@ def paged_entries(run_config, model_config, mesh, rollout_params, episodes: int,
 
     The engine buckets each dispatch: decode batch D and distinct prefill rows U and output rows R to
     `sampler.bucket_length(n, minimum=1)` (n <= slots), a prefill chunk's width W to `sampler.bucket_length` (at
-    most `PagedConfig.prefill_chunk`, and under `max_context`), the pages read to `item_buckets` (at most G x the
-    pool's pages, and the pages D or U rows of `max_context` hold). A prefill dispatch runs at most
-    `PagedConfig.prefill_tokens` distinct tokens unless it runs one row: a (U, W) bucket is listed when its
-    fewest tokens (the smallest U' and W' that round to it: W' + U' - 1) fit, or U is 1. On a mesh over several
+    most `PagedConfig.prefill_chunk`, and under `max_context`), the pages read to one size
+    (`paged.item_capacity` of G x the pool's pages: a prompt's G samples share its full pages). A prefill dispatch
+    runs at most `PagedConfig.prefill_tokens` distinct tokens unless it runs one row: a (U, W) bucket is listed
+    when its fewest tokens (the smallest U' and W' that round to it: W' + U' - 1) fit, or U is 1. On a mesh over several
     processes the engine runs in lock step (`engine` module doc): the pool and the slots are every process's parts,
     and each dispatch takes every process's rows at the largest bucket any process needs (so U and W of different
     processes meet: every (U, W) is listed), the global shapes being the processes times those buckets."""
@@ -370,6 +358,7 @@ def paged_entries(run_config, model_config, mesh, rollout_params, episodes: int,
     num_pages = pool_pages(model_config, rollout, paged, episodes, mesh=mesh, rules=rules, processes=processes)
     slots = max(1, min(episodes, paged.slots or episodes))
     width = paged_lib.pages_for(max_len, page_size)  # a page table's width
+    item_size = paged_lib.item_capacity(rollout.group_size * num_pages)  # the engine's one items shape
     state = paged_lib.abstract_state(model_config, processes * num_pages, page_size, processes * slots, mesh=mesh,
                                      rules=rules)
     layout = paged_lib.state_layout(state)
@@ -396,7 +385,7 @@ def paged_entries(run_config, model_config, mesh, rollout_params, episodes: int,
                     and fewest_tokens[chunk] + fewest_rows[unique] - 1 > paged.prefill_tokens):
                 continue
             u = processes * unique
-            for count in item_buckets(unique * width, rollout.group_size * num_pages):
+            for count in (item_size,):
                 for out in (processes * r for r in rows if r >= unique):
                     args = (rollout_params, state, _host((u,), jnp.int32), _host((u, chunk), jnp.int32),
                             _host((u,), jnp.int32), items(count), _host((out,), jnp.int32),
@@ -411,7 +400,7 @@ def paged_entries(run_config, model_config, mesh, rollout_params, episodes: int,
         sampling = host.replace(temperature=_host((d,), jnp.float32), top_p=_host((d,), jnp.float32),
                                 greedy=_host((d,), jnp.bool_))
         vector = _host((d,), jnp.int32)
-        for count in item_buckets(batch * width, rollout.group_size * num_pages):
+        for count in (item_size,):
             args = (sampling, rollout_params, state, vector, _host((d, width), jnp.int32), vector,
                     _host((d,), jnp.bool_), vector, _host((num_stop_ids,), jnp.int32),
                     _host((d, 2), jnp.uint32), vector, vector, items(count), None)

@@ -42,9 +42,10 @@ so the processes dispatch the same programs in the same order, in lock step:
                page axis, which the data-parallel layout (pages over the batch axes, devices in process order)
                puts on process p's own devices. Each process keeps its own `PageAllocator` of its part.
     iteration  after the host work (tools collected, admissions), one agreement (`_agree`: each value's largest
-               over the processes, one collective) of whether any row is left anywhere and the prefill's shapes
-               (U, W, work items, R buckets); then the prefill dispatch if any process has a chunk; then a second
-               agreement of the decode batch D, its work items, and whether any tool runs; then the decode
+               over the processes, one collective) of whether any row is left anywhere and the first prefill
+               dispatch's shapes (U, W, work items, R buckets; a process's chunks go in one dispatch per chunk
+               width, narrowest first), then that dispatch and the next one's shapes, until no process has one;
+               then an agreement of the decode batch D, its work items, and whether any tool runs; then the decode
                dispatch if any process has a decoding row. A process with nothing to do dispatches padding
                (inactive rows, zero-token chunks) at the agreed shapes; one with no row left takes part until no
                process has one. The programs' host arguments are each process's padded arrays concatenated in
@@ -239,6 +240,7 @@ class _Engine:
         self.page_base, self.slot_base = self.process * self.num_pages, self.process * self.slots
         # the most pages a dispatch reads: a page has at most G holders (a prompt's samples share its full pages)
         self.item_cap = self.num_pages * rollout.group_size
+        self.items_size = paged_lib.item_capacity(self.item_cap)  # one items shape for every dispatch
         self.table_width = paged_lib.pages_for(self.max_len, self.page_size)
         self.prefill_chunk, self.prefill_tokens = paged.prefill_chunk, paged.prefill_tokens
         hooked = logits_hook is not None
@@ -335,9 +337,11 @@ class _Engine:
                                                      [len(episode.turn_texts)]))[0]
         row.turn_budget = min(self.rollout.turn_token_budget, self.max_len - len(row.segment["tokens"]))
 
-    def _plan_prefill(self) -> dict | None:
-        """This iteration's prefill chunks of this process's rows (pages given, rows preempted as needed) and the
-        shapes they take, or None when it has none."""
+    def _plan_prefill(self) -> list[dict]:
+        """This iteration's prefill chunks of this process's rows (pages given, rows preempted as needed), as one
+        dispatch a chunk width (`sampler.bucket_length`), narrowest first: a 40-token observation is not padded to
+        the 256 of a prompt beside it (attention, most of a prefill's work, grows with the padded width). Each
+        plan has its chunks and the shapes they take; no plans when it has no chunk."""
         rows = [r for r in self.rows if r.phase == PREFILL]
         chunks = []
         computed: set[tuple] = set()  # the distinct (cached, tokens so far) this dispatch runs
@@ -355,8 +359,13 @@ class _Engine:
                     computed.add(key)
                     spent += len(pending)
         chunks = [(row, pending) for row, pending in chunks if row.phase == PREFILL]
-        if not chunks:
-            return None
+        groups: dict[int, list] = {}
+        for row, pending in chunks:
+            groups.setdefault(sampler_lib.bucket_length(len(pending)), []).append((row, pending))
+        return [self._prefill_plan(groups[width]) for width in sorted(groups)]
+
+    def _prefill_plan(self, chunks: list) -> dict:
+        """One prefill dispatch's plan: its chunks, the distinct ones it computes and the shapes they take."""
         # Rows whose tokens so far are the same (a prompt's G samples, admitted together) run once: the first of
         # them reads its pages, and the result is written into each one's own pages.
         leaders: dict[tuple, int] = {}
@@ -366,7 +375,7 @@ class _Engine:
             source.append(leaders.setdefault(key, len(leaders)))
         unique = [chunks[source.index(u)] for u in range(len(leaders))]
         items = paged_lib.work_items([row.pages for row, _ in unique], [row.cached for row, _ in unique],
-                                     self.page_size, minimum=16, maximum=self.item_cap)
+                                     self.page_size, size=self.items_size)
         shape = (sampler_lib.bucket_length(len(unique), minimum=1),
                  sampler_lib.bucket_length(max(len(p) for _, p in unique)), len(items[0]),
                  sampler_lib.bucket_length(len(chunks), minimum=1))
@@ -420,7 +429,7 @@ class _Engine:
             return None
         items = paged_lib.work_items([row.pages for row in rows],
                                      [min(r.cached + self.steps - 1, self.max_len) for r in rows],
-                                     self.page_size, minimum=16, maximum=self.item_cap)
+                                     self.page_size, size=self.items_size)
         return {"rows": rows, "items": items, "shape": (sampler_lib.bucket_length(len(rows), minimum=1),
                                                         len(items[0]))}
 
@@ -653,14 +662,18 @@ class _Engine:
             while True:
                 self._collect_tools(wait=False)
                 self._admit()
-                plan = self._plan_prefill()
+                plans = self._plan_prefill()
                 alive = any(r.phase != DONE for r in self.rows)
-                # one agreement a phase: whether any process has a row left, then the shapes of the dispatches
-                alive, *shape = self._agree([alive, *(plan["shape"] if plan else (0, 0, 0, 0))])
+                # one agreement a dispatch: whether any process has a row left (the first), then the shapes of the
+                # next prefill dispatch (R = 0: no process has one), then those of the decode
+                none = (0, 0, 0, 0)
+                alive, *shape = self._agree([alive, *(plans[0]["shape"] if plans else none)])
                 if not alive:
                     break
-                if shape[3]:
-                    self._prefill(plan, *shape)
+                prefilled = bool(shape[3])
+                while shape[3]:
+                    self._prefill(plans.pop(0) if plans else None, *shape)
+                    shape = self._agree(plans[0]["shape"] if plans else none)
                 plan = self._plan_decode()
                 rows, num_items, waiting = self._agree([*(plan["shape"] if plan else (0, 0)),
                                                         any(r.future is not None for r in self.rows)])
@@ -668,7 +681,7 @@ class _Engine:
                     self._decode(plan, rows, num_items)
                 # nothing ran anywhere: wait for a tool (each process for its own); an iteration that only preempted
                 # runs again (admission next). `idle` is the same on every process (agreed values only).
-                if shape[3] or rows:
+                if prefilled or rows:
                     idle = 0
                 else:
                     self._collect_tools(wait=True)

@@ -181,12 +181,21 @@ def pages_within_budget(config: ModelConfig, page_size: int, budget_gib: float, 
     return per_chip * shards
 
 
+def item_capacity(most_items: int) -> int:
+    """The one items size of a pool's programs (`work_items(..., size=)`): the most pages a dispatch can read (the
+    engine's: the pool's pages times the most rows that hold one page), rounded up to a multiple of 1024.
+    `paged_attention` stops after the live items, so the padding costs host bytes, not device work."""
+    return -(-most_items // 1024) * 1024
+
+
 def work_items(page_tables: Sequence[Sequence[int]], cached: Sequence[int], page_size: int, *,
-               minimum: int = 1, maximum: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               minimum: int = 1, maximum: int | None = None, size: int | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The keys a program reads: for each row i, the pages holding its positions `< cached[i]`, as items
     `(row int32 [I], page int32 [I], first position int32 [I])`, padded to a power of two >= `minimum` items, at
     most `maximum` (the engine's: the pool's page count times the most rows that hold one page), so that few shapes
-    compile whatever the rows' lengths (padding: row = number of rows, which no query belongs to)."""
+    compile whatever the rows' lengths (padding: row = number of rows, which no query belongs to). `size`
+    (`item_capacity`) pads to exactly that many items instead: one shape for every dispatch."""
     rows, pages, starts = [], [], []
     for row, (table, length) in enumerate(zip(page_tables, cached)):
         count = pages_for(length, page_size)
@@ -196,9 +205,13 @@ def work_items(page_tables: Sequence[Sequence[int]], cached: Sequence[int], page
         rows += [row] * count
         pages += list(table[:count])
         starts += [j * page_size for j in range(count)]
-    size = max(minimum, 1 << max(len(rows) - 1, 0).bit_length())
-    if maximum is not None:
-        size = max(min(size, maximum), len(rows))
+    if size is not None:
+        if len(rows) > size:
+            raise ValueError(f"work_items: {len(rows)} pages to read, more than size={size}")
+    else:
+        size = max(minimum, 1 << max(len(rows) - 1, 0).bit_length())
+        if maximum is not None:
+            size = max(min(size, maximum), len(rows))
     pad = size - len(rows)
     return (np.asarray(rows + [len(page_tables)] * pad, np.int32), np.asarray(pages + [0] * pad, np.int32),
             np.asarray(starts + [0] * pad, np.int32))
@@ -215,15 +228,32 @@ def page_table_array(page_tables: Sequence[Sequence[int]], width: int, rows: int
 
 
 # ---------------------------------------------------------------------------------------------------- attention
+ITEM_PAIRS = 16384  # query x page pairs one step of `paged_attention`'s loop scores (see `item_chunk`)
+
+
+def item_chunk(queries: int, items: int) -> int:
+    """Work items one step of `paged_attention`'s loop reads for `queries` queries a row: a power of two near
+    `ITEM_PAIRS / queries` (16..4096), at most `items` rounded up to a power of two. Fixed per program shape."""
+    size = 16
+    while size < 4096 and size * 2 * queries <= ITEM_PAIRS:
+        size *= 2
+    return min(size, 1 << max(items - 1, 0).bit_length())
+
+
 def paged_attention(q, k_pages, v_pages, key_len, items, *, block=None):
     """Grouped-query attention of each row's queries over its own pages (and optional block keys).
+
+    The live items (rows < B) come first in `items` (as `work_items` lists them); the program loops over them in
+    chunks of `item_chunk` items with an online float32 softmax, and stops after the last live chunk: the work
+    follows the pages the rows hold, while the items array keeps one size (`item_capacity`), so a program compiles
+    once whatever the rows' lengths.
 
     Args:
       q: [B, n, H, Dh] queries (unscaled).
       k_pages, v_pages: [num_pages, page_size, K, Dh], one layer of the pool.
       key_len: int [B]: every query of row b sees the paged keys at positions `< key_len[b]`.
       items: `(row [I], page [I], start [I])` (`work_items`): row `row[i]`'s positions `start[i] .. start[i] +
-        page_size - 1` live in page `page[i]`; items with `row >= B` are padding.
+        page_size - 1` live in page `page[i]`; items with `row >= B` are padding, after the live ones.
       block: optional `(k2 [B, n2, K, Dh], v2, mask2 bool [B, n, n2])`, keys of each row beside its pages (the new
         tokens of an extend), in the same softmax.
 
@@ -233,30 +263,50 @@ def paged_attention(q, k_pages, v_pages, key_len, items, *, block=None):
     page_size, K = k_pages.shape[1], k_pages.shape[2]
     G = H // K
     row, page, start = items
-    live = row < B
-    r = jnp.where(live, row, 0)
+    chunk = item_chunk(n, row.shape[0])
+    pad = -row.shape[0] % chunk
+    if pad:
+        row = jnp.concatenate([row, jnp.full((pad,), B, row.dtype)])
+        page = jnp.concatenate([page, jnp.zeros((pad,), page.dtype)])
+        start = jnp.concatenate([start, jnp.zeros((pad,), start.dtype)])
     qg = (q * jnp.asarray(Dh ** -0.5, q.dtype)).reshape(B, n, K, G, Dh)
-    kp = k_pages[page].astype(q.dtype)  # [I, page, K, Dh]
-    vp = v_pages[page].astype(q.dtype)
-    s = jnp.einsum("inkgd,itkd->inkgt", qg[r], kp, preferred_element_type=jnp.float32)
-    pos = start[:, None] + jnp.arange(page_size, dtype=jnp.int32)[None, :]
-    vis = (live[:, None] & (pos < key_len[r][:, None]))[:, None, None, None, :]  # [I, 1, 1, 1, page]
-    s = jnp.where(vis, s, _NEG_INF)
-    top = jnp.maximum(jax.ops.segment_max(jnp.max(s, axis=-1), r, num_segments=B), _NEG_INF)  # [B, n, K, G]
+    top = jnp.full((B, n, K, G), _NEG_INF, jnp.float32)
+    denom = jnp.zeros((B, n, K, G), jnp.float32)
+    out = jnp.zeros((B, n, K, G, Dh), jnp.float32)
     if block is not None:
         k2, v2, mask2 = block
         sb = jnp.einsum("bnkgd,bjkd->bnkgj", qg, k2.astype(q.dtype), preferred_element_type=jnp.float32)
         sb = jnp.where(mask2[:, :, None, None, :], sb, _NEG_INF)
         top = jnp.maximum(top, jnp.max(sb, axis=-1))
-    p = jnp.where(vis, jnp.exp(s - top[r][..., None]), 0.0)
-    denom = jax.ops.segment_sum(jnp.sum(p, axis=-1), r, num_segments=B)
-    out = jax.ops.segment_sum(jnp.einsum("inkgt,itkd->inkgd", p.astype(vp.dtype), vp,
-                                         preferred_element_type=jnp.float32), r, num_segments=B)
-    if block is not None:
         pb = jnp.where(mask2[:, :, None, None, :], jnp.exp(sb - top[..., None]), 0.0)
-        denom = denom + jnp.sum(pb, axis=-1)
-        out = out + jnp.einsum("bnkgj,bjkd->bnkgd", pb.astype(v2.dtype), v2.astype(q.dtype),
-                               preferred_element_type=jnp.float32)
+        denom = jnp.sum(pb, axis=-1)
+        out = jnp.einsum("bnkgj,bjkd->bnkgd", pb.astype(v2.dtype), v2.astype(q.dtype),
+                         preferred_element_type=jnp.float32)
+
+    def step(i, carry):
+        top, denom, out = carry
+        rows = jax.lax.dynamic_slice_in_dim(row, i * chunk, chunk)
+        pages = jax.lax.dynamic_slice_in_dim(page, i * chunk, chunk)
+        starts = jax.lax.dynamic_slice_in_dim(start, i * chunk, chunk)
+        live = rows < B
+        r = jnp.where(live, rows, 0)
+        kp = k_pages[pages].astype(q.dtype)  # [chunk, page, K, Dh]
+        vp = v_pages[pages].astype(q.dtype)
+        s = jnp.einsum("inkgd,itkd->inkgt", qg[r], kp, preferred_element_type=jnp.float32)
+        pos = starts[:, None] + jnp.arange(page_size, dtype=jnp.int32)[None, :]
+        vis = (live[:, None] & (pos < key_len[r][:, None]))[:, None, None, None, :]  # [chunk, 1, 1, 1, page]
+        s = jnp.where(vis, s, _NEG_INF)
+        new_top = jnp.maximum(top, jax.ops.segment_max(jnp.max(s, axis=-1), r, num_segments=B))
+        scale = jnp.exp(top - new_top)
+        p = jnp.where(vis, jnp.exp(s - new_top[r][..., None]), 0.0)
+        denom = denom * scale + jax.ops.segment_sum(jnp.sum(p, axis=-1), r, num_segments=B)
+        out = out * scale[..., None] + jax.ops.segment_sum(
+            jnp.einsum("inkgt,itkd->inkgd", p.astype(vp.dtype), vp, preferred_element_type=jnp.float32), r,
+            num_segments=B)
+        return new_top, denom, out
+
+    chunks = (jnp.sum(row < B) + chunk - 1) // chunk  # the live items' chunks: padding is never read
+    top, denom, out = jax.lax.fori_loop(0, chunks, step, (top, denom, out))
     out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out.reshape(B, n, H, Dh).astype(v_pages.dtype)
 
