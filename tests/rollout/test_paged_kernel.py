@@ -32,8 +32,10 @@ def _float64_decode_attention(q, k_pool, v_pool, layer, tables, key_len):
     return out
 
 
-@pytest.mark.parametrize("seed,heads,kv_heads", [(0, 4, 4), (1, 4, 2), (2, 8, 1)])
-def test_the_kernel_matches_a_float64_loop_and_the_xla_path_on_random_page_tables(seed, heads, kv_heads):
+@pytest.mark.parametrize("seed,heads,kv_heads,rows_per_call", [(0, 4, 4, None), (1, 4, 2, 2), (2, 8, 1, 1)])
+def test_the_kernel_matches_a_float64_loop_and_the_xla_path_on_random_page_tables(seed, heads, kv_heads,
+                                                                                   rows_per_call):
+    """Also when the rows are split over several kernel calls (`rows_per_call`: 3 rows in calls of 2 and of 1)."""
     rng = np.random.default_rng(seed)
     B, Dh, page_size, num_pages, layers, width = 3, 128, 4, 24, 2, 6
     key_len = rng.integers(1, width * page_size + 1, size=B).astype(np.int32)
@@ -47,9 +49,9 @@ def test_the_kernel_matches_a_float64_loop_and_the_xla_path_on_random_page_table
                       for _ in range(2))
     layer = 1
     with pltpu.force_tpu_interpret_mode():
-        out = jax.jit(paged.paged_attention_kernel, static_argnames="block_pages")(
-            q, k_pool, v_pool, jnp.int32(layer), table, key_len, block_pages=paged.kernel_block_pages(width,
-                                                                                                        page_size))
+        out = jax.jit(paged.paged_attention_kernel, static_argnames=("block_pages", "rows_per_call"))(
+            q, k_pool, v_pool, jnp.int32(layer), table, key_len,
+            block_pages=paged.kernel_block_pages(width, page_size), rows_per_call=rows_per_call)
     expected = _float64_decode_attention(q, k_pool, v_pool, layer, tables, key_len)
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=2e-5, rtol=1e-4)
     items = paged.work_items(tables, key_len, page_size)
@@ -63,6 +65,12 @@ def test_the_kernel_block_divides_the_page_table_and_holds_at_most_512_tokens():
     assert paged.kernel_block_pages(6, 4) == 6
     assert paged.kernel_block_pages(7, 128) == 1  # 7 is prime: one page a block
     assert paged.kernel_block_pages(12, 64) == 6
+
+
+def test_a_kernel_call_holds_at_most_512_kib_of_page_indices_in_a_power_of_two_of_rows():
+    assert paged.kernel_rows_per_call(3072) == 32  # Qwen3-4B at 48K tokens in pages of 16: 128 rows in 4 calls
+    assert paged.kernel_rows_per_call(6) == 16384
+    assert paged.kernel_rows_per_call(10**6) == 1
 
 
 def test_the_kernel_path_is_chosen_by_the_resolved_attention_impl_and_the_head_dim():

@@ -302,7 +302,21 @@ def page_shard(page_tables: np.ndarray, num_pages: int, shards: int) -> np.ndarr
     return first.astype(np.int32)
 
 
-def paged_attention_kernel(q, k_pool, v_pool, layer, page_table, key_len, *, block_pages: int):
+# The kernel prefetches its page indices [rows x page-table width] int32 into SMEM, which is 1 MiB a core (libtpu
+# 0.0.52 on v6e refused 128 rows x 3072 pages = 1.5 MiB for Qwen3-4B at 48K tokens in pages of 16): a decode batch
+# is split into calls of at most this many bytes of indices.
+KERNEL_INDEX_BYTES = 512 * 1024
+
+
+def kernel_rows_per_call(width: int) -> int:
+    """Rows of one kernel call: the most whose page indices (`width` int32 each) fit `KERNEL_INDEX_BYTES`, a power
+    of two (decode batches are powers of two, so the calls split them evenly)."""
+    most = max(1, KERNEL_INDEX_BYTES // (4 * width))
+    return 1 << (most.bit_length() - 1)
+
+
+def paged_attention_kernel(q, k_pool, v_pool, layer, page_table, key_len, *, block_pages: int,
+                           rows_per_call: int | None = None):
     """One layer of decode attention with JAX's Pallas TPU paged attention kernel, on one device's pool.
 
     Args:
@@ -311,9 +325,12 @@ def paged_attention_kernel(q, k_pool, v_pool, layer, page_table, key_len, *, blo
       layer: int32 scalar; page_table: int32 [B, width] (-1: none); key_len: int32 [B] >= 1, the keys row b sees
         (positions `< key_len[b]` of its pages).
       block_pages: pages per compute block (`kernel_block_pages`).
+      rows_per_call: rows per kernel call (default `kernel_rows_per_call(width)`); a batch of more rows is run as
+        several calls, each reading its own rows' pages.
 
     The kernel takes `k_pages [K, total_pages, page_size, Dh]`: the pool with layers and pages merged (a free
-    reshape), the row's pages of this layer at `layer * num_pages + page`. Returns [B, H, Dh] in q's dtype.
+    reshape), the row's pages of this layer at `layer * num_pages + page`. The kernel reads keys and values in
+    bfloat16 (whatever the pool's dtype) with float32 softmax statistics. Returns [B, H, Dh] in q's dtype.
     """
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
 
@@ -321,8 +338,12 @@ def paged_attention_kernel(q, k_pool, v_pool, layer, page_table, key_len, *, blo
     merged = (K, L * num_pages, page_size, Dh)
     indices = layer * num_pages + jnp.clip(page_table, 0, num_pages - 1)
     scaled = q * jnp.asarray(Dh ** -0.5, q.dtype)  # the kernel does not scale
-    return tpu_paged_attention(scaled, k_pool.reshape(merged), v_pool.reshape(merged), key_len.astype(jnp.int32),
-                               indices.astype(jnp.int32), pages_per_compute_block=block_pages)
+    k_pages, v_pages = k_pool.reshape(merged), v_pool.reshape(merged)
+    rows = rows_per_call or kernel_rows_per_call(page_table.shape[1])
+    indices, key_len = indices.astype(jnp.int32), key_len.astype(jnp.int32)
+    return jnp.concatenate([
+        tpu_paged_attention(scaled[i:i + rows], k_pages, v_pages, key_len[i:i + rows], indices[i:i + rows],
+                            pages_per_compute_block=block_pages) for i in range(0, q.shape[0], rows)])
 
 
 def extend_rows(config: ModelConfig, params, k_pool, v_pool, cached, tokens, num_new, items):
