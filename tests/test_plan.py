@@ -454,3 +454,46 @@ def test_the_append_and_admission_reported_are_at_most_their_chunks_wide_whateve
     assert append.shape == "4 rows x 64 observation tokens (largest of 3 shapes)"  # 16, 32, 64
     assert prefill.shape.startswith("4 prompts x 128 tokens into 4 rows x 256")
     assert append.temp_bytes is not None and prefill.temp_bytes is not None
+
+
+@needs_libtpu
+def test_for_a_tpu_topology_the_paged_decode_lowers_to_the_pallas_kernel_and_the_prefill_does_not():
+    """The kernel is chosen by the target the program is compiled for (the CPU host's backend notwithstanding):
+    the paged decode program of `plan`'s registry lowers to a Mosaic custom call; the prefill stays XLA."""
+    from trace_jax import models
+
+    topology = plan.parse_topology("v5e:2x2")
+    mesh = models.make_mesh({"data": 1, "fsdp": 4, "tensor": 1, "expert": 1}, plan.tpu_devices(topology))
+    run = parse(["configs/tiny.gin"], SMALL + ["RolloutConfig.engine = 'paged'", "model_preset.head_dim = 128"])
+    config, _ = plan.resolve_model(run)
+    config = plan._override_model(config, plan.PlanConfig("v5e:2x2"), "tpu")
+    programs = plan._Programs(config, run, mesh, plan.PlanConfig("v5e:2x2"))
+    assert "tpu_custom_call" in programs.registry.largest("paged_decode").lower().as_text()
+    assert "tpu_custom_call" not in programs.registry.largest("paged_prefill").lower().as_text()
+
+
+@needs_libtpu
+def test_the_decode_roofline_reports_both_engines_and_the_pool_holds_more_rows_than_the_dense_budget():
+    """16 rows of 256 tokens under a KV budget that holds 2 whole rows a chip: the dense engine runs 8 at once,
+    the paged pool (rows at half the context) all 16; every figure is positive, the paged one compiled."""
+    run = parse(["configs/tiny.gin"], SMALL + [
+        "RolloutConfig.engine = 'paged'", "model_preset.head_dim = 128", "TrainConfig.prompts_per_step = 4",
+        "RolloutConfig.group_size = 4", "RolloutConfig.kv_budget_gib = 0.0025"])
+    report = plan.plan(run, plan.PlanConfig("v5e:2x2", programs=("decode",), estimate_time=False))
+    paged, dense = report.decode
+    assert (paged.engine, dense.engine) == ("paged", "dense")
+    assert dense.rows_in_flight == 8 and paged.rows_in_flight == 16
+    assert paged.context == 128 and dense.context == 256
+    for d in (paged, dense):
+        assert d.weight_bytes > 0 and d.kv_bytes > 0 and d.tokens_per_second > 0
+        assert d.hbm_bandwidth == 819e9 and d.chips == 4
+    assert paged.compiled_bytes > 0 and paged.compiled_rows == 16 and 0 < paged.fraction_of_roofline
+    assert dense.compiled_bytes is None and dense.fraction_of_roofline is None
+    text = plan.format_report(report)
+    assert "not a measurement" in text and "paged: 16 rows in flight" in text and "dense: 8 rows in flight" in text
+    assert "% of the roofline" in text
+
+
+def test_every_chip_has_an_hbm_bandwidth():
+    assert {name: chip.hbm_bandwidth for name, chip in plan.CHIPS.items()}["v6e"] == 1640e9
+    assert all(chip.hbm_bandwidth > 0 for chip in plan.CHIPS.values())

@@ -47,7 +47,12 @@ linearly to the step's layers and micro-batches, and adds the attention kernels'
 rate: a roofline estimate of the update, from which the implied MFU (`flops.flops_per_token`, the MFU convention,
 over estimate x chips x peak) is an upper bound. `estimate_step_split` adds roofline estimates of the rollout
 and the reference scoring at the compiler's own rates, for the whole step split into rollout, score and update.
-docs/scaling.md says how it is checked and what it is not. GPU targets
+docs/scaling.md says how it is checked and what it is not.
+
+Decode roofline (`decode_rooflines`, with "decode" among the programs): for both rollout engines at the run's
+setting, rows in flight and decode tokens/s per chip at the HBM-bandwidth roofline (`HBM_BANDWIDTH`), from
+formulas of the config (so the dense engine's line needs no dense program), and for the paged engine the
+compiled one-step decode program's `bytes accessed` against it: an estimate, not a measurement. GPU targets
 (`--topology h100:8`): no GPU compiler runs on a CPU host, so only what the shapes and shardings determine is
 checked (resident bytes per device, FLOPs per step); temporaries and time are reported as not checked.
 
@@ -72,8 +77,9 @@ GIB = 1024**3
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    """One accelerator: HBM per chip, dense bfloat16 peak (key of `flops.PEAK_FLOPS`), cores per chip in slice
-    names (`v5p-8` counts TensorCores: 4 chips), and the 2D/3D torus shapes of its standard slices."""
+    """One accelerator: HBM per chip, dense bfloat16 peak (key of `flops.PEAK_FLOPS`), HBM bandwidth per chip in
+    bytes/s (`HBM_BANDWIDTH`), cores per chip in slice names (`v5p-8` counts TensorCores: 4 chips), and the 2D/3D
+    torus shapes of its standard slices."""
 
     name: str
     hbm_bytes: int
@@ -83,12 +89,21 @@ class Chip:
     dims: int = 2
 
     @property
+    def hbm_bandwidth(self) -> float:
+        return HBM_BANDWIDTH[self.name]
+
+    @property
     def peak_flops(self) -> float:
         from trace_jax.train.flops import PEAK_FLOPS
 
         return PEAK_FLOPS[self.peak_key]
 
 
+# HBM bandwidth per chip, bytes/s, the vendors' figures: Google Cloud TPU system architecture pages (v4 1200 GB/s,
+# v5e 819 GB/s, v5p 2765 GB/s, v6e 1640 GB/s; cloud.google.com/tpu/docs/v4, v5e, v5p, v6e) and NVIDIA's data
+# sheets (A100 80GB SXM 2039 GB/s, H100 SXM 3.35 TB/s, H200 4.8 TB/s). The decode roofline (`decode_rooflines`).
+HBM_BANDWIDTH: dict[str, float] = {"v4": 1200e9, "v5e": 819e9, "v5p": 2765e9, "v6e": 1640e9, "a100": 2039e9,
+                                   "h100": 3350e9, "h200": 4800e9}
 CHIPS: dict[str, Chip] = {
     "v4": Chip("v4", 32 * GIB, "tpu-v4", cores_per_chip=2, dims=3),
     "v5e": Chip("v5e", 16 * GIB, "tpu-v5e"),
@@ -323,6 +338,7 @@ class PlanReport:
     estimate: TimeEstimate | None = None
     estimate_missing: str = ""  # why there is no estimate (empty when there is one or none was asked for)
     split: StepSplit | None = None  # the whole step's time by phase (`estimate_step_split`)
+    decode: list[DecodeRoofline] = dataclasses.field(default_factory=list)  # `decode_rooflines`, paged first
 
     @property
     def peak_bytes(self) -> int | None:
@@ -976,6 +992,9 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
         reports.append(report)
         jax.clear_caches()
     result = PlanReport(topology, axes, how, settings, reports, resident)
+    if "decode" in plan_config.programs:
+        result.decode = decode_rooflines(programs, topology)
+        jax.clear_caches()
     train = result.program("train")
     if plan_config.estimate_time and train is not None and not train.out_of_memory:
         result.estimate, result.estimate_missing = estimate_train_time(
@@ -1027,6 +1046,146 @@ def estimate_step_split(programs: "_Programs", device, estimate: "TimeEstimate |
     update = None if estimate is None else run.update.mini_batches * estimate.seconds
     return StepSplit(rollout=rollout, score=score, update=update, decode_steps=steps,
                      why_no_update="" if estimate is not None else "no train-step estimate")
+
+
+# ------------------------------------------------------------------------------------------------ decode roofline
+@dataclasses.dataclass
+class DecodeRoofline:
+    """One rollout engine's decode throughput per chip at the run's setting: an estimate, not a measurement.
+
+    Attributes:
+      engine: "paged" or "dense".
+      rows_in_flight: rows decoding at once over the whole mesh (paged: the pool's pages over the pages of a row at
+        the mean context, at most the slots; dense: the rows the per-chip KV budget holds at `max_context`, at most
+        the step's rows).
+      context: tokens of KV each row's attention reads per step (paged: the mean context, `max_context / 2`, a
+        row's own pages; dense: `max_context`, the cache up to the batch's longest row).
+      weight_bytes, kv_bytes: bytes one chip reads per decode step (its share of the rollout weights; its rows' KV).
+      hbm_bandwidth: the chip's HBM bytes/s (`HBM_BANDWIDTH`).
+      chips: chips of the mesh.
+      compiled_bytes / compiled_rows: the compiled one-step decode program's `bytes accessed` per chip (the
+        compiler's cost analysis, every layer unrolled) and its decode batch; None when not compiled.
+    """
+
+    engine: str
+    rows_in_flight: int
+    context: int
+    weight_bytes: int
+    kv_bytes: int
+    hbm_bandwidth: float
+    chips: int
+    compiled_bytes: float | None = None
+    compiled_rows: int | None = None
+
+    @property
+    def step_seconds(self) -> float:
+        """The roofline time of one decode step: its bytes per chip over the HBM bandwidth."""
+        return (self.weight_bytes + self.kv_bytes) / self.hbm_bandwidth
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode tokens per second per chip at the roofline (every row in flight makes one token a step)."""
+        return self.rows_in_flight / self.chips / self.step_seconds
+
+    @property
+    def compiled_tokens_per_second(self) -> float | None:
+        """Tokens/s per chip the compiled program's memory traffic allows (its rows over its bytes at the HBM
+        bandwidth), None when not compiled."""
+        if not self.compiled_bytes or not self.compiled_rows:
+            return None
+        return self.compiled_rows / self.chips / (self.compiled_bytes / self.hbm_bandwidth)
+
+    @property
+    def fraction_of_roofline(self) -> float | None:
+        tokens = self.compiled_tokens_per_second
+        return None if tokens is None else tokens / self.tokens_per_second
+
+
+def decode_rooflines(programs: "_Programs", topology: Topology) -> list[DecodeRoofline]:
+    """The decode roofline of the paged engine (with the run's `PagedConfig`) and of the dense engine at the run's
+    setting, both from the config alone (formulas; the dense one needs no dense program), and, for the engine the
+    run compiles (paged), the compiled one-step decode program's bytes (`compiled_decode_step`). Paged first."""
+    from trace_jax.rollout import paged as paged_lib
+    from trace_jax.rollout.budget import batch_shards, kv_bytes_per_row
+
+    config, run, mesh = programs.config, programs.run, programs.mesh
+    rules, rollout = programs.rollout_rules, run.rollout
+    chips, shards = mesh.size, batch_shards(mesh, rules)
+    bandwidth = topology.chip.hbm_bandwidth
+    weights = device_bytes(programs.rollout_params)
+    per_token = paged_lib.page_bytes(config, 1, mesh=mesh, rules=rules)  # one token's KV on one chip
+    length, rows = rollout.max_context, programs.rows
+    mean = max(1, length // 2)
+    paged = rollout.paged
+    page_size = paged.page_size
+    if programs.pool is not None:  # the paged run's own pool
+        pool = programs.pool[0]
+    elif paged.num_pages is not None:
+        pool = paged.num_pages
+    elif programs.kv_budget_gib:
+        pool = paged_lib.pages_within_budget(config, page_size, programs.kv_budget_gib, mesh=mesh, rules=rules)
+    else:
+        pool = rows * paged_lib.pages_for(length, page_size)
+    slots = max(1, min(rows, paged.slots or rows))
+    paged_rows = max(1, min(slots, pool // paged_lib.pages_for(mean, page_size)))
+    if programs.kv_budget_gib:
+        per_chip = int(programs.kv_budget_gib * GIB // kv_bytes_per_row(config, length, mesh=mesh, rules=rules))
+        dense_rows = max(1, min(rows, per_chip * shards))
+    else:
+        dense_rows = rows
+
+    def kv(rows_, context):  # a chip reads its share of the rows (rows split over the batch shards)
+        return int(-(-rows_ // shards) * context * per_token)
+
+    out = [DecodeRoofline("paged", paged_rows, mean, weights, kv(paged_rows, mean), bandwidth, chips),
+           DecodeRoofline("dense", dense_rows, length, weights, kv(dense_rows, length), bandwidth, chips)]
+    step = compiled_decode_step(programs)
+    if step is not None:
+        out[0].compiled_bytes, out[0].compiled_rows = step
+    return out
+
+
+def compiled_decode_step(programs: "_Programs") -> tuple[float, int] | None:
+    """(bytes accessed per chip, decode rows) of one step of the paged engine's largest decode program, compiled
+    with every layer unrolled (`ModelConfig.scan_unroll`: the cost analysis counts a loop body once), from the
+    compiler's cost analysis; None when the run's engine is not paged or the compiler gives no bytes."""
+    import jax
+
+    from trace_jax.rollout import paged as paged_lib
+
+    entry = programs.registry.largest("paged_decode")
+    if entry is None:
+        return None
+    state = entry.args[2]
+    layout = paged_lib.state_layout(state)
+    program = paged_lib.decode_program(programs.config.replace(scan_unroll=True), 1,
+                                       programs.run.rollout.max_context, layout)
+    report = ProgramReport("decode step", "")
+    _compile(report, lambda: program.lower(*entry.args), device_bytes(entry.args), programs.devices)
+    jax.clear_caches()
+    if not report.bytes_accessed:
+        return None
+    return float(report.bytes_accessed), int(entry.args[3].shape[0])
+
+
+def format_decode(report: PlanReport) -> list[str]:
+    """The decode roofline lines of both engines (`decode_rooflines`)."""
+    if not report.decode:
+        return []
+    t = report.topology
+    lines = [f"decode estimate per chip (a roofline from formulas and the compiler's cost analysis, not a "
+             f"measurement; {t.chip.name} HBM {t.chip.hbm_bandwidth / 1e9:.0f} GB/s):"]
+    for d in report.decode:
+        context = "mean context" if d.engine == "paged" else "max_context (cache to the longest row)"
+        line = (f"  {d.engine}: {d.rows_in_flight} rows in flight, KV of {d.context} tokens a row ({context}); a "
+                f"step reads {_gib(d.weight_bytes)} weights + {_gib(d.kv_bytes)} KV per chip -> roofline "
+                f"{d.tokens_per_second:,.0f} tokens/s per chip")
+        if d.compiled_tokens_per_second is not None:
+            line += (f"; its compiled decode step ({d.compiled_rows} rows) accesses {_gib(d.compiled_bytes)} per chip"
+                     f" -> {d.compiled_tokens_per_second:,.0f} tokens/s per chip, "
+                     f"{100 * d.fraction_of_roofline:.0f}% of the roofline")
+        lines.append(line)
+    return lines
 
 
 def _gpu_report(topology, axes, model_config, how, settings, run_config, plan_config, mesh_config) -> PlanReport:
@@ -1112,6 +1271,7 @@ def format_report(report: PlanReport) -> str:
                      f"chip ({100 * peak / t.chip.hbm_bytes:.0f}%)")
     lines += format_estimate(report)
     lines += format_split(report)
+    lines += format_decode(report)
     lines += [f"advice: {a}" for a in report.advice]
     lines += [f"note: {n}" for n in report.notes]
     return "\n".join(lines)

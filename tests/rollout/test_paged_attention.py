@@ -61,7 +61,8 @@ def test_paged_attention_matches_a_float64_loop_on_random_page_tables_and_ragged
     mask2 = np.tril(np.ones((n, n), bool))[None] & (rng.random((B, 1, n)) < 0.8)
     mask2[:, :, 0] |= True
     items = paged.work_items(tables, key_len, page_size)
-    out = jax.jit(paged.paged_attention)(q, k_pages, v_pages, key_len.astype(np.int32), items,
+    pool_k, pool_v = np.moveaxis(k_pages, 2, 0), np.moveaxis(v_pages, 2, 0)  # the pool's [K, pages, page, Dh]
+    out = jax.jit(paged.paged_attention)(q, pool_k, pool_v, key_len.astype(np.int32), items,
                                          block=(k2, v2, mask2))
     expected = _naive_attention(q, k_pages, v_pages, tables, key_len, k2, v2, mask2)
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=2e-6, rtol=1e-5)
@@ -87,7 +88,8 @@ def test_paged_attention_loops_over_item_chunks_and_never_reads_the_padding(seed
     assert len(rows) == 1024 and paged.item_chunk(n, len(rows)) == 16 and (rows < B).sum() > 3 * 16
     live = int((rows < B).sum())
     pages[-(-live // 16) * 16:] = num_pages - 1
-    out = jax.jit(paged.paged_attention)(q, k_pages, v_pages, key_len.astype(np.int32), (rows, pages, starts),
+    pool_k, pool_v = np.moveaxis(k_pages, 2, 0), np.moveaxis(v_pages, 2, 0)  # the pool's [K, pages, page, Dh]
+    out = jax.jit(paged.paged_attention)(q, pool_k, pool_v, key_len.astype(np.int32), (rows, pages, starts),
                                          block=(k2, v2, mask2))
     expected = _naive_attention(q, k_pages, v_pages, tables, key_len, k2, v2, mask2)
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=2e-6, rtol=1e-5)
@@ -195,8 +197,8 @@ def test_the_pool_is_created_sharded_pages_over_batch_axes_heads_over_tensor(tin
     config, _ = tiny
     mesh = models.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     state = paged.init_pool_program(config, 16, 4, 8, mesh)()
-    assert state.k.sharding.spec[1] == ("data", "fsdp") and state.k.sharding.spec[3] == "tensor"
-    assert {s.data.shape for s in state.k.addressable_shards} == {(config.num_hidden_layers, 4, 4, 1,
+    assert state.k.sharding.spec[2] == ("data", "fsdp") and state.k.sharding.spec[0] == "tensor"
+    assert {s.data.shape for s in state.k.addressable_shards} == {(1, config.num_hidden_layers, 4, 4,
                                                                    config.head_dim)}
     assert paged.init_pool_program(config, 16, 4, 8, mesh) is paged.init_pool_program(config, 16, 4, 8, mesh)
 

@@ -1,13 +1,23 @@
 """Paged KV cache: one pool of fixed-size pages shared by every row, host page tables, ragged paged attention, and
 the device programs of the paged engine (`rollout.engine`).
 
-The pool (`PagedState`) holds `k, v [layers, num_pages, page_size, kv_heads, head_dim]` and each slot's pending
-next-token logits `[slots, V]`. A row's token at position `p` lives in page `page_table[row][p // page_size]` at
+The pool (`PagedState`) holds `k, v [kv_heads, layers, num_pages, page_size, head_dim]` (kv heads first and layers
+next to pages: the layout of JAX's Pallas TPU paged attention kernel, whose `k_pages [kv_heads, pages, page_size,
+head_dim]` are the pool with layers and pages merged, a free reshape) and each slot's pending next-token logits
+`[slots, V]`. A row's token at position `p` lives in page `page_table[row][p // page_size]` at
 offset `p % page_size`. Page tables, the rows' cached lengths and which pages they hold are host state
 (`PageAllocator`, the engine), passed into every program as small int32 arrays: memory held is proportional to the
 tokens held, not to `max_context`, and a row that is freed or paused leaves nothing on the device to clean up.
 
-Ragged attention (`paged_attention`, the XLA path for CPU and GPU). The keys a program reads are a list of *work
+Ragged attention, two paths chosen by the target the program is compiled for (`attention_path(config)`: the
+model's resolved `attention_impl`, which `plan` sets from the topology it compiles for):
+  * "pallas_tpu" (a TPU, head_dim a multiple of 128): decode steps run JAX's Pallas TPU paged attention kernel
+    (`jax.experimental.pallas.ops.tpu.paged_attention`, `paged_attention_kernel`): each step's keys and values are
+    written into the row's page first, then the kernel reads each row's pages up to its length by DMA, under
+    `jax.shard_map` on a mesh. Prefill stays on the XLA path: that kernel takes one query per row (the ragged
+    kernel that takes query chunks, `ragged_paged_attention`, does not run in this jax's Pallas interpret mode,
+    so it could not be checked on a CPU host).
+  * "xla" (CPU, GPU, and TPU prefill): `paged_attention`, below. The keys a program reads are a list of *work
 items* `(row, page, first position)` built on the host from the page tables (`work_items`): only the pages the
 rows hold, padded to a bucket of items (`sampler.bucket_length`) so shapes repeat. Each item scores the queries of
 its row against its page; a segment max / sum over items (`jax.ops.segment_*`) joins each row's pages into one
@@ -16,7 +26,8 @@ is about the sum of the rows' own lengths, not the batch maximum times the rows,
 
 Programs (one public builder each, cached per static arguments; `compiled_programs(kind)` counts executables):
   * `init_pool_program`: the empty pool, created inside jit with `out_shardings` (pages over the batch axes, kv heads
-    over `tensor`, as `sampler.init_state_program` places the dense cache).
+    over `tensor`, as `sampler.init_state_program` places the dense cache). The kernel path runs on a pool whose
+    pages are on one batch shard (`decode_attention_path`; heads may be split over `tensor`).
   * `prefill_program`: a chunk of up to W tokens for each of U distinct rows run through the model and written into
     the pages of every row holding those tokens (a prompt's G samples run once), each row's last logits stored in
     its slot: admission, observations, and recompute after preemption are this one program.
@@ -89,7 +100,8 @@ class PagedState:
     """The paged engine's device state.
 
     Attributes:
-      k, v: [layers, num_pages, page_size, kv_heads, head_dim], the page pool (any page may belong to any row).
+      k, v: [kv_heads, layers, num_pages, page_size, head_dim], the page pool (any page may belong to any row; page
+        `p` of layer `l` is `k[:, l, p]`, the kernel's page `l * num_pages + p`).
       logits: float32 [slots, V], each slot's logits after its last cached token (valid after a prefill to it or
         a decode step in which it was active).
     """
@@ -100,11 +112,11 @@ class PagedState:
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[2]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def slots(self) -> int:
@@ -240,8 +252,8 @@ def item_chunk(queries: int, items: int) -> int:
     return min(size, 1 << max(items - 1, 0).bit_length())
 
 
-def paged_attention(q, k_pages, v_pages, key_len, items, *, block=None):
-    """Grouped-query attention of each row's queries over its own pages (and optional block keys).
+def paged_attention(q, k_pages, v_pages, key_len, items, *, layer=None, block=None):
+    """Grouped-query attention of each row's queries over its own pages (and optional block keys): the XLA path.
 
     The live items (rows < B) come first in `items` (as `work_items` lists them); the program loops over them in
     chunks of `item_chunk` items with an online float32 softmax, and stops after the last live chunk: the work
@@ -250,7 +262,9 @@ def paged_attention(q, k_pages, v_pages, key_len, items, *, block=None):
 
     Args:
       q: [B, n, H, Dh] queries (unscaled).
-      k_pages, v_pages: [num_pages, page_size, K, Dh], one layer of the pool.
+      k_pages, v_pages: [K, num_pages, page_size, Dh], one layer of the pool; or, with `layer` (an int32 scalar),
+        the whole pool [K, layers, num_pages, page_size, Dh], of which layer `layer` is read (one gather of the
+        items' pages: no layer of the pool is copied).
       key_len: int [B]: every query of row b sees the paged keys at positions `< key_len[b]`.
       items: `(row [I], page [I], start [I])` (`work_items`): row `row[i]`'s positions `start[i] .. start[i] +
         page_size - 1` live in page `page[i]`; items with `row >= B` are padding, after the live ones.
@@ -260,9 +274,10 @@ def paged_attention(q, k_pages, v_pages, key_len, items, *, block=None):
     Returns [B, n, H, Dh] in v's dtype. Softmax statistics are float32; a query with no visible key gets 0.
     """
     B, n, H, Dh = q.shape
-    page_size, K = k_pages.shape[1], k_pages.shape[2]
+    K, page_size = k_pages.shape[0], k_pages.shape[-2]
     G = H // K
-    row, page, start = items
+    row, page, start = (jnp.asarray(x) for x in items)
+    key_len = jnp.asarray(key_len)
     chunk = item_chunk(n, row.shape[0])
     pad = -row.shape[0] % chunk
     if pad:
@@ -290,9 +305,12 @@ def paged_attention(q, k_pages, v_pages, key_len, items, *, block=None):
         starts = jax.lax.dynamic_slice_in_dim(start, i * chunk, chunk)
         live = rows < B
         r = jnp.where(live, rows, 0)
-        kp = k_pages[pages].astype(q.dtype)  # [chunk, page, K, Dh]
-        vp = v_pages[pages].astype(q.dtype)
-        s = jnp.einsum("inkgd,itkd->inkgt", qg[r], kp, preferred_element_type=jnp.float32)
+        if layer is None:
+            kp, vp = k_pages[:, pages], v_pages[:, pages]  # [K, chunk, page, Dh]
+        else:
+            kp, vp = k_pages[:, layer, pages], v_pages[:, layer, pages]
+        kp, vp = kp.astype(q.dtype), vp.astype(q.dtype)
+        s = jnp.einsum("inkgd,kitd->inkgt", qg[r], kp, preferred_element_type=jnp.float32)
         pos = starts[:, None] + jnp.arange(page_size, dtype=jnp.int32)[None, :]
         vis = (live[:, None] & (pos < key_len[r][:, None]))[:, None, None, None, :]  # [chunk, 1, 1, 1, page]
         s = jnp.where(vis, s, _NEG_INF)
@@ -301,7 +319,7 @@ def paged_attention(q, k_pages, v_pages, key_len, items, *, block=None):
         p = jnp.where(vis, jnp.exp(s - new_top[r][..., None]), 0.0)
         denom = denom * scale + jax.ops.segment_sum(jnp.sum(p, axis=-1), r, num_segments=B)
         out = out * scale[..., None] + jax.ops.segment_sum(
-            jnp.einsum("inkgt,itkd->inkgd", p.astype(vp.dtype), vp, preferred_element_type=jnp.float32), r,
+            jnp.einsum("inkgt,kitd->inkgd", p.astype(vp.dtype), vp, preferred_element_type=jnp.float32), r,
             num_segments=B)
         return new_top, denom, out
 
@@ -311,12 +329,77 @@ def paged_attention(q, k_pages, v_pages, key_len, items, *, block=None):
     return out.reshape(B, n, H, Dh).astype(v_pages.dtype)
 
 
+KERNEL_HEAD_DIM = 128  # the TPU kernel's lane width: head_dim must be a multiple of it
+
+
+def attention_path(config: ModelConfig) -> str:
+    """Which paged attention a decode program of `config` compiles: "pallas_tpu" (JAX's Pallas TPU paged attention
+    kernel) when the model's `attention_impl` resolves to "pallas_tpu" (`models.attention.resolve_impl`: "auto" on
+    a TPU backend, and what `plan` sets when it compiles for a TPU topology from a CPU host) and head_dim is a
+    multiple of `KERNEL_HEAD_DIM`; else "xla" (`paged_attention`)."""
+    from trace_jax.models.attention import resolve_impl
+
+    kernel = resolve_impl(config.attention_impl) == "pallas_tpu" and config.head_dim % KERNEL_HEAD_DIM == 0
+    return "pallas_tpu" if kernel else "xla"
+
+
+def kernel_block_pages(width: int, page_size: int) -> int:
+    """Pages the kernel reads per compute block: the largest divisor of the page-table width (the kernel requires
+    one) holding at most 512 tokens (about the tuned blocks of JAX's ragged kernel on v6e: 128-512 tokens)."""
+    most = max(1, 512 // page_size)
+    return max(d for d in range(1, min(width, most) + 1) if width % d == 0)
+
+
+# The kernel prefetches its page indices [rows x page-table width] int32 into SMEM, which is 1 MiB a core (libtpu
+# 0.0.52 on v6e refused 128 rows x 3072 pages = 1.5 MiB for Qwen3-4B at 48K tokens in pages of 16): a decode batch
+# is split into calls of at most this many bytes of indices.
+KERNEL_INDEX_BYTES = 512 * 1024
+
+
+def kernel_rows_per_call(width: int) -> int:
+    """Rows of one kernel call: the most whose page indices (`width` int32 each) fit `KERNEL_INDEX_BYTES`, a power
+    of two (decode batches are powers of two, so the calls split them evenly)."""
+    most = max(1, KERNEL_INDEX_BYTES // (4 * width))
+    return 1 << (most.bit_length() - 1)
+
+
+def paged_attention_kernel(q, k_pool, v_pool, layer, page_table, key_len, *, block_pages: int,
+                           rows_per_call: int | None = None):
+    """One layer of decode attention with JAX's Pallas TPU paged attention kernel, on one device's pool.
+
+    Args:
+      q: [B, H, Dh], one query per row (unscaled).
+      k_pool, v_pool: [K, layers, num_pages, page_size, Dh], the pool holding every key the rows see.
+      layer: int32 scalar; page_table: int32 [B, width] (-1: none); key_len: int32 [B] >= 1, the keys row b sees
+        (positions `< key_len[b]` of its pages).
+      block_pages: pages per compute block (`kernel_block_pages`).
+      rows_per_call: rows per kernel call (default `kernel_rows_per_call(width)`); a batch of more rows is run as
+        several calls, each reading its own rows' pages.
+
+    The kernel takes `k_pages [K, total_pages, page_size, Dh]`: the pool with layers and pages merged (a free
+    reshape), the row's pages of this layer at `layer * num_pages + page`. The kernel reads keys and values in
+    bfloat16 (whatever the pool's dtype) with float32 softmax statistics. Returns [B, H, Dh] in q's dtype.
+    """
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as tpu_paged_attention
+
+    K, L, num_pages, page_size, Dh = k_pool.shape
+    merged = (K, L * num_pages, page_size, Dh)
+    indices = layer * num_pages + jnp.clip(page_table, 0, num_pages - 1)
+    scaled = q * jnp.asarray(Dh ** -0.5, q.dtype)  # the kernel does not scale
+    k_pages, v_pages = k_pool.reshape(merged), v_pool.reshape(merged)
+    rows = rows_per_call or kernel_rows_per_call(page_table.shape[1])
+    indices, key_len = indices.astype(jnp.int32), key_len.astype(jnp.int32)
+    return jnp.concatenate([
+        tpu_paged_attention(scaled[i:i + rows], k_pages, v_pages, key_len[i:i + rows], indices[i:i + rows],
+                            pages_per_compute_block=block_pages) for i in range(0, q.shape[0], rows)])
+
+
 def extend_rows(config: ModelConfig, params, k_pool, v_pool, cached, tokens, num_new, items):
     """Run each row's first `num_new[b]` tokens through the model at positions `cached[b] + i`, attending to the
     row's cached pages (`items`) and its own earlier new tokens (traced, not jitted). Nothing is written.
 
     Args:
-      k_pool, v_pool: [layers, num_pages, page_size, K, Dh].
+      k_pool, v_pool: [K, layers, num_pages, page_size, Dh].
       cached: int32 [B], tokens already in the row's pages (the new ones attend to all of them).
       tokens: int32 [B, n]; num_new: int32 [B] in [0, n] (0: nothing of the row is kept).
       items: `work_items` over the rows' cached pages.
@@ -331,36 +414,37 @@ def extend_rows(config: ModelConfig, params, k_pool, v_pool, cached, tokens, num
     in_block = (offsets[:, None] >= offsets[None, :])[None] & new[:, None, :]
 
     def layer(h, xs):
-        lp, k_layer, v_layer = xs
+        lp, index = xs
 
         def attend(q, k, v):
-            out = paged_attention(q, k_layer, v_layer, cached, items, block=(k, v, in_block))
+            out = paged_attention(q, k_pool, v_pool, cached, items, layer=index, block=(k, v, in_block))
             return out, (k.astype(k_pool.dtype), v.astype(v_pool.dtype))
 
         h, kv, _ = dec.decoder_layer(config, lp, h, positions, attend)
         return h, kv
 
-    h, (k_new, v_new) = jax.lax.scan(layer, dec.embed_tokens(config, params, tokens),
-                                     (params["layers"], k_pool, v_pool), unroll=config.scan_unroll)
+    layers = jnp.arange(k_pool.shape[1], dtype=jnp.int32)
+    h, (k_new, v_new) = jax.lax.scan(layer, dec.embed_tokens(config, params, tokens), (params["layers"], layers),
+                                     unroll=config.scan_unroll)
     last = h[jnp.arange(B), jnp.clip(num_new - 1, 0, n - 1)]
     logits = dec.logits_from_hidden(config, params, dec.final_norm(config, params, last))
     return logits, k_new, v_new
 
 
 def write_pages(pool, new, page_table, cached, num_new, max_len: int):
-    """`pool [layers, num_pages, page_size, K, Dh]` with row b's new entries `new[:, b, i]` (i < num_new[b]) written
-    at position `cached[b] + i` of its pages (`page_table [B, max_pages]`, -1 = none: dropped, as are positions
-    >= max_len). One scatter for every layer."""
-    L, num_pages, page_size = pool.shape[:3]
+    """`pool [K, layers, num_pages, page_size, Dh]` with row b's new entries `new[:, b, i]` (`new [layers, B, n, K,
+    Dh]`, i < num_new[b]) written at position `cached[b] + i` of its pages (`page_table [B, max_pages]`, -1 = none:
+    dropped, as are positions >= max_len). One scatter for every layer."""
+    L, num_pages, page_size = pool.shape[1:4]
     n = new.shape[2]
     offsets = jnp.arange(n, dtype=jnp.int32)
     positions = cached[:, None] + offsets[None, :]
     stored = (offsets[None, :] < num_new[:, None]) & (positions < max_len)
     page = jnp.take_along_axis(page_table, jnp.clip(positions // page_size, 0, page_table.shape[1] - 1), axis=1)
-    flat = jnp.where(stored & (page >= 0), page * page_size + positions % page_size, num_pages * page_size)
-    shape = pool.shape
-    flat_pool = pool.reshape(L, num_pages * page_size, *shape[3:])
-    return flat_pool.at[:, flat].set(new.astype(pool.dtype), mode="drop").reshape(shape)
+    page = jnp.where(stored & (page >= 0), page, num_pages)  # out of range: dropped
+    layers = jnp.arange(L, dtype=jnp.int32)[:, None, None]
+    values = jnp.moveaxis(new, 3, 0).astype(pool.dtype)  # [K, L, B, n, Dh]
+    return pool.at[:, layers, page[None], (positions % page_size)[None]].set(values, mode="drop")
 
 
 def paged_extend(config: ModelConfig, params, k_pool, v_pool, page_table, cached, tokens, num_new, items,
@@ -370,6 +454,77 @@ def paged_extend(config: ModelConfig, params, k_pool, v_pool, page_table, cached
     logits, k_new, v_new = extend_rows(config, params, k_pool, v_pool, cached, tokens, num_new, items)
     return (logits, write_pages(k_pool, k_new, page_table, cached, num_new, max_len),
             write_pages(v_pool, v_new, page_table, cached, num_new, max_len))
+
+
+def _kernel_layer(q, k, v, k_pool, v_pool, layer, page_table, lengths, write, key_len, *, block_pages, spec,
+                  mesh):
+    """One decode layer on the kernel path: each row's new key/value (k, v [B, K, Dh]) written at position
+    `lengths[b]` of its page (where `write`), then the kernel over its pages up to `key_len`. On a mesh it runs in
+    `jax.shard_map` with the pool's own sharding `spec` (kv heads over its head axes, pages over its page axes):
+    each device writes and reads the rows whose pages it holds (a row's first page says which; the engine uses it
+    only on a pool whose pages are on one batch shard: `decode_attention_path`), with
+    local page ids; rows of other shards read one page and give 0, summed over the page axes."""
+    page_size = k_pool.shape[3]
+
+    def local(q, k, v, k_pool, v_pool, layer, page_table, lengths, write, key_len):
+        num_pages = k_pool.shape[2]
+        shard = 0 if page_axes is None else jax.lax.axis_index(page_axes)
+        table = jnp.where(page_table >= 0, page_table - shard * num_pages, -1)
+        owned = (table[:, 0] >= 0) & (table[:, 0] < num_pages) if page_axes is not None else jnp.ones_like(write)
+        table = jnp.where((table >= 0) & (table < num_pages), table, -1)
+        page = jnp.take_along_axis(table, jnp.clip(lengths // page_size, 0, table.shape[1] - 1)[:, None], axis=1)[:, 0]
+        page = jnp.where(write & owned & (page >= 0), page, num_pages)  # out of range: dropped
+        offset = lengths % page_size
+        k_pool = k_pool.at[:, layer, page, offset].set(jnp.moveaxis(k, 1, 0).astype(k_pool.dtype), mode="drop")
+        v_pool = v_pool.at[:, layer, page, offset].set(jnp.moveaxis(v, 1, 0).astype(v_pool.dtype), mode="drop")
+        out = paged_attention_kernel(q, k_pool, v_pool, layer, table, jnp.where(owned, key_len, 1),
+                                     block_pages=block_pages)
+        if page_axes is not None:
+            out = jax.lax.psum(jnp.where(owned[:, None, None], out, jnp.zeros_like(out)), page_axes)
+        return out, k_pool, v_pool
+
+    if mesh is None:
+        page_axes = None
+        return local(q, k, v, k_pool, v_pool, layer, page_table, lengths, write, key_len)
+    heads, page_axes = spec[0], spec[2]
+    rows = P(None, heads, None)
+    pool = P(*spec)
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, pool, pool, P(), P(), P(), P(), P()),
+                         out_specs=(rows, pool, pool), check_vma=False)(
+        q, k, v, k_pool, v_pool, layer, page_table, lengths, write, key_len)
+
+
+def kernel_decode_extend(config: ModelConfig, params, k_pool, v_pool, page_table, lengths, tokens, active,
+                         max_len: int, layout=None):
+    """One decode step on the kernel path: token `tokens[b]` of each active row run through the model at position
+    `lengths[b]`, its keys/values written into the row's page layer by layer (the kernel reads them back with the
+    row's cached ones). Inactive rows write nothing (their outputs are meaningless). Returns (logits float32
+    [B, V], k_pool, v_pool); `paged_extend` with one token is the same on the XLA path."""
+    width, page_size = page_table.shape[1], k_pool.shape[3]
+    write = active & (lengths < max_len)
+    key_len = jnp.clip(lengths + 1, 1, width * page_size)  # >= 1: an empty row would leave the kernel 0 / 0
+    block_pages = kernel_block_pages(width, page_size)
+    spec, mesh = (None, None) if layout is None else (layout.k.spec, layout.k.mesh)
+    if mesh is not None and len(spec) < 5:
+        spec = P(*spec, *([None] * (5 - len(spec))))
+
+    def layer(carry, xs):
+        h, kp, vp = carry
+        lp, index = xs
+
+        def attend(q, k, v):
+            out, kp2, vp2 = _kernel_layer(q[:, 0], k[:, 0], v[:, 0], kp, vp, index, page_table, lengths, write,
+                                          key_len, block_pages=block_pages, spec=spec, mesh=mesh)
+            return out[:, None].astype(v.dtype), (kp2, vp2)
+
+        h, (kp, vp), _ = dec.decoder_layer(config, lp, h, lengths[:, None], attend)
+        return (h, kp, vp), None
+
+    layers = jnp.arange(k_pool.shape[1], dtype=jnp.int32)
+    (h, k_pool, v_pool), _ = jax.lax.scan(layer, (dec.embed_tokens(config, params, tokens[:, None]), k_pool, v_pool),
+                                          (params["layers"], layers), unroll=config.scan_unroll)
+    logits = dec.logits_from_hidden(config, params, dec.final_norm(config, params, h[:, 0]))
+    return logits, k_pool, v_pool
 
 
 # ---------------------------------------------------------------------------------------------------- programs
@@ -394,7 +549,7 @@ def compiled_programs(kind: str) -> int:
 def state_shardings(mesh, rules=None) -> PagedState:
     """`NamedSharding`s of a `PagedState` on `mesh`: pages over the batch axes, kv heads over `tensor` (the dense
     cache's logical axes with pages in the place of rows), the slots' logits over the batch axes."""
-    pool = P("layers", "batch", "length", "kv_heads", "head_dim")
+    pool = P("kv_heads", "layers", "batch", "length", "head_dim")
     return PagedState(k=logical_to_sharding(pool, mesh, rules), v=logical_to_sharding(pool, mesh, rules),
                       logits=logical_to_sharding(P("batch", "vocab"), mesh, rules))
 
@@ -403,7 +558,7 @@ def abstract_state(config: ModelConfig, num_pages: int, page_size: int, slots: i
                    cache_dtype=None) -> PagedState:
     """The `ShapeDtypeStruct`s (with shardings) of an empty pool; nothing is allocated."""
     dtype = jnp.dtype(cache_dtype or config.dtype)
-    shape = (config.num_hidden_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim)
+    shape = (config.num_key_value_heads, config.num_hidden_layers, num_pages, page_size, config.head_dim)
     shapes = PagedState(k=jax.ShapeDtypeStruct(shape, dtype), v=jax.ShapeDtypeStruct(shape, dtype),
                         logits=jax.ShapeDtypeStruct((slots, config.vocab_size), jnp.float32))
     if mesh is None:
@@ -416,7 +571,7 @@ def abstract_state(config: ModelConfig, num_pages: int, page_size: int, slots: i
 
 
 def _empty_pool(config, num_pages, page_size, slots, dtype) -> PagedState:
-    shape = (config.num_hidden_layers, num_pages, page_size, config.num_key_value_heads, config.head_dim)
+    shape = (config.num_key_value_heads, config.num_hidden_layers, num_pages, page_size, config.head_dim)
     return PagedState(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                       logits=jnp.zeros((slots, config.vocab_size), jnp.float32))
 
@@ -484,6 +639,7 @@ def _decode_steps(config, num_steps, max_len, layout, sampling, params, state: P
                   lengths, active, budget_left, stop_ids, keys, turn_step, reason, items, logit_bias):
     # The decode batch is the rows that generate, gathered from their slots; their logits go back at the end.
     slot = jnp.clip(slots, 0, state.slots - 1)
+    kernel = decode_attention_path(config, layout) == "pallas_tpu"
 
     def body(carry, _):
         k, v, logits, lengths, active, budget_left, reason, turn_step = carry
@@ -491,8 +647,12 @@ def _decode_steps(config, num_steps, max_len, layout, sampling, params, state: P
         step_keys = jax.vmap(jax.random.fold_in)(keys, turn_step.astype(jnp.uint32))
         tokens, lp, slp = sampler_lib.sample_from_logits(biased, step_keys, sampling)
         tokens = jnp.where(active, tokens, 0)
-        new_logits, k, v = paged_extend(config, params, k, v, page_table, lengths, tokens[:, None],
-                                        active.astype(jnp.int32), items, max_len)
+        if kernel:
+            new_logits, k, v = kernel_decode_extend(config, params, k, v, page_table, lengths, tokens, active,
+                                                    max_len, layout)
+        else:
+            new_logits, k, v = paged_extend(config, params, k, v, page_table, lengths, tokens[:, None],
+                                            active.astype(jnp.int32), items, max_len)
         step = active.astype(jnp.int32)
         lengths, budget_left, turn_step = lengths + step, budget_left - step, turn_step + step
         # the stop rule of `sampler.decode_program`: stop token, then a full row, then the budget
@@ -527,7 +687,27 @@ def decode_program(config: ModelConfig, num_steps: int, max_len: int, layout=Non
     `fold_in(keys[i], t)`: the per-row keys of `sampler.generate` (its step s is the row's t when the row started
     its turn with the call). The host must have given each active row the pages of its positions
     `< lengths + num_steps`, and `items` must cover its cached pages up to `lengths + num_steps - 1`. The state is
-    donated. Stop rule and log-probs as `sampler.decode_program`."""
+    donated. Stop rule and log-probs as `sampler.decode_program`.
+
+    Attention: `decode_attention_path(config, layout)`. On the kernel path `items` is not read (the kernel walks
+    each row's page table)."""
     return _program("paged_decode", (config, num_steps, max_len, layout), lambda: sampler_lib.MeshProgram(
         jax.jit(functools.partial(_decode_steps, config, num_steps, max_len, layout), donate_argnums=2),
         _layout_mesh(layout)))
+
+
+def decode_attention_path(config: ModelConfig, layout=None) -> str:
+    """The attention a decode program on a pool of `layout` compiles: `attention_path(config)` when the pool's pages
+    are on one batch shard, else "xla". The kernel runs each row on the shard holding its pages, which needs each
+    row's pages on one shard; the engine's allocator does not keep them there yet (pages go lowest id first), so a
+    pool over several batch shards decodes on the XLA path (GSPMD gathers the pages) rather than fail."""
+    return attention_path(config) if _page_shards(layout) == 1 else "xla"
+
+
+def _page_shards(layout) -> int:
+    """How many shards the pool's pages are split over (1 on one device)."""
+    if layout is None:
+        return 1
+    axes = layout.k.spec[2] if len(layout.k.spec) > 2 else None
+    sizes = dict(layout.k.mesh.shape)
+    return int(np.prod([sizes[a] for a in ((axes,) if isinstance(axes, str) else axes or ())], dtype=np.int64))
