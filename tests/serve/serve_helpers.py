@@ -17,7 +17,7 @@ def greedy_ids(config, params, prompt_ids, max_tokens, max_context, stop_ids=())
     """The sampler's own greedy continuation of `prompt_ids` (one row, one generate call), as token ids."""
     from trace_jax.rollout import sampler
 
-    state = sampler.append(config, params, sampler.init_state(config, 1, max_context), [list(prompt_ids)])
+    state = sampler.prefill_rows(config, params, sampler.init_state(config, 1, max_context), [0], [list(prompt_ids)])
     _, generation = sampler.generate(config, params, state, rng=jax.random.PRNGKey(0), active=np.ones(1, bool),
                                      max_new_tokens=max_tokens, stop_ids=stop_ids,
                                      sampling=sampler.SamplingConfig(greedy=True))
