@@ -17,10 +17,6 @@ serve/engine.py until it moves to the paged engine; the RL loop, evaluation and 
     state (stop token, per-row token budget, cache full). `decode_program` runs `sync_every` of these steps in one
     program (a `lax.scan`); `_decode_jit` runs one (the step a logits hook drives).
 
-Several processes (a state on a mesh whose devices span them): `generate` and `prefill_rows` take and return this
-process's rows, the per-row host arguments of every process gathered, and decode until no process has an active
-row (`distributed.agree_any`).
-
 `generate` is the host loop around them. It reads the stop flags back every `sync_every` steps (every step when a
 logits hook is set), checks stop *strings* (tags that are not single tokens, e.g. `</tool_call>` for SmolLM2) on the
 host, and rolls back the cache length of a row that overshot a stop string.
@@ -63,7 +59,6 @@ from trace_jax.models import cache as cache_lib
 from trace_jax.models import decoder as dec
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.sharding import cache_logical_axes, logical_to_sharding
-from trace_jax.train import distributed
 
 # Why a row stopped generating (`Generation.stop_reason`).
 RUNNING, STOP_TOKEN, STOP_STRING, BUDGET, CONTEXT_FULL = 0, 1, 2, 3, 4
@@ -560,13 +555,6 @@ def prefill_rows(config: ModelConfig, params, state: SamplerState, rows: Sequenc
     batch = state.cache.batch_size
     if len(rows) != len(prompts):
         raise ValueError(f"prefill_rows got {len(rows)} rows and {len(prompts)} prompts; pass one prompt per row")
-    if distributed.spans_processes(state.cache.k):  # this process's rows -> every process's (module doc)
-        mine = distributed.process_share(batch)
-        if not all(0 <= int(r) < mine.stop - mine.start for r in rows):
-            raise ValueError(f"prefill_rows: rows {list(rows)} must index this process's "
-                             f"{mine.stop - mine.start} rows of a state over several processes")
-        gathered = distributed.gather_sequences([[mine.start + int(r), *p] for r, p in zip(rows, prompts)])
-        rows, prompts = [g[0] for g in gathered], [g[1:] for g in gathered]
     if not rows:
         return state
     if len(set(rows)) != len(rows) or not all(0 <= int(r) < batch for r in rows):
@@ -640,15 +628,6 @@ class StopStrings:
         return None
 
 
-def _everyone(rows: np.ndarray) -> np.ndarray:
-    """Every process's rows of a per-row host array, concatenated in process order (a collective): the argument a
-    program over a mesh of several processes takes, the same on every process (`distributed.gather_rows`)."""
-    rows = np.asarray(rows)
-    if rows.dtype == np.bool_:  # gathered as a JAX array: bool travels as int32
-        return distributed.gather_rows(rows.astype(np.int32)).astype(bool)
-    return distributed.gather_rows(rows)
-
-
 def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array, active, max_new_tokens,
              stop_ids: Sequence[int], sampling: SamplingConfig | RowSampling = SamplingConfig(),
              stop_strings: StopStrings | None = None,
@@ -676,38 +655,21 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
         (`RolloutConfig.sync_every`).
 
     A row also stops when its cache is full (`CONTEXT_FULL`).
-
-    On a state over several processes, `active`, `max_new_tokens`, per-row keys, per-row `sampling` and the result
-    are this process's rows (`distributed.process_share` of the batch); every process calls it (module doc).
     """
     layout = state_layout(state)
     mesh = layout_mesh(layout)
     on_mesh = (lambda: jax.set_mesh(mesh)) if mesh is not None else contextlib.nullcontext
-    # A state on a mesh over several processes: this process's rows are `mine` (host arguments and results are
-    # those rows); every program gets the one-process arguments of every row (`_everyone`) and the loop runs until
-    # no process has an active row, so every process dispatches the same programs in the same order.
-    spans = distributed.spans_processes(state.cache.k)
-    mine = distributed.process_share(state.cache.batch_size) if spans else slice(0, state.cache.batch_size)
-    batch = mine.stop - mine.start
+    batch = state.cache.batch_size
     active = np.asarray(active, bool).copy()
     budget = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (batch,)).copy()
-    lengths0 = distributed.local_rows(state.cache.lengths, mine)
+    lengths0 = np.asarray(state.cache.lengths)
     active &= (budget > 0) & (lengths0 < state.max_len)  # a full row cannot take another token
-    longest = distributed.agree_max(int(lengths0.max(initial=0)))
+    longest = int(lengths0.max(initial=0))
     # Host arrays go into the programs as they are: an eager `jnp.asarray` per argument was a dispatch of its own
     # (a seventh of a serving engine's time between slices).
     stop_arr = np.asarray(list(stop_ids) or [-1], np.int32)
     rows = RowSampling.broadcast(sampling, batch)
-    if spans:
-        rows = rows.replace(temperature=_everyone(rows.temperature), top_p=_everyone(rows.top_p),
-                            greedy=_everyone(rows.greedy))
-        rows = rows.replace(sample=not np.asarray(rows.greedy).all(),
-                            filter_top_p=bool((np.asarray(rows.top_p) < 1.0).any()))
-        # keys as host data (raw uint32), the same on every process: one key, or every process's rows' keys
-        rng = np.asarray(jax.random.key_data(rng) if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng)
-        rng = _everyone(rng) if rng.ndim == 2 else rng
-    active_dev = _everyone(active) if spans else active
-    budget_dev = _everyone(budget) if spans else budget
+    active_dev, budget_dev = active, budget
     sync_every = 1 if logits_hook is not None else max(1, sync_every)
 
     # Host copies of the decoded steps, one [steps, B] block per host sync: tokens, logprobs, sampling logprobs and
@@ -718,7 +680,7 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
     checked = np.zeros(batch, np.int64)  # tokens of each row already scanned for stop strings
     host_active = active.copy()
     step = 0
-    while distributed.agree_any(host_active.any()):
+    while host_active.any():
         if logits_hook is None:
             # sync_every steps in one dispatch (same keys and tokens as one step per call); attention reads a
             # bucket of slots above the longest row after them, not the whole cache (one compile per bucket).
@@ -730,29 +692,24 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
             step += sync_every
         else:
             hooked = logits_hook(step, generated)
-            if spans:  # host arguments, the same on every process (no process-local device arrays)
-                bias = _everyone(np.zeros((batch, config.vocab_size), np.float32) if hooked is None
-                                 else np.asarray(hooked, np.float32))
-                keys = np.asarray(_step_keys(rng, step))
-            else:
-                bias = None if hooked is None else jnp.asarray(hooked, jnp.float32)
-                keys = _step_keys(rng, step)
+            bias = None if hooked is None else jnp.asarray(hooked, jnp.float32)
+            keys = _step_keys(rng, step)
             was_active = active_dev
             with on_mesh():  # the one-step program runs under the state's mesh, as `decode_program` does
                 state, tokens, lp, slp, active_dev, step_reason, budget_dev = _decode_jit(
                     config, None, params, state, active_dev, budget_dev, stop_arr, keys, bias, rows)
             reason_dev = jnp.where(was_active, step_reason, reason_dev)
             step += 1
-            tok_np, act_np = distributed.local_rows(tokens, mine), distributed.local_rows(was_active, mine)
+            tok_np, act_np = np.asarray(tokens), np.asarray(was_active)
             for row in np.nonzero(act_np)[0]:
                 generated[row].append(int(tok_np[row]))
             tokens, lp, slp, was_active = tokens[None], lp[None], slp[None], was_active[None]  # a 1-step block
-        tok_blocks.append(distributed.local_rows(tokens, mine, axis=1))
-        lp_blocks.append(distributed.local_rows(lp, mine, axis=1))
-        slp_blocks.append(distributed.local_rows(slp, mine, axis=1))
-        act_blocks.append(distributed.local_rows(was_active, mine, axis=1).copy())
-        host_active = distributed.local_rows(active_dev, mine)
-        reason = distributed.local_rows(reason_dev, mine).copy()
+        tok_blocks.append(np.asarray(tokens))
+        lp_blocks.append(np.asarray(lp))
+        slp_blocks.append(np.asarray(slp))
+        act_blocks.append(np.asarray(was_active).copy())
+        host_active = np.asarray(active_dev)
+        reason = np.asarray(reason_dev).copy()
         if stop_strings is not None and stop_strings.strings:
             # Check the rows' new tokens; a row that completed a stop string is stopped and rolled back.
             tokens_np = np.concatenate(tok_blocks, axis=0).T
@@ -766,9 +723,9 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
                 checked[row] = len(ids)
                 if hit is not None and (reason[row] != STOP_TOKEN or hit < len(ids) - 1):
                     rollback[row] = hit + 1
-            if distributed.agree_any(bool(rollback)):  # every process replaces its arrays alike (same programs)
+            if rollback:
                 new_active = host_active.copy()
-                current = distributed.local_rows(state.cache.lengths, mine).copy()
+                current = np.asarray(state.cache.lengths).copy()
                 for row, keep in rollback.items():
                     new_active[row] = False
                     reason[row] = STOP_STRING
@@ -777,13 +734,8 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
                     mask_np[row, np.nonzero(mask_np[row])[0][keep:]] = False
                 act_blocks = [mask_np.T]
                 host_active = new_active
-                active_dev = _everyone(new_active) if spans else new_active
-                reason_dev = _everyone(reason) if spans else reason
-                if spans:
-                    new_lengths = distributed.put_replicated_value(_everyone(current.astype(np.int32)),
-                                                                   state.cache.lengths.sharding)
-                else:
-                    new_lengths = jax.device_put(current.astype(np.int32), state.cache.lengths.sharding)
+                active_dev, reason_dev = new_active, reason
+                new_lengths = jax.device_put(current.astype(np.int32), state.cache.lengths.sharding)
                 state = state.replace(cache=state.cache.replace(lengths=new_lengths))
 
     if step == 0:
