@@ -54,7 +54,7 @@ def load(name: str):
 def prefilled(config, params, rows: int, cache: int, prompt: int):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, config.vocab_size, prompt).tolist() for _ in range(rows)]
-    return S.append(config, params, S.init_state(config, rows, cache), prompts)
+    return S.prefill_rows(config, params, S.init_state(config, rows, cache), list(range(rows)), prompts)
 
 
 def fused(config, params, state, steps: int, sync_every: int):

@@ -11,7 +11,7 @@ device:
                             over tensor, experts over expert (`models.ROLLOUT_RULES`): not 1/N by design
   optimizer state           the train state's optimizer moments (train layout)
   reference                 `Placement.frozen`: the frozen reference as the scorer reads it
-  KV cache                  the rollout's cache, read at every `sampler.generate` call of the steps (the largest)
+  KV cache                  the rollout engine's page pool, read at every decode dispatch of the steps (the largest)
 
 The table gives, per category, the bytes on one device, the largest and smallest per-device bytes on the mesh,
 their ratio to one device, and the target: at most 1/N + 10% of the one-device bytes (N = the mesh's devices; for
@@ -51,7 +51,7 @@ from trace_jax.rl.gin_setup import parse  # noqa: E402
 from trace_jax.rl.loop import Placement, build_environment, rl_step  # noqa: E402
 from trace_jax.rl.metrics import PhaseTimer  # noqa: E402
 from trace_jax.rl.pipeline import RLPipeline, UpdateConfig  # noqa: E402
-from trace_jax.rollout import sampler as sampler_lib  # noqa: E402
+from trace_jax.rollout import paged as paged_lib  # noqa: E402
 from trace_jax.train.config import MeshConfig  # noqa: E402
 from trace_jax.train.optimizer import make_optimizer  # noqa: E402
 from trace_jax.train.state import init_train_state  # noqa: E402
@@ -88,20 +88,25 @@ def device_bytes(tree) -> dict:
 
 @contextlib.contextmanager
 def recording_caches(largest: dict):
-    """While active, every `sampler.generate` call adds nothing but a look at its state's KV cache: `largest` keeps
-    each device's largest cache bytes seen."""
-    generate = sampler_lib.generate
+    """While active, every decode dispatch of the rollout engine adds nothing but a look at its page pool (the KV
+    cache, k and v): `largest` keeps each device's largest pool bytes seen."""
+    decode_program = paged_lib.decode_program
 
-    def recording(config, params, state, **kwargs):
-        for device, nbytes in device_bytes(state.cache).items():
-            largest[device] = max(largest.get(device, 0), nbytes)
-        return generate(config, params, state, **kwargs)
+    def recording(*build):
+        program = decode_program(*build)
 
-    sampler_lib.generate = recording
+        def run(sampling, params, pool, *rest):
+            for device, nbytes in device_bytes((pool.k, pool.v)).items():
+                largest[device] = max(largest.get(device, 0), nbytes)
+            return program(sampling, params, pool, *rest)
+
+        return run
+
+    paged_lib.decode_program = recording
     try:
         yield
     finally:
-        sampler_lib.generate = generate
+        paged_lib.decode_program = decode_program
 
 
 def run_mesh(run_config, environment, mesh_flag: str, steps: int) -> dict:

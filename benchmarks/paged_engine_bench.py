@@ -1,26 +1,26 @@
-"""Paged engine against the dense engine, side by side in one run, on a synthetic long-horizon workload.
+"""The rollout engine on a synthetic long-horizon workload, or on a config's own rollout.
 
 Workload (issue 45): the tiny model (`tiny-qwen3`, random weights, the word tokenizer), `--rows` episodes of up to
 `--turns` tool turns; each turn is a scripted tool call (`agent.ScriptedPolicy`) whose length is drawn from
 `--turn-tokens` (min,max), and each tool call sleeps a latency drawn from `--latency-ms` (min,max) and returns a
-few words. Both engines run the same episodes (the tokens are checked equal) from the same key.
+few words.
 
-Reported per engine (best of `--repeats` for time; the counts are the same every repeat):
-  * generated tokens/s (wall, compile excluded by a warm-up run);
-  * useful row-step fraction: decode row-steps that produced a kept token / decode row-steps run (the dense
-    engine's row-steps are its slots x steps of every `generate` call, read by wrapping `sampler.generate`);
-  * KV positions read per generated token (paged: its work items, against the ragged minimum: the mean position of
-    the generated tokens; dense: slots x attended bucket per step is not recorded, so only the paged figure);
-  * under a pool of 25% of the rows' total tokens (`--quarter`): preemptions and episodes lost (must be 0).
+Reported (best of `--repeats` for time; the counts are the same every repeat):
+  * generated tokens/s (wall, compile excluded by warm-up runs);
+  * useful row-step fraction: decode row-steps that produced a kept token / decode row-steps run;
+  * KV positions read per generated token (the engine's work items), against the ragged minimum (the mean position
+    of the generated tokens);
+  * under a pool of 25% of the rows' total tokens (`--quarter`): preemptions, episodes lost (must be 0) and whether
+    the episodes are the unbounded run's.
 
-A logits hook makes both engines dispatch one decode step at a time (`sync_every` is 1 with a hook), so this measures
-scheduling (round barriers, serial tools, batch-max reads), not the per-dispatch batching of free-running decode.
+A logits hook makes the engine dispatch one decode step at a time (`sync_every` is 1 with a hook), so this measures
+scheduling (tools beside decode, ragged reads), not the per-dispatch batching of free-running decode.
 
 `--config FILE --init-from RUN_DIR` measures instead the loop's own rollout: one step's episodes of that config
-(`prompts_per_step x group_size`, e.g. 6 x 8 = 48 on configs/study.gin) from the policy a run started RL from
-(its `reference/` step 0, as benchmarks/step_bench.py reads it), collected by `RLPipeline.collect` with
-`RolloutConfig.engine` 'dense' and 'paged' (everything else as the config says: its sampling, its tools), the same key,
-interleaved, best of `--repeats` after a warm-up; generated tokens/s per engine and their ratio (issue 45: >= 2x).
+(`prompts_per_step x group_size`, e.g. 6 x 8 = 48 on configs/study.gin) from the policy a run started RL from (its
+`reference/` step 0, as benchmarks/step_bench.py reads it), collected by `RLPipeline.collect`, best of `--repeats`
+after a warm-up. The dense engine this was compared against (issue 45: >= 2x its tokens/s) was removed; its side of
+the comparison runs from the commits before its removal (`git log -- benchmarks/paged_engine_bench.py`).
 
 Do not quote figures from a loaded machine: run it on an idle one. `--smoke` runs a few rows of short turns.
 
@@ -51,7 +51,6 @@ from trace_jax import models  # noqa: E402
 from trace_jax.models.chat import ChatFormat  # noqa: E402
 from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer  # noqa: E402
 from trace_jax.rollout import RolloutConfig, SamplingConfig, ScriptedPolicy  # noqa: E402
-from trace_jax.rollout import agent as agent_lib  # noqa: E402
 from trace_jax.rollout import engine as engine_lib  # noqa: E402
 from trace_jax.rollout import paged as paged_lib  # noqa: E402
 from trace_jax.rollout.paged import PagedConfig  # noqa: E402
@@ -106,26 +105,6 @@ def compiles() -> int:
     return sum(paged_lib.compiled_programs(kind) for kind in ("paged_prefill", "paged_decode"))
 
 
-def run_dense(config, params, chat, tasks, rollout, hook):
-    row_steps = [0]
-    generate = agent_lib.sampler_lib.generate
-
-    def counting(config_, params_, state, **kwargs):
-        state, gen = generate(config_, params_, state, **kwargs)
-        row_steps[0] += state.cache.batch_size * gen.steps
-        return state, gen
-
-    agent_lib.sampler_lib.generate = counting
-    try:
-        start = time.perf_counter()
-        result = agent_lib.run_episodes(config, params, chat, tasks, SleepyTools, rollout, jax.random.PRNGKey(0),
-                                        logits_hook=hook)
-        seconds = time.perf_counter() - start
-    finally:
-        agent_lib.sampler_lib.generate = generate
-    return result, seconds, row_steps[0]
-
-
 def run_paged(config, params, chat, tasks, rollout, hook, paged):
     start = time.perf_counter()
     result = engine_lib.run_paged_episodes(config, params, chat, tasks, SleepyTools, rollout, jax.random.PRNGKey(0),
@@ -134,7 +113,7 @@ def run_paged(config, params, chat, tasks, rollout, hook, paged):
 
 
 def study(args) -> None:
-    """The loop's rollout on a config (see the module docstring), dense against paged."""
+    """The loop's rollout on a config (see the module docstring)."""
     from trace_jax.credit.config import CreditConfig
     from trace_jax.rl.gin_setup import parse
     from trace_jax.rl.loop import build_environment
@@ -151,48 +130,37 @@ def study(args) -> None:
                                            async_save=False)) as store:
             params = store.restore_params(0)
     tasks = environment.train_tasks[:config.train.prompts_per_step]
-    optimizer = make_optimizer(config.optimizer)
-    pipelines = {engine: RLPipeline(environment.model_config, environment.chat, environment.browser,
-                                    dataclasses.replace(config.rollout, engine=engine), CreditConfig(estimator="grpo"),
-                                    config.loss, config.update, optimizer)
-                 for engine in ("dense", "paged")}
+    pipeline = RLPipeline(environment.model_config, environment.chat, environment.browser, config.rollout,
+                          CreditConfig(estimator="grpo"), config.loss, config.update, make_optimizer(config.optimizer))
     key = jax.random.PRNGKey(args.seed)
 
-    def collect(engine):
+    def collect():
         start = time.perf_counter()
-        result = pipelines[engine].collect(params, tasks, key)
+        result = pipeline.collect(params, tasks, key)
         jax.block_until_ready(result.batch.tokens)
         return result, time.perf_counter() - start
 
-    results = {engine: collect(engine)[0] for engine in pipelines}  # warm-up: compiles
-    for _ in range(2):  # the paged engine's shapes follow tool timing: warm up until nothing new compiles
+    for _ in range(3):  # the engine's shapes follow tool timing: warm up until nothing new compiles
         before = compiles()
-        results["paged"] = collect("paged")[0]
+        result, _ = collect()
         if compiles() == before:
             break
-    seconds = {engine: [] for engine in pipelines}
     before = compiles()
-    for repeat in range(args.repeats):
-        for engine in (("dense", "paged") if repeat % 2 == 0 else ("paged", "dense")):
-            results[engine], s = collect(engine)
-            seconds[engine].append(s)
-    dense, paged = results["dense"], results["paged"]
-    same = all(np.array_equal(np.asarray(getattr(dense.batch, f)), np.asarray(getattr(paged.batch, f)))
-               for f in ("tokens", "lengths"))
-    tokens = dense.generated_tokens
-    lengths = np.asarray(dense.batch.lengths)
+    seconds = []
+    for _ in range(args.repeats):
+        result, s = collect()
+        seconds.append(s)
+    tokens = result.generated_tokens
+    lengths = np.asarray(result.batch.lengths)
     print(f"{args.config}{' from ' + args.init_from if args.init_from else ' (fresh policy)'}: {len(lengths)} rows, "
           f"lengths {lengths.min()}..{lengths.max()} (mean {lengths.mean():.0f}), "
-          f"{np.mean([len(e.turn_texts) for e in dense.episodes]):.2f} turns an episode, {tokens} generated tokens; "
-          f"same episodes: {same}; load average {os.getloadavg()[0]:.1f}")
-    print(f"{'engine':8} {'best s':>8} {'all runs (s)':>30} {'tokens/s':>10}")
-    for engine in pipelines:
-        runs = " ".join(f"{s:.2f}" for s in seconds[engine])
-        print(f"{engine:8} {min(seconds[engine]):8.2f} {runs:>30} {tokens / min(seconds[engine]):10.1f}")
-    stats = paged.stats
-    print(f"paged / dense tokens/s: {min(seconds['dense']) / min(seconds['paged']):.2f}x; paged useful row-steps "
-          f"{stats.useful_row_steps / max(stats.row_steps, 1):.1%}, preemptions {stats.preemptions}; paged programs "
-          f"compiled during the timed runs: {compiles() - before}")
+          f"{np.mean([len(e.turn_texts) for e in result.episodes]):.2f} turns an episode, {tokens} generated tokens; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    stats = result.stats
+    useful = stats.useful_row_steps / max(stats.row_steps, 1)
+    print(f"best {min(seconds):.2f} s (runs: {' '.join(f'{s:.2f}' for s in seconds)}), "
+          f"{tokens / min(seconds):.1f} tokens/s; useful row-steps {useful:.1%}, preemptions {stats.preemptions}; "
+          f"programs compiled during the timed runs: {compiles() - before}")
 
 
 def main(argv=None):
@@ -203,7 +171,7 @@ def main(argv=None):
     parser.add_argument("--latency-ms", type=pair, default=(10, 500))
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quarter", action="store_true", help="also run the paged engine on a 25%% pool")
+    parser.add_argument("--quarter", action="store_true", help="also run the engine on a 25%% pool")
     parser.add_argument("--smoke", action="store_true", help="4 rows, 2 turns of 10-30 tokens, 1-5 ms tools")
     parser.add_argument("--config", default="", help="measure the loop's rollout on this gin file instead")
     parser.add_argument("--gin-param", action="append", default=[], help="an extra binding with --config")
@@ -226,44 +194,38 @@ def main(argv=None):
     hook = ScriptedPolicy(scripts, config.vocab_size)
     paged = PagedConfig(page_size=args.page_size)
 
-    run_dense(config, params, chat, tasks, rollout, hook)  # warm-up: compile
-    # The paged engine's shapes (decode rows, pages read) follow the tool latencies: warm up until a run compiles
+    # The engine's shapes (decode rows, pages read) follow the tool latencies: warm up until a run compiles
     # nothing new, and report any compile that still lands in a timed run.
-    for _ in range(4):
+    for _ in range(5):
         before = compiles()
         run_paged(config, params, chat, tasks, rollout, hook, paged)
         if compiles() == before:
             break
     before = compiles()
-    dense_s, paged_s = [], []
-    for _ in range(args.repeats):  # interleaved, so both see the same load
-        dense, seconds, dense_row_steps = run_dense(config, params, chat, tasks, rollout, hook)
-        dense_s.append(seconds)
+    paged_s = []
+    for _ in range(args.repeats):
         result, seconds = run_paged(config, params, chat, tasks, rollout, hook, paged)
         paged_s.append(seconds)
     timed_compiles = compiles() - before
-    same = all(np.array_equal(getattr(dense.batch, f), getattr(result.batch, f)) for f in ("tokens", "status"))
-    tokens = dense.generated_tokens
+    tokens = result.generated_tokens
     stats = result.stats
     print(f"workload: {args.rows} rows, <= {args.turns} turns of {args.turn_tokens} tokens, tools "
-          f"{args.latency_ms} ms; {tokens} generated tokens; same episodes: {same}")
-    print(f"{'engine':8} {'tokens/s':>10} {'useful row-steps':>17} {'KV read / token':>16}")
-    print(f"{'dense':8} {tokens / min(dense_s):10.1f} {tokens / max(dense_row_steps, 1):17.1%} {'-':>16}")
-    print(f"{'paged':8} {tokens / min(paged_s):10.1f} {stats.useful_row_steps / max(stats.row_steps, 1):17.1%} "
+          f"{args.latency_ms} ms; {tokens} generated tokens")
+    print(f"{'tokens/s':>10} {'useful row-steps':>17} {'KV read / token':>16}")
+    print(f"{tokens / min(paged_s):10.1f} {stats.useful_row_steps / max(stats.row_steps, 1):17.1%} "
           f"{stats.kv_positions_read / max(tokens, 1):16.1f}")
     # the ragged minimum: a token generated at position p reads the p positions before it, no more
-    mask = np.asarray(dense.batch.loss_mask) == 1
-    minimum = float(np.asarray(dense.batch.positions)[mask].mean())
+    mask = np.asarray(result.batch.loss_mask) == 1
+    minimum = float(np.asarray(result.batch.positions)[mask].mean())
     ratio = stats.kv_positions_read / max(tokens, 1) / minimum
-    print(f"ragged minimum KV read / token: {minimum:.1f} (paged reads {ratio:.2f}x)")
-    print(f"paged / dense tokens/s: {min(dense_s) / min(paged_s):.2f}x (paged programs compiled during the timed "
-          f"runs: {timed_compiles})")
+    print(f"ragged minimum KV read / token: {minimum:.1f} (the engine reads {ratio:.2f}x); programs compiled during "
+          f"the timed runs: {timed_compiles}")
     if args.quarter:
-        total = int(np.asarray(dense.batch.lengths).sum())
+        total = int(np.asarray(result.batch.lengths).sum())
         pages = max(total // 4 // args.page_size, -(-rollout.max_context // args.page_size))
         small, _ = run_paged(config, params, chat, tasks, rollout, hook, dataclasses.replace(paged, num_pages=pages))
         lost = sum(e.status == "running" for e in small.episodes)
-        same = np.array_equal(small.batch.tokens, dense.batch.tokens)
+        same = np.array_equal(small.batch.tokens, result.batch.tokens)
         print(f"pool of {pages} pages ({pages * args.page_size} of {total} tokens): {small.stats.preemptions} "
               f"preemptions, {lost} episodes lost, same episodes: {same}")
 

@@ -9,7 +9,8 @@ For each model it measures generated tokens/s at a given context (default 512 pr
                         its default threading (`OMP_WAIT_POLICY` unset: OpenMP threads spin-wait between regions);
   * `torch passive`   : the same with `OMP_WAIT_POLICY=PASSIVE` (idle OpenMP threads sleep: faster on a shared,
                         oversubscribed CPU, slower on an idle one);
-  * `recompute`       : the sampler's rule without a cache (`generate_without_cache`: a full forward per step);
+  * `recompute`       : the sampler's rule without a cache (tests/rollout/naive_reference.py's
+                        `generate_without_cache`: a full forward per step);
 
 (all greedy, compile/warm-up excluded). The four decode contenders are called interleaved, round after round,
 best of `--repeats` each, so all see the same load on a shared machine; prefill = our `append` of the prompts vs
@@ -148,7 +149,7 @@ def kv_cache_run(config, params, prompts, new_tokens, **generate_options):
     def run():
         state = S.init_state(config, len(prompts), max_len)
         t0 = time.perf_counter()
-        state = S.append(config, params, state, prompts)
+        state = S.prefill_rows(config, params, state, list(range(len(prompts))), prompts)
         jax.block_until_ready(state.logits)
         t1 = time.perf_counter()
         state, gen = S.generate(config, params, state, rng=jax.random.PRNGKey(0), active=np.ones(len(prompts), bool),
@@ -227,11 +228,14 @@ def time_decode_side_by_side(config, params, hf_dir, prompts, new_tokens, repeat
 
 
 def time_recompute(config, params, prompts, steps, width):
-    S.generate_without_cache(config, params, prompts, rng=jax.random.PRNGKey(0), max_new_tokens=1, stop_ids=(),
-                             sampling=GREEDY, max_len=width)  # compile
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repo's tests/
+    from tests.rollout.naive_reference import generate_without_cache  # the no-cache reference (test-only code)
+
+    generate_without_cache(config, params, prompts, rng=jax.random.PRNGKey(0), max_new_tokens=1, stop_ids=(),
+                           sampling=GREEDY, max_len=width)  # compile
     t0 = time.perf_counter()
-    gen = S.generate_without_cache(config, params, prompts, rng=jax.random.PRNGKey(0), max_new_tokens=steps,
-                                   stop_ids=(), sampling=GREEDY, max_len=width)
+    gen = generate_without_cache(config, params, prompts, rng=jax.random.PRNGKey(0), max_new_tokens=steps,
+                                 stop_ids=(), sampling=GREEDY, max_len=width)
     elapsed = time.perf_counter() - t0
     generated = sum(len(t) for t in gen.tokens)
     return {"decode_s": elapsed, "tokens": generated, "tok_s": generated / elapsed, "first": gen.tokens[0].tolist()}

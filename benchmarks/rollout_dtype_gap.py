@@ -1,7 +1,7 @@
 """The sampler/trainer log-prob gap that bfloat16 rollout weights open (`TrainConfig.rollout_dtype`).
 
 The rollout copy is the float32 policy rounded to bfloat16 (`Placement.rollout_params`); the trainer recomputes
-log-probs with the float32 master weights. Here the real sampler (`sampler.append` + `sampler.generate`, KV cache,
+log-probs with the float32 master weights. Here the real sampler (`sampler.prefill_rows` + `sampler.generate`, KV cache,
 temperature 1) samples a completion of each prompt twice, once with each weight dtype, and records its raw
 log-probs; the trainer's are `models.token_logprobs` of the same tokens with float32 weights. Printed: mean and max
 |sampler - trainer| over the sampled tokens, and the mean of `exp(trainer - sampler)` (the importance weight TIS
@@ -62,7 +62,7 @@ def load(model: str):
 
 def sample(config, params, prompts, stop_ids, tokens: int, seed: int):
     state = sampler.init_state(config, len(prompts), max(map(len, prompts)) + tokens)
-    state = sampler.append(config, params, state, prompts)
+    state = sampler.prefill_rows(config, params, state, list(range(len(prompts))), prompts)
     _, generation = sampler.generate(config, params, state, rng=jax.random.PRNGKey(seed),
                                      active=np.ones(len(prompts), bool), max_new_tokens=tokens, stop_ids=stop_ids)
     return generation

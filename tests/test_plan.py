@@ -103,12 +103,12 @@ def test_plan_of_the_tiny_config_on_v5e_2x2_compiles_every_program_of_the_step_a
     assert "plan: v5e:2x2 (v5e-4, 4 chips, 16 GiB HBM each), mesh {'data': 1, 'fsdp': 4" in out
     assert "verdict: FIT" in out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
-    # every kind the step dispatches (no TIS here: no "behaviour"): reshard, init, prefill, decode, append, ...
+    # every kind the step dispatches (no TIS here: no "behaviour"): reshard, init, prefill, decode, ...
     assert set(plan.PROGRAMS) - {"behaviour"} <= set(rows)
     assert "attention pallas_tpu" in out  # the splash kernel lowers on the 4-chip mesh (under shard_map)
     assert "roofline estimate" in out and "-> implied MFU" in out
     assert "resident per chip across phases: train state" in out and "rollout copy" in out
-    assert "rollout: 4 of 4 rows at once under no KV budget" in out
+    assert "rollout (paged engine): a pool of 64 pages x 16 tokens (1024 tokens) under no KV budget" in out
     assert "step time estimate per chip: rollout" in out and "+ score" in out and "+ update" in out
 
 
@@ -148,12 +148,11 @@ def test_a_program_lowered_again_alike_is_not_compiled_again_and_gets_the_same_f
 
 
 @needs_libtpu
-def test_on_the_paged_engine_plan_compiles_its_pool_prefill_and_decode_and_reports_the_pool():
-    run = parse(["configs/tiny.gin"], SMALL + ["RolloutConfig.engine = 'paged'"])
-    report = plan.plan(run, plan.PlanConfig("v5e:2x2", programs=("init", "prefill", "decode", "append"),
-                                            estimate_time=False), model_preset="tiny-qwen3")
+def test_plan_compiles_the_rollout_engines_pool_prefill_and_decode_and_reports_the_pool(tiny_run):
+    report = plan.plan(tiny_run, plan.PlanConfig("v5e:2x2", programs=("init", "prefill", "decode"),
+                                                 estimate_time=False), model_preset="tiny-qwen3")
     assert report.verdict == "FIT"
-    # no "append": the paged engine prefills observations; each program is the paged builder's largest entry
+    # each program is the engine's builder's largest entry (observations are prefilled: there is no append)
     assert [p.name for p in report.programs] == ["init", "prefill", "decode"]
     assert all("a pool of 64 pages x 16 tokens, 4 slots" in p.shape for p in report.programs)  # 4 rows x 256
     assert all(p.temp_bytes is not None for p in report.programs)
@@ -163,9 +162,9 @@ def test_on_the_paged_engine_plan_compiles_its_pool_prefill_and_decode_and_repor
 
 
 @needs_libtpu
-def test_a_kv_budget_sets_the_rollout_rows_at_once_in_whole_rows_per_chip(tiny_run):
-    # tiny-qwen3 at 16384 tokens: 2 layers x 2 kv heads x 16 dims x K,V x 4 bytes = 512 B a token, 8 MiB a row plus
-    # its 4-byte length; a 1 GiB budget holds 127 whole rows per chip, 508 over the 4 batch shards of v5e:2x2 (of 4096)
+def test_a_kv_budget_sets_the_rollout_pool_in_whole_pages_per_chip(tiny_run):
+    # tiny-qwen3: 2 layers x 2 kv heads x 16 dims x K,V x 4 bytes = 512 B a token, 8 KiB a 16-token page; a 1 GiB
+    # budget holds 131072 pages per chip, 524288 over the 4 batch shards of v5e:2x2, shared by every row in flight
     import dataclasses
 
     from trace_jax import models
@@ -176,31 +175,11 @@ def test_a_kv_budget_sets_the_rollout_rows_at_once_in_whole_rows_per_chip(tiny_r
                             plan.tpu_devices(plan.parse_topology("v5e:2x2")))
     config = models.get_preset("tiny-qwen3")
     programs = plan._Programs(config, run, mesh, plan.PlanConfig("v5e:2x2", kv_budget_gib=1.0))
-    row = 8 * 1024**2 + 4
-    assert (programs.rows, programs.rows_at_once, programs.kv_cache_bytes) == (4096, 127 * 4, 127 * row)
-    with pytest.raises(plan.PlanError, match=r"kv_budget_gib = 0.001 GiB holds no row: .* raise the budget"):
+    assert (programs.rows, programs.rows_at_once, programs.pool) == (4096, 4096, (4 * 131072, 16))
+    assert programs.kv_cache_bytes == GIB
+    with pytest.raises(plan.PlanError, match=r"kv_budget_gib = 0.001 gives a pool of 524 pages of 16 tokens; one "
+                                             r"row of max_context = 16384 needs 1024: raise it"):
         plan._Programs(config, run, mesh, plan.PlanConfig("v5e:2x2", kv_budget_gib=0.001))
-
-
-@needs_libtpu
-def test_on_several_hosts_the_rollout_runs_every_processs_rows_over_the_whole_mesh(tiny_run):
-    # v6e-8 (v6e:2x4) is two hosts of 4 chips: each process feeds its 8 of the 16 rows into programs over the whole
-    # fsdp=8 mesh, one row a chip under a budget of one row (8 MiB at 16384 tokens): 8 rows at once, 2 waves, and
-    # the cache and the rollout copy sharded over all 8 chips (no process-crossing axis dropped)
-    import dataclasses
-
-    from trace_jax import models
-
-    run = dataclasses.replace(tiny_run, train=dataclasses.replace(tiny_run.train, prompts_per_step=4),
-                              rollout=dataclasses.replace(tiny_run.rollout, group_size=4, max_context=16384))
-    devices = plan.tpu_devices(plan.parse_topology("v6e-8"))
-    mesh = models.make_mesh({"data": 1, "fsdp": 8, "tensor": 1, "expert": 1}, devices)
-    programs = plan._Programs(models.get_preset("tiny-qwen3"), run, mesh,
-                              plan.PlanConfig("v6e-8", kv_budget_gib=0.008))
-    assert (programs.processes, programs.process_rows, programs.rows_at_once) == (2, 8, 8)
-    (init,) = programs.registry.named("init")
-    assert init.program.mesh is mesh
-    assert all(leaf.sharding.mesh is mesh for leaf in jax.tree_util.tree_leaves(programs.rollout_params))
 
 
 def test_on_several_hosts_the_paged_engine_lists_every_processs_pool_part_and_rows(tiny_run):
@@ -212,8 +191,7 @@ def test_on_several_hosts_the_paged_engine_lists_every_processs_pool_part_and_ro
     from trace_jax import models
 
     run = dataclasses.replace(tiny_run, train=dataclasses.replace(tiny_run.train, prompts_per_step=4),
-                              rollout=dataclasses.replace(tiny_run.rollout, group_size=4, max_context=256,
-                                                          engine="paged"))
+                              rollout=dataclasses.replace(tiny_run.rollout, group_size=4, max_context=256))
     devices = plan.tpu_devices(plan.parse_topology("v6e-8"))
     mesh = models.make_mesh({"data": 1, "fsdp": 8, "tensor": 1, "expert": 1}, devices)
     programs = plan._Programs(models.get_preset("tiny-qwen3"), run, mesh, plan.PlanConfig("v6e-8"))
@@ -221,7 +199,7 @@ def test_on_several_hosts_the_paged_engine_lists_every_processs_pool_part_and_ro
     assert {entry.args[3].shape[0] for entry in decodes} == {2, 4, 8, 16}
     assert all(entry.args[12][0].shape[0] % 2 == 0 for entry in decodes)  # work items: both processes' parts
     pool = decodes[0].args[2].k
-    assert pool.shape[1] == 256 and decodes[0].args[2].slots == 16
+    assert pool.shape[2] == 256 and decodes[0].args[2].slots == 16  # [kv heads, layers, pages, page, head dim]
     for process in (0, 1):
         pages = {index[1].indices(256)[:2] for device, index in pool.sharding.devices_indices_map(pool.shape).items()
                  if device.process_index == process}
@@ -441,30 +419,16 @@ def test_short_contexts_halve_until_the_variants_fit(tiny_run, monkeypatch):
 
 
 @needs_libtpu
-def test_the_append_and_admission_reported_are_at_most_their_chunks_wide_whatever_the_context(tiny_run):
-    # the loop dispatches observations and admitted prompts in pieces of RolloutConfig's chunks, so the registry,
-    # and the plan's largest append and prefill, stop there: 64 and 128 tokens, not the 256-token context
-    import dataclasses
-
-    run = dataclasses.replace(tiny_run, rollout=dataclasses.replace(tiny_run.rollout, append_chunk_tokens=64,
-                                                                    prefill_chunk_tokens=128))
-    report = plan.plan(run, plan.PlanConfig("v5e:2x2", programs=("prefill", "append"), estimate_time=False),
-                       model_preset="tiny-qwen3")
-    append, prefill = report.program("append"), report.program("prefill")
-    assert append.shape == "4 rows x 64 observation tokens (largest of 3 shapes)"  # 16, 32, 64
-    assert prefill.shape.startswith("4 prompts x 128 tokens into 4 rows x 256")
-    assert append.temp_bytes is not None and prefill.temp_bytes is not None
-
-
-@needs_libtpu
 def test_for_a_tpu_topology_the_paged_decode_lowers_to_the_pallas_kernel_and_the_prefill_does_not():
     """The kernel is chosen by the target the program is compiled for (the CPU host's backend notwithstanding):
-    the paged decode program of `plan`'s registry lowers to a Mosaic custom call; the prefill stays XLA."""
+    the paged decode program of `plan`'s registry lowers to a Mosaic custom call; the prefill stays XLA. The mesh
+    splits heads, not pages: on a pool over several batch shards the decode stays XLA
+    (`paged.decode_attention_path`)."""
     from trace_jax import models
 
     topology = plan.parse_topology("v5e:2x2")
-    mesh = models.make_mesh({"data": 1, "fsdp": 4, "tensor": 1, "expert": 1}, plan.tpu_devices(topology))
-    run = parse(["configs/tiny.gin"], SMALL + ["RolloutConfig.engine = 'paged'", "model_preset.head_dim = 128"])
+    mesh = models.make_mesh({"data": 1, "fsdp": 1, "tensor": 4, "expert": 1}, plan.tpu_devices(topology))
+    run = parse(["configs/tiny.gin"], SMALL + ["model_preset.head_dim = 128", "model_preset.num_key_value_heads = 4"])
     config, _ = plan.resolve_model(run)
     config = plan._override_model(config, plan.PlanConfig("v5e:2x2"), "tpu")
     programs = plan._Programs(config, run, mesh, plan.PlanConfig("v5e:2x2"))
@@ -477,7 +441,7 @@ def test_the_decode_roofline_reports_both_engines_and_the_pool_holds_more_rows_t
     """16 rows of 256 tokens under a KV budget that holds 2 whole rows a chip: the dense engine runs 8 at once,
     the paged pool (rows at half the context) all 16; every figure is positive, the paged one compiled."""
     run = parse(["configs/tiny.gin"], SMALL + [
-        "RolloutConfig.engine = 'paged'", "model_preset.head_dim = 128", "TrainConfig.prompts_per_step = 4",
+        "model_preset.head_dim = 128", "TrainConfig.prompts_per_step = 4",
         "RolloutConfig.group_size = 4", "RolloutConfig.kv_budget_gib = 0.0025"])
     report = plan.plan(run, plan.PlanConfig("v5e:2x2", programs=("decode",), estimate_time=False))
     paged, dense = report.decode

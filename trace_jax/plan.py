@@ -11,19 +11,12 @@ the loop runs. Each kind is reported by its largest entry (most argument bytes p
 
   * "reshard": `models.reshard_program`, the policy's params from the train layout to the rollout layout
                (`Placement.rollout_params`; after `models.cast_program` to `TrainConfig.rollout_dtype`);
-  * "init":    `rollout.sampler.init_state_program`, the rollout's KV cache of the rows at once, created sharded;
-  * "prefill": `rollout.sampler.prefill_rows_program`, the admission of waiting rows into free cache rows, at
-               every (distinct prompts, prompt width) bucket up to `RolloutConfig.prefill_chunk_tokens` (the loop
-               appends the rest of a longer prompt);
-  * "decode":  `rollout.sampler.decode_program`, `RolloutConfig.sync_every` decode steps of the rows at once, at
-               every attention bucket up to the whole `max_context` cache; the rows at once are every rollout row
-               of the step (every process's, over the whole mesh), or as many as a per-chip KV budget holds (`rollout.budget.rows_within_budget`);
-  * "append":  `rollout.sampler.append_program`, tool observations appended to the rows, at every width bucket
-               up to `RolloutConfig.append_chunk_tokens` (the loop appends longer ones in pieces);
-  * with `RolloutConfig.engine = 'paged'`, "init", "prefill" and "decode" are the paged engine's
-               (`rollout.paged.init_pool_program`, `prefill_program`, `decode_program`: the page pool, chunks of
-               admissions, observations and recomputes, decode of the rows in flight, at every bucket of
-               `rl.programs.paged_entries`) and there is no "append" (observations are prefilled);
+  * "init":    `rollout.paged.init_pool_program`, the rollout engine's page pool, created sharded;
+  * "prefill": `rollout.paged.prefill_program`, chunks of admissions, observations and recomputes, at every bucket
+               of `rl.programs.paged_entries`;
+  * "decode":  `rollout.paged.decode_program`, `RolloutConfig.sync_every` decode steps of the rows in flight, at
+               every decode-batch and work-item bucket; the pool is every row's `max_context`, or as many pages
+               as a per-chip KV budget holds (`rollout.paged.pages_within_budget`);
   * "score":   `scoring.fork.fork_scores_program`, the reference's prefix-fork pass, at every padded shape
                (`fork.padded_shape`) of the step's length buckets, scorer chunks (`scoring_batch`) and answers up
                to `--answer-tokens` (with `UpdateConfig.packing`, the packed-trajectory pass at every packed-row
@@ -117,12 +110,10 @@ CHIPS: dict[str, Chip] = {
 _SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16), 256: (16, 16)}
 _SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4), 128: (4, 4, 8),
               256: (4, 8, 8), 512: (8, 8, 8)}
-PROGRAMS = ("train", "behaviour", "score", "reshard", "init", "prefill", "decode", "append")
-# the registry's kinds (`rl.programs.NAMES`) each program of the report is the largest entry of (the dense
-# sampler's or the paged engine's: a run's registry lists one engine's)
+PROGRAMS = ("train", "behaviour", "score", "reshard", "init", "prefill", "decode")
+# the registry's kinds (`rl.programs.NAMES`) each program of the report is the largest entry of
 KINDS = {"train": ("update",), "behaviour": ("behaviour",), "score": ("score",), "reshard": ("reshard",),
-         "init": ("init", "paged_init"), "prefill": ("prefill_rows", "paged_prefill"),
-         "decode": ("decode", "paged_decode"), "append": ("append",)}
+         "init": ("paged_init",), "prefill": ("paged_prefill",), "decode": ("paged_decode",)}
 
 
 class PlanError(ValueError):
@@ -197,8 +188,8 @@ class PlanConfig:
 
     Attributes:
       topology: the target (`parse_topology` forms).
-      programs: which of `PROGRAMS` ("train", "behaviour", "score", "reshard", "init", "prefill", "decode",
-        "append") to compile, each the largest of the registry's entries of its kind (`rl.programs`; a kind the
+      programs: which of `PROGRAMS` ("train", "behaviour", "score", "reshard", "init", "prefill", "decode") to
+        compile, each the largest of the registry's entries of its kind (`rl.programs`; a kind the
         run's step does not dispatch, e.g. "behaviour" without `LossConfig.tis`, is left out of the report).
       answer_tokens: tokens of the gold answer continuation the scorer appends after every state (template +
         answer; the run's real ones are short).
@@ -210,8 +201,8 @@ class PlanConfig:
         roofline time estimate and implied MFU (`estimate_train_time`; 2-3 more compiles of 1-2 layer models).
       validate_estimate: also compile the 3-layer variant and report it against the estimate's prediction.
       kv_budget_gib: the rollout's per-chip KV-cache budget in GiB (None: `RolloutConfig.kv_budget_gib` where the
-        run config has one, else none: every rollout row at once); the rollout programs are compiled for the rows
-        it holds (`rollout.budget.rows_within_budget`).
+        run config has one, else none: a pool of every rollout row's `max_context`); the rollout programs are
+        compiled for the pages it holds (`rollout.paged.pages_within_budget`).
     """
 
     topology: str
@@ -787,7 +778,7 @@ class _Programs:
         self.state, self.reference, self.rollout_params = registry.state, registry.reference, registry.rollout_params
         self.rows = run_config.train.prompts_per_step * run_config.rollout.group_size
         self.rows_at_once, self.kv_cache_bytes = registry.rows_at_once, registry.kv_cache_bytes
-        # the paged engine's pool (pages, tokens a page), read off its decode program's state; None: dense
+        # the engine's pool (pages, tokens a page), read off its decode program's state
         paged = registry.largest("paged_decode")
         self.pool = None if paged is None else (paged.args[2].num_pages, paged.args[2].page_size)
         # Each process rolls out (and scores) its own rows, in programs over the whole mesh (a TPU topology's
@@ -887,15 +878,11 @@ class _Programs:
         self._lower(report, self._kind("init"), self._rollout_resident() + device_bytes(self.rollout_params))
 
     def prefill(self, report: ProgramReport):
-        """The admission of waiting rows (`sampler.prefill_rows_program`), the loop's only prefill (the paged
-        engine: `paged.prefill_program`, admissions, observations and recomputes)."""
+        """The engine's prefill (`paged.prefill_program`): admissions, observations and recomputes."""
         self._lower(report, self._kind("prefill"), self._rollout_resident())
 
     def decode(self, report: ProgramReport):
         self._lower(report, self._kind("decode"), self._rollout_resident())
-
-    def append(self, report: ProgramReport):
-        self._lower(report, "append", self._rollout_resident())
 
 
 def _advice(report: PlanReport, run_config, model_config) -> list[str]:
@@ -930,13 +917,13 @@ def _advice(report: PlanReport, run_config, model_config) -> list[str]:
         elif p.name == "score":
             out.append(f"{over}: set UpdateConfig.scoring_batch (now {run_config.update.scoring_batch or 'all'} rows)"
                        f" to score fewer rows per pass")
-        elif p.name in ("init", "decode", "prefill", "append"):
+        elif p.name in ("init", "decode", "prefill"):
             cache = "" if model_config.dtype == "bfloat16" else ", or compute (and cache) in bfloat16"
-            out.append(f"{over}: the rollout runs {report.settings['rows_at_once']} rows at once against a KV cache "
-                       f"of {report.settings['length']} tokens each: set a smaller per-chip KV budget "
+            out.append(f"{over}: the rollout runs up to {report.settings['rows_at_once']} rows at once on a page "
+                       f"pool for rows of {report.settings['length']} tokens: set a smaller per-chip KV budget "
                        f"(RolloutConfig.kv_budget_gib, or --kv-budget-gib; now "
-                       f"{report.settings['kv_budget_gib'] or 'none'}) so fewer rows run at once, lower "
-                       f"TrainConfig.prompts_per_step, or spread the rows over more chips{cache}")
+                       f"{report.settings['kv_budget_gib'] or 'none'}) or PagedConfig.slots so fewer rows run at "
+                       f"once, lower TrainConfig.prompts_per_step, or spread the rows over more chips{cache}")
         elif p.name == "reshard":
             out.append(f"{over}: the rollout layout holds the policy's weights whole over the batch axes "
                        f"({report.resident['rollout copy'] / GIB:.1f} GiB per chip): split heads and MLP over a "
@@ -1293,14 +1280,11 @@ def _resident_lines(report: PlanReport) -> list[str]:
             lines.append(f"processes: {s['processes']} (one a host), each feeding {s['process_rows']} of the "
                          f"{s['rows']} rows (and running their tools) into the rollout and scoring programs over "
                          "the whole mesh")
-        if "pool_pages" in s:  # the paged engine: a pool of pages shared by the rows in flight
+        if "pool_pages" in s:  # a pool of pages shared by the rows in flight
             budget = budget.split(":")[0]
             lines.append(f"rollout (paged engine): a pool of {s['pool_pages']} pages x {s['page_size']} tokens "
                          f"({s['pool_pages'] * s['page_size']} tokens) under {budget}, shared by at most "
                          f"{s['rows_at_once']} of {s['rows']} rows in flight")
-        else:
-            lines.append(f"rollout: {s['rows_at_once']} of {s['rows']} rows at once under {budget}, "
-                         f"{s['waves']} wave(s) of rows")
     return lines
 
 

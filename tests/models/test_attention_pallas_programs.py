@@ -1,10 +1,10 @@
-"""The reference scorer's and the rollout prefill's programs, built by their public builders (the ones the loop and
-`trace-jax plan` call), compile for a 4-chip TPU mesh with `attention_impl = "pallas_tpu"`, on this CPU host.
+"""The reference scorer's and the rollout engine's prefill programs, built by their public builders (the ones the
+loop and `trace-jax plan` call), compile for a 4-chip TPU mesh with `attention_impl = "pallas_tpu"`, on this CPU host.
 
 The scorer's cached layout prefills the trajectory with causal self-attention: the Pallas splash kernel, a
 per-device Mosaic kernel that GSPMD cannot partition. It lowers only when the program is traced under its mesh
-(`fork.fork_scores_program(..., mesh=)`), where `models.attention` wraps it in `shard_map`. The prefill's attention
-reads a KV cache with block keys, which the kernel does not take (the tiled XLA path): it must compile all the same.
+(`fork.fork_scores_program(..., mesh=)`), where `models.attention` wraps it in `shard_map`. The engine's prefill
+reads a page pool (`paged.paged_attention`, the XLA path): it must compile all the same.
 
 Needs `libtpu` (the `tpu` extra); without it the module skips and says so. No TPU is used: the programs are
 compiled ahead of time for `jax.experimental.topologies`' v5e:2x2.
@@ -24,8 +24,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from trace_jax import models, plan  # noqa: E402
-from trace_jax.models.cache import init_cache  # noqa: E402
-from trace_jax.rollout import sampler  # noqa: E402
+from trace_jax.rollout import paged  # noqa: E402
 from trace_jax.scoring import fork  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("tpu_compiles")  # see tests/conftest.py
@@ -66,20 +65,21 @@ def test_the_cached_scoring_program_compiles_with_the_pallas_kernel_on_a_tpu_mes
     assert KERNEL in compiled.as_text()
 
 
-def test_the_grouped_prefill_program_compiles_with_pallas_attention_configured_on_a_tpu_mesh(config, mesh):
-    prompts, group, width, max_len = 2, 2, 128, 512
+def test_the_engines_prefill_program_compiles_with_pallas_attention_configured_on_a_tpu_mesh(config, mesh):
+    rows, width, max_len, page_size, pages = 4, 128, 512, 16, 128
     rules = models.ROLLOUT_RULES
-    shapes = jax.eval_shape(lambda: sampler.SamplerState(
-        cache=init_cache(config, prompts * group, max_len),
-        logits=jnp.zeros((prompts * group, config.vocab_size), jnp.float32)))
-    layout = sampler.divisible_shardings(shapes, sampler.state_shardings(mesh, rules))
-    state = jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, layout)
+    state = paged.abstract_state(config, pages, page_size, rows, mesh=mesh, rules=rules)
+    layout = paged.state_layout(state)
     replicated = NamedSharding(mesh, P())
-    tokens = jax.ShapeDtypeStruct((prompts, width), jnp.int32, sharding=replicated)
-    num_new = jax.ShapeDtypeStruct((prompts,), jnp.int32, sharding=replicated)
-    program = sampler.prefill_program(config, group, sampler.state_layout(state))
-    compiled = program.lower(abstract_params(config, mesh, rules), state, tokens, num_new).compile()
-    # the prefilled state comes out in the cache's own layout (rows over fsdp, kv heads over tensor)
+
+    def host(shape):
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)
+
+    table = paged.pages_for(max_len, page_size)
+    args = (abstract_params(config, mesh, rules), state, host((rows,)), host((rows, width)), host((rows,)),
+            tuple(host((32,)) for _ in range(3)), host((rows,)), host((rows, table)), host((rows,)))
+    compiled = paged.prefill_program(config, max_len, layout).lower(*args).compile()
+    # the prefilled pool comes out in its own layout (pages over fsdp, kv heads over tensor)
     for got, want, shape in zip(jax.tree_util.tree_leaves(compiled.output_shardings),
-                                jax.tree_util.tree_leaves(layout), jax.tree_util.tree_leaves(shapes)):
+                                jax.tree_util.tree_leaves(layout), jax.tree_util.tree_leaves(state)):
         assert got.is_equivalent_to(want, len(shape.shape)), (got, want)

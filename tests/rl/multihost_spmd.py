@@ -5,11 +5,11 @@ hold on each device and what the steps produce.
 `python tests/rl/multihost_spmd.py OUT_DIR SETTING` is what each process of tests/rl/test_spmd_processes.py runs (the
 `TRACE_JAX_*` variables make it join the run); `run_steps(out_dir, setting)` is the same in the calling process.
 Bytes come from the live device buffers the programs read (each addressable shard's `nbytes`, by device), taken
-when the rollout's first `generate` (the paged engine: its first decode) and the first reference scoring are called;
+when the rollout engine's first decode and the first reference scoring are called;
 the steps run under the program recorder of tests/rl/test_programs.py against the run's registry (what `trace-jax
 plan` lowers). Process 0 writes OUT_DIR/result.json: the largest bytes on any of its devices, every process's rows
-(gathered) of each step, and what the recorder saw dispatched outside the registry; with fsdp=8 (on the paged
-engine, `PAGED`) also an evaluation of 3 held-out tasks split unevenly over the processes and the engine alone on
+(gathered) of each step, and what the recorder saw dispatched outside the registry; with fsdp=8 also an
+evaluation of 3 held-out tasks split unevenly over the processes and the engine alone on
 tasks split unevenly (`engine_episodes`).
 """
 
@@ -35,10 +35,10 @@ RolloutConfig.system_prompt = 'Search, open a page, then answer.'
 RolloutConfig.max_turns = 1
 RolloutConfig.max_context = 128
 RolloutConfig.turn_token_budget = 8
-# 29-30-token prompts admitted in pieces (16 tokens, then the rest appended; RolloutConfig's chunks), and
-# observations over 16 tokens too: every process must dispatch as many pieces
-RolloutConfig.prefill_chunk_tokens = 16
-RolloutConfig.append_chunk_tokens = 16
+# 29-30-token prompts prefilled in two chunks of at most 16 tokens (PagedConfig.prefill_chunk), and observations
+# over 16 tokens too: every process must dispatch as many pieces
+RolloutConfig.paged = @PagedConfig()
+PagedConfig.prefill_chunk = 16
 UpdateConfig.length_multiple = 128
 WarmStartConfig.steps = 0
 TrainConfig.prompts_per_step = 4
@@ -49,13 +49,7 @@ model_preset.name = 'tiny-qwen3-moe'
 model_preset.moe_intermediate_size = 16
 model_preset.num_experts = 8
 """
-# the paged engine (rollout.engine) in lock step; its prompts go in as two chunks of at most 16 tokens as well
-PAGED = """
-RolloutConfig.engine = 'paged'
-RolloutConfig.paged = @PagedConfig()
-PagedConfig.prefill_chunk = 16
-"""
-SETTINGS = {"fsdp8": (GIN + PAGED, {"fsdp": 8}), "expert8": (GIN + MOE, {"expert": 8})}
+SETTINGS = {"fsdp8": (GIN, {"fsdp": 8}), "expert8": (GIN + MOE, {"expert": 8})}
 STEPS = 2
 # the engine-level check (fsdp8): 3 tasks, 2 on process 0 (whose tool calls take 150 ms) and 1 on process 1 (fast
 # tools: it finishes first and takes part with padding); every row's first turn scripted as a tool call or not
@@ -153,7 +147,6 @@ def run_steps(out_dir: str | Path, setting: str) -> dict:
     from trace_jax.rl import pipeline as pipeline_lib
     from trace_jax.rl.gin_setup import parse
     from trace_jax.rl.loop import Placement, build_environment, make_rl_step, prompt_stream, rl_step
-    from trace_jax.rollout import agent as agent_lib
     from trace_jax.rollout import paged as paged_lib
     from trace_jax.train import distributed
     from trace_jax.train.config import MeshConfig
@@ -175,14 +168,7 @@ def run_steps(out_dir: str | Path, setting: str) -> dict:
 
     seen: dict = {}
     pool: dict = {}
-    generate, score = agent_lib.sampler_lib.generate, pipeline_lib.score_answer_prefixes
-
-    def measuring_generate(config_, params_, state_, **kwargs):
-        if "rollout_params" not in seen:
-            seen["rollout_params"], seen["cache"] = _most(params_), _most(state_.cache)
-            seen["rollout_experts"] = _most(_experts(params_))
-            seen["rollout_experts_whole"] = sum(x.size * x.dtype.itemsize for x in _experts(params_))
-        return generate(config_, params_, state_, **kwargs)
+    score = pipeline_lib.score_answer_prefixes
 
     def measuring_score(config_, params_, *args, **kwargs):
         if "reference" not in seen:
@@ -200,7 +186,7 @@ def run_steps(out_dir: str | Path, setting: str) -> dict:
             if "rollout_params" not in seen:
                 seen["rollout_params"], seen["cache"] = _most(params_), _most((state_.k, state_.v))
                 # the pool's pages on this process's devices: its own part of the pool (engine module doc)
-                here = [shard.index[1].indices(state_.num_pages)[:2] for shard in state_.k.addressable_shards]
+                here = [shard.index[2].indices(state_.num_pages)[:2] for shard in state_.k.addressable_shards]
                 pool.update(pages=state_.num_pages, here=[min(a for a, _ in here), max(b for _, b in here)])
                 seen["rollout_experts"] = _most(_experts(params_))
                 seen["rollout_experts_whole"] = sum(x.size * x.dtype.itemsize for x in _experts(params_))
@@ -211,7 +197,7 @@ def run_steps(out_dir: str | Path, setting: str) -> dict:
     record = {"processes": jax.process_count(), "tokens": [], "logprobs": [], "rewards": [], "scores": [],
               "losses": []}
     recorder = Recorder(rl.programs(environment.train_tasks))  # what `trace-jax plan` lowers for this run
-    agent_lib.sampler_lib.generate, pipeline_lib.score_answer_prefixes = measuring_generate, measuring_score
+    pipeline_lib.score_answer_prefixes = measuring_score
     paged_lib.decode_program = measuring_decode_program
     try:
         prompts = prompt_stream(config, environment.train_tasks)
@@ -228,7 +214,7 @@ def run_steps(out_dir: str | Path, setting: str) -> dict:
                 record["scores"].append(distributed.gather_rows(np.asarray(prepared.answer_scores)).tolist())
                 record["losses"].append(float(metrics["loss"]))
     finally:
-        agent_lib.sampler_lib.generate, pipeline_lib.score_answer_prefixes = generate, score
+        pipeline_lib.score_answer_prefixes = score
         paged_lib.decode_program = decode_program
     if setting == "fsdp8":  # 3 held-out tasks a task a call: process 0 runs 1, then takes part with an empty call
         from trace_jax.rl.evaluate import EvalConfig, evaluate
@@ -238,7 +224,7 @@ def run_steps(out_dir: str | Path, setting: str) -> dict:
                           EvalConfig(num_tasks=3, batch_size=1), mesh=placement.mesh, rules=placement.rollout_rules)
         record["evaluation"] = {k: v for k, v in result.to_json().items() if k != "seconds"}
         record["engine"] = engine_episodes(environment, config, placement, placement.rollout_params(state.params))
-    record["engine_kind"] = config.rollout.engine
+    record["engine_kind"] = "paged"  # the one rollout engine (the test reads it)
     record["bytes"] = seen
     record["pool"] = pool
     record["unlisted"] = recorder.unlisted()

@@ -17,7 +17,7 @@ from trace_jax import models
 from trace_jax.rl.gin_setup import parse
 from trace_jax.rl.loop import Placement, build_environment, prompt_stream, rl_step, train
 from trace_jax.rl.pipeline import RLPipeline
-from trace_jax.rollout import agent as agent_lib
+from trace_jax.rollout import paged as paged_lib
 from trace_jax.train import distributed
 from trace_jax.train.config import MeshConfig
 from trace_jax.train.optimizer import make_optimizer
@@ -155,14 +155,19 @@ def _two_steps(config, environment) -> dict:
               "policy_shards": {k: _shard(x) for k, x in _flat(state.params).items()},
               "rollout_shards": {k: _shard(x) for k, x in _flat(placement.rollout_params(state.params)).items()}}
     guard = HostTransferGuard(model_config)
-    generate = agent_lib.sampler_lib.generate
+    decode_program = paged_lib.decode_program
 
-    def recording_generate(config_, params_, state_, **kwargs):
-        record["cache_shards"].append((_shard(state_.cache.k), state_.cache.k.shape))
-        return generate(config_, params_, state_, **kwargs)
+    def recording_decode_program(*build):
+        program = decode_program(*build)
+
+        def run(sampling, params_, pool, *rest):
+            record["cache_shards"].append((_shard(pool.k), pool.k.shape))
+            return program(sampling, params_, pool, *rest)
+
+        return run
 
     with guard.active(), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(agent_lib.sampler_lib, "generate", recording_generate)
+        patch.setattr(paged_lib, "decode_program", recording_decode_program)
         prompts = prompt_stream(config, environment.train_tasks)  # the run's order, 4 prompts a step
         for step in range(STEPS):
             tasks = next(prompts)
@@ -211,12 +216,13 @@ def test_the_two_steps_moved_the_params(runs):
 
 
 # ------------------------------------------------------------------------------------------------ shard shapes
-def test_each_device_holds_its_share_of_the_kv_cache_rows_and_heads(runs):
-    for shard, shape in runs["fsdp4_tensor2"]["cache_shards"]:  # [layers, rows, length, kv heads, head_dim]
+def test_each_device_holds_its_share_of_the_kv_cache_pages_and_heads(runs):
+    # the engine's page pool [layers, pages, page_size, kv heads, head_dim]: pages over the batch axes
+    for shard, shape in runs["fsdp4_tensor2"]["cache_shards"]:
         assert shard == (shape[0], shape[1] // 4, shape[2], shape[3] // 2, shape[4])
     for shard, shape in runs["data2_fsdp2_tensor2"]["cache_shards"]:
         assert shard == (shape[0], shape[1] // 4, shape[2], shape[3] // 2, shape[4])
-    for shard, shape in runs["moe_expert4"]["cache_shards"]:  # rows over fsdp x expert = 8
+    for shard, shape in runs["moe_expert4"]["cache_shards"]:  # pages over fsdp x expert = 8
         assert shard == (shape[0], shape[1] // 8, *shape[2:])
 
 

@@ -148,7 +148,7 @@ class Recorder:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("programs")
-    (root / "small.gin").write_text(SMALL)
+    (root / "small.gin").write_text(SMALL + "PagedConfig.page_size = 8\nRolloutConfig.paged = @PagedConfig()\n")
     config = parse([str(root / "small.gin")])
     environment = build_environment(config, root)
     rl = make_rl_step(config, environment)
@@ -185,14 +185,15 @@ def test_every_program_two_rl_steps_dispatch_is_an_entry_of_the_registry(run):
     dispatched = {entry.name for _, entry in recorder.calls}
     # the tiny config on the suite's 8 CPU devices (fsdp=8): the policy is resharded to the rollout layout
     # (float32 throughout: no cast), and every other kind runs
-    assert dispatched == {"reshard", "init", "prefill_rows", "decode", "append", "score", "update"}
+    assert dispatched == {"reshard", "paged_init", "paged_prefill", "paged_decode", "score", "update"}
 
 
 def test_the_recorder_fails_when_the_registry_leaves_out_a_program_the_loop_runs(run):
     registry = run[3]
-    without_append = dataclasses.replace(registry, entries=tuple(e for e in registry.entries if e.name != "append"))
-    unlisted = _steps(run, without_append, 1).unlisted()
-    assert unlisted and all("_append" in line for line in unlisted), unlisted
+    without_decode = dataclasses.replace(registry, entries=tuple(e for e in registry.entries
+                                                                 if e.name != "paged_decode"))
+    unlisted = _steps(run, without_decode, 1).unlisted()
+    assert unlisted and all("_decode_steps" in line for line in unlisted), unlisted
 
 
 def test_the_update_entry_is_the_loops_train_step_at_the_configs_fixed_shape(run):
@@ -212,18 +213,9 @@ def test_bucket_lengths_are_every_size_the_bucketing_rule_gives_up_to_the_longes
         assert list(programs_lib.bucket_lengths(longest, minimum)) == naive, longest
 
 
-def test_decode_is_listed_at_every_attention_bucket_below_the_context_and_the_whole_cache(run):
-    config, _, _, registry = run
-    attends = sorted(e.program.jitted.__wrapped__.args[2] or config.rollout.max_context
-                     for e in registry.named("decode"))
-    # SMALL: max_context 512, sync_every 16: buckets of 17.. tokens are 32, 64, 128, 256, then the whole cache
-    assert attends == [32, 64, 128, 256, 512]
-    assert all(sampler.bucket_length(a) == a for a in attends)
-
-
 def test_each_kinds_largest_entry_lowers_its_program_on_its_abstract_arguments(run):
     registry = run[3]
-    for name in ("reshard", "init", "prefill_rows", "decode", "append", "score", "update"):
+    for name in ("reshard", "paged_init", "paged_prefill", "paged_decode", "score", "update"):
         entry = registry.largest(name)
         text = entry.lower().as_text()
         assert _function_name(entry.program) in text, name  # the module is named after the jitted function
@@ -244,40 +236,12 @@ def test_on_sharded_meshes_with_a_bfloat16_rollout_every_program_is_an_entry(mes
     registry = rl.programs(environment.train_tasks)
     recorder = _steps((config, environment, rl, registry), registry, 2)
     assert recorder.unlisted() == []
-    assert {entry.name for _, entry in recorder.calls} == {"rollout_cast", "reshard", "init", "prefill_rows",
-                                                           "decode", "append", "score", "update"}
+    assert {entry.name for _, entry in recorder.calls} == {"rollout_cast", "reshard", "paged_init", "paged_prefill",
+                                                           "paged_decode", "score", "update"}
 
 
-# the paged engine (RolloutConfig.engine = 'paged'): its three programs in the place of the dense sampler's four
-@pytest.fixture(scope="module")
-def paged_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("paged_programs")
-    (root / "paged.gin").write_text(SMALL + "RolloutConfig.engine = 'paged'\nPagedConfig.page_size = 8\n"
-                                    "RolloutConfig.paged = @PagedConfig()\n")
-    config = parse([str(root / "paged.gin")])
-    environment = build_environment(config, root)
-    rl = make_rl_step(config, environment)
-    return config, environment, rl, rl.programs(environment.train_tasks)
-
-
-def test_on_the_paged_engine_every_program_two_rl_steps_dispatch_is_an_entry_of_the_registry(paged_run):
-    recorder = _steps(paged_run, paged_run[3], 2)
-    assert recorder.unlisted() == []
-    assert {entry.name for _, entry in recorder.calls} == {"reshard", "paged_init", "paged_prefill", "paged_decode",
-                                                           "score", "update"}
-
-
-def test_on_the_paged_engine_the_registry_lists_no_dense_rollout_program(paged_run):
-    registry = paged_run[3]
-    assert not any(registry.named(name) for name in ("init", "prefill_rows", "decode", "append"))
-    without_decode = dataclasses.replace(registry, entries=tuple(e for e in registry.entries
-                                                                 if e.name != "paged_decode"))
-    unlisted = _steps(paged_run, without_decode, 1).unlisted()
-    assert unlisted and all("_decode_steps" in line for line in unlisted), unlisted
-
-
-def test_the_paged_entries_are_every_bucket_the_engine_can_reach_and_no_more(paged_run):
-    config, _, _, registry = paged_run
+def test_the_paged_entries_are_every_bucket_the_engine_can_reach_and_no_more(run):
+    config, _, _, registry = run
     paged = config.rollout.paged
     slots = config.train.prompts_per_step * config.rollout.group_size  # 4: every row in flight
     pool = slots * config.rollout.max_context // paged.page_size      # no budget: every row's max_context
@@ -295,8 +259,8 @@ def test_the_paged_entries_are_every_bucket_the_engine_can_reach_and_no_more(pag
     assert max(w for (_, w), _ in prefill) == sampler.bucket_length(min(paged.prefill_chunk, 511))
 
 
-def test_a_prefill_token_budget_leaves_out_the_buckets_it_cannot_reach(paged_run):
-    config, environment, rl, registry = paged_run
+def test_a_prefill_token_budget_leaves_out_the_buckets_it_cannot_reach(run):
+    config, environment, rl, registry = run
     tight = dataclasses.replace(config, rollout=dataclasses.replace(
         config.rollout, paged=dataclasses.replace(config.rollout.paged, prefill_tokens=40)))
     entries, _, _ = programs_lib.paged_entries(tight, environment.model_config, rl.placement.mesh,
@@ -306,23 +270,6 @@ def test_a_prefill_token_budget_leaves_out_the_buckets_it_cannot_reach(paged_run
     # tokens of W) + U - 1: 2 rows in bucket 64 (33..64 tokens): 34 <= 40; 3 rows (bucket 4): 35; bucket 128: 66
     assert (1, 256) in shapes and (2, 64) in shapes and (4, 64) in shapes
     assert (2, 128) not in shapes and (4, 128) not in shapes
-
-
-def test_with_chunks_shorter_than_the_prompts_and_observations_each_dispatch_is_an_entry_at_most_a_chunk_wide(run):
-    # the registry lists append and prefill_rows widths only up to their chunks (RolloutConfig), and the loop cuts
-    # the tiny config's prompts (hundreds of tokens: the tool schemas) and observations to fit them
-    config, environment, _, _ = run
-    chunked = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, append_chunk_tokens=32,
-                                                                      prefill_chunk_tokens=64))
-    rl = make_rl_step(chunked, environment)
-    registry = rl.programs(environment.train_tasks)
-    assert max(e.args[2].shape[1] for e in registry.named("append")) == 32
-    assert max(e.args[2].shape[1] for e in registry.named("prefill_rows")) == 64
-    recorder = _steps(run, registry, 1, rl=rl)
-    assert recorder.unlisted() == []
-    widths = Counter((entry.name, entry.args[2].shape[1]) for _, entry in recorder.calls
-                     if entry is not None and entry.name in ("append", "prefill_rows"))
-    assert widths[("prefill_rows", 64)] >= 1 and widths[("append", 32)] >= 2, widths
 
 
 # packed reference scoring (`UpdateConfig.packing`) runs where the scorer takes the cached layout, which the tiny

@@ -219,3 +219,11 @@ def test_rope_parameters_are_checked_at_parse_and_stored_hashable():
     assert config.train.policy_model(config.train.model).rope_type == "yarn"
     with pytest.raises(ConfigError, match="TrainConfig.rope_parameters.factor is missing"):
         parse([str(CONFIGS / "tiny.gin")], ["TrainConfig.rope_parameters = {'rope_type': 'yarn'}"])
+
+
+@pytest.mark.parametrize("field, names", [("engine = 'dense'", "the paged engine is the only rollout engine"),
+                                          ("append_chunk_tokens = 4096", "PagedConfig.prefill_chunk"),
+                                          ("prefill_chunk_tokens = 8192", "PagedConfig.prefill_tokens")])
+def test_a_binding_of_a_removed_rollout_field_says_it_was_removed_and_what_replaces_it(field, names):
+    with pytest.raises(ConfigError, match=rf"RolloutConfig\.{field.split()[0]} was removed; .*{names}"):
+        parse([str(CONFIGS / "tiny.gin")], [f"RolloutConfig.{field}"])

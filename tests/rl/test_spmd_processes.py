@@ -3,9 +3,9 @@
 expert=8, hold per device the params and cache bytes one process with 8 devices holds on the same mesh (spanning
 processes adds no copy: with expert=8 each device holds 1/8 of the experts), dispatch only programs the run's
 registry lists (what `trace-jax plan` lowers), and two RL steps give the one process's rollout tokens, rewards,
-reference scores and losses (tests/rl/multihost_spmd.py runs the steps). fsdp8 runs the rollout on the paged
-engine (`RolloutConfig.engine = 'paged'`, in lock step over the processes) and also checks the engine alone on tasks
-split unevenly, with tool latencies that differ per process; expert8 on the dense engine."""
+reference scores and losses (tests/rl/multihost_spmd.py runs the steps). The rollout engine runs in lock step over
+the processes; fsdp8 also checks the engine alone on tasks split unevenly, with tool latencies that differ per
+process."""
 
 from __future__ import annotations
 

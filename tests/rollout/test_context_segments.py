@@ -1,6 +1,6 @@
-"""Context management end to end: a scripted episode that compacts its context several times. The ids the sampler
-was fed before every turn, the segment rows' `tokens[:boundary]`, the scorer's states and the trainer's tokens agree
-token for token; with the option off the batch is the one of before."""
+"""Context management end to end: a scripted episode that compacts its context several times. The ids the engine's
+programs were fed before every turn, the segment rows' `tokens[:boundary]`, the scorer's states and the trainer's
+tokens agree token for token; with the option off the batch is the one of before."""
 
 import types
 
@@ -15,7 +15,8 @@ from trace_jax.envs.corpus import Corpus
 from trace_jax.models.chat import ChatFormat
 from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
 from trace_jax.rollout import RolloutConfig, ScriptedPolicy, run_episodes
-from trace_jax.rollout import sampler as sampler_lib
+from trace_jax.rollout import paged as paged_lib
+from trace_jax.rollout.paged import PagedConfig
 from trace_jax.rollout.batch import episode_view
 from trace_jax.rollout.context import RECORD_HEADER
 
@@ -34,7 +35,7 @@ WORDS = sorted({w.strip(".,()") for d in DOCS for w in (d["title"] + " " + d["te
 TASKS = [types.SimpleNamespace(task_id="q0", question="Where was the mayor of Beta city born?", answer="Gamma"),
          types.SimpleNamespace(task_id="q1", question="Where does the Alpha river flow?", answer="Paris")]
 # max_context holds the whole episode uncompacted, so the runs with the option off or never reached use the same
-# cache shape as the compacting ones and reuse their compiled sampler programs
+# pool as the compacting ones and reuse their compiled programs
 BASE = dict(group_size=1, max_turns=8, max_context=1024, turn_token_budget=48, system_prompt="Use tools.",
             with_tools=False, sync_every=1, context_record_tokens=96)
 BUDGET = 230  # small enough to compact every two or three turns
@@ -54,36 +55,49 @@ def scripts(chat):
     return [long_row, [search("Alpha river"), answer]]
 
 
-class SamplerInputs:
-    """Wraps the sampler's prefill/append/generate and keeps, per cache row, the ids it was fed: `seen[slot]` is the
-    context of every `generate` call it took part in, `ended[slot]` each context a prefill replaced."""
+class EngineInputs:
+    """Wraps the engine's prefill and decode programs and keeps, per slot, the ids its pages were fed: `seen[slot]` is
+    the context at the first decode step of every turn, `ended[slot]` each context a prefill from position 0
+    replaced (a compaction starting over in the slot), `stream[slot]` what the slot holds now."""
 
     def __init__(self, monkeypatch):
         self.stream, self.seen, self.ended = {}, {}, {}
-        prefill_rows, append, generate = sampler_lib.prefill_rows, sampler_lib.append, sampler_lib.generate
+        prefill_program, decode_program = paged_lib.prefill_program, paged_lib.decode_program
 
-        def recording_prefill(config, params, state, rows, prompts, **chunks):
-            for slot, prompt in zip(rows, prompts):
-                if slot in self.stream:
-                    self.ended.setdefault(slot, []).append(self.stream[slot])
-                self.stream[slot] = [int(t) for t in prompt]
-            return prefill_rows(config, params, state, rows, prompts, **chunks)
+        def recording_prefill(*build):
+            program = prefill_program(*build)
 
-        def recording_append(config, params, state, chunks, **chunk_tokens):
-            for slot, chunk in enumerate(chunks):
-                self.stream[slot] = self.stream[slot] + [int(t) for t in chunk]
-            return append(config, params, state, chunks, **chunk_tokens)
+            def run(params, state, cached, tokens, num_new, items, out_source, out_table, out_slots):
+                for slot, u in zip(np.asarray(out_slots), np.asarray(out_source)):
+                    slot = int(slot)
+                    if slot >= state.logits.shape[0]:  # padding: past the last slot
+                        continue
+                    start, fed = int(cached[u]), [int(t) for t in tokens[u, :num_new[u]]]
+                    if start == 0 and self.stream.get(slot):
+                        self.ended.setdefault(slot, []).append(self.stream[slot])
+                    self.stream[slot] = self.stream.get(slot, [])[:start] + fed
+                return program(params, state, cached, tokens, num_new, items, out_source, out_table, out_slots)
 
-        def recording_generate(config, params, state, *, active, **kwargs):
-            state, out = generate(config, params, state, active=active, **kwargs)
-            for slot in np.nonzero(np.asarray(active))[0]:
-                self.seen.setdefault(int(slot), []).append(list(self.stream[int(slot)]))
-                self.stream[int(slot)] = self.stream[int(slot)] + out.tokens[slot].tolist()
-            return state, out
+            return run
 
-        monkeypatch.setattr(sampler_lib, "prefill_rows", recording_prefill)
-        monkeypatch.setattr(sampler_lib, "append", recording_append)
-        monkeypatch.setattr(sampler_lib, "generate", recording_generate)
+        def recording_decode(*build):
+            program = decode_program(*build)
+
+            def run(sampling, params, state, slots, table, lengths, active, *rest):
+                out = program(sampling, params, state, slots, table, lengths, active, *rest)
+                turn_step, tokens, was_active = np.asarray(rest[3]), np.asarray(out[1]), np.asarray(out[4])
+                for i in np.nonzero(np.asarray(active))[0]:
+                    slot = int(slots[i])
+                    context = self.stream[slot][:int(lengths[i])]
+                    if turn_step[i] == 0:
+                        self.seen.setdefault(slot, []).append(list(context))
+                    self.stream[slot] = context + tokens[was_active[:, i], i].tolist()
+                return out
+
+            return run
+
+        monkeypatch.setattr(paged_lib, "prefill_program", recording_prefill)
+        monkeypatch.setattr(paged_lib, "decode_program", recording_decode)
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +110,11 @@ def setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compacted(setup):
-    """The scripted rollout under `BUDGET`, with what the sampler was fed (every row in its own cache row: no KV
-    budget, so episode r runs in slot r throughout)."""
+    """The scripted rollout under `BUDGET`, with what the engine's programs were fed (a slot per row, admitted in
+    row order: episode r runs in slot r throughout)."""
     chat, config, params, browser = setup
     with pytest.MonkeyPatch.context() as monkeypatch:
-        inputs = SamplerInputs(monkeypatch)
+        inputs = EngineInputs(monkeypatch)
         result = run_episodes(config, params, chat, TASKS, browser, RolloutConfig(**BASE, context_budget=BUDGET),
                               jax.random.PRNGKey(0), logits_hook=ScriptedPolicy(scripts(chat), config.vocab_size))
     return result, inputs
@@ -273,16 +287,12 @@ def test_evaluation_counts_each_episode_once(setup):
     assert result.mean_reward == 0.5  # episode 0 (reward 1) has three or more rows, episode 1 (reward 0) one
 
 
-def test_compaction_under_a_kv_budget_of_one_row_gives_the_same_rows(setup, compacted):
-    """Rows wait for the one cache row and compact in it: the batch of the unbounded run, array for array."""
-    from trace_jax.rollout import kv_bytes_per_row
-    from trace_jax.rollout.budget import GIB
-
+def test_compaction_in_one_slot_gives_the_same_rows(setup, compacted):
+    """Rows wait for the one slot and compact in it: the batch of the run with a slot per row, array for array."""
     chat, config, params, browser = setup
-    one_row = 1.5 * kv_bytes_per_row(config, BASE["max_context"]) / GIB
     result = run_episodes(config, params, chat, TASKS, browser,
-                          RolloutConfig(**BASE, context_budget=BUDGET, kv_budget_gib=one_row), jax.random.PRNGKey(0),
-                          logits_hook=ScriptedPolicy(scripts(chat), config.vocab_size))
+                          RolloutConfig(**BASE, context_budget=BUDGET, paged=PagedConfig(slots=1)),
+                          jax.random.PRNGKey(0), logits_hook=ScriptedPolicy(scripts(chat), config.vocab_size))
     assert result.rows_at_once == 1
     unbounded = compacted[0].batch
     for name in ("tokens", "loss_mask", "turn_index", "boundaries", "num_turns", "reward", "episode", "first_turn"):

@@ -1,6 +1,7 @@
-"""The paged engine (`rollout.engine.run_paged_episodes`) gives `agent.run_episodes`' episodes: the same tokens
-(greedy and sampled, with the same keys), masks, boundaries, statuses and log-probs, with tools running on a
-worker pool while rows decode, rows paused and recomputed under a small page pool, and no episode lost."""
+"""The rollout engine (`rollout.engine`, behind `agent.run_episodes`): greedy episodes are the naive reference's
+(tests/rollout/naive_reference.py: a full forward per token, no cache, the episode rules restated): the same tokens,
+masks, boundaries, statuses and log-probs, with tools running on a worker pool while rows decode; rows paused and
+recomputed under a small page pool, a prefill budget or a mesh change no episode, greedy or sampled."""
 
 import copy
 import dataclasses
@@ -12,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests.rollout.naive_reference import greedy_episodes
 from trace_jax import models
 from trace_jax.models.chat import ChatFormat
 from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
@@ -81,12 +83,15 @@ def _scripts(chat, tasks, seed):
     return rows
 
 
-def _both(setup, tasks, rollout, *, paged=PAGED, hook=None, rng=jax.random.PRNGKey(7)):
-    chat, config, params = setup
-    dense = run_episodes(config, params, chat, tasks, ScriptedTools, rollout, rng, logits_hook=hook)
-    result = engine_lib.run_paged_episodes(config, params, chat, tasks, ScriptedTools, rollout, rng, paged=paged,
-                                           logits_hook=hook)
-    return dense, result
+def _engine(setup, tasks, rollout, *, paged=PAGED, hook=None, rng=jax.random.PRNGKey(7), chat=None):
+    chat_, config, params = setup
+    return engine_lib.run_paged_episodes(config, params, chat or chat_, tasks, ScriptedTools, rollout, rng,
+                                         paged=paged, logits_hook=hook)
+
+
+def _reference(setup, tasks, rollout, *, hook=None, chat=None):
+    chat_, config, params = setup
+    return greedy_episodes(config, params, chat or chat_, tasks, ScriptedTools, rollout, logits_hook=hook)
 
 
 def _assert_same_episodes(result, reference):
@@ -99,12 +104,12 @@ def _assert_same_episodes(result, reference):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_scripted_tool_episodes_with_random_turn_lengths_are_the_dense_engines(setup, seed):
+def test_scripted_tool_episodes_with_random_turn_lengths_are_the_naive_references(setup, seed):
     chat, config, _ = setup
     tasks = _tasks(seed, 3)
     hook = ScriptedPolicy(_scripts(chat, tasks, seed), config.vocab_size)
-    dense, result = _both(setup, tasks, ROLLOUT, hook=hook)
-    _assert_same_episodes(result, dense)
+    result = _engine(setup, tasks, ROLLOUT, hook=hook)
+    _assert_same_episodes(result, _reference(setup, tasks, ROLLOUT, hook=hook))
     statuses = {e.status for e in result.episodes}
     assert len(statuses) > 1  # episodes ended in different ways and at different turns
     assert sum(len(e.observations) for e in result.episodes) > 0
@@ -115,23 +120,33 @@ FREE_TASKS = _tasks(3, 4)  # 8 rows running free (the model's own turns), shared
 
 @pytest.fixture(scope="module")
 def free_running(setup):
-    """Per sampling mode: (dense engine, paged engine with an unbounded pool) on FREE_TASKS."""
-    return {name: _both(setup, FREE_TASKS, rollout) for name, rollout in (("greedy", ROLLOUT), ("sampled", SAMPLED))}
+    """Per sampling mode: (the reference episodes, the engine's with an unbounded pool) on FREE_TASKS; the
+    reference of a sampled run is the engine's own, unbounded."""
+    greedy = _engine(setup, FREE_TASKS, ROLLOUT)
+    sampled = _engine(setup, FREE_TASKS, SAMPLED)
+    return {"greedy": (_reference(setup, FREE_TASKS, ROLLOUT), greedy), "sampled": (sampled, sampled)}
 
 
-@pytest.mark.parametrize("kind", ["greedy", "sampled"])
-def test_free_running_greedy_and_sampled_tokens_are_the_dense_engines(free_running, kind):
-    dense, result = free_running[kind]
-    _assert_same_episodes(result, dense)
+def test_free_running_greedy_tokens_are_the_naive_references(free_running):
+    reference, result = free_running["greedy"]
+    _assert_same_episodes(result, reference)
     assert result.stats.decode_dispatches > 0 and result.stats.preemptions == 0
     assert 0 < result.stats.useful_row_steps <= result.stats.row_steps
+
+
+def test_sampled_episodes_depend_on_the_key_alone(setup, free_running):
+    """The same key gives the same sampled episodes (tool latencies vary run to run); another key others."""
+    _, first = free_running["sampled"]
+    _assert_same_episodes(_engine(setup, FREE_TASKS, SAMPLED), first)
+    other = _engine(setup, FREE_TASKS, SAMPLED, rng=jax.random.PRNGKey(8))
+    assert not np.array_equal(np.asarray(other.batch.tokens), np.asarray(first.batch.tokens))
 
 
 def test_prefill_runs_a_prompts_samples_once_and_every_observation(free_running):
     """Tokens prefill ran through the model: every row's tokens but its generated ones, with each prompt once for
     its G samples (they are admitted together). Sampled, so a prompt's rows part after their prompt (greedy rows
     stay identical, and so share every prefill)."""
-    dense, result = free_running["sampled"]
+    _, result = free_running["sampled"]
     batch = result.batch
     not_generated = int(np.asarray(batch.lengths).sum() - np.asarray(batch.loss_mask).sum())
     prompts = np.asarray(batch.boundaries)[::ROLLOUT.group_size, 0]
@@ -147,46 +162,40 @@ def test_sampled_log_probs_equal_the_trainers(setup, free_running):
     np.testing.assert_allclose(np.asarray(batch.sampler_logprobs)[mask], trainer[mask], atol=1e-5)
 
 
-def _quarter_pool(dense, page_size):
+def _quarter_pool(reference, page_size):
     """Pages of a pool holding 25% of the rows' total tokens (at least one row of max_context)."""
-    total = int(np.asarray(dense.batch.lengths).sum())
+    total = int(np.asarray(reference.batch.lengths).sum())
     return max(total // 4 // page_size, -(-ROLLOUT.max_context // page_size))
 
 
 def test_a_prefill_token_budget_spreads_prefill_over_dispatches_and_changes_no_episode(setup, free_running):
-    dense, unbounded = free_running["sampled"]
-    chat, config, params = setup
-    small = engine_lib.run_paged_episodes(config, params, chat, FREE_TASKS, ScriptedTools, SAMPLED,
-                                          jax.random.PRNGKey(7), paged=dataclasses.replace(PAGED, prefill_tokens=40))
+    _, unbounded = free_running["sampled"]
+    small = _engine(setup, FREE_TASKS, SAMPLED, paged=dataclasses.replace(PAGED, prefill_tokens=40))
     assert small.stats.prefill_dispatches > unbounded.stats.prefill_dispatches
     assert small.stats.prefill_tokens == unbounded.stats.prefill_tokens
-    _assert_same_episodes(small, dense)
+    _assert_same_episodes(small, unbounded)
 
 
 @pytest.mark.parametrize("kind", ["greedy", "sampled"])
 def test_a_pool_of_a_quarter_of_the_tokens_preempts_rows_and_loses_or_alters_no_episode(setup, free_running, kind):
-    dense, _ = free_running[kind]
-    pages = _quarter_pool(dense, PAGED.page_size)
-    chat, config, params = setup
-    small = engine_lib.run_paged_episodes(config, params, chat, FREE_TASKS, ScriptedTools,
-                                          ROLLOUT if kind == "greedy" else SAMPLED, jax.random.PRNGKey(7),
-                                          paged=dataclasses.replace(PAGED, num_pages=pages))
+    reference, _ = free_running[kind]
+    pages = _quarter_pool(reference, PAGED.page_size)
+    small = _engine(setup, FREE_TASKS, ROLLOUT if kind == "greedy" else SAMPLED,
+                    paged=dataclasses.replace(PAGED, num_pages=pages))
     assert small.stats.preemptions > 0 and small.stats.recomputed_tokens > 0
     assert small.stats.max_pages_held <= pages
     assert all(e.status != "running" for e in small.episodes)
-    _assert_same_episodes(small, dense)
+    _assert_same_episodes(small, reference)
 
 
 def test_a_row_preempted_mid_turn_is_recomputed_and_gives_the_same_tokens(setup, free_running):
     """A pool of exactly one row's context for 8 rows: rows are paused while generating, and their turns resume
     after recompute with the same keys."""
-    dense, _ = free_running["greedy"]
-    chat, config, params = setup
+    reference, _ = free_running["greedy"]
     pages = -(-ROLLOUT.max_context // PAGED.page_size)
-    small = engine_lib.run_paged_episodes(config, params, chat, FREE_TASKS, ScriptedTools, ROLLOUT,
-                                          jax.random.PRNGKey(7), paged=dataclasses.replace(PAGED, num_pages=pages))
+    small = _engine(setup, FREE_TASKS, ROLLOUT, paged=dataclasses.replace(PAGED, num_pages=pages))
     assert small.stats.preemptions_mid_turn > 0
-    _assert_same_episodes(small, dense)
+    _assert_same_episodes(small, reference)
 
 
 def test_on_a_mesh_the_pool_is_split_and_the_episodes_are_one_devices(setup, free_running):
@@ -200,41 +209,37 @@ def test_on_a_mesh_the_pool_is_split_and_the_episodes_are_one_devices(setup, fre
     _assert_same_episodes(sharded, single)
 
 
-def test_stop_strings_end_turns_and_drop_the_overshoot_as_the_dense_engine_does(setup):
+def test_stop_strings_end_turns_and_drop_the_overshoot_as_the_naive_reference_does(setup):
     """A chat format whose stop *string* is "a" (any word or byte with an a): turns end mid decode block, and the
-    tokens drawn after the string within the block are dropped and uncached, as `sampler.generate` rolls back."""
+    tokens drawn after the string within the block are dropped and uncached."""
     chat, config, params = setup
     stringy = copy.copy(chat)
     stringy.assistant_stop_strings = ("a",)
     tasks = FREE_TASKS[:2]
-    dense = run_episodes(config, params, stringy, tasks, ScriptedTools, ROLLOUT, jax.random.PRNGKey(7))
-    result = engine_lib.run_paged_episodes(config, params, stringy, tasks, ScriptedTools, ROLLOUT,
-                                           jax.random.PRNGKey(7), paged=PAGED)
-    _assert_same_episodes(result, dense)
+    result = run_episodes(config, params, stringy, tasks, ScriptedTools, dataclasses.replace(ROLLOUT, paged=PAGED),
+                          jax.random.PRNGKey(7))
+    _assert_same_episodes(result, _reference(setup, tasks, ROLLOUT, chat=stringy))
     turns = [text for e in result.episodes for text in e.turn_texts]
     assert sum("a" in text for text in turns) > len(turns) // 2
     short = [text for text in turns if len(stringy.tokenizer.encode(text)) < ROLLOUT.turn_token_budget]
     assert short  # ended by the stop string before the turn budget
 
 
-def test_context_management_compacts_rows_into_segments_as_the_dense_engine_does(setup):
+def test_context_management_compacts_rows_into_segments_as_the_naive_reference_does(setup):
     """`RolloutConfig.context_budget`: a row whose next observation would pass the budget starts a new segment from
     its compacted context, recomputed into fresh pages of its slot."""
-    chat, config, params = setup
-    rollout = dataclasses.replace(SAMPLED, context_budget=150, context_record_tokens=48)
+    rollout = dataclasses.replace(ROLLOUT, context_budget=150, context_record_tokens=48)
     tasks = FREE_TASKS[:2]
-    dense = run_episodes(config, params, chat, tasks, ScriptedTools, rollout, jax.random.PRNGKey(7))
-    result = engine_lib.run_paged_episodes(config, params, chat, tasks, ScriptedTools, rollout,
-                                           jax.random.PRNGKey(7), paged=PAGED)
-    one_row = dataclasses.replace(PAGED, num_pages=-(-rollout.max_context // PAGED.page_size))
-    tight = engine_lib.run_paged_episodes(config, params, chat, tasks, ScriptedTools, rollout,
-                                          jax.random.PRNGKey(7), paged=one_row)
+    reference = _reference(setup, tasks, rollout)
+    result = _engine(setup, tasks, rollout)
+    tight = _engine(setup, tasks, rollout, paged=dataclasses.replace(
+        PAGED, num_pages=-(-rollout.max_context // PAGED.page_size)))
     assert len(np.asarray(result.batch.tokens)) > len(result.episodes)  # some episodes took several segments
     assert tight.stats.preemptions > 0
-    for paged_run in (result, tight):  # compacted rows restart in fresh pages, also when the pool is short
-        _assert_same_episodes(paged_run, dense)
+    for run in (result, tight):  # compacted rows restart in fresh pages, also when the pool is short
+        _assert_same_episodes(run, reference)
         for name in ("episode", "first_turn"):
-            np.testing.assert_array_equal(getattr(paged_run.batch, name), getattr(dense.batch, name))
+            np.testing.assert_array_equal(getattr(run.batch, name), getattr(reference.batch, name))
 
 
 def test_a_pool_smaller_than_one_row_is_refused_naming_the_field(setup):
@@ -243,6 +248,15 @@ def test_a_pool_smaller_than_one_row_is_refused_naming_the_field(setup):
                                          r"of max_context = 192 needs 24"):
         engine_lib.run_paged_episodes(config, params, chat, _tasks(0, 1), ScriptedTools, ROLLOUT,
                                       jax.random.PRNGKey(0), paged=dataclasses.replace(PAGED, num_pages=3))
+
+
+def test_a_prompt_with_ids_past_the_models_vocabulary_is_refused_naming_the_task(setup):
+    """A tokenizer larger than the model's vocabulary would give NaN embeddings on the device."""
+    chat, config, params = setup
+    small = config.replace(vocab_size=8)
+    with pytest.raises(ValueError, match=r"task 0's prompt holds token id \d+ .*vocab_size=8"):
+        engine_lib.run_paged_episodes(small, params, chat, _tasks(0, 1), ScriptedTools, ROLLOUT,
+                                      jax.random.PRNGKey(0), paged=PAGED)
 
 
 @pytest.mark.parametrize("field, value", [("page_size", 0), ("prefill_chunk", -1), ("num_pages", 0),

@@ -1,12 +1,13 @@
-"""The rollout's KV budget: bytes a row's cache takes, and the rows a per-chip budget holds on a mesh."""
-
-import re
+"""The rollout's KV budget: bytes a row's cache takes, and the pages a per-chip budget gives the engine's pool on a
+mesh."""
 
 import jax
 import pytest
 
 from trace_jax import models
 from trace_jax.rollout import RolloutConfig, budget
+from trace_jax.rollout import paged as paged_lib
+from trace_jax.rollout.engine import pool_pages
 
 GIB = 1024**3
 
@@ -23,26 +24,27 @@ def test_a_qwen3_4b_row_at_48k_tokens_in_bfloat16_takes_6_75_gib():
     assert budget.kv_bytes_per_row(config, 49152) == int(6.75 * GIB) + 4
 
 
-def test_rows_within_budget_are_whole_rows_per_batch_shard_with_kv_heads_over_tensor():
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_a_budget_gives_whole_pages_per_chip_over_the_batch_shards_with_kv_heads_over_tensor(tensor):
     config = models.get_preset("qwen3-4b").replace(dtype="bfloat16")
-    rollout = RolloutConfig(max_context=49152)
-    assert budget.rows_within_budget(config, rollout, mesh=mesh_of(fsdp=8), budget_gib=14.0) == 16  # 2 a chip
-    # 8 kv heads over tensor=2: half a row's cache per chip, so twice the rows per chip, over 4 batch shards
-    assert budget.rows_within_budget(config, rollout, mesh=mesh_of(fsdp=4, tensor=2), budget_gib=14.0) == 16
-    assert budget.kv_bytes_per_chip(config, rollout, 16, mesh=mesh_of(fsdp=4, tensor=2)) == int(13.5 * GIB) + 4 * 4  # 4 rows a chip
+    page = 2 * 36 * 16 * (8 // tensor) * 128 * 2  # a 16-token page's k and v, its kv heads split over tensor
+    mesh = mesh_of(fsdp=8 // tensor, tensor=tensor)
+    assert paged_lib.page_bytes(config, 16, mesh=mesh) == page
+    assert paged_lib.pages_within_budget(config, 16, 14.0, mesh=mesh) == int(14.0 * GIB // page) * (8 // tensor)
 
 
-def test_a_budget_below_one_row_or_none_at_all_is_an_error_naming_the_field():
+def test_a_budget_below_one_row_is_refused_naming_the_field_and_the_pages_a_row_needs():
     config = models.get_preset("qwen3-4b").replace(dtype="bfloat16")
-    with pytest.raises(ValueError, match=r"kv_budget_gib = 6.0 GiB holds no row: .*6.75 GiB"):
-        budget.rows_within_budget(config, RolloutConfig(max_context=49152), mesh=mesh_of(fsdp=8), budget_gib=6.0)
-    # just under one row: the budget the message proposes holds the row (no "6.75 GiB > 6.75 GiB" reading)
-    row = budget.kv_bytes_per_row(config, 49152, mesh=mesh_of(fsdp=8)) / GIB
-    with pytest.raises(ValueError, match=r"raise the budget to at least ([\d.]+) GiB") as error:
-        budget.rows_within_budget(config, RolloutConfig(max_context=49152), mesh=mesh_of(fsdp=8),
-                                  budget_gib=row * (1 - 1e-9))
-    proposed = float(re.search(r"at least ([\d.]+) GiB", str(error.value)).group(1))
-    assert budget.rows_within_budget(config, RolloutConfig(max_context=49152), mesh=mesh_of(fsdp=8),
-                                     budget_gib=proposed) >= 1
-    with pytest.raises(ValueError, match=r"kv_budget_gib is None \(unbounded\)"):
-        budget.rows_within_budget(config, RolloutConfig(max_context=49152), mesh=mesh_of(fsdp=8))
+    rollout = RolloutConfig(max_context=49152, kv_budget_gib=6.0)
+    pages = int(6.0 * GIB // paged_lib.page_bytes(config, 16))
+    with pytest.raises(ValueError, match=rf"RolloutConfig.kv_budget_gib = 6.0 gives a pool of {pages} pages of 16 "
+                                         rf"tokens; one row of max_context = 49152 needs 3072: raise it"):
+        pool_pages(config, rollout, rollout.paged, 8)
+    # pages split over 8 batch shards: the pool holds 8 chips' budgets, more than the row
+    assert pool_pages(config, rollout, rollout.paged, 8, mesh=mesh_of(fsdp=8)) == 8 * pages
+
+
+def test_without_a_budget_the_pool_holds_every_rows_max_context():
+    config = models.get_preset("qwen3-4b").replace(dtype="bfloat16")
+    rollout = RolloutConfig(max_context=4096)
+    assert pool_pages(config, rollout, rollout.paged, 8) == 8 * 4096 // 16

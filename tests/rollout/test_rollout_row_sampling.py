@@ -21,7 +21,8 @@ def model():
 
 
 def _generate(config, params, sampling, rng, budget=10):
-    state = S.append(config, params, S.init_state(config, len(PROMPTS), MAX_LEN), PROMPTS)
+    state = S.prefill_rows(config, params, S.init_state(config, len(PROMPTS), MAX_LEN), list(range(len(PROMPTS))),
+                           PROMPTS)
     return S.generate(config, params, state, rng=rng, active=np.ones(len(PROMPTS), bool), max_new_tokens=budget,
                       stop_ids=(), sampling=sampling, sync_every=5)[1]
 

@@ -1,10 +1,12 @@
-"""KV-cache sampler: same tokens and log-probs as full recompute, log-probs equal the model's, stops, sharding."""
+"""The dense KV-cache sampler (serve/engine.py's, until it moves to the paged engine): same tokens and log-probs as
+full recompute (tests/rollout/naive_reference.py), log-probs equal the model's, stops, admission, sharding."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.rollout.naive_reference import _last_logits, generate_without_cache
 from trace_jax import models
 from trace_jax.rollout import sampler as S
 
@@ -24,7 +26,7 @@ def model():
 def cached_generate(config, params, sampling, rng, *, budget=12, stop_ids=(), prompts=PROMPTS, sync_every=4,
                     mesh=None, **kwargs):
     state = S.init_state(config, len(prompts), MAX_LEN, mesh=mesh)
-    state = S.append(config, params, state, prompts)
+    state = S.prefill_rows(config, params, state, list(range(len(prompts))), prompts)
     return S.generate(config, params, state, rng=rng, active=np.ones(len(prompts), bool), max_new_tokens=budget,
                       stop_ids=stop_ids, sampling=sampling, sync_every=sync_every, **kwargs)
 
@@ -34,8 +36,8 @@ def test_cached_sampler_equals_full_recompute_for_the_same_keys(model, sampling)
     config, params = model
     rng = jax.random.PRNGKey(3)
     _, cached = cached_generate(config, params, sampling, rng)
-    reference = S.generate_without_cache(config, params, PROMPTS, rng=rng, max_new_tokens=12, stop_ids=(),
-                                         sampling=sampling, max_len=MAX_LEN)
+    reference = generate_without_cache(config, params, PROMPTS, rng=rng, max_new_tokens=12, stop_ids=(),
+                                       sampling=sampling, max_len=MAX_LEN)
     for row in range(len(PROMPTS)):
         np.testing.assert_array_equal(cached.tokens[row], reference.tokens[row])
         np.testing.assert_allclose(cached.logprobs[row], reference.logprobs[row], atol=1e-5)
@@ -78,7 +80,8 @@ def test_rows_stop_at_stop_ids_and_budgets(model):
 
 def test_generate_with_no_active_row_returns_an_empty_generation(model):
     config, params = model
-    state = S.append(config, params, S.init_state(config, 4, MAX_LEN), [[1, 2], [3], [4, 5, 6], [7]])
+    state = S.prefill_rows(config, params, S.init_state(config, 4, MAX_LEN), [0, 1, 2, 3],
+                           [[1, 2], [3], [4, 5, 6], [7]])
     state, gen = S.generate(config, params, state, rng=jax.random.PRNGKey(0), active=np.zeros(4, bool),
                             max_new_tokens=4, stop_ids=[5], sampling=GREEDY)
     assert gen.steps == 0 and [len(t) for t in gen.tokens] == [0, 0, 0, 0]
@@ -173,65 +176,37 @@ def test_out_of_range_token_ids_raise_naming_the_row():
     config = models.get_preset("tiny-qwen3")
     params = models.init_params(config, jax.random.PRNGKey(0))
     state = S.init_state(config, 2, 32)
-    with pytest.raises(ValueError, match=r"append chunk 1 holds token id 512 .*vocab_size=512"):
-        S.append(config, params, state, [[1, 2], [3, config.vocab_size]])
-    with pytest.raises(ValueError, match=r"prompt 0 holds token id -1"):
-        S.generate_without_cache(config, params, [[-1, 2]], rng=jax.random.PRNGKey(0), max_new_tokens=2, stop_ids=(),
-                                 sampling=S.SamplingConfig(greedy=True))
+    with pytest.raises(ValueError, match=r"prompt for row 1 holds token id 512 .*vocab_size=512"):
+        S.prefill_rows(config, params, state, [0, 1], [[1, 2], [3, config.vocab_size]])
 
 
-def test_group_prefill_equals_prefilling_every_row(model):
-    """G samples of a prompt share one prefill: same cache and pending logits as appending the prompt to each row."""
+def test_prefill_rows_gives_admitted_rows_the_models_logits_and_leaves_the_others(model):
+    """Admitting prompts into rows of a running batch (what the server does): the admitted rows' pending logits are
+    the full forward's over their prompt and they continue as a fresh greedy run of it; the other rows are
+    untouched, and a prompt given to two rows runs once."""
     config, params = model
-    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]  # x 2 samples: the four rows of the other tests' states
-    shared = S.prefill_groups(config, params, S.init_state(config, 4, MAX_LEN), prompts, 2)
-    each = S.append(config, params, S.init_state(config, 4, MAX_LEN), [p for p in prompts for _ in range(2)])
-    assert shared.lengths.tolist() == each.lengths.tolist() == [5, 5, 3, 3]
-    np.testing.assert_allclose(np.asarray(shared.logits), np.asarray(each.logits), atol=1e-5)
-    for row, prompt in enumerate(p for p in prompts for _ in range(2)):
-        np.testing.assert_allclose(np.asarray(shared.cache.k[:, row, :len(prompt)]),
-                                   np.asarray(each.cache.k[:, row, :len(prompt)]), atol=1e-5)
-    with pytest.raises(ValueError, match="rows must be prompts x group"):
-        S.prefill_groups(config, params, S.init_state(config, 5, MAX_LEN), prompts, 2)
-
-
-def test_prefill_rows_equals_resetting_the_rows_and_appending(model):
-    """Admitting prompts into rows of a running batch (what the server does) matches resetting those rows' lengths
-    and appending the prompts: same lengths, pending logits, keys/values and greedy continuation; the other rows
-    are untouched, and a prompt given to two rows runs once."""
-    config, params = model
-
-    def running():  # four rows that have decoded a few tokens (deterministic: built twice, states are donated)
-        state = S.append(config, params, S.init_state(config, 4, MAX_LEN), PROMPTS)
-        return S.generate(config, params, state, rng=jax.random.PRNGKey(1), active=np.ones(4, bool),
-                          max_new_tokens=5, stop_ids=(), sampling=GREEDY, sync_every=4)[0]
-
+    state = S.prefill_rows(config, params, S.init_state(config, 4, MAX_LEN), [0, 1, 2, 3], PROMPTS)
+    state = S.generate(config, params, state, rng=jax.random.PRNGKey(1), active=np.ones(4, bool),
+                       max_new_tokens=5, stop_ids=(), sampling=GREEDY, sync_every=4)[0]
     rows, prompts = [3, 1, 0], [[21, 22, 23], [40] * 20, [21, 22, 23]]
-    before = running()
-    kept_k = np.asarray(before.cache.k[:, 2])
-    fast = S.prefill_rows(config, params, before, rows, prompts)
+    kept_k, kept_logits = np.asarray(state.cache.k[:, 2]), np.asarray(state.logits[2])
+    admitted = S.prefill_rows(config, params, state, rows, prompts)
 
-    reference = running()
-    lengths = np.asarray(reference.lengths).copy()
-    lengths[rows] = 0
-    reference = reference.replace(cache=reference.cache.replace(lengths=jnp.asarray(lengths)))
-    chunks = [[], [], [], []]
+    assert admitted.lengths.tolist() == [3, 20, len(PROMPTS[2]) + 5, 3]
     for row, prompt in zip(rows, prompts):
-        chunks[row] = prompt
-    reference = S.append(config, params, reference, chunks)
-
-    assert fast.lengths.tolist() == reference.lengths.tolist() == [3, 20, len(PROMPTS[2]) + 5, 3]
-    np.testing.assert_allclose(np.asarray(fast.logits), np.asarray(reference.logits), atol=1e-5)
-    for row, length in enumerate(fast.lengths.tolist()):
-        for name in ("k", "v"):
-            np.testing.assert_allclose(np.asarray(getattr(fast.cache, name)[:, row, :length]),
-                                       np.asarray(getattr(reference.cache, name)[:, row, :length]), atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(fast.cache.k[:, 2]), kept_k)
-    continuations = [S.generate(config, params, state, rng=jax.random.PRNGKey(2), active=np.ones(4, bool),
-                                max_new_tokens=8, stop_ids=(), sampling=GREEDY, sync_every=4)[1].tokens
-                     for state in (fast, reference)]
-    for a, b in zip(*continuations):
-        np.testing.assert_array_equal(a, b)
+        padded = np.zeros((1, MAX_LEN), np.int32)
+        padded[0, :len(prompt)] = prompt
+        np.testing.assert_allclose(np.asarray(admitted.logits[row]),
+                                   np.asarray(_last_logits(config, params, padded, np.asarray([len(prompt)])))[0],
+                                   atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(admitted.cache.k[:, 2]), kept_k)
+    np.testing.assert_array_equal(np.asarray(admitted.logits[2]), kept_logits)
+    continued = S.generate(config, params, admitted, rng=jax.random.PRNGKey(2), active=np.ones(4, bool),
+                           max_new_tokens=8, stop_ids=(), sampling=GREEDY, sync_every=4)[1].tokens
+    fresh = generate_without_cache(config, params, prompts, rng=jax.random.PRNGKey(2), max_new_tokens=8,
+                                   stop_ids=(), sampling=GREEDY, max_len=MAX_LEN)
+    for row, tokens in zip(rows, fresh.tokens):
+        np.testing.assert_array_equal(continued[row], tokens)
 
     state = S.init_state(config, 4, MAX_LEN)
     with pytest.raises(ValueError, match="distinct rows"):
@@ -249,8 +224,8 @@ def test_prefill_rows_on_a_mesh_keeps_the_caches_layout(model):
     as the rollout's prefill is: no leaf of the state comes back replicated or re-laid out."""
     config, params = model
     mesh = models.make_mesh({"data": 4, "tensor": 2})
-    state = S.append(config, models.shard_params(params, config, mesh), S.init_state(config, 4, MAX_LEN, mesh=mesh),
-                     PROMPTS)
+    state = S.prefill_rows(config, models.shard_params(params, config, mesh),
+                           S.init_state(config, 4, MAX_LEN, mesh=mesh), [0, 1, 2, 3], PROMPTS)
     layout = jax.tree_util.tree_map(lambda x: x.sharding, state)
     admitted = S.prefill_rows(config, models.shard_params(params, config, mesh), state, [2, 0], [[3, 4], [5]])
     for leaf, sharding in zip(jax.tree_util.tree_leaves(admitted), jax.tree_util.tree_leaves(layout)):
@@ -275,80 +250,3 @@ def test_decode_step_writes_the_cache_once_outside_loops_and_conditionals(model)
     assert not [line for line in nested.splitlines() if is_write(line) and " fusion(" in line], \
         "a scatter into the whole cache runs inside a nested computation (the layer loop)"
     assert not [line for line in hlo.splitlines() if cache_shape in line and " conditional(" in line]
-
-
-def _widths(monkeypatch, kind):
-    """The token widths the programs of builder `kind` ("append_program" / "prefill_rows_program") are called with."""
-    widths, build = [], getattr(S, kind)
-
-    def recording(*args, **kwargs):
-        program = build(*args, **kwargs)
-
-        def call(params, state, tokens, *rest):
-            widths.append(tokens.shape[1])
-            return program(params, state, tokens, *rest)
-        return call
-    monkeypatch.setattr(S, kind, recording)
-    return widths
-
-
-def _greedy(config, params, state, rows):
-    return S.generate(config, params, state, rng=jax.random.PRNGKey(2), active=np.ones(rows, bool),
-                      max_new_tokens=8, stop_ids=(), sampling=GREEDY, sync_every=4)[1].tokens
-
-
-def _assert_same_rows(config, params, chunked, whole, rows):
-    assert chunked.lengths.tolist() == whole.lengths.tolist()
-    np.testing.assert_allclose(np.asarray(chunked.logits), np.asarray(whole.logits), atol=1e-5)
-    for row, length in enumerate(whole.lengths.tolist()):
-        for name in ("k", "v"):
-            np.testing.assert_allclose(np.asarray(getattr(chunked.cache, name)[:, row, :length]),
-                                       np.asarray(getattr(whole.cache, name)[:, row, :length]), atol=1e-5)
-    for a, b in zip(_greedy(config, params, chunked, rows), _greedy(config, params, whole, rows)):
-        np.testing.assert_array_equal(a, b)
-
-
-def test_an_append_longer_than_the_chunk_runs_in_pieces_of_the_chunk_with_the_same_cache_and_logits(model,
-                                                                                                  monkeypatch):
-    config, params = model
-    rng = np.random.default_rng(7)
-    chunks = [rng.integers(1, config.vocab_size, n).tolist() for n in (40, 0, 17, 5)]
-    whole = S.append(config, params, S.append(config, params, S.init_state(config, 4, MAX_LEN), PROMPTS), chunks)
-    widths = _widths(monkeypatch, "append_program")
-    state = S.append(config, params, S.init_state(config, 4, MAX_LEN), PROMPTS, chunk_tokens=32)
-    chunked = S.append(config, params, state, chunks, chunk_tokens=32)
-    # the prompts (at most 7 tokens) in one dispatch; the chunks (40 the longest) in 32 + 8 (padded to 16)
-    assert widths == [16, 32, 16]
-    _assert_same_rows(config, params, chunked, whole, 4)
-
-
-def test_a_prompt_longer_than_the_prefill_chunk_is_admitted_in_pieces_with_the_same_cache_and_logits(model,
-                                                                                                  monkeypatch):
-    config, params = model
-    rng = np.random.default_rng(8)
-    long, short = rng.integers(1, config.vocab_size, 60).tolist(), [21, 22, 23]
-
-    def running():
-        return S.append(config, params, S.init_state(config, 4, MAX_LEN), PROMPTS)
-
-    rows, prompts = [3, 1, 0], [long, short, long]
-    whole = S.prefill_rows(config, params, running(), rows, prompts)
-    state = running()
-    prefills, appends = _widths(monkeypatch, "prefill_rows_program"), _widths(monkeypatch, "append_program")
-    chunked = S.prefill_rows(config, params, state, rows, prompts, chunk_tokens=32, append_chunk_tokens=16)
-    # the first 32 tokens admitted (the long prompt once for its two rows), the other 28 appended in 16 + 12
-    assert prefills == [32] and appends == [16, 16]
-    assert chunked.lengths.tolist() == [60, 3, len(PROMPTS[2]), 60]
-    _assert_same_rows(config, params, chunked, whole, 4)
-
-
-@pytest.mark.parametrize("value", [0, 15, 100, 600, 4000, True])
-def test_a_chunk_that_is_not_a_padded_width_is_refused_naming_the_field(value):
-    with pytest.raises(ValueError, match="RolloutConfig.append_chunk_tokens must be a padded chunk width"):
-        S.check_chunk_tokens(value, "RolloutConfig.append_chunk_tokens")
-    from trace_jax.rollout.agent import RolloutConfig
-
-    with pytest.raises(ValueError, match="RolloutConfig.prefill_chunk_tokens must be a padded chunk width"):
-        RolloutConfig(prefill_chunk_tokens=value)
-    for good in (16, 512, 768, 4096):
-        S.check_chunk_tokens(good, "chunk")

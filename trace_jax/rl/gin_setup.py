@@ -296,6 +296,15 @@ RENAMED = {
                                   "of step N, or TrainConfig.reference_checkpoint = '<run dir>@<step>' for a "
                                   "reference taken from another run and frozen from step 0",
 }
+# Fields removed from the configs: `Config.old` -> why, and what to do instead (a binding of it is an error saying so).
+REMOVED = {
+    "RolloutConfig.engine": "the paged engine is the only rollout engine (issue 45; the dense engine is gone): drop "
+                            "the binding (its settings: RolloutConfig.paged = @PagedConfig())",
+    "RolloutConfig.append_chunk_tokens": "the dense engine's append chunk is gone with it: drop the binding (the "
+                                         "paged engine's chunk is PagedConfig.prefill_chunk)",
+    "RolloutConfig.prefill_chunk_tokens": "the dense engine's admission chunk is gone with it: drop the binding (the "
+                                          "paged engine's: PagedConfig.prefill_chunk and PagedConfig.prefill_tokens)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,6 +427,8 @@ def _explain(error: Exception, where: str) -> str:
         config, field = match.group(1), match.group(2)
         if f"{config}.{field}" in RENAMED:
             return f"{where}: {config}.{field} was renamed; bind {RENAMED[f'{config}.{field}']}"
+        if f"{config}.{field}" in REMOVED:
+            return f"{where}: {config}.{field} was removed; {REMOVED[f'{config}.{field}']}"
         fields = _fields(_targets[config]) if config in _targets else []
         close = difflib.get_close_matches(field, fields, n=3, cutoff=0.5)
         hint = (f"did you mean {config}.{' or '.join(close)}?" if close

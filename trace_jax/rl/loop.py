@@ -85,8 +85,7 @@ from trace_jax.rl.metrics import PhaseTimer, RunWriter, progress_bar
 from trace_jax.rl.pipeline import Prepared, RLPipeline, check_compatible
 from trace_jax.rl.warmstart import abc_sft_weighted, oracle_trajectories, sft_arrays
 from trace_jax.rollout.batch import episode_view
-from trace_jax.rollout.budget import rows_within_budget
-from trace_jax.rollout.engine import paged_pool_line
+from trace_jax.rollout.engine import paged_pool_line, pool_pages
 from trace_jax.scoring.receipts import excerpt, safe_filename, write_receipt
 from trace_jax.train import distributed
 from trace_jax.train.checkpoint import Checkpointer, PreemptionGuard, abstract_train_state, restore_params_from_copies
@@ -721,8 +720,8 @@ def make_rl_step(run_config: RunConfig, environment: "Environment", *, placement
         raise ValueError(f"TrainConfig.prompts_per_step x RolloutConfig.group_size = {rows} rows per step: "
                          f"{error}") from None
     # fail before any compute when the KV budget holds no row
-    rows_within_budget(environment.model_config, run_config.rollout, mesh=placement.mesh, rows=rows,
-                       rules=placement.rollout_rules)
+    pool_pages(environment.model_config, run_config.rollout, run_config.rollout.paged, rows,
+               mesh=placement.mesh, rules=placement.rollout_rules)
     pipeline = RLPipeline(environment.model_config, environment.chat, environment.browser, run_config.rollout,
                           run_config.credit, run_config.loss, run_config.update, optimizer,
                           mesh=placement.mesh, rules=placement.rules, rollout_rules=placement.rollout_rules,
@@ -911,14 +910,8 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
     log(f"run {run_dir}: {train_config.steps} RL steps of {train_config.prompts_per_step} prompts x "
         f"{run_config.rollout.group_size} samples, credit {run_config.credit.estimator}, "
         f"{len(environment.train_tasks)} train / {len(environment.eval_tasks)} held-out tasks, {placement.line()}")
-    if run_config.rollout.engine == "paged":  # a pool of pages for the rows in flight, not dense rows at once
-        log(paged_pool_line(environment.model_config, run_config.rollout, rows // jax.process_count(), mesh=mesh,
-                            rules=placement.rollout_rules))
-    elif run_config.rollout.kv_budget_gib is not None:
-        rows_at_once = rows_within_budget(environment.model_config, run_config.rollout, mesh=mesh, rows=rows,
-                                          rules=placement.rollout_rules)
-        log(f"rollout: {rows_at_once} of {rows} rows at once over the mesh under the KV budget of "
-            f"{run_config.rollout.kv_budget_gib:g} GiB per chip")
+    log(paged_pool_line(environment.model_config, run_config.rollout, rows // jax.process_count(), mesh=mesh,
+                        rules=placement.rollout_rules))
 
     external_reference = None
     if train_config.reference_checkpoint:  # loaded (and checked against the model) before the warm start

@@ -617,7 +617,7 @@ class RLPipeline:
             "kv_cache_gib": rollout.kv_cache_bytes / GIB,
         }
         stats = getattr(rollout, "stats", None)
-        if stats is not None:  # the paged engine's (`RolloutConfig.engine = 'paged'`)
+        if stats is not None:  # the engine's (`engine.PagedRollout`; a `Rollout` built by hand has none)
             out["rollout_useful_row_steps"] = stats.useful_row_steps / max(stats.row_steps, 1)
             out["rollout_preemptions"] = float(stats.preemptions)
         for name in STATUSES[1:]:

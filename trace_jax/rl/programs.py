@@ -6,21 +6,12 @@ which keeps one object per set of static arguments, so it is the very object the
 (`jax.ShapeDtypeStruct`s with the loop's shapes, dtypes and shardings; static arguments are in the program's key
 and in the arguments' pytree structure), so `entry.lower()` lowers what the loop dispatches:
 
-  * "init":          `sampler.init_state_program`, the rollout's empty KV cache, created sharded;
-  * "prefill_rows":  `sampler.prefill_rows_program`, the admission of waiting rows into free cache rows (and the
-                     re-prefill of a compacted context), at every (distinct prompts, prompt width) bucket up to
-                     `RolloutConfig.prefill_chunk_tokens` (a longer prompt's rest goes through "append");
-  * "decode":        `sampler.decode_program`, `RolloutConfig.sync_every` steps at every attention bucket
-                     (`sampler.bucket_length`) up to `max_context`;
-  * "append":        `sampler.append_program`, the tool observations appended to the rows (and the rest of a
-                     prompt longer than the prefill chunk), at every width bucket up to
-                     `RolloutConfig.append_chunk_tokens` (longer ones are dispatched in pieces);
-  * "paged_init", "paged_prefill", "paged_decode": in the place of the four above when `RolloutConfig.engine` is
-                     'paged' (`paged_entries`): `paged.init_pool_program`, the page pool, created sharded;
-                     `paged.prefill_program`, admissions, observations and recomputes, at every (distinct rows,
+  * "paged_init":    `paged.init_pool_program`, the rollout engine's page pool, created sharded;
+  * "paged_prefill": `paged.prefill_program`, admissions, observations and recomputes, at every (distinct rows,
                      chunk width, work items, output rows) bucket that `PagedConfig.prefill_tokens` lets through;
-                     `paged.decode_program`, `sync_every` steps at every decode-batch bucket (powers of two up to
-                     the slots) and work-item bucket (powers of two from 16, capped at the pool's pages);
+  * "paged_decode":  `paged.decode_program`, `RolloutConfig.sync_every` steps at every decode-batch bucket (powers
+                     of two up to the slots) and work-item bucket (powers of two from 16, capped at the pool's
+                     pages) (`paged_entries`);
   * "rollout_cast", "reshard": `models.cast_program` / `models.reshard_program`, the policy's rollout copy
                      (`Placement.rollout_params`), where it is not the train-layout params as they are;
   * "score":         `scoring.fork.fork_scores_program`, the reference's prefix-fork pass, at every padded shape
@@ -37,9 +28,8 @@ and in the arguments' pytree structure), so `entry.lower()` lowers what the loop
 
 Host arrays the loop passes as they are (numpy token chunks, per-row flags) have no sharding here (`sharding=None`),
 as jit sees them; device arrays carry the layout the loop gives them. Every program is over the whole mesh, at the
-global shapes: with several processes the rollout's state holds every process's rows and its host arguments are
-every process's rows gathered (`sampler`'s module doc), so the entries are those of one process holding every row;
-the scorer's rows are each process's chunk padded to the same count. Not listed: the small jitted helpers of the
+global shapes: the scorer's rows are each process's chunk padded to the same count (the rollout engine runs on one
+process's devices, `paged_entries`). Not listed: the small jitted helpers of the
 host side (the rows' PRNG keys, `compute_advantages` on the step's `[rows, length]` advantages), and jnp
 operations on single arrays; the naive scorer (`UpdateConfig.scoring = 'naive'`, for contrast only).
 tests/rl/test_programs.py records what two RL steps dispatch and
@@ -73,9 +63,8 @@ from trace_jax.train.loss import LossBatch, length_bucket
 from trace_jax.train.optimizer import make_optimizer
 from trace_jax.train.step import batch_sharding, make_train_step
 
-PHASES = {"init": "rollout", "prefill_rows": "rollout", "decode": "rollout", "append": "rollout",
-          "rollout_cast": "rollout", "reshard": "rollout", "score": "score", "behaviour": "update", "update": "update",
-          "paged_init": "rollout", "paged_prefill": "rollout", "paged_decode": "rollout"}
+PHASES = {"rollout_cast": "rollout", "reshard": "rollout", "paged_init": "rollout", "paged_prefill": "rollout",
+          "paged_decode": "rollout", "score": "score", "behaviour": "update", "update": "update"}
 NAMES = tuple(PHASES)
 
 
@@ -149,9 +138,8 @@ class Programs:
     Attributes:
       entries: the `Entry`s, in the order of the step (rollout, score, update).
       train_step: the update (`TrainStep`), the object the loop's pipeline calls.
-      rows: rollout rows of this process per step; rows_at_once: the rows the KV cache holds at once (the paged
-        engine: its slots, the most rows in flight).
-      kv_cache_bytes: the KV cache's bytes on one device (the paged engine: its page pool's).
+      rows: rollout rows of this process per step; rows_at_once: the engine's slots (the most rows in flight).
+      kv_cache_bytes: the engine's page pool's bytes on one device.
       state, reference, rollout_params: the abstract train state, frozen reference and rollout copy.
     """
 
@@ -220,17 +208,11 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
     rules, rollout_rules = run_config.mesh.train_rules(), run_config.mesh.rollout_rules()
     optimizer = optimizer or make_optimizer(run_config.optimizer)
     train_step = train_step or make_train_step(model_config, loss, optimizer, mesh=mesh, rules=rules)
-    # each process rolls out its share of the rows (`loop.rl_step`) in programs over the whole mesh, whose state
-    # holds every process's slots (`agent.run_episodes`); the processes are those of the mesh's devices (a TPU
-    # topology's hosts for `trace-jax plan`, every process in a run)
+    # each process rolls out its share of the rows (`loop.rl_step`); the processes are those of the mesh's devices
+    # (a TPU topology's hosts for `trace-jax plan`, every process in a run)
     processes = len({device.process_index for device in mesh.devices.flat})
     episodes = train.prompts_per_step * rollout.group_size // processes
     max_len = rollout.max_context
-    slots = processes * max(1, budget.rows_within_budget(
-        model_config, rollout, mesh=mesh, rows=max(episodes * processes, 1),
-        budget_gib=kv_budget_gib if kv_budget_gib is not None else rollout.kv_budget_gib,
-        rules=rollout_rules) // processes)
-    kv_cache_bytes = budget.kv_bytes_per_chip(model_config, rollout, slots, mesh=mesh, rules=rollout_rules)
 
     # the params as each phase reads them (loop.Placement)
     shapes = jax.eval_shape(lambda: models.init_params(model_config, jax.random.PRNGKey(0), dtype="float32"))
@@ -260,39 +242,10 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
                              ([leaves[i] for i in moving],),
                              f"{len(moving)} of {len(leaves)} policy params, train layout -> rollout layout"))
 
-    if rollout.engine == "paged":  # the paged engine's programs in the place of the dense sampler's
-        paged_list, slots, kv_cache_bytes = paged_entries(run_config, model_config, mesh, rollout_params, episodes,
-                                                          num_stop_ids, kv_budget_gib)
-        entries += paged_list
-    else:
-        # rollout: the sampler's programs (rollout.agent.run_episodes -> sampler)
-        sampler_state = sampler.abstract_state(model_config, slots, max_len, mesh=mesh, rules=rollout_rules)
-        layout = sampler.state_layout(sampler_state)
-        entries.append(Entry("init", sampler.init_state_program(model_config, slots, max_len, mesh, rollout_rules), (),
-                             f"{slots} rows x {max_len} tokens"))
-        prefill = sampler.prefill_rows_program(model_config, layout)
-        # the loop dispatches at most a chunk of a prompt (the rest is appended) and of an observation (`agent`)
-        for width in sorted({min(w, max_len) for w in bucket_lengths(min(rollout.prefill_chunk_tokens, max_len))}):
-            for prompts in bucket_lengths(slots, minimum=1):
-                args = (rollout_params, sampler_state, _host((prompts, width), jnp.int32), _host((prompts,), jnp.int32),
-                        _host((slots,), jnp.int32), _host((slots,), jnp.int32), _host((), jnp.int32))
-                entries.append(Entry("prefill_rows", prefill, args, f"{prompts} prompts x {width} tokens into {slots} "
-                                                                      f"rows x {max_len}"))
-        steps = rollout.sync_every
-        host = sampler.RowSampling.broadcast(rollout.sampling, slots)
-        row_sampling = host.replace(temperature=_host((slots,), jnp.float32), top_p=_host((slots,), jnp.float32),
-                                    greedy=_host((slots,), jnp.bool_))
-        keys = _host((slots, 2), jnp.uint32)  # one key per row (agent's row keys), uncommitted
-        attends = [a for a in bucket_lengths(max_len - 1 + steps) if sampler.bucket_length(1 + steps) <= a < max_len]
-        for attend in attends + [None]:
-            args = (row_sampling, rollout_params, sampler_state, _host((slots,), jnp.bool_), _host((slots,), jnp.int32),
-                    _host((num_stop_ids,), jnp.int32), keys, _host((), jnp.uint32), _host((slots,), jnp.int32))
-            entries.append(Entry("decode", sampler.decode_program(model_config, steps, attend, mesh, layout), args,
-                                 f"{slots} rows x {steps} steps, attending {attend or max_len} of {max_len} slots"))
-        append = sampler.append_program(model_config, layout)
-        for width in bucket_lengths(min(rollout.append_chunk_tokens, max_len)):
-            args = (rollout_params, sampler_state, _host((slots, width), jnp.int32), _host((slots,), jnp.int32))
-            entries.append(Entry("append", append, args, f"{slots} rows x {width} observation tokens"))
+    # rollout: the engine's programs (rollout.agent.run_episodes -> rollout.engine)
+    rollout_entries, slots, kv_cache_bytes = paged_entries(run_config, model_config, mesh, rollout_params, episodes,
+                                                           num_stop_ids, kv_budget_gib)
+    entries += rollout_entries
 
     # score: the reference's prefix-fork pass (pipeline.score -> fork.score_answer_prefixes)
     estimator = get_estimator(run_config.credit.estimator)
@@ -337,7 +290,7 @@ def programs(run_config, model_config, mesh, *, optimizer=None, train_step=None,
 
 def paged_entries(run_config, model_config, mesh, rollout_params, episodes: int, num_stop_ids: int,
                   kv_budget_gib: float | None = None) -> tuple[list[Entry], int, int]:
-    """The paged engine's programs (`rollout.engine`, `RolloutConfig.engine = 'paged'`) for one process's
+    """The rollout engine's programs (`rollout.engine`) for one process's
     `episodes` rows, at every shape its host schedule can give: (entries, slots, pool bytes on one device).
 
     The engine buckets each dispatch: decode batch D and distinct prefill rows U and output rows R to

@@ -1,14 +1,14 @@
-"""Rollouts: the KV-cache sampler, the batched multi-turn agent loop and the `TrajectoryBatch` they produce.
+"""Rollouts: the episode rules, the paged rollout engine and the `TrajectoryBatch` they produce.
 
 Public API (see docs/rollout.md):
   TrajectoryBatch, EpisodeRecord, STATUSES, build_batch, EpisodeView, episode_view (batch)
-  SamplingConfig, SamplerState, init_state, append, generate, Generation,
-  generate_without_cache, sample_from_logits, StopStrings                     (sampler)
+  SamplingConfig, SamplerState, init_state, generate, Generation, sample_from_logits, StopStrings
+                                       (sampler: sampling rules; its dense cache serves `trace-jax serve` for now)
   RolloutConfig, Rollout, run_episodes, ScriptedPolicy                        (agent)
-  kv_bytes_per_row, kv_bytes_per_chip, rows_within_budget, cache_bytes_per_device (budget)
+  kv_bytes_per_row                                                            (budget)
   SearchState, search_state, render_record, compacted_context                 (context: context management)
   PagedConfig, PagedState, PageAllocator, paged_attention, the paged programs   (paged: import trace_jax.rollout.paged)
-  run_paged_episodes, PagedRollout, EngineStats        (engine: `RolloutConfig.engine = 'paged'`; import the module)
+  run_paged_episodes, PagedRollout, EngineStats   (engine: what `run_episodes` runs; import the module)
 
 This package knows nothing about credit assignment or training; it only produces their input.
 """
@@ -16,8 +16,7 @@ This package knows nothing about credit assignment or training; it only produces
 from trace_jax.rollout.agent import DEFAULT_SYSTEM_PROMPT, Rollout, RolloutConfig, ScriptedPolicy, run_episodes
 from trace_jax.rollout.batch import (STATUS_CODES, STATUSES, EpisodeRecord, EpisodeView, TrajectoryBatch, build_batch,
                                      episode_view)
-from trace_jax.rollout.budget import (cache_bytes_per_device, kv_bytes_per_chip, kv_bytes_per_row,
-                                     rows_within_budget)
+from trace_jax.rollout.budget import kv_bytes_per_row
 from trace_jax.rollout.context import SearchState, compacted_context, render_record, search_state
 from trace_jax.rollout.sampler import (
     STOP_REASONS,
@@ -25,9 +24,7 @@ from trace_jax.rollout.sampler import (
     SamplerState,
     SamplingConfig,
     StopStrings,
-    append,
     generate,
-    generate_without_cache,
     init_state,
     sample_from_logits,
 )
@@ -35,7 +32,6 @@ from trace_jax.rollout.sampler import (
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT", "EpisodeRecord", "EpisodeView", "Generation", "Rollout", "RolloutConfig", "STATUSES",
     "STATUS_CODES", "STOP_REASONS", "SamplerState", "SamplingConfig", "ScriptedPolicy", "SearchState", "StopStrings",
-    "TrajectoryBatch", "append", "build_batch", "cache_bytes_per_device", "compacted_context", "episode_view",
-    "generate", "generate_without_cache", "init_state", "kv_bytes_per_chip", "kv_bytes_per_row", "render_record",
-    "rows_within_budget", "run_episodes", "sample_from_logits", "search_state",
+    "TrajectoryBatch", "build_batch", "compacted_context", "episode_view", "generate", "init_state",
+    "kv_bytes_per_row", "render_record", "run_episodes", "sample_from_logits", "search_state",
 ]

@@ -1,7 +1,7 @@
 """The paged, continuously batched rollout engine: rows advance on their own, tools run while others decode.
 
-Same input and output as `agent.run_episodes` (a `Rollout` of the same `EpisodeRecord`s and `TrajectoryBatch`, the
-same per-row keys), on the paged KV cache of `rollout.paged`:
+The rollout engine behind `agent.run_episodes` (its `Rollout` of `EpisodeRecord`s and a `TrajectoryBatch`, under the
+episode rules of `rollout.agent`), on the paged KV cache of `rollout.paged`:
 
     page pool  `PagedConfig.num_pages` (`RolloutConfig.paged`) pages of `page_size` tokens (from
                `RolloutConfig.kv_budget_gib` when set),
@@ -26,11 +26,11 @@ same per-row keys), on the paged KV cache of `rollout.paged`:
                drawn with the same keys. A pool of at least one row of `max_context` always makes progress: the
                first row in row order can preempt every other.
 
-Tokens: turn k of row r samples its i-th token with `fold_in(fold_in(fold_in(rng, k), row_offset + r), i)`, as
-`run_episodes` does (`agent.row_turn_keys`), so the two engines give the same episodes (up to float32 summation
-order in attention: logits agree to ~1e-6, greedy and sampled tokens are the same in the tests). The turn rules
-(answer, max_turns, context overflow, tool errors, compaction) are `run_episodes`' own, step for step
-(`_end_turn`, `_observe`; tests/rollout/test_paged_engine.py pins the equality).
+Tokens: turn k of row r samples its i-th token with `fold_in(fold_in(fold_in(rng, k), row_offset + r), i)`
+(`agent.row_turn_keys`), whatever the pool, the rows in flight, preemption or the tools' latencies (up to float32
+summation order in attention). The turn rules (answer, max_turns, context overflow, tool errors, compaction) are
+`agent.end_turn` and `agent.observe`; tests/rollout/test_paged_engine.py pins the episodes against a naive
+reference (a full forward per token, no cache).
 
 Several processes (a `mesh` over their devices, `distributed.spans_processes`): every process runs the host loop
 for its own tasks (their rows, tool calls, preemptions) and every dispatch is one SPMD program over the whole mesh,
@@ -70,10 +70,10 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from trace_jax.envs.answers import answer_reward
-from trace_jax.envs.browser import ERROR_PREFIX, Browser, tool_schemas
-from trace_jax.models.chat import TOOL_CALL_OPEN, ChatFormat, ToolCall, parse_tool_call
+from trace_jax.envs.browser import Browser, tool_schemas
+from trace_jax.models.chat import ChatFormat, ToolCall
 from trace_jax.models.config import ModelConfig
+from trace_jax.models.decoder import check_token_ids
 from trace_jax.rollout import agent as agent_lib
 from trace_jax.rollout import paged as paged_lib
 from trace_jax.rollout import sampler as sampler_lib
@@ -187,8 +187,8 @@ def run_paged_episodes(config: ModelConfig, params, chat: ChatFormat, tasks: Seq
                        *, paged: PagedConfig | None = None, mesh=None, rules=None, row_offset: int = 0,
                        logits_hook: Callable[[np.ndarray, int, list], np.ndarray | None] | None = None
                        ) -> PagedRollout:
-    """`agent.run_episodes` on the paged engine (module doc): the same arguments and episodes. `paged`: the engine's
-    settings (default `rollout.paged`). `run_episodes` calls this when `RolloutConfig.engine == 'paged'`.
+    """`agent.run_episodes` (module doc): the same arguments, and `paged`: the engine's settings (default
+    `rollout.paged`).
 
     A `mesh` over several processes' devices: every process calls this with its own tasks (any number, none
     included) and `row_offset` its first row's global index; the programs run over the whole mesh in lock step
@@ -203,6 +203,7 @@ class _Engine:
         self.start = time.perf_counter()
         self.config, self.params, self.chat, self.rollout, self.rng = config, params, chat, rollout, rng
         self.row_offset, self.logits_hook = row_offset, logits_hook
+        self.mesh, self.rules = mesh, rules
         self.timing = {"prefill": 0.0, "generate": 0.0, "env": 0.0, "agent_host": 0.0, "append": 0.0, "pack": 0.0}
         self.stats = EngineStats()
         self.max_len = rollout.max_context
@@ -215,6 +216,7 @@ class _Engine:
         self.browsers = []
         for t, task in enumerate(tasks):
             prompt = chat.prompt_ids(rollout.system_prompt, task.question, self.schemas)
+            check_token_ids(config, np.asarray(prompt, np.int64), f"task {t}'s prompt")  # a tokenizer/model mismatch
             if len(prompt) >= self.max_len:
                 raise ValueError(f"task {t}: the prompt has {len(prompt)} tokens but max_context={self.max_len}; "
                                  "raise RolloutConfig.max_context or shorten the system prompt")
@@ -571,43 +573,22 @@ class _Engine:
         self._release(row)
 
     def _end_turn(self, row: _Row, stop: int) -> None:
-        """The end of an assistant turn, `run_episodes`' rule: answer, context overflow, max_turns or a tool call."""
-        seg, episode = row.segment, self.episodes[row.index]
+        """The end of an assistant turn (`agent.end_turn`'s rule): the episode ends, or its tool call runs on the
+        pool (an unparsable call's error observation is given back at once)."""
         ids = list(row.turn_ids)
         self.generated_tokens += len(ids)
-        tool_turn = seg["first_turn"] + len(seg["boundaries"]) - 1
-        seg["tokens"] += ids
-        seg["loss_mask"] += [1.0] * len(ids)
-        seg["turn_index"] += [tool_turn] * len(ids)
-        seg["logprobs"] += row.turn_lp
-        seg["sampling_logprobs"] += row.turn_slp
+        call = agent_lib.end_turn(self.chat, self.rollout, row.segment, self.episodes[row.index], ids, row.turn_lp,
+                                  row.turn_slp, stop)
         row.turn_open, row.turn_ids, row.turn_lp, row.turn_slp = False, [], [], []
-        text = self.chat.tokenizer.decode(ids, skip_special_tokens=False)
-        episode.turn_texts.append(text)
-        episode.final_text = text
-        if TOOL_CALL_OPEN not in text:
-            result = answer_reward(text, episode.gold, format_weight=self.rollout.format_weight)
-            if result.has_answer:
-                seg["status"] = "answered" if result.well_formed else "malformed_answer"
-                seg["reward"] = result.reward
-                episode.answer = result.answer
-        if seg["status"] == "running":
-            if stop == sampler_lib.CONTEXT_FULL:
-                seg["status"] = "context_overflow"
-            elif tool_turn >= self.rollout.max_turns:
-                seg["status"] = "max_turns"
-        if seg["status"] != "running":
-            self._finish(row, seg["status"])
+        if call is None:
+            self._finish(row, row.segment["status"])
             return
-        call = parse_tool_call(text)
         row.phase = TOOL
         if isinstance(call, ToolCall):
-            episode.tool_calls.append((call.name, call.arguments))
             row.future = self.executor.submit(_timed, self.browsers[row.index].execute, call.name, call.arguments)
             row.call_ids = ids
         else:
-            episode.tool_calls.append(call.message)
-            self._observe(row, agent_lib.error_observation(call.message), ids)
+            self._observe(row, call, ids)
 
     def _collect_tools(self, wait: bool) -> bool:
         pending = [r for r in self.rows if r.phase == TOOL and r.future is not None]
@@ -626,29 +607,19 @@ class _Engine:
         return done
 
     def _observe(self, row: _Row, observation: str, ids: list[int]) -> None:
-        """Append the observation to the row (or compact its context), `run_episodes`' rule; the row then waits
-        for its prefill (in its slot, or in the queue when it was preempted while its tool ran)."""
-        rollout, seg, episode = self.rollout, row.segment, self.episodes[row.index]
-        if observation.startswith(ERROR_PREFIX):
-            episode.num_tool_errors += 1
-        observation = rollout.cut_observation(observation)
-        episode.observations.append(observation)
-        response = self.chat.tool_response_ids(observation, previous_ids=ids)
-        if rollout.context_budget and len(seg["tokens"]) + len(response) > rollout.context_budget:
-            context = agent_lib.compact_context(self.chat, rollout, self.schemas, episode)
-            if len(context) >= self.max_len:
-                self._finish(row, "context_overflow")
-                return
-            tool_turn = seg["first_turn"] + len(seg["boundaries"]) - 1
-            self.finished_segments[row.index].append(seg)
-            row.segment = agent_lib.new_segment(context, first_turn=tool_turn + 1)
-            self.allocator.release(row.pages)  # the new segment starts over in the row's pages
-            row.pages, row.cached = [], 0
-        elif len(seg["tokens"]) + len(response) >= self.max_len:
+        """Give the observation to the row (`agent.observe`'s rule: appended, or the context compacted into a new
+        segment that starts over in fresh pages); the row then waits for its prefill (in its slot, or in the queue
+        when it was preempted while its tool ran)."""
+        segment = agent_lib.observe(self.chat, self.rollout, self.schemas, row.segment, self.episodes[row.index],
+                                    observation, ids)
+        if segment is None:
             self._finish(row, "context_overflow")
             return
-        else:
-            agent_lib.append_observation(seg, response)
+        if segment is not row.segment:  # compacted: the new segment starts over in the row's pages
+            self.finished_segments[row.index].append(row.segment)
+            row.segment = segment
+            self.allocator.release(row.pages)
+            row.pages, row.cached = [], 0
         if row.slot is None:
             row.phase = QUEUED
             heapq.heappush(self.queue, row.index)
@@ -707,7 +678,7 @@ class _Engine:
         batch = build_batch(segment_rows, max_len=self.max_len, max_turns=self.rollout.max_turns,
                             group_id=np.asarray(episode_of) // self.rollout.group_size, pad_id=pad_id,
                             episode=episode_of, first_turn=first_turn,
-                            placement=np.asarray if self.processes > 1 else None)
+                            placement=agent_lib.batch_placement(self.mesh, self.rules))
         self.timing["pack"] = time.perf_counter() - t0
         self.timing["total"] = time.perf_counter() - self.start
         pool_bytes = max(sum(shard.data.nbytes for leaf in (self.state.k, self.state.v)

@@ -1,40 +1,21 @@
-"""KV-cache sampler: jitted prefill/append and single-token decode over a fixed batch of rows.
+"""Sampling rules and the dense KV-cache sampler: single-token decode over a fixed batch of rows.
 
-The device side is jitted functions with the cache donated:
+What every rollout path shares: `SamplingConfig` / `RowSampling` (temperature, top-k, top-p, greedy; per row and
+traced), `sample_from_logits` (the draw and its two log-probs), `StopStrings`, `bucket_length` (the one padding
+rule), the stop reasons, `MeshProgram` and `state_layout` / `divisible_shardings` (programs under a mesh, outputs
+pinned to their layout). The rollout engine (`rollout.engine`, `rollout.paged`) uses these.
 
-  * `init_state_program` creates an empty state with `out_shardings`: each device writes its own shard, and the
-    whole cache never exists on one device.
-  * `append_program` runs a variable-length chunk per row through the model (`trace_jax.models.extend`) and keeps
-    the last logits of every row that received tokens. Prefill of the prompts and appending tool responses to some
-    rows are the same call. Chunks are padded to buckets (`bucket_length`: powers of two >= 16, multiples of 256
-    above 512), so it compiles once per bucket. `append(..., chunk_tokens=)` (and `prefill_rows(..., chunk_tokens=)`
-    for the prompt past its first chunk) dispatches longer chunks in pieces, so no width exceeds a fixed chunk.
-  * `_decode_step` samples one token per active row from the pending logits, feeds it to the model
-    (`_decode_model`: `models.extend` with n = 1, which updates the cache in place) and updates each row's stop
-    state (stop token, per-row token budget, cache full). The model runs every step, also for rows that stopped
-    (their cache is left unchanged). `decode_program` runs `sync_every` of these steps in one program (a
-    `lax.scan`); `_decode_jit` runs one (the step a logits hook drives). One compile per batch shape (and step
-    count).
-  * `prefill_program` prefills a fresh batch whose rows are G samples of each prompt (each prompt runs once).
+The dense sampler below (`init_state`, `prefill_rows`, `generate` over a `[B, max_len]` cache) is used by
+serve/engine.py until it moves to the paged engine; the RL loop, evaluation and the warm start no longer use it
+(issue 45). Its device side is jitted functions with the cache donated:
+
+  * `init_state_program` creates an empty state with `out_shardings`: each device writes its own shard.
   * `prefill_rows_program` replaces some rows of a running batch by new prompts (a server admitting requests): only
     those prompts run through the model, on a small cache, and their keys/values are written into their rows.
-
-The public builders (`init_state_program`, `append_program`, `decode_program`, `prefill_program`,
-`prefill_rows_program`) return one program object per set of static arguments; the host loop below and `trace-jax
-plan` call the same objects, so what `plan` compiles for a TPU topology is what a rollout runs. On a mesh, the
-programs that take a state pin their output to the cache's layout (`state_layout`) and trace and run under
-`jax.set_mesh` of its mesh (`MeshProgram`), as the update does: the model's sharding constraints and the MoE's
-expert-parallel dispatch apply in the rollout too.
-
-Several processes (a state on a mesh whose devices span them, `distributed.spans_processes`): the programs are
-collectives over the whole mesh, and the state's rows are split by process (process p holds rows
-`distributed.process_share(B)`). `generate`, `append` and `prefill_rows` then take and return this process's rows
-only; the per-row host arguments of every process are gathered (`distributed.gather_rows` / `gather_sequences`:
-token ids and flags, a few KB), so every process passes each program the arguments a single process holding every
-row would pass, and results are read from this process's own shards (`distributed.local_rows`). Every process must
-make the same calls in the same order: `generate` decodes until no process has an active row
-(`distributed.agree_any`; a process whose rows stopped keeps dispatching with inactive rows) at an attention bucket
-agreed over the processes (`agree_max`), and a call with nothing to do on this process still takes part.
+  * `_decode_step` samples one token per active row from the pending logits, feeds it to the model
+    (`_decode_model`: `models.extend` with n = 1, which updates the cache in place) and updates each row's stop
+    state (stop token, per-row token budget, cache full). `decode_program` runs `sync_every` of these steps in one
+    program (a `lax.scan`); `_decode_jit` runs one (the step a logits hook drives).
 
 `generate` is the host loop around them. It reads the stop flags back every `sync_every` steps (every step when a
 logits hook is set), checks stop *strings* (tags that are not single tokens, e.g. `</tool_call>` for SmolLM2) on the
@@ -49,7 +30,7 @@ Log-probs. For every generated token two values are returned:
     top-p); 0.0 for greedy. Useful for importance corrections of the sampling procedure itself.
 
 Randomness: step `s` of a `generate` call uses `jax.random.fold_in(rng, s)` for the whole batch, so a run is a
-pure function of (params, prompts, rng) and the no-cache reference `generate_without_cache` reproduces it exactly.
+pure function of (params, prompts, rng) (tests/rollout/naive_reference.py reproduces it without a cache).
 With one key per row (`rng` of shape [B, 2], or [B] typed keys) row b draws from `fold_in(rng[b], s)` alone, so its
 tokens do not depend on the other rows (a server batching unrelated requests).
 
@@ -78,7 +59,6 @@ from trace_jax.models import cache as cache_lib
 from trace_jax.models import decoder as dec
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.sharding import cache_logical_axes, logical_to_sharding
-from trace_jax.train import distributed
 
 # Why a row stopped generating (`Generation.stop_reason`).
 RUNNING, STOP_TOKEN, STOP_STRING, BUDGET, CONTEXT_FULL = 0, 1, 2, 3, 4
@@ -243,8 +223,8 @@ class SamplerState:
     """The device state of a batch of rows: the KV cache and each row's pending next-token logits.
 
     `logits [B, V]` float32 are the model's logits after each row's last token; they are valid for a row after an
-    `append` to it, or after a `generate` that stopped it by a stop token, the budget, or not at all (a stop-string
-    rollback leaves them stale: append to the row before generating again, as the agent loop always does).
+    `prefill_rows`, or after a `generate` that stopped it by a stop token, the budget, or not at all (a stop-string
+    rollback leaves them stale: prefill the row again before generating).
     """
 
     cache: cache_lib.KVCache
@@ -307,7 +287,7 @@ def init_state_program(config: ModelConfig, batch_size: int, max_len: int, mesh=
     one jitted program with `out_shardings` (`abstract_state`): each device writes its own shard of the cache, and
     no array of the whole cache ever exists on one device (an eager `jnp.zeros` then `device_put` put Qwen3-4B's
     8-row, 48K-token cache, ~54 GiB, on chip 0 first). One program object per set of arguments (a `MeshProgram`):
-    `init_state`, the loop and `trace-jax plan` call the same one."""
+    `init_state` calls the same one."""
     dtype = jnp.dtype(cache_dtype or config.dtype)
     rules = _hashable_rules(rules)
 
@@ -328,7 +308,7 @@ def init_state(config: ModelConfig, batch_size: int, max_len: int, *, mesh=None,
 
     With a mesh, rows are split over its batch axes (`data`, `fsdp`, `expert`) and kv heads over `tensor` when
     divisible; shard the params with `trace_jax.models.shard_params` on the same mesh. The programs that take the
-    state (`append`, `prefill_groups`, `prefill_rows`, `generate`) then run under `jax.set_mesh` of its mesh.
+    state (`prefill_rows`, `generate`) then run under `jax.set_mesh` of its mesh.
     """
     return init_state_program(config, batch_size, max_len, mesh, rules, cache_dtype=cache_dtype)()
 
@@ -353,7 +333,7 @@ def divisible_shardings(tree, shardings):
 
 # ---------------------------------------------------------------------------------------------------- device steps
 _PROGRAMS: dict[tuple, Callable] = {}  # (builder, its arguments) -> the jitted program: one object per program
-_KINDS = ("init", "append", "decode", "prefill", "prefill_rows")
+_KINDS = ("init", "decode", "prefill_rows")
 
 
 def _program(kind: str, key: tuple, build: Callable) -> Callable:
@@ -391,9 +371,8 @@ def _cache_size(program) -> int:
 
 
 def compiled_programs(kind: str) -> int:
-    """Executables compiled so far by the programs of one builder: "init" (`init_state_program`), "append"
-    (`append_program`), "decode" (`decode_program`), "prefill" (`prefill_program`) or "prefill_rows"
-    (`prefill_rows_program`). Tests use it to check that new sampling values or row counts compile nothing."""
+    """Executables compiled so far by the programs of one builder: "init" (`init_state_program`), "decode"
+    (`decode_program`) or "prefill_rows" (`prefill_rows_program`). Tests use it to check that new sampling values or row counts compile nothing."""
     if kind not in _KINDS:
         raise ValueError(f"compiled_programs: kind must be one of {_KINDS}, got {kind!r}")
     return sum(_cache_size(program) for key, program in _PROGRAMS.items() if key[0] == kind)
@@ -402,20 +381,6 @@ def compiled_programs(kind: str) -> int:
 def layout_mesh(layout):
     """The mesh of a state's layout (`state_layout`), or None on one device: the mesh its programs run under."""
     return None if layout is None else layout.cache.k.mesh
-
-
-def _append(config: ModelConfig, layout, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array):
-    logits, cache = cache_lib.extend.__wrapped__(config, params, state.cache, tokens, num_new, return_logits="last")
-    logits = jnp.where((num_new > 0)[:, None], logits, state.logits)
-    return _keep_layout(SamplerState(cache=cache, logits=logits), layout)
-
-
-def append_program(config: ModelConfig, layout=None) -> MeshProgram:
-    """The rollout's append program (an observation, or a prefill of rows into their own slots):
-    `program(params, state, tokens [B, W], num_new [B]) -> state` (see `append`). The state is donated; `layout`
-    (`state_layout`) pins the output to the cache's layout and the program runs under its mesh."""
-    return _program("append", (config, layout), lambda: MeshProgram(
-        jax.jit(functools.partial(_append, config, layout), donate_argnums=1), layout_mesh(layout)))
 
 
 def _decode_model(config: ModelConfig, params, cache: cache_lib.KVCache, tokens: jax.Array, active: jax.Array,
@@ -495,8 +460,8 @@ def decode_program(config: ModelConfig, num_steps: int, attend_len: int | None =
     keep `reason`. `mesh`: the mesh the state is placed on (None on one device); the program runs under it
     (`MeshProgram`). `layout` (`state_layout`, on `mesh`) pins the output state to the input's layout, as the other
     programs that take a state do: left to the compiler, the state came out with other (equivalent) shardings,
-    and the next `append` was built and compiled for them anew. One program object per (config, num_steps,
-    attend_len, mesh, layout): `generate` and `trace-jax plan` (through `rl.programs`) call the same one. One
+    and the next program was built and compiled for them anew. One program object per (config, num_steps,
+    attend_len, mesh, layout): `generate` calls the same one. One
     dispatch instead of `num_steps`: on a small model the host round trip of each step (~0.45 ms of Python and
     dispatch on this CPU) costs more than the step itself.
     """
@@ -504,60 +469,6 @@ def decode_program(config: ModelConfig, num_steps: int, attend_len: int | None =
         raise ValueError("decode_program: layout must be on mesh (the state's layout, `state_layout(state)`)")
     return _program("decode", (config, num_steps, attend_len, mesh, layout), lambda: MeshProgram(
         jax.jit(functools.partial(_decode_steps, config, num_steps, attend_len, layout), donate_argnums=2), mesh))
-
-
-def check_chunk_tokens(value, name: str) -> None:
-    """Raise unless `value` is a dispatch chunk size: a `bucket_length` size (a power of two from `MIN_BUCKET` up to
-    512, or a multiple of 256 above), so that a chunk's padded width never exceeds the chunk. `name` names the
-    field in the error."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < MIN_BUCKET or bucket_length(value) != value:
-        near = bucket_length(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 4096
-        raise ValueError(f"{name} must be a padded chunk width (a power of two from {MIN_BUCKET} to 512, or a "
-                         f"multiple of 256 above 512), got {value!r}; use e.g. {near}")
-
-
-def append(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Sequence[int]], *,
-           chunk_tokens: int | None = None) -> SamplerState:
-    """Append `chunks[b]` (token ids; empty = leave row b alone) to each row and refresh its pending logits.
-
-    Prefill is `append` to a fresh state. The caller checks capacity (`len(chunk) <= max_len - length`); tokens
-    beyond the cache are dropped by the model's `extend`. The old state is donated: do not reuse it.
-
-    `chunk_tokens` (None: one dispatch): the most tokens of a row per dispatch (`check_chunk_tokens`); longer chunks
-    run as several dispatches of at most that many tokens each, every row's next piece in the same dispatch, so
-    the program's width never exceeds it (the same cache and logits as one dispatch, up to float rounding). With
-    several processes the count of dispatches comes from every process's chunks (gathered), so it is the same on
-    every process.
-    """
-    if distributed.spans_processes(state.cache.k):  # this process's rows -> every row's (module doc)
-        mine = distributed.process_share(state.cache.batch_size)
-        if len(chunks) != mine.stop - mine.start:
-            raise ValueError(f"append got {len(chunks)} chunks for this process's {mine.stop - mine.start} rows of "
-                             f"a state of {state.cache.batch_size} rows over several processes; pass one (possibly "
-                             "empty) chunk per row of this process")
-        chunks = distributed.gather_sequences(chunks)
-    if len(chunks) != state.cache.batch_size:
-        raise ValueError(f"append got {len(chunks)} chunks for a state of {state.cache.batch_size} rows; pass one "
-                         "(possibly empty) chunk per row")
-    for row, chunk in enumerate(chunks):
-        if len(chunk):
-            dec.check_token_ids(config, np.asarray(chunk, np.int64), f"append chunk {row}")
-    return _append_chunked(config, params, state, chunks, chunk_tokens)
-
-
-def _append_chunked(config: ModelConfig, params, state: SamplerState, chunks: Sequence[Sequence[int]],
-                    chunk_tokens: int | None) -> SamplerState:
-    """`append` of every row's (checked, gathered) chunk, in dispatches of at most `chunk_tokens` tokens a row."""
-    if chunk_tokens is not None:
-        check_chunk_tokens(chunk_tokens, "append's chunk_tokens")
-    longest = max((len(c) for c in chunks), default=0)
-    step = longest if chunk_tokens is None else chunk_tokens
-    program = append_program(config, state_layout(state))
-    for start in range(0, longest, max(step, 1)):
-        pieces = [list(c[start:start + step]) for c in chunks]
-        width = min(bucket_length(max(len(p) for p in pieces)), bucket_length(state.max_len))
-        state = program(params, state, *_padded(pieces, width))
-    return state
 
 
 def _canonical(sharding, ndim: int):
@@ -593,52 +504,6 @@ def _keep_layout(state: SamplerState, layout) -> SamplerState:
     return state if layout is None else jax.lax.with_sharding_constraint(state, layout)
 
 
-def _prefill_groups(config: ModelConfig, group: int, layout, params, state: SamplerState, tokens: jax.Array,
-                    num_new: jax.Array):
-    # The prompts run on a cache just their width wide, whose slots are then written into the donated (empty)
-    # state in place: a temporary cache of the prompts x the state's whole context would be as large as the state
-    # itself once `group` is 1.
-    P, W = tokens.shape
-    small = cache_lib.init_cache(config, P, min(W, state.max_len), dtype=state.cache.k.dtype)
-    logits, small = cache_lib.extend.__wrapped__(config, params, small, tokens, num_new, return_logits="last")
-    width = small.max_len
-    cache = cache_lib.KVCache(k=state.cache.k.at[:, :, :width].set(jnp.repeat(small.k, group, axis=1)),
-                              v=state.cache.v.at[:, :, :width].set(jnp.repeat(small.v, group, axis=1)),
-                              lengths=jnp.repeat(num_new.astype(jnp.int32), group))
-    return _keep_layout(SamplerState(cache=cache, logits=jnp.repeat(logits, group, axis=0)), layout)
-
-
-def prefill_program(config: ModelConfig, group: int, layout=None):
-    """The rollout's prefill program: `program(params, state, tokens [P, W], num_new [P]) -> state` with rows
-    `p*group .. p*group+group-1` holding prompt `p` (each prompt runs through the model once; its keys/values are
-    copied to its `group` rows). The empty state (P x group rows) is donated. `layout`: the state's
-    `NamedSharding`s on a mesh (`state_layout`), to which the output is pinned and under whose mesh the program
-    runs (None on one device). `prefill_groups` and `trace-jax plan` call the same program object."""
-    return _program("prefill", (config, group, layout), lambda: MeshProgram(
-        jax.jit(functools.partial(_prefill_groups, config, group, layout), donate_argnums=1), layout_mesh(layout)))
-
-
-def prefill_groups(config: ModelConfig, params, state: SamplerState, prompts: Sequence[Sequence[int]],
-                   group: int) -> SamplerState:
-    """Prefill a fresh state whose rows are `group` samples of each prompt (rows `p*group .. p*group+group-1` hold
-    `prompts[p]`): each prompt runs through the model once and its keys/values are copied to its rows, instead of
-    `group` identical prefills. Same result as `append(state, [p for p in prompts for _ in range(group)])`.
-    The state must be empty (just from `init_state`) and is donated.
-    """
-    if len(prompts) * group != state.cache.batch_size:
-        raise ValueError(f"prefill_groups got {len(prompts)} prompts x group {group} for a state of "
-                         f"{state.cache.batch_size} rows; rows must be prompts x group")
-    if np.asarray(state.lengths).any():
-        raise ValueError("prefill_groups needs an empty state (from init_state); use append to extend rows")
-    for row, prompt in enumerate(prompts):
-        dec.check_token_ids(config, np.asarray(prompt, np.int64), f"prompt {row}")
-    longest = max((len(p) for p in prompts), default=0)
-    if longest == 0:
-        return state
-    width = min(bucket_length(longest), bucket_length(state.max_len))
-    return prefill_program(config, group, state_layout(state))(params, state, *_padded(prompts, width))
-
-
 def _prefill_rows(config: ModelConfig, layout, params, state: SamplerState, tokens: jax.Array, num_new: jax.Array,
                   rows: jax.Array, source: jax.Array, count: jax.Array):
     """tokens [U, W] / num_new [U]: the distinct prompts; rows, source [B]: entry i < count writes prompt
@@ -664,7 +529,7 @@ def prefill_rows_program(config: ModelConfig, layout=None):
     """The server's admission program: `program(params, state, tokens [U, W], num_new [U], rows [B], source [B],
     count []) -> state`, prompt `source[i]` written into row `rows[i]` for i < count (see `prefill_rows`). The
     state is donated; `layout` (`state_layout`) pins the output to the cache's layout on a mesh and the program
-    runs under that mesh, as `prefill_program` does."""
+    runs under that mesh."""
     return _program("prefill_rows", (config, layout), lambda: MeshProgram(
         jax.jit(functools.partial(_prefill_rows, config, layout), donate_argnums=1), layout_mesh(layout)))
 
@@ -673,54 +538,35 @@ def prefill_rows_program(config: ModelConfig, layout=None):
 
 
 def prefill_rows(config: ModelConfig, params, state: SamplerState, rows: Sequence[int],
-                 prompts: Sequence[Sequence[int]], *, chunk_tokens: int | None = None,
-                 append_chunk_tokens: int | None = None) -> SamplerState:
+                 prompts: Sequence[Sequence[int]]) -> SamplerState:
     """Replace rows `rows[i]` of a running state by fresh prompts `prompts[i]` (their old tokens are discarded);
-    the other rows are untouched. Same result as resetting those rows' lengths to 0 and `append`ing the prompts.
+    the other rows are untouched.
 
     Only the new prompts run through the model, on a cache just wide enough for the longest (`bucket_length`),
-    and their keys/values are written into the state's rows: `append` would run every row of the batch against
-    all `max_len` cache slots. Identical prompts (a request's `n` choices) run once. The distinct prompts are
+    and their keys/values are written into the state's rows (not every row of the batch against all `max_len`
+    cache slots). Identical prompts (a request's `n` choices) run once. The distinct prompts are
     padded to a `bucket_length(count, minimum=1)` count (powers of two) and a `bucket_length` width, so shapes
     repeat (the number of rows is not a shape). The old state is donated: do not reuse it.
 
     Args:
       rows: distinct row indices in [0, batch).
       prompts: one non-empty token-id sequence per row, each at most `max_len` tokens.
-      chunk_tokens: the most prompt tokens a row admits in this program (`check_chunk_tokens`; None: the whole
-        prompt). A longer prompt admits its first `chunk_tokens` here and the rest is appended to its row
-        (`append`, in pieces of at most `append_chunk_tokens`, the other rows' pieces empty), so no dispatch is
-        wider than its chunk; the same cache and logits as one dispatch, up to float rounding. With several
-        processes every process decides the dispatches from every process's prompts (gathered): the same count.
-      append_chunk_tokens: the pieces of that rest (None: one `append`).
     """
-    if chunk_tokens is not None:
-        check_chunk_tokens(chunk_tokens, "prefill_rows' chunk_tokens")
     batch = state.cache.batch_size
     if len(rows) != len(prompts):
         raise ValueError(f"prefill_rows got {len(rows)} rows and {len(prompts)} prompts; pass one prompt per row")
-    if distributed.spans_processes(state.cache.k):  # this process's rows -> every process's (module doc)
-        mine = distributed.process_share(batch)
-        if not all(0 <= int(r) < mine.stop - mine.start for r in rows):
-            raise ValueError(f"prefill_rows: rows {list(rows)} must index this process's "
-                             f"{mine.stop - mine.start} rows of a state over several processes")
-        gathered = distributed.gather_sequences([[mine.start + int(r), *p] for r, p in zip(rows, prompts)])
-        rows, prompts = [g[0] for g in gathered], [g[1:] for g in gathered]
     if not rows:
         return state
     if len(set(rows)) != len(rows) or not all(0 <= int(r) < batch for r in rows):
         raise ValueError(f"prefill_rows needs distinct rows in [0, {batch}), got {list(rows)}")
     unique: dict[tuple[int, ...], int] = {}
     source = []
-    rests = [[] for _ in range(batch)]  # the prompts' tokens past the first chunk, appended after the admission
     for row, prompt in zip(rows, prompts):
         prompt = tuple(int(t) for t in prompt)
         if not prompt or len(prompt) > state.max_len:
             raise ValueError(f"prefill_rows: the prompt for row {row} has {len(prompt)} tokens; it must have 1 to "
                              f"{state.max_len} (the cache's max_len)")
         dec.check_token_ids(config, np.asarray(prompt, np.int64), f"prompt for row {row}")
-        if chunk_tokens is not None:
-            prompt, rests[int(row)] = prompt[:chunk_tokens], list(prompt[chunk_tokens:])
         if prompt not in unique:
             unique[prompt] = len(unique)
         source.append(unique[prompt])
@@ -730,11 +576,8 @@ def prefill_rows(config: ModelConfig, params, state: SamplerState, rows: Sequenc
     row_ids[:len(rows)] = rows
     source_ids = np.zeros(batch, np.int32)
     source_ids[:len(rows)] = source
-    state = prefill_rows_program(config, state_layout(state))(params, state, tokens, num_new, row_ids, source_ids,
-                                                                 np.int32(len(rows)))
-    if any(rests):
-        state = _append_chunked(config, params, state, rests, append_chunk_tokens)
-    return state
+    return prefill_rows_program(config, state_layout(state))(params, state, tokens, num_new, row_ids, source_ids,
+                                                              np.int32(len(rows)))
 
 
 @dataclasses.dataclass
@@ -785,15 +628,6 @@ class StopStrings:
         return None
 
 
-def _everyone(rows: np.ndarray) -> np.ndarray:
-    """Every process's rows of a per-row host array, concatenated in process order (a collective): the argument a
-    program over a mesh of several processes takes, the same on every process (`distributed.gather_rows`)."""
-    rows = np.asarray(rows)
-    if rows.dtype == np.bool_:  # gathered as a JAX array: bool travels as int32
-        return distributed.gather_rows(rows.astype(np.int32)).astype(bool)
-    return distributed.gather_rows(rows)
-
-
 def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array, active, max_new_tokens,
              stop_ids: Sequence[int], sampling: SamplingConfig | RowSampling = SamplingConfig(),
              stop_strings: StopStrings | None = None,
@@ -802,7 +636,7 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
     """Sample until every active row stops; returns the new state (old one donated) and a `Generation`.
 
     Args:
-      state: rows with valid pending logits (after `append`).
+      state: rows with valid pending logits (after `prefill_rows`).
       rng: key; step s uses `fold_in(rng, s)`. One key per row ([B, 2] raw or [B] typed keys): row b uses
         `fold_in(rng[b], s)`, so its tokens do not depend on the other rows.
       active: bool [B], rows that generate (others are untouched).
@@ -821,38 +655,21 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
         (`RolloutConfig.sync_every`).
 
     A row also stops when its cache is full (`CONTEXT_FULL`).
-
-    On a state over several processes, `active`, `max_new_tokens`, per-row keys, per-row `sampling` and the result
-    are this process's rows (`distributed.process_share` of the batch); every process calls it (module doc).
     """
     layout = state_layout(state)
     mesh = layout_mesh(layout)
     on_mesh = (lambda: jax.set_mesh(mesh)) if mesh is not None else contextlib.nullcontext
-    # A state on a mesh over several processes: this process's rows are `mine` (host arguments and results are
-    # those rows); every program gets the one-process arguments of every row (`_everyone`) and the loop runs until
-    # no process has an active row, so every process dispatches the same programs in the same order.
-    spans = distributed.spans_processes(state.cache.k)
-    mine = distributed.process_share(state.cache.batch_size) if spans else slice(0, state.cache.batch_size)
-    batch = mine.stop - mine.start
+    batch = state.cache.batch_size
     active = np.asarray(active, bool).copy()
     budget = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (batch,)).copy()
-    lengths0 = distributed.local_rows(state.cache.lengths, mine)
+    lengths0 = np.asarray(state.cache.lengths)
     active &= (budget > 0) & (lengths0 < state.max_len)  # a full row cannot take another token
-    longest = distributed.agree_max(int(lengths0.max(initial=0)))
+    longest = int(lengths0.max(initial=0))
     # Host arrays go into the programs as they are: an eager `jnp.asarray` per argument was a dispatch of its own
     # (a seventh of a serving engine's time between slices).
     stop_arr = np.asarray(list(stop_ids) or [-1], np.int32)
     rows = RowSampling.broadcast(sampling, batch)
-    if spans:
-        rows = rows.replace(temperature=_everyone(rows.temperature), top_p=_everyone(rows.top_p),
-                            greedy=_everyone(rows.greedy))
-        rows = rows.replace(sample=not np.asarray(rows.greedy).all(),
-                            filter_top_p=bool((np.asarray(rows.top_p) < 1.0).any()))
-        # keys as host data (raw uint32), the same on every process: one key, or every process's rows' keys
-        rng = np.asarray(jax.random.key_data(rng) if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng)
-        rng = _everyone(rng) if rng.ndim == 2 else rng
-    active_dev = _everyone(active) if spans else active
-    budget_dev = _everyone(budget) if spans else budget
+    active_dev, budget_dev = active, budget
     sync_every = 1 if logits_hook is not None else max(1, sync_every)
 
     # Host copies of the decoded steps, one [steps, B] block per host sync: tokens, logprobs, sampling logprobs and
@@ -863,7 +680,7 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
     checked = np.zeros(batch, np.int64)  # tokens of each row already scanned for stop strings
     host_active = active.copy()
     step = 0
-    while distributed.agree_any(host_active.any()):
+    while host_active.any():
         if logits_hook is None:
             # sync_every steps in one dispatch (same keys and tokens as one step per call); attention reads a
             # bucket of slots above the longest row after them, not the whole cache (one compile per bucket).
@@ -875,29 +692,24 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
             step += sync_every
         else:
             hooked = logits_hook(step, generated)
-            if spans:  # host arguments, the same on every process (no process-local device arrays)
-                bias = _everyone(np.zeros((batch, config.vocab_size), np.float32) if hooked is None
-                                 else np.asarray(hooked, np.float32))
-                keys = np.asarray(_step_keys(rng, step))
-            else:
-                bias = None if hooked is None else jnp.asarray(hooked, jnp.float32)
-                keys = _step_keys(rng, step)
+            bias = None if hooked is None else jnp.asarray(hooked, jnp.float32)
+            keys = _step_keys(rng, step)
             was_active = active_dev
             with on_mesh():  # the one-step program runs under the state's mesh, as `decode_program` does
                 state, tokens, lp, slp, active_dev, step_reason, budget_dev = _decode_jit(
                     config, None, params, state, active_dev, budget_dev, stop_arr, keys, bias, rows)
             reason_dev = jnp.where(was_active, step_reason, reason_dev)
             step += 1
-            tok_np, act_np = distributed.local_rows(tokens, mine), distributed.local_rows(was_active, mine)
+            tok_np, act_np = np.asarray(tokens), np.asarray(was_active)
             for row in np.nonzero(act_np)[0]:
                 generated[row].append(int(tok_np[row]))
             tokens, lp, slp, was_active = tokens[None], lp[None], slp[None], was_active[None]  # a 1-step block
-        tok_blocks.append(distributed.local_rows(tokens, mine, axis=1))
-        lp_blocks.append(distributed.local_rows(lp, mine, axis=1))
-        slp_blocks.append(distributed.local_rows(slp, mine, axis=1))
-        act_blocks.append(distributed.local_rows(was_active, mine, axis=1).copy())
-        host_active = distributed.local_rows(active_dev, mine)
-        reason = distributed.local_rows(reason_dev, mine).copy()
+        tok_blocks.append(np.asarray(tokens))
+        lp_blocks.append(np.asarray(lp))
+        slp_blocks.append(np.asarray(slp))
+        act_blocks.append(np.asarray(was_active).copy())
+        host_active = np.asarray(active_dev)
+        reason = np.asarray(reason_dev).copy()
         if stop_strings is not None and stop_strings.strings:
             # Check the rows' new tokens; a row that completed a stop string is stopped and rolled back.
             tokens_np = np.concatenate(tok_blocks, axis=0).T
@@ -911,9 +723,9 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
                 checked[row] = len(ids)
                 if hit is not None and (reason[row] != STOP_TOKEN or hit < len(ids) - 1):
                     rollback[row] = hit + 1
-            if distributed.agree_any(bool(rollback)):  # every process replaces its arrays alike (same programs)
+            if rollback:
                 new_active = host_active.copy()
-                current = distributed.local_rows(state.cache.lengths, mine).copy()
+                current = np.asarray(state.cache.lengths).copy()
                 for row, keep in rollback.items():
                     new_active[row] = False
                     reason[row] = STOP_STRING
@@ -922,13 +734,8 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
                     mask_np[row, np.nonzero(mask_np[row])[0][keep:]] = False
                 act_blocks = [mask_np.T]
                 host_active = new_active
-                active_dev = _everyone(new_active) if spans else new_active
-                reason_dev = _everyone(reason) if spans else reason
-                if spans:
-                    new_lengths = distributed.put_replicated_value(_everyone(current.astype(np.int32)),
-                                                                   state.cache.lengths.sharding)
-                else:
-                    new_lengths = jax.device_put(current.astype(np.int32), state.cache.lengths.sharding)
+                active_dev, reason_dev = new_active, reason
+                new_lengths = jax.device_put(current.astype(np.int32), state.cache.lengths.sharding)
                 state = state.replace(cache=state.cache.replace(lengths=new_lengths))
 
     if step == 0:
@@ -942,58 +749,3 @@ def generate(config: ModelConfig, params, state: SamplerState, *, rng: jax.Array
                      sampling_logprobs=[slp_np[b][mask_np[b]] for b in range(batch)],
                      stop_reason=np.where(active, reason, RUNNING).astype(np.int32), steps=step)
     return state, out
-
-
-# ---------------------------------------------------------------------------------------------------- reference
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _recompute_step(config: ModelConfig, sampling: SamplingConfig, params, tokens: jax.Array, lengths: jax.Array,
-                    rng: jax.Array):
-    hidden = dec.forward_hidden(config, params, tokens)
-    last = hidden[jnp.arange(tokens.shape[0]), lengths - 1]
-    logits = dec.logits_from_hidden(config, params, last)
-    return sample_from_logits(logits, rng, sampling)
-
-
-def generate_without_cache(config: ModelConfig, params, prompts: Sequence[Sequence[int]], *, rng: jax.Array,
-                           max_new_tokens: int, stop_ids: Sequence[int],
-                           sampling: SamplingConfig = SamplingConfig(), max_len: int | None = None) -> Generation:
-    """Reference sampler without a cache: every step runs the full forward over each row's whole sequence.
-
-    Same sampling rule and the same per-step keys as `generate` (prefill + `generate` with the same rng gives the
-    same tokens). The sequence buffer is `max_len` wide (default: bucket of the longest prompt + max_new_tokens),
-    so it compiles once. Used by tests and by the benchmark as the no-cache baseline.
-    """
-    batch = len(prompts)
-    lengths = np.asarray([len(p) for p in prompts], np.int32)
-    width = max_len or bucket_length(int(lengths.max()) + max_new_tokens)
-    buffer = np.zeros((batch, width), np.int32)
-    for row, prompt in enumerate(prompts):
-        dec.check_token_ids(config, np.asarray(prompt, np.int64), f"prompt {row}")
-        buffer[row, :len(prompt)] = prompt
-    active = np.ones(batch, bool)
-    stops = set(int(s) for s in stop_ids)
-    reason = np.zeros(batch, np.int32)
-    out_tokens = [[] for _ in range(batch)]
-    out_lp = [[] for _ in range(batch)]
-    out_slp = [[] for _ in range(batch)]
-    step = 0
-    while active.any():
-        tokens, lp, slp = _recompute_step(config, sampling, params, jnp.asarray(buffer), jnp.asarray(lengths),
-                                          jax.random.fold_in(rng, step))
-        tokens, lp, slp = np.asarray(tokens), np.asarray(lp), np.asarray(slp)
-        step += 1
-        for row in np.nonzero(active)[0]:
-            out_tokens[row].append(int(tokens[row]))
-            out_lp[row].append(float(lp[row]))
-            out_slp[row].append(float(slp[row]))
-            buffer[row, lengths[row]] = tokens[row]
-            lengths[row] += 1
-            if int(tokens[row]) in stops:
-                active[row], reason[row] = False, STOP_TOKEN
-            elif lengths[row] >= width:
-                active[row], reason[row] = False, CONTEXT_FULL
-            elif len(out_tokens[row]) >= max_new_tokens:
-                active[row], reason[row] = False, BUDGET
-    return Generation(tokens=[np.asarray(t, np.int32) for t in out_tokens],
-                      logprobs=[np.asarray(t, np.float32) for t in out_lp],
-                      sampling_logprobs=[np.asarray(t, np.float32) for t in out_slp], stop_reason=reason, steps=step)
