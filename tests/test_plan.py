@@ -201,7 +201,7 @@ def test_on_several_hosts_the_paged_engine_lists_every_processs_pool_part_and_ro
     pool = decodes[0].args[2].k
     assert pool.shape[2] == 256 and decodes[0].args[2].slots == 16  # [kv heads, layers, pages, page, head dim]
     for process in (0, 1):
-        pages = {index[1].indices(256)[:2] for device, index in pool.sharding.devices_indices_map(pool.shape).items()
+        pages = {index[2].indices(256)[:2] for device, index in pool.sharding.devices_indices_map(pool.shape).items()
                  if device.process_index == process}
         assert min(a for a, _ in pages) == 128 * process and max(b for _, b in pages) == 128 * (process + 1)
 

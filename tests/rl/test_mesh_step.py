@@ -217,13 +217,14 @@ def test_the_two_steps_moved_the_params(runs):
 
 # ------------------------------------------------------------------------------------------------ shard shapes
 def test_each_device_holds_its_share_of_the_kv_cache_pages_and_heads(runs):
-    # the engine's page pool [layers, pages, page_size, kv heads, head_dim]: pages over the batch axes
+    # the engine's page pool [kv heads, layers, pages, page_size, head_dim]: heads over tensor, pages over the
+    # batch axes
     for shard, shape in runs["fsdp4_tensor2"]["cache_shards"]:
-        assert shard == (shape[0], shape[1] // 4, shape[2], shape[3] // 2, shape[4])
+        assert shard == (shape[0] // 2, shape[1], shape[2] // 4, shape[3], shape[4])
     for shard, shape in runs["data2_fsdp2_tensor2"]["cache_shards"]:
-        assert shard == (shape[0], shape[1] // 4, shape[2], shape[3] // 2, shape[4])
+        assert shard == (shape[0] // 2, shape[1], shape[2] // 4, shape[3], shape[4])
     for shard, shape in runs["moe_expert4"]["cache_shards"]:  # pages over fsdp x expert = 8
-        assert shard == (shape[0], shape[1] // 8, *shape[2:])
+        assert shard == (shape[0], shape[1], shape[2] // 8, *shape[3:])
 
 
 def test_the_policy_trains_fsdp_x_tensor_sharded_and_rolls_out_whole_over_the_batch_axes(runs):

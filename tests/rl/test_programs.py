@@ -249,9 +249,10 @@ def test_the_paged_entries_are_every_bucket_the_engine_can_reach_and_no_more(run
     assert registry.rows_at_once == slots
     assert f"a pool of {pool} pages x {paged.page_size} tokens, {slots} slots" == init.shape
     decode = {(e.args[3].shape[0], e.args[12][0].shape[0]) for e in registry.named("paged_decode")}
-    # decode batches 1, 2, 4; pages read: one items size, G x the pool's pages rounded up to 1024 (the attention
-    # loop stops after the live items, so no length compiles a program of its own)
-    items = paged_lib.item_capacity(config.rollout.group_size * pool)
+    # decode batches 1, 2, 4; pages read: one items size, the most a dispatch can read, a power of two (the
+    # attention loop stops after the live items, so no length compiles a program of its own)
+    items = paged_lib.item_capacity(pool, config.rollout.group_size, slots,
+                                    config.rollout.max_context // paged.page_size)
     assert decode == {(d, items) for d in (1, 2, 4)}
     assert {e.args[5][0].shape[0] for e in registry.named("paged_prefill")} == {items}
     prefill = {(e.args[3].shape, e.args[6].shape[0]) for e in registry.named("paged_prefill")}

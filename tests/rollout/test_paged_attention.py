@@ -85,7 +85,7 @@ def test_paged_attention_loops_over_item_chunks_and_never_reads_the_padding(seed
     k2, v2 = (rng.normal(size=(B, n, K, Dh)).astype(np.float32) for _ in range(2))
     mask2 = np.ones((B, n, n), bool)
     rows, pages, starts = paged.work_items(tables, key_len, page_size, size=paged.item_capacity(num_pages))
-    assert len(rows) == 1024 and paged.item_chunk(n, len(rows)) == 16 and (rows < B).sum() > 3 * 16
+    assert len(rows) == 128 and paged.item_chunk(n, len(rows)) == 16 and (rows < B).sum() > 3 * 16
     live = int((rows < B).sum())
     pages[-(-live // 16) * 16:] = num_pages - 1
     pool_k, pool_v = np.moveaxis(k_pages, 2, 0), np.moveaxis(v_pages, 2, 0)  # the pool's [K, pages, page, Dh]
@@ -104,7 +104,8 @@ def test_work_items_list_only_the_pages_of_cached_positions_padded_to_a_bucket()
     assert len(paged.work_items([[1, 2, 3, 4, 5]], [20], 4, maximum=6)[0]) == 6  # no more items than pool pages
     with pytest.raises(ValueError, match="row 0 caches 5 tokens but holds 1 pages"):
         paged.work_items([[1]], [5], 4)
-    assert len(paged.work_items([[1, 2]], [8], 4, size=paged.item_capacity(3))[0]) == 1024  # one fixed size
+    assert len(paged.work_items([[1, 2]], [8], 4, size=paged.item_capacity(3))[0]) == 16  # one fixed size
+    assert paged.item_capacity(1000, 8) == 8192 and paged.item_capacity(1000, 8, rows=4, table_width=64) == 256
     with pytest.raises(ValueError, match="3 pages to read, more than size=2"):
         paged.work_items([[1, 2, 3]], [12], 4, size=2)
 

@@ -311,7 +311,7 @@ def paged_entries(run_config, model_config, mesh, rollout_params, episodes: int,
     num_pages = pool_pages(model_config, rollout, paged, episodes, mesh=mesh, rules=rules, processes=processes)
     slots = max(1, min(episodes, paged.slots or episodes))
     width = paged_lib.pages_for(max_len, page_size)  # a page table's width
-    item_size = paged_lib.item_capacity(rollout.group_size * num_pages)  # the engine's one items shape
+    item_size = paged_lib.item_capacity(num_pages, rollout.group_size, slots, width)  # the engine's one items shape
     state = paged_lib.abstract_state(model_config, processes * num_pages, page_size, processes * slots, mesh=mesh,
                                      rules=rules)
     layout = paged_lib.state_layout(state)

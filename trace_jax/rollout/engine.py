@@ -240,10 +240,10 @@ class _Engine:
         self.num_pages = pool_pages(config, rollout, paged, most, mesh=mesh, rules=rules, processes=self.processes)
         self.slots = max(1, min(most, paged.slots or most))
         self.page_base, self.slot_base = self.process * self.num_pages, self.process * self.slots
-        # the most pages a dispatch reads: a page has at most G holders (a prompt's samples share its full pages)
-        self.item_cap = self.num_pages * rollout.group_size
-        self.items_size = paged_lib.item_capacity(self.item_cap)  # one items shape for every dispatch
         self.table_width = paged_lib.pages_for(self.max_len, self.page_size)
+        # one items shape for every dispatch: the most pages a dispatch reads (a page has at most G holders: a
+        # prompt's samples share its full pages)
+        self.items_size = paged_lib.item_capacity(self.num_pages, rollout.group_size, self.slots, self.table_width)
         self.prefill_chunk, self.prefill_tokens = paged.prefill_chunk, paged.prefill_tokens
         hooked = logits_hook is not None
         self.with_bias = distributed.agree_any(hooked) if self.processes > 1 else hooked

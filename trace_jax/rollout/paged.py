@@ -193,11 +193,16 @@ def pages_within_budget(config: ModelConfig, page_size: int, budget_gib: float, 
     return per_chip * shards
 
 
-def item_capacity(most_items: int) -> int:
-    """The one items size of a pool's programs (`work_items(..., size=)`): the most pages a dispatch can read (the
-    engine's: the pool's pages times the most rows that hold one page), rounded up to a multiple of 1024.
-    `paged_attention` stops after the live items, so the padding costs host bytes, not device work."""
-    return -(-most_items // 1024) * 1024
+def item_capacity(num_pages: int, holders: int = 1, rows: int | None = None, table_width: int | None = None) -> int:
+    """The one items size of a pool's programs (`work_items(..., size=)`): the most pages one dispatch can read,
+    rounded up to a power of two (>= 16). That is the pool's `num_pages` times the most `holders` of one page (a
+    prompt's G samples share its full pages), and at most `rows` (the rows in flight) times a page table's
+    `table_width`. `paged_attention` stops after the last live item, so the padding costs host bytes, not device
+    work."""
+    most = num_pages * holders
+    if rows is not None and table_width is not None:
+        most = min(most, rows * table_width)
+    return max(16, 1 << max(most - 1, 0).bit_length())
 
 
 def work_items(page_tables: Sequence[Sequence[int]], cached: Sequence[int], page_size: int, *,
@@ -245,9 +250,10 @@ ITEM_PAIRS = 16384  # query x page pairs one step of `paged_attention`'s loop sc
 
 def item_chunk(queries: int, items: int) -> int:
     """Work items one step of `paged_attention`'s loop reads for `queries` queries a row: a power of two near
-    `ITEM_PAIRS / queries` (16..4096), at most `items` rounded up to a power of two. Fixed per program shape."""
+    `ITEM_PAIRS / queries` (16..1024), at most `items` rounded up to a power of two. Fixed per program shape; the
+    last live chunk's padding is the waste, so chunks stay well under a large pool's items."""
     size = 16
-    while size < 4096 and size * 2 * queries <= ITEM_PAIRS:
+    while size < 1024 and size * 2 * queries <= ITEM_PAIRS:
         size *= 2
     return min(size, 1 << max(items - 1, 0).bit_length())
 
@@ -255,8 +261,8 @@ def item_chunk(queries: int, items: int) -> int:
 def paged_attention(q, k_pages, v_pages, key_len, items, *, layer=None, block=None):
     """Grouped-query attention of each row's queries over its own pages (and optional block keys): the XLA path.
 
-    The live items (rows < B) come first in `items` (as `work_items` lists them); the program loops over them in
-    chunks of `item_chunk` items with an online float32 softmax, and stops after the last live chunk: the work
+    The program loops over `items` in chunks of `item_chunk` items with an online float32 softmax and stops after
+    the chunk of the last live item (row < B; `work_items` lists the live items first): the work
     follows the pages the rows hold, while the items array keeps one size (`item_capacity`), so a program compiles
     once whatever the rows' lengths.
 
@@ -323,7 +329,10 @@ def paged_attention(q, k_pages, v_pages, key_len, items, *, layer=None, block=No
             num_segments=B)
         return new_top, denom, out
 
-    chunks = (jnp.sum(row < B) + chunk - 1) // chunk  # the live items' chunks: padding is never read
+    # the chunks up to the last live item: trailing padding is never read (live items usually come first; over
+    # several processes each process's block of items has its own padding, so count to the last live one)
+    last = jnp.max(jnp.where(row < B, jnp.arange(row.shape[0], dtype=jnp.int32) + 1, 0))
+    chunks = (last + chunk - 1) // chunk
     top, denom, out = jax.lax.fori_loop(0, chunks, step, (top, denom, out))
     out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out.reshape(B, n, H, Dh).astype(v_pages.dtype)
