@@ -140,7 +140,7 @@ def study(args) -> None:
         jax.block_until_ready(result.batch.tokens)
         return result, time.perf_counter() - start
 
-    for _ in range(3):  # the engine's shapes follow tool timing: warm up until nothing new compiles
+    for _ in range(args.warmups):  # the engine's shapes follow tool timing: warm up until nothing new compiles
         before = compiles()
         result, _ = collect()
         if compiles() == before:
@@ -178,6 +178,8 @@ def main(argv=None):
     parser.add_argument("--init-from", default="", help="with --config: the run directory whose initial policy "
                         "(reference/ step 0) runs the episodes (default: a fresh policy)")
     parser.add_argument("--seed", type=int, default=0, help="with --config: the rollout key")
+    parser.add_argument("--warmups", type=int, default=3, help="with --config: most warm-up rollouts (they stop at "
+                        "the first that compiles nothing new)")
     args = parser.parse_args(argv)
     if args.config:
         return study(args)
