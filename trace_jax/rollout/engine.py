@@ -278,14 +278,9 @@ class _Engine:
         """Give `row` the pages of `tokens` positions, preempting the highest-index rows holding pages while the pool
         is short (the row itself when it has the highest index: a lower row is never paused for a higher one);
         False when the row itself was preempted."""
-        need = paged_lib.pages_for(min(tokens, self.max_len), self.page_size) - len(row.pages)
-        while need > self.allocator.free_pages:
-            victim = max((r for r in self.rows if r.pages or r is row), key=lambda r: r.index)
-            self._preempt(victim)
-            if victim is row:
-                return False
-        if need > 0:
-            row.pages += self.allocator.alloc(need)
+        pages = paged_lib.pages_for(min(tokens, self.max_len), self.page_size)
+        if not paged_lib.grow_pages(self.allocator, row, pages, self.rows, lambda r: r.index, self._preempt):
+            return False
         self.stats.max_pages_held = max(self.stats.max_pages_held, self.num_pages - self.allocator.free_pages)
         return True
 

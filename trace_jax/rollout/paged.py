@@ -176,6 +176,22 @@ class PageAllocator:
         self._free.sort(reverse=True)
 
 
+def grow_pages(allocator: PageAllocator, row, pages: int, rows, newest: Callable, preempt: Callable) -> bool:
+    """Give `row` (anything with a `pages` list) `pages` pages in all, preempting the newest (largest `newest(r)`)
+    of `rows` holding pages while the pool is short (`preempt(victim)` releases its pages): the row itself when it
+    is the newest, so an older row is never paused for a newer one. False when the row itself was preempted. The
+    one rule of both schedulers over the pool, the rollout engine and the serve engine."""
+    need = pages - len(row.pages)
+    while need > allocator.free_pages:
+        victim = max((r for r in rows if r.pages or r is row), key=newest)
+        preempt(victim)
+        if victim is row:
+            return False
+    if need > 0:
+        row.pages += allocator.alloc(need)
+    return True
+
+
 def page_bytes(config: ModelConfig, page_size: int, *, mesh=None, dtype=None, rules=None) -> int:
     """Bytes one page (k and v, every layer) takes on one chip: its kv heads are split over `tensor` when the rules
     split them (`budget.kv_bytes_per_row`'s rule)."""

@@ -542,14 +542,9 @@ class Engine:
         """Give `row` the pages of `tokens` positions, preempting the newest rows holding pages while the pool is
         short (the row itself when it is the newest: an older row is never paused for a newer one); False when the
         row itself was preempted."""
-        need = paged_lib.pages_for(min(tokens, self.config.max_context), self.config.page_size) - len(row.pages)
-        while need > self._allocator.free_pages:
-            victim = max((r for r in self._rows if r.pages or r is row), key=lambda r: r.order)
-            self._preempt(victim)
-            if victim is row:
-                return False
-        if need > 0:
-            row.pages += self._allocator.alloc(need)
+        pages = paged_lib.pages_for(min(tokens, self.config.max_context), self.config.page_size)
+        if not paged_lib.grow_pages(self._allocator, row, pages, self._rows, lambda r: r.order, self._preempt):
+            return False
         self._count_pages()
         return True
 
