@@ -11,6 +11,8 @@ import re
 import shutil
 import subprocess
 import sys
+import types
+import warnings
 from pathlib import Path
 
 import jax
@@ -98,6 +100,57 @@ def test_skipping_a_damaged_step_reports_it_once_not_once_per_abandoned_read(mod
         Unraisable()
         gc.collect()
     assert [type(r.exc_value) for r in reported] == [KeyError]
+
+
+def test_reads_that_finish_after_the_failed_attempt_are_dropped_too(model, directory, monkeypatch):
+    """Reads still in flight when an attempt fails report later, from tensorstore's threads (an unraisable "Event
+    loop is closed" raised in `call_soon_threadsafe`) or at a later collection (an orbax read coroutine never
+    awaited): the filter stays after a failed attempt, and still passes every other report on."""
+    config, optimizer, _ = model
+    _truncate_largest_file(directory / "3")
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", reported.append)
+    with _checkpointer(directory) as checkpointer, pytest.warns(CheckpointSkipped):
+        assert checkpointer.restore_latest(abstract_train_state(config, optimizer)).step == 2
+
+    def late_report(error):
+        sys.unraisablehook(types.SimpleNamespace(exc_type=type(error), exc_value=error, exc_traceback=None,
+                                                 err_msg=None, object=None))
+
+    late_report(RuntimeError("Event loop is closed"))
+    late_report(KeyError("not orbax's"))
+    assert [type(r.exc_value) for r in reported] == [KeyError]
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        checkpoint._keep_dropping_abandoned_reads()  # catch_warnings reset the filters; the failure had added it
+        warnings.warn("coroutine '_read_array_index_and_device_put' was never awaited", RuntimeWarning)
+        warnings.warn("coroutine 'mine' was never awaited", RuntimeWarning)
+    assert [str(w.message) for w in shown] == ["coroutine 'mine' was never awaited"]
+
+    def failed_in(filename):
+        try:
+            exec(compile("raise ValueError('read failed')", filename, "exec"))
+        except ValueError as error:
+            return error
+
+    logged = []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    asyncio_logger = logging.getLogger("asyncio")
+    asyncio_logger.addHandler(handler)
+    try:
+        for where in (os.path.join("site-packages", "orbax", "serialization.py"), "mine.py"):
+            error = failed_in(where)
+            asyncio_logger.error("_GatheringFuture exception was never retrieved\nfuture: <...>",
+                                 exc_info=(type(error), error, error.__traceback__))
+        for where in (directory / "3" / "state", directory / "2" / "state"):  # tensorstore's: no Python frames
+            error = ValueError(f'DATA_LOSS: Error reading "params.embed/.zarray" in OCDBT database at "{where}/"')
+            asyncio_logger.error("Future exception was never retrieved\nfuture: <...>", exc_info=(ValueError, error, None))
+    finally:
+        asyncio_logger.removeHandler(handler)
+    assert len(logged) == 2
+    assert logged[0].exc_info[1].__traceback__.tb_next.tb_frame.f_code.co_filename == "mine.py"
+    assert f"{directory}/2/state" in str(logged[1].exc_info[1])  # step 2 restored: its reports are not dropped
 
 
 def test_the_skipped_step_is_moved_aside_so_the_resumed_run_can_save_that_step_again(model, directory):

@@ -37,6 +37,7 @@ import shutil
 import signal
 import sys
 import threading
+import traceback
 import warnings
 from typing import NamedTuple, Sequence
 
@@ -224,7 +225,8 @@ class Checkpointer:
         self.tidy()
         damaged: list[tuple[int, str]] = []
         for step in reversed(self.all_steps()):
-            restored, value, reason = _restore_everywhere(lambda: self.restore(target, step))
+            restored, value, reason = _restore_everywhere(lambda: self.restore(target, step),
+                                                          os.path.join(self.directory, str(step)))
             if restored:
                 state, host = value
                 for bad_step, _ in damaged:
@@ -304,8 +306,8 @@ class Checkpointer:
         return raw.state["params"]
 
 
-def _restore_everywhere(restore):
-    """Run `restore()` (under `_quiet_abandoned_reads`, its output held by `_held_output`) and agree with every
+def _restore_everywhere(restore, step_dir: str):
+    """Run `restore()` (of the step in `step_dir`, under `_quiet_abandoned_reads`, its output held by `_held_output`) and agree with every
     process on the outcome: `(True, value, None)` when it restored everywhere (the held output is then printed and
     logged as it would have been), else `(False, None, reason)` with this process's error, or that another process
     failed (the held output, tracebacks of orbax's abandoned reads among it, is dropped: the caller reports the
@@ -313,7 +315,7 @@ def _restore_everywhere(restore):
     value, reason = None, "it failed to restore on another process"
     with _held_output() as held:  # MemoryError and other exceptions that propagate release the held output
         try:
-            with _quiet_abandoned_reads():
+            with _quiet_abandoned_reads(step_dir):
                 value = restore()
             ok = True
         except MemoryError:
@@ -377,7 +379,7 @@ def _held_output():
 
 
 @contextlib.contextmanager
-def _quiet_abandoned_reads():
+def _quiet_abandoned_reads(step_dir: str | None = None):
     """Drop Python's reports of orbax reads abandoned by a failed restore, and nothing else.
 
     orbax reads a step's arrays as many coroutines; when one read fails (a truncated file), the others are dropped
@@ -386,21 +388,89 @@ def _quiet_abandoned_reads():
     about the failure `restore_latest` already reports once, as a `CheckpointSkipped` warning. While a restore runs
     (and a garbage collection after it), those reports are dropped; any other unraisable exception still reaches
     the hook that was there before.
+
+    Reads still in flight when the attempt fails finish later, on tensorstore's threads, and report then ("Event
+    loop is closed" from `call_soon_threadsafe`; "coroutine ... was never awaited" and asyncio's "_GatheringFuture
+    exception was never retrieved" at a later collection): after a failed attempt these filters therefore stay for
+    the rest of the process (`_keep_dropping_abandoned_reads`), still passing every other report on.
     """
     previous = sys.unraisablehook
-
-    def hook(unraisable):
-        if not _abandoned_read(unraisable):
-            previous(unraisable)
-
+    hook = previous if isinstance(previous, _AbandonedReadFilter) else _AbandonedReadFilter(previous)
     sys.unraisablehook = hook
+    asyncio_logger = logging.getLogger("asyncio")
+    filtering_already = _ABANDONED_GATHER in asyncio_logger.filters
+    asyncio_logger.addFilter(_ABANDONED_GATHER)  # a no-op when it is there
+    failed = False
     try:
         yield
+    except BaseException:
+        failed = True
+        raise
     finally:
         try:
             gc.collect()
         finally:
-            sys.unraisablehook = previous
+            if failed:
+                _keep_dropping_abandoned_reads(step_dir)
+            else:
+                if sys.unraisablehook is hook:
+                    sys.unraisablehook = previous
+                if not filtering_already:
+                    asyncio_logger.removeFilter(_ABANDONED_GATHER)
+
+
+class _AbandonedReadFilter:
+    """An unraisable hook that drops `_abandoned_read` reports and passes every other one to `previous`."""
+
+    def __init__(self, previous):
+        self.previous = previous
+
+    def __call__(self, unraisable):
+        if not _abandoned_read(unraisable):
+            self.previous(unraisable)
+
+
+class _AbandonedGatherFilter(logging.Filter):
+    """Drops asyncio's "... exception was never retrieved" records of futures that failed in orbax's code or whose
+    error names a step directory that failed to restore (tensorstore sets its errors on the futures with no Python
+    frames): the reads and gathers of a failed restore, collected later."""
+
+    def __init__(self):
+        super().__init__()
+        self.failed_steps: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "exception was never retrieved" not in str(record.msg) or not record.exc_info:
+            return True
+        error = record.exc_info[1]
+        while error is not None:
+            frames = traceback.extract_tb(error.__traceback__)
+            if any(f"{os.sep}orbax{os.sep}" in frame.filename for frame in frames):
+                return False
+            text = str(error)
+            if any(f"{step_dir}{os.sep}" in text for step_dir in self.failed_steps):
+                return False
+            error = error.__cause__ or error.__context__
+        return True
+
+
+_ABANDONED_GATHER = _AbandonedGatherFilter()
+
+# orbax's read coroutines that a failed restore leaves unawaited (orbax/checkpoint/_src/serialization)
+_UNAWAITED_READ = r"coroutine '_read\w*' was never awaited"
+
+
+def _keep_dropping_abandoned_reads(step_dir: str | None = None) -> None:
+    """Drop abandoned-read reports for the rest of the process: the unraisable filter wraps the hook in place (once;
+    a hook set later by the user replaces it), asyncio's logger drops never-retrieved futures of orbax's reads and
+    of `step_dir` (the step that failed), and a warnings filter drops RuntimeWarnings of orbax read coroutines never
+    awaited."""
+    if step_dir is not None:
+        _ABANDONED_GATHER.failed_steps.add(os.path.normpath(step_dir))
+    if not isinstance(sys.unraisablehook, _AbandonedReadFilter):
+        sys.unraisablehook = _AbandonedReadFilter(sys.unraisablehook)
+    logging.getLogger("asyncio").addFilter(_ABANDONED_GATHER)
+    warnings.filterwarnings("ignore", message=_UNAWAITED_READ, category=RuntimeWarning)
 
 
 def _abandoned_read(unraisable) -> bool:
@@ -428,7 +498,8 @@ def restore_params_from_copies(copies: Sequence[Checkpointer], step: int, *, sha
         if step not in steps:
             held.append(f"{copy.directory}: {steps}")
             continue
-        ok, params, reason = _restore_everywhere(lambda: copy.restore_params(step, shardings=shardings))
+        ok, params, reason = _restore_everywhere(lambda: copy.restore_params(step, shardings=shardings),
+                                                 os.path.join(copy.directory, str(step)))
         if ok:
             return params
         failed.append((copy.directory, reason))
