@@ -1,8 +1,8 @@
 """Real model: SmolLM2-135M-Instruct on the rollout engine. Greedy, every generated token is the argmax of the full
 forward over the row's tokens before it (the naive reference's choice, checked teacher-forced: one forward a row,
 not one a token, which on SmolLM2 costs minutes) and no turn runs past a stop string (its `</tool_call>` is
-several tokens, and "." is added: turns end mid decode block by the host's stop-string check and roll back);
-sampled, the tokens' log-probs are the trainer's.
+several tokens, and "." is added: turns end mid decode block by the host's stop-string check and roll back).
+Sampled, the tokens' log-probs are the trainer's: tests/rollout/test_rollout_smollm2.py.
 The episode rules against the token-by-token naive reference: tests/rollout/test_paged_engine.py (tiny model)."""
 
 import copy
@@ -32,7 +32,7 @@ def smollm2(smollm2_hf_dir):
 
 
 def _rollout(sampling):
-    return RolloutConfig(group_size=2, max_turns=1, max_context=384, turn_token_budget=32, sampling=sampling,
+    return RolloutConfig(group_size=2, max_turns=1, max_context=384, turn_token_budget=20, sampling=sampling,
                          with_tools=False, max_observation_chars=120, sync_every=8, paged=PagedConfig(page_size=16))
 
 
@@ -63,13 +63,3 @@ def test_smollm2_greedy_tokens_are_the_full_forwards_argmax_and_turns_end_at_the
             stopped += any(stop in text for stop in stringy.assistant_stop_strings)
     assert checked > 50 and stopped > 0
 
-
-def test_smollm2_sampled_log_probs_are_the_trainers(smollm2):
-    config, params, chat, tasks, browser = smollm2
-    result = run_episodes(config, params, chat, tasks, browser, _rollout(SamplingConfig(temperature=0.7, top_p=0.95)),
-                          jax.random.PRNGKey(0))
-    batch = result.batch
-    trainer = np.asarray(models.to_token_aligned(models.token_logprobs(config, params, batch.tokens)))
-    mask = np.asarray(batch.loss_mask) == 1
-    assert mask.sum() > 50
-    np.testing.assert_allclose(np.asarray(batch.sampler_logprobs)[mask], trainer[mask], atol=1e-4)

@@ -65,8 +65,9 @@ def test_smollm2_runs_procedural_episodes_end_to_end(smollm2_hf_dir):
     # The free row's sampler log-probs equal the trainer's recomputation on the produced tokens.
     trainer = np.asarray(models.to_token_aligned(models.token_logprobs(config, params, batch.tokens[1:2])))[0]
     generated = mask[1] == 1
+    assert generated.sum() > 20
     gap = float(np.abs(trainer[generated] - np.asarray(batch.sampler_logprobs)[1][generated]).max())
     print(f"SmolLM2 max |sampler - token_logprobs| = {gap:.2e}")
-    assert gap < 1e-3
+    assert gap < 1e-4
     assert np.isfinite(np.asarray(batch.sampler_logprobs)).all()
     assert (np.asarray(batch.sampler_logprobs)[mask == 1] <= 0).all()
