@@ -59,9 +59,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +98,8 @@ from trace_jax.train.state import init_train_state
 from trace_jax.train.step import batch_sharding, make_train_step
 
 REFERENCE_DIR = "reference"
+# the warm start's own checkpoints while it runs (`WarmStartConfig.checkpoint_every`), gone once step 0 is saved
+WARM_START_DIR = "warm_start"
 RECEIPTS_DIR = "receipts"
 _ROLLOUT_SALT = 7919  # rollout keys are fold_in(PRNGKey(seed), salt + step), apart from init keys
 
@@ -260,11 +263,33 @@ def demonstrable_tasks(tasks: list) -> list:
     return kept
 
 
+class WarmStartOutcome(NamedTuple):
+    """What `warm_start` returns: the warm-started `params` and the SFT `losses` of every step (None and the steps
+    so far when a stop signal ended it early: `stopped_at` is then the step it saved), and `carry`, the caller's
+    dict saved with its checkpoints (`fresh_carry`'s, or the resumed checkpoint's)."""
+
+    params: Any
+    losses: list
+    stopped_at: int | None = None
+    carry: dict | None = None
+    seconds: float = 0.0
+
+
 def warm_start(run_config: RunConfig, environment: Environment, params, log: Callable[[str], None] = print, *,
-               progress: bool = False, mesh=None, rules=None):
+               progress: bool = False, mesh=None, rules=None, store: Checkpointer | None = None,
+               guard: PreemptionGuard | None = None,
+               fresh_carry: Callable[[], dict] | None = None) -> WarmStartOutcome:
     """SFT on oracle trajectories rendered exactly as the rollouts render them, on `mesh` (the run's; None = the
-    params' own device) under the train-layout `rules` (the run's `MeshConfig.train_rules()`); returns `(params,
-    losses)`. With `progress` the steps show on a bar of their own (instead of a log line every fifth of them)."""
+    params' own device) under the train-layout `rules` (the run's `MeshConfig.train_rules()`). With the progress
+    flag the steps show on a bar of their own (instead of a log line every fifth of them).
+
+    With a `store` (`WarmStartConfig.checkpoint_every`) the warm start saves its state, data position, losses and
+    `carry` every `checkpoint_every` steps and at its last, and resumes from the newest step there: bit for bit the
+    warm start that was not stopped. A `guard`'s stop signal (any process's) saves the step just taken and returns
+    with `stopped_at` set. `fresh_carry()` runs only when nothing is resumed (the caller's evaluation before the
+    warm start); its dict is saved with each checkpoint and returned as `carry`. `seconds`: the warm start's own
+    time over every attempt (the first attempt's `fresh_carry` not counted)."""
+    began = time.perf_counter()
     ws = run_config.warmstart
     results = oracle_trajectories(demonstrable_tasks(environment.train_tasks), environment.browser, ws)
     arrays = sft_arrays(environment.chat, ws.render_rollout(run_config.rollout), environment.browser, results,
@@ -280,15 +305,36 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
     optimizer = make_optimizer(ws.optimizer)
     step_fn = make_train_step(environment.model_config, LossConfig(mode="sft", entropy_metric=False), optimizer,
                               mesh=mesh, rules=rules)
-    state = init_train_state(environment.model_config, optimizer, params, jax.random.PRNGKey(run_config.train.seed),
-                             mesh=mesh, rules=rules)
+    restored = None
+    if store is not None:
+        restored = store.restore_latest(abstract_train_state(environment.model_config, optimizer, mesh=mesh,
+                                                             rules=rules))
+    if restored is None:
+        state = init_train_state(environment.model_config, optimizer, params, jax.random.PRNGKey(run_config.train.seed),
+                                 mesh=mesh, rules=rules)
+        start, losses, data_state, seconds = 0, [], None, 0.0
+        t0 = time.perf_counter()
+        carry = fresh_carry() if fresh_carry is not None else None
+        began += time.perf_counter() - t0
+    else:
+        _check_resumed_warm_start(store.directory, restored.host.get("config"), ws)
+        state, start = restored.state, int(restored.step)
+        losses, data_state = list(restored.host["losses"]), restored.host["data_iterator"]
+        seconds, carry = float(restored.host.get("seconds", 0.0)), restored.host.get("carry")
+        log(f"warm start: resumed at step {start}/{ws.steps} from {store.directory}")
     log(f"warm start: {len(arrays)} oracle trajectories of {arrays.tokens.shape[1]} tokens, {ws.steps} SFT steps "
         f"of {ws.batch_size}")
-    losses = []
     # the same grain order as the RL prompts: seeded per-epoch shuffles of the rows, cut into batches
-    batches = BatchStream(epoch_batches(range(len(arrays)), ws.batch_size, seed=run_config.train.seed))
+    batches = BatchStream(epoch_batches(range(len(arrays)), ws.batch_size, seed=run_config.train.seed), data_state)
     bar = progress_bar(ws.steps, "warm start", enabled=progress)
-    for step in range(ws.steps):
+    bar.update(start)
+
+    def save(force: bool) -> None:
+        host = {"losses": losses, "data_iterator": batches.state(), "config": dataclasses.asdict(ws),
+                "seconds": seconds + time.perf_counter() - began, "carry": carry}
+        store.save(state, host, force=force)
+
+    for step in range(start, ws.steps):
         index = next(batches)
         rows = arrays.batch(np.asarray(index), length_multiple=ws.length_multiple)
         # host arrays: the train step places them on its mesh (every process holds the same batch)
@@ -304,8 +350,31 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
         if not progress and (step == 0 or (step + 1) % max(1, ws.steps // 5) == 0):
             log(f"warm start step {step + 1}/{ws.steps}: loss {losses[-1]:.3f}")
+        if store is not None:
+            if guard is not None:
+                _stop_requested_anywhere(guard)
+            if guard is not None and guard.requested and step + 1 < ws.steps:
+                save(force=True)
+                store.wait_until_finished()
+                bar.close()
+                return WarmStartOutcome(None, losses, stopped_at=step + 1, carry=carry,
+                                        seconds=seconds + time.perf_counter() - began)
+            save(force=step + 1 == ws.steps)
     bar.close()
-    return state.params, losses
+    if store is not None:
+        store.wait_until_finished()
+    return WarmStartOutcome(state.params, losses, carry=carry, seconds=seconds + time.perf_counter() - began)
+
+
+def _check_resumed_warm_start(directory: str, saved: dict | None, ws) -> None:
+    """A warm start resumes only under the settings it was saved with (how often it saves may change)."""
+    now = json.loads(json.dumps(dataclasses.asdict(ws)))
+    changed = sorted(k for k in set(now) | set(saved or {})
+                     if k != "checkpoint_every" and (saved or {}).get(k) != now.get(k))
+    if changed:
+        listed = ", ".join(f"{k}: {(saved or {}).get(k)!r} -> {now.get(k)!r}" for k in changed)
+        raise ValueError(f"the warm start saved in {directory} ran with other WarmStartConfig settings ({listed}); "
+                         "bind them back to resume it, or move that directory away to warm-start again")
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
@@ -934,14 +1003,34 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
             else:
                 params = placement.policy(environment.params)
             if run_config.warmstart.steps > 0 and not train_config.init_from:
-                t0 = time.perf_counter()
-                evals["before"] = _sets_to_json(_evaluate(run_config, environment, placement.rollout_params(params),
-                                                          "before warm start", log, placement))
-                stages["eval_before"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                params, losses = warm_start(run_config, environment, params, log, progress=progress and primary,
-                                            mesh=mesh, rules=placement.rules)
-                stages["warm_start"] = time.perf_counter() - t0
+                def evaluate_before():
+                    t0 = time.perf_counter()
+                    before = _sets_to_json(_evaluate(run_config, environment, placement.rollout_params(params),
+                                                     "before warm start", log, placement))
+                    return {"evals_before": before, "eval_before_seconds": time.perf_counter() - t0}
+
+                warm_start_store = None
+                if run_config.warmstart.checkpoint_every:
+                    warm_start_store = Checkpointer(CheckpointConfig(
+                        directory=str(run_dir / WARM_START_DIR), every_steps=run_config.warmstart.checkpoint_every,
+                        keep_last=1, async_save=True), guard=guard)
+                try:
+                    outcome = warm_start(run_config, environment, params, log, progress=progress and primary,
+                                         mesh=mesh, rules=placement.rules, store=warm_start_store, guard=guard,
+                                         fresh_carry=evaluate_before)
+                finally:
+                    if warm_start_store is not None:
+                        warm_start_store.close()
+                if outcome.stopped_at is not None:
+                    log(f"stopped by {guard.signal_name} at warm start step {outcome.stopped_at}/"
+                        f"{run_config.warmstart.steps} (saved in {warm_start_store.directory}); rerun the same "
+                        "command to resume")
+                    writer.close()
+                    return {"stopped_at": 0, "warm_start_stopped_at": outcome.stopped_at}
+                evals["before"] = outcome.carry["evals_before"]
+                stages["eval_before"] = outcome.carry["eval_before_seconds"]
+                params, losses = outcome.params, outcome.losses
+                stages["warm_start"] = outcome.seconds
                 writer.log(0, {"warmstart/final_loss": losses[-1] if losses else float("nan")})
             t0 = time.perf_counter()
             initial = _evaluate(run_config, environment, placement.rollout_params(params),
@@ -955,6 +1044,8 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
             reference_store.save(state, {"step": 0}, force=True)
             checkpointer.save(state, host, force=True)
             checkpointer.wait_until_finished()
+            if primary and (run_dir / WARM_START_DIR).exists():  # step 0 holds the warm-started policy now
+                shutil.rmtree(run_dir / WARM_START_DIR)
         else:
             state, host = restored.state, restored.host
             writer = RunWriter(run_dir, total_steps=train_config.steps, resume_step=latest, progress=progress,

@@ -104,6 +104,10 @@ class WarmStartConfig:
         `round(failed_share * num_trajectories)` of them, chosen by `oracle_seed`. Failed demonstrations are kept
         whatever `only_solved` says (it drops the others that the oracle could not solve). The paper's ABC-SFT
         data: 3.0K of 8.5K, 0.35.
+      checkpoint_every: SFT steps between checkpoints of the warm start (the run directory's `warm_start/`, the
+        newest kept), from which a stopped (SIGTERM/SIGINT: saved at once) or killed run resumes it bit for bit;
+        the last step is always saved, and the directory goes once the run's step-0 checkpoint is written. 0: none
+        (a stopped warm start starts over).
     """
 
     steps: int = 0
@@ -125,6 +129,7 @@ class WarmStartConfig:
     answer_weight: float = 1.0
     weighting: str = "uniform"
     failed_share: float = 0.0
+    checkpoint_every: int = 200
 
     def __post_init__(self):
         if self.weighting not in WEIGHTINGS:
@@ -134,7 +139,7 @@ class WarmStartConfig:
         for name in ("num_trajectories", "batch_size", "oracle_topn", "length_multiple"):
             if getattr(self, name) < 1:
                 raise ValueError(f"WarmStartConfig.{name} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("steps", "warmup_steps", "max_length", "max_turns"):
+        for name in ("steps", "warmup_steps", "max_length", "max_turns", "checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"WarmStartConfig.{name} must be >= 0, got {getattr(self, name)!r}")
         if not self.answer_weight > 0:
