@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.rl.test_rl_pipeline import SMALL
+from tests.rl.test_rl_pipeline import SMALL, WARM_START_TURNS
 from trace_jax.abc.rules import RuleBasedStepScorer, steps_from_episode
 from trace_jax.envs.answers import answer_reward
 from trace_jax.envs.oracle import make_browser, trajectory_vocabulary
@@ -126,7 +126,7 @@ def test_a_bad_weighting_or_failed_share_names_the_field():
 @pytest.mark.slow  # a warm start of 3 SFT steps, then 2 ABC-GRPO steps of the small config (~60 s loaded)
 def test_the_abc_pipeline_config_runs_two_rl_steps_after_its_abc_sft_warm_start(tmp_path, capsys):
     gin_file = tmp_path / "small.gin"
-    gin_file.write_text(SMALL + "include 'configs/credit/abc_pipeline.gin'\nTrainConfig.steps = 2\n"
+    gin_file.write_text(SMALL + WARM_START_TURNS + "include 'configs/credit/abc_pipeline.gin'\nTrainConfig.steps = 2\n"
                         "WarmStartConfig.steps = 3\nWarmStartConfig.num_trajectories = 6\n"
                         "WarmStartConfig.batch_size = 3\nWarmStartConfig.failed_share = 0.5\n")
     run_dir = tmp_path / "run"

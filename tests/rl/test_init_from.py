@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.rl.test_rl_pipeline import SMALL
+from tests.rl.test_rl_pipeline import SMALL, WARM_START_TURNS
 from trace_jax.rl import cli as train_cli
 from trace_jax.rl.gin_setup import parse
 from trace_jax.rl.loop import train
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow  # two short runs of the small config
 # steps pad to the same length, so the SFT step compiles once. The second run's evaluations reuse the first's
 # programs (same model, same shapes, same process).
 RUN = SMALL + "TrainConfig.steps = 0\n"
-WARM = RUN + "WarmStartConfig.steps = 2\nWarmStartConfig.num_trajectories = 4\nWarmStartConfig.batch_size = 4\n"
+WARM = RUN + WARM_START_TURNS + "WarmStartConfig.steps = 2\nWarmStartConfig.num_trajectories = 4\nWarmStartConfig.batch_size = 4\n"
 
 
 def _initial_params(run_dir):

@@ -16,6 +16,7 @@ from trace_jax.models.tokenizer import build_word_tokenizer, load_tokenizer
 from trace_jax.rollout import RolloutConfig, ScriptedPolicy, SamplingConfig, run_episodes
 from trace_jax.train.config import OptimizerConfig
 from trace_jax.rl.warmstart import (
+    DroppedDemonstrations,
     WarmStartConfig,
     oracle_assistant_turns,
     oracle_trajectories,
@@ -131,6 +132,31 @@ def test_episodes_the_rollout_could_not_produce_are_dropped_with_the_reason(env)
         sft_arrays(chat, dataclasses.replace(ROLLOUT, max_turns=0), browser, results)
     with pytest.raises(ValueError, match="WarmStartConfig.max_length"):
         sft_arrays(chat, ROLLOUT, browser, results, max_length=10)
+
+
+def test_a_demonstration_with_a_turn_the_rollout_would_cut_is_dropped_with_a_warning(env):
+    """The rollout ends a turn at `turn_token_budget` tokens (a cut tool call is an error observation); a warm start
+    that taught such turns taught the policy errors (the first study's fault: docs/results.md)."""
+    world, _, chat, browser = env
+    tasks = generate_tasks(world, 8, seed=1, config=TaskConfig(min_hops=1, max_hops=2))
+    results = oracle_trajectories(tasks, browser, WarmStartConfig(num_trajectories=len(tasks), detour_prob=0.5))
+    rollout = dataclasses.replace(ROLLOUT, max_turns=16, max_context=4096)  # every detour fits but for its turns
+    longest = np.array([max(len(t) for t in oracle_assistant_turns(chat, r)) for r in results])
+    budget = int(np.sort(longest)[len(longest) // 2 - 1])
+    over = longest > budget
+    assert 0 < over.sum() < len(results), longest  # some demonstrations have a turn longer than the budget
+    assert not sft_arrays(chat, dataclasses.replace(rollout, turn_token_budget=int(longest.max())), browser,
+                          results).dropped
+    with pytest.warns(DroppedDemonstrations, match=rf"{over.sum()} of {len(results)} oracle demonstrations dropped, "
+                                                   rf"the rollout could not produce them \({over.sum()}: "
+                                                   r"turn_token_budget; the first: turn \d+ of the trajectory has "
+                                                   rf"\d+ tokens but RolloutConfig\.turn_token_budget={budget}"):
+        arrays = sft_arrays(chat, dataclasses.replace(rollout, turn_token_budget=budget), browser, results)
+    assert arrays.task_ids == tuple(r.task.task_id for r, o in zip(results, over) if not o)
+    assert len(arrays.dropped) == over.sum()
+    with pytest.raises(ValueError, match=r"RolloutConfig\.turn_token_budget=8 \(the rollout cuts a turn there\); "
+                                         "raise turn_token_budget"):
+        sft_arrays(chat, dataclasses.replace(rollout, turn_token_budget=8), browser, results)
 
 
 def test_warm_start_config_names_the_bad_field():

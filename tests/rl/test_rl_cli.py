@@ -10,7 +10,7 @@ import pytest
 from trace_jax.cli import main
 from trace_jax.rl import cli as train_cli
 
-from tests.rl.test_rl_pipeline import SMALL
+from tests.rl.test_rl_pipeline import SMALL, WARM_START_TURNS
 
 
 def test_unknown_binding_fails_before_compute_naming_the_binding(capsys, tmp_path, monkeypatch):
@@ -90,7 +90,7 @@ def test_sweep_runs_its_four_runs_in_sequence(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_train_then_eval_write_the_run_directory(tmp_path):
     gin_file = tmp_path / "small.gin"
-    gin_file.write_text(SMALL + "TrainConfig.steps = 2\nTrainConfig.receipts = 1\nWarmStartConfig.steps = 2\n"
+    gin_file.write_text(SMALL + WARM_START_TURNS + "TrainConfig.steps = 2\nTrainConfig.receipts = 1\nWarmStartConfig.steps = 2\n"
                         "WarmStartConfig.num_trajectories = 4\nWarmStartConfig.batch_size = 2\n"
                         "UpdateConfig.kl_metric = True\n")
     run_dir = tmp_path / "run"

@@ -46,6 +46,10 @@ CheckpointConfig.every_steps = 1
 OptimizerConfig.learning_rate = 1e-3
 """
 
+# SMALL's 16-token turns are shorter than any oracle demonstration turn (the warm start drops demonstrations the
+# rollout would cut): runs that warm-start add this (a turn in one decode dispatch, as SMALL's 16 are)
+WARM_START_TURNS = "RolloutConfig.turn_token_budget = 64\nRolloutConfig.sync_every = 64\n"
+
 PROMPTS = 2
 
 

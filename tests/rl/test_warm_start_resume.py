@@ -10,13 +10,13 @@ import jax
 import numpy as np
 import pytest
 
-from tests.rl.test_rl_pipeline import SMALL
+from tests.rl.test_rl_pipeline import SMALL, WARM_START_TURNS
 from trace_jax.rl import loop
 from trace_jax.rl.gin_setup import parse
 from trace_jax.train.checkpoint import Checkpointer
 from trace_jax.train.config import CheckpointConfig
 
-WARM = SMALL + """
+WARM = SMALL + WARM_START_TURNS + """
 TrainConfig.steps = 0
 WarmStartConfig.steps = 6
 WarmStartConfig.num_trajectories = 6

@@ -322,8 +322,10 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
         losses, data_state = list(restored.host["losses"]), restored.host["data_iterator"]
         seconds, carry = float(restored.host.get("seconds", 0.0)), restored.host.get("carry")
         log(f"warm start: resumed at step {start}/{ws.steps} from {store.directory}")
-    log(f"warm start: {len(arrays)} oracle trajectories of {arrays.tokens.shape[1]} tokens, {ws.steps} SFT steps "
-        f"of {ws.batch_size}")
+    dropped = (f" ({len(arrays.dropped)} more dropped: the rollout could not produce them)" if arrays.dropped
+               else "")
+    log(f"warm start: {len(arrays)} oracle trajectories of {arrays.tokens.shape[1]} tokens{dropped}, {ws.steps} SFT "
+        f"steps of {ws.batch_size}")
     # the same grain order as the RL prompts: seeded per-epoch shuffles of the rows, cut into batches
     batches = BatchStream(epoch_batches(range(len(arrays)), ws.batch_size, seed=run_config.train.seed), data_state)
     bar = progress_bar(ws.steps, "warm start", enabled=progress)

@@ -44,8 +44,10 @@ credit estimators of the RL step. It describes the warm start's optimizer as an 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
+import warnings
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -187,6 +189,7 @@ class SFTArrays:
       task_ids: the task of each row.
       episodes: each row's replayed episode as the rollouts record it (`EpisodeRecord`: turn texts, tool calls, the
         observations the replay got, the task's clues), what ABC's step scorer reads.
+      dropped: why each demonstration left out was dropped (the rollout could not produce it), in order.
     """
 
     tokens: np.ndarray
@@ -197,6 +200,7 @@ class SFTArrays:
     lengths: np.ndarray
     task_ids: tuple[str, ...]
     episodes: tuple[EpisodeRecord, ...] = ()
+    dropped: tuple[str, ...] = ()
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -236,7 +240,8 @@ def replay_row(chat: ChatFormat, rollout: RolloutConfig, question: str, turns: S
 
     Every turn but the last must be a tool call: it is parsed, run on `browser` (a fresh fork) and its observation
     appended. The last turn is the final answer. Raises ValueError when the replay does not fit
-    `rollout.max_context` or has more tool turns than `rollout.max_turns` (the rollout would have cut it). When
+    `rollout.max_context`, has more tool turns than `rollout.max_turns`, or has a turn longer than
+    `rollout.turn_token_budget` (the rollout would have cut it: a cut tool call is an error there). When
     `episode` is given, the turns' texts, calls and observations are recorded in it as `run_episodes` records them.
     """
     if not turns:
@@ -244,6 +249,10 @@ def replay_row(chat: ChatFormat, rollout: RolloutConfig, question: str, turns: S
     if len(turns) - 1 > rollout.max_turns:
         raise ValueError(f"the trajectory has {len(turns) - 1} tool calls but RolloutConfig.max_turns="
                          f"{rollout.max_turns}; raise max_turns or drop longer oracle trajectories")
+    for k, turn in enumerate(turns):
+        if len(turn) > rollout.turn_token_budget:
+            raise ValueError(f"turn {k} of the trajectory has {len(turn)} tokens but RolloutConfig.turn_token_budget="
+                             f"{rollout.turn_token_budget} (the rollout cuts a turn there); raise turn_token_budget")
     browser = browser.fork()
     prompt = chat.prompt_ids(rollout.system_prompt, question, tool_schemas() if rollout.with_tools else None)
     row = {"tokens": list(prompt), "loss_mask": [0.0] * len(prompt), "turn_index": [-1] * len(prompt),
@@ -310,9 +319,10 @@ def sft_arrays(chat: ChatFormat, rollout: RolloutConfig, browser: Browser, resul
                turn_weights: Callable[[int, int], float] | None = None, answer_weight: float = 1.0) -> SFTArrays:
     """Render oracle episodes as token-aligned SFT arrays (see the module docstring for the replay).
 
-    Episodes that would not fit the rollout (too many tool calls for `max_turns`, too long for `max_context`) are
-    dropped, as the policy could never produce them, and so are those longer than `max_length` (when > 0); if that
-    drops all, the ValueError of the first is raised.
+    Episodes that would not fit the rollout (too many tool calls for `max_turns`, a turn longer than
+    `turn_token_budget`, too long for `max_context`) are dropped, as the policy could never produce them, and so are
+    those longer than `max_length` (when > 0): a `DroppedDemonstrations` warning says how many and why (the
+    arrays' `dropped` lists each reason); if that drops all, the ValueError of the first is raised.
 
     Args:
       chat, rollout, browser: exactly those of the rollouts.
@@ -322,7 +332,7 @@ def sft_arrays(chat: ChatFormat, rollout: RolloutConfig, browser: Browser, resul
       turn_weights: optional `(row, turn) -> weight` for per-turn SFT weights (ABC-SFT); default 1.
       answer_weight: a further factor on each row's last (answer) turn (`WarmStartConfig.answer_weight`).
     """
-    rows, kept, episodes, first_error = [], [], [], None
+    rows, kept, episodes, first_error, dropped = [], [], [], None, []
     for result in results:
         task = result.task
         episode = EpisodeRecord(task_id=task.task_id, question=task.question,  # as run_episodes records it
@@ -338,8 +348,15 @@ def sft_arrays(chat: ChatFormat, rollout: RolloutConfig, browser: Browser, resul
             episodes.append(episode)
         except ValueError as error:
             first_error = first_error or error
+            dropped.append(str(error))
     if not rows:
         raise first_error or ValueError("no oracle episodes to render")
+    if dropped:
+        kinds = collections.Counter(_drop_kind(reason) for reason in dropped)
+        warnings.warn(DroppedDemonstrations(
+            f"{len(dropped)} of {len(results)} oracle demonstrations dropped, the rollout could not produce them ("
+            + ", ".join(f"{n}: {kind}" for kind, n in kinds.most_common()) + f"; the first: {dropped[0]})"),
+            stacklevel=2)
     longest = max(len(r["tokens"]) for r in rows)
     width = min(rollout.max_context, -(-longest // length_multiple) * length_multiple)
     for r in rows:
@@ -360,7 +377,18 @@ def sft_arrays(chat: ChatFormat, rollout: RolloutConfig, browser: Browser, resul
         weights = np.where((turn_index == last_turn) & (loss_mask > 0), weights * answer_weight, weights)
     return SFTArrays(tokens=np.asarray(batch.tokens), positions=np.asarray(batch.positions), loss_mask=loss_mask,
                      weights=weights, turn_index=turn_index, lengths=np.asarray(batch.lengths),
-                     task_ids=tuple(r.task.task_id for r in kept), episodes=tuple(episodes))
+                     task_ids=tuple(r.task.task_id for r in kept), episodes=tuple(episodes), dropped=tuple(dropped))
+
+
+class DroppedDemonstrations(UserWarning):
+    """Oracle demonstrations the rollout could not produce were left out of the warm start (`sft_arrays`)."""
+
+
+def _drop_kind(reason: str) -> str:
+    for kind in ("turn_token_budget", "max_turns", "max_context", "max_length"):
+        if kind in reason:
+            return kind
+    return "other"
 
 
 def abc_sft_weighted(arrays: SFTArrays, scoring, *, answer_step: str = "fold") -> tuple[SFTArrays, dict[str, float]]:
