@@ -61,6 +61,7 @@ import json
 import math
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -84,7 +85,8 @@ from trace_jax.rl.evaluate import EvalResult, compare, episode_correct, evaluate
 from trace_jax.rl.gin_setup import RunConfig, reference_checkpoint_parts
 from trace_jax.rl.metrics import PhaseTimer, RunWriter, progress_bar
 from trace_jax.rl.pipeline import Prepared, RLPipeline, check_compatible
-from trace_jax.rl.warmstart import abc_sft_weighted, oracle_trajectories, sft_arrays
+from trace_jax.rl.warmstart import (DroppedDemonstrations, abc_sft_weighted, dropped_summary,
+                                   oracle_trajectories, sft_arrays)
 from trace_jax.rollout.batch import episode_view
 from trace_jax.rollout.engine import paged_pool_line, pool_pages
 from trace_jax.scoring.receipts import excerpt, safe_filename, write_receipt
@@ -292,9 +294,11 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
     began = time.perf_counter()
     ws = run_config.warmstart
     results = oracle_trajectories(demonstrable_tasks(environment.train_tasks), environment.browser, ws)
-    arrays = sft_arrays(environment.chat, ws.render_rollout(run_config.rollout), environment.browser, results,
-                        length_multiple=ws.length_multiple, max_length=ws.max_length,
-                        answer_weight=ws.answer_weight)
+    with warnings.catch_warnings():  # the drops go into the log line below, not into a warning with source lines
+        warnings.simplefilter("ignore", DroppedDemonstrations)
+        arrays = sft_arrays(environment.chat, ws.render_rollout(run_config.rollout), environment.browser, results,
+                            length_multiple=ws.length_multiple, max_length=ws.max_length,
+                            answer_weight=ws.answer_weight)
     if ws.weighting == "abc":  # ABC-SFT: the RL step's ABC scorer weighs each demonstration step
         scoring = ABCStepScoring(run_config.update.abc, getattr(environment.browser, "corpus", None))
         try:
@@ -322,8 +326,8 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
         losses, data_state = list(restored.host["losses"]), restored.host["data_iterator"]
         seconds, carry = float(restored.host.get("seconds", 0.0)), restored.host.get("carry")
         log(f"warm start: resumed at step {start}/{ws.steps} from {store.directory}")
-    dropped = (f" ({len(arrays.dropped)} more dropped: the rollout could not produce them)" if arrays.dropped
-               else "")
+    dropped = (f" ({len(arrays.dropped)} more dropped: {dropped_summary(arrays.dropped, first=False)})"
+               if arrays.dropped else "")
     log(f"warm start: {len(arrays)} oracle trajectories of {arrays.tokens.shape[1]} tokens{dropped}, {ws.steps} SFT "
         f"steps of {ws.batch_size}")
     # the same grain order as the RL prompts: seeded per-epoch shuffles of the rows, cut into batches

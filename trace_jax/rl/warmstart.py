@@ -352,11 +352,8 @@ def sft_arrays(chat: ChatFormat, rollout: RolloutConfig, browser: Browser, resul
     if not rows:
         raise first_error or ValueError("no oracle episodes to render")
     if dropped:
-        kinds = collections.Counter(_drop_kind(reason) for reason in dropped)
-        warnings.warn(DroppedDemonstrations(
-            f"{len(dropped)} of {len(results)} oracle demonstrations dropped, the rollout could not produce them ("
-            + ", ".join(f"{n}: {kind}" for kind, n in kinds.most_common()) + f"; the first: {dropped[0]})"),
-            stacklevel=2)
+        warnings.warn(DroppedDemonstrations(f"{len(dropped)} of {len(results)} oracle demonstrations dropped, "
+                                            f"{dropped_summary(dropped)}"), stacklevel=2)
     longest = max(len(r["tokens"]) for r in rows)
     width = min(rollout.max_context, -(-longest // length_multiple) * length_multiple)
     for r in rows:
@@ -382,6 +379,14 @@ def sft_arrays(chat: ChatFormat, rollout: RolloutConfig, browser: Browser, resul
 
 class DroppedDemonstrations(UserWarning):
     """Oracle demonstrations the rollout could not produce were left out of the warm start (`sft_arrays`)."""
+
+
+def dropped_summary(dropped: Sequence[str], *, first: bool = True) -> str:
+    """What `SFTArrays.dropped` holds, in one phrase: the count of each reason (the binding that ruled the
+    demonstration out) and, with `first`, the first reason in full."""
+    kinds = collections.Counter(_drop_kind(reason) for reason in dropped)
+    return ("the rollout could not produce them (" + ", ".join(f"{n}: {kind}" for kind, n in kinds.most_common())
+            + (f"; the first: {dropped[0]})" if first else ")"))
 
 
 def _drop_kind(reason: str) -> str:
