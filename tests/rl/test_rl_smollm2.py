@@ -18,13 +18,13 @@ from trace_jax.train.optimizer import make_optimizer
 from trace_jax.train.state import init_train_state
 
 # smollm2.gin as shipped, cut to CPU-test size: one group of 2 samples, one row per micro-batch as shipped, a tool
-# turn of up to 32 tokens and the answer turn, and no tool schemas in the system turn. The schemas were ~570 of the
+# turn of up to 16 tokens and the answer turn, and no tool schemas in the system turn. The schemas were ~570 of the
 # prompt's 636 tokens, and SmolLM2-135M called no tool with them either: both rows wrote prose, got the "no
 # <tool_call> found" error observation, wrote prose again and ended as max_turns, as they do without them. The rows
 # are ~190 tokens instead of ~760, and the step's cost grows with the positions; rendering tool schemas into the
 # system turn is checked in tests/models/test_chat_format.py.
 CPU_SIZE = ["TrainConfig.prompts_per_step = 1", "LossConfig.micro_batches = 2", "TrainConfig.receipts = 0",
-            "RolloutConfig.max_turns = 1", "RolloutConfig.max_context = 256", "RolloutConfig.turn_token_budget = 32",
+            "RolloutConfig.max_turns = 1", "RolloutConfig.max_context = 256", "RolloutConfig.turn_token_budget = 16",
             "RolloutConfig.with_tools = False"]
 
 

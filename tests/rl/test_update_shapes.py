@@ -32,9 +32,9 @@ def _config(tmp_path, text, *params):
 def test_the_update_shapes_are_the_configs_bucketed_by_the_length_multiple(tmp_path):
     study = parse(["configs/study.gin"])
     rows = study.train.prompts_per_step * study.rollout.group_size
-    # UpdateConfig.max_length = 2048 (study.gin; max_context is 3072); (14 tool turns + the answer) x 48 tokens =
-    # 720 trained tokens -> 768
-    assert update_shapes(study.rollout, study.update, rows) == UpdateShapes(rows=48, length=2048, head_width=768)
+    # UpdateConfig.max_length = 2048 (study.gin; max_context is 3072); (14 tool turns + the answer) x 80 tokens =
+    # 1,200 trained tokens -> 1,216
+    assert update_shapes(study.rollout, study.update, rows) == UpdateShapes(rows=48, length=2048, head_width=1216)
     default = update_shapes(study.rollout, UpdateConfig(), rows)
     assert default.length == study.rollout.max_context == 3072
     tiny = parse(["configs/tiny.gin"])

@@ -80,15 +80,22 @@ def test_a_truncated_latest_step_is_skipped_with_a_warning_and_the_previous_step
         assert checkpointer.all_steps() == [1, 2]
 
 
-def test_skipping_a_damaged_step_reports_it_once_not_once_per_abandoned_read(model, directory, monkeypatch):
-    """orbax's reads abandoned by the failed restore used to print ~2,600 "Exception ignored in <coroutine>" lines;
-    other unraisable exceptions still reach the hook."""
+def _restore_past_a_damaged_step_3(model, directory, monkeypatch) -> list:
+    """Damage step 3, restore the latest (step 2, with a CheckpointSkipped warning) with the unraisable hook
+    recording into the list returned."""
     config, optimizer, _ = model
     _truncate_largest_file(directory / "3")
     reported = []
     monkeypatch.setattr(sys, "unraisablehook", reported.append)
     with _checkpointer(directory) as checkpointer, pytest.warns(CheckpointSkipped):
         assert checkpointer.restore_latest(abstract_train_state(config, optimizer)).step == 2
+    return reported
+
+
+def test_skipping_a_damaged_step_reports_it_once_not_once_per_abandoned_read(model, directory, monkeypatch):
+    """orbax's reads abandoned by the failed restore used to print ~2,600 "Exception ignored in <coroutine>" lines;
+    other unraisable exceptions still reach the hook."""
+    reported = _restore_past_a_damaged_step_3(model, directory, monkeypatch)
     gc.collect()
     assert reported == []
 
@@ -106,12 +113,7 @@ def test_reads_that_finish_after_the_failed_attempt_are_dropped_too(model, direc
     """Reads still in flight when an attempt fails report later, from tensorstore's threads (an unraisable "Event
     loop is closed" raised in `call_soon_threadsafe`) or at a later collection (an orbax read coroutine never
     awaited): the filter stays after a failed attempt, and still passes every other report on."""
-    config, optimizer, _ = model
-    _truncate_largest_file(directory / "3")
-    reported = []
-    monkeypatch.setattr(sys, "unraisablehook", reported.append)
-    with _checkpointer(directory) as checkpointer, pytest.warns(CheckpointSkipped):
-        assert checkpointer.restore_latest(abstract_train_state(config, optimizer)).step == 2
+    reported = _restore_past_a_damaged_step_3(model, directory, monkeypatch)
 
     def late_report(error):
         sys.unraisablehook(types.SimpleNamespace(exc_type=type(error), exc_value=error, exc_traceback=None,
