@@ -2,6 +2,7 @@
 checkpoint_every`, the run directory's `warm_start/`) and warm-starts the policy bit for bit as one that ran
 through: the same params at the run's step 0, the same losses, the evaluation before it run once."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -99,7 +100,7 @@ def test_a_warm_start_resumes_only_under_its_own_settings(tmp_path):
     from trace_jax.rl.warmstart import WarmStartConfig
 
     ws = WarmStartConfig(steps=6, checkpoint_every=2)
-    saved = json.loads(json.dumps(__import__("dataclasses").asdict(ws)))
+    saved = json.loads(json.dumps(dataclasses.asdict(ws)))
     loop._check_resumed_warm_start("runs/a/warm_start", saved, ws)
     loop._check_resumed_warm_start("runs/a/warm_start", saved, WarmStartConfig(steps=6, checkpoint_every=3))
     changed = WarmStartConfig(steps=8, checkpoint_every=2, learning_rate=1e-3)

@@ -109,7 +109,7 @@ def test_skipping_a_damaged_step_reports_it_once_not_once_per_abandoned_read(mod
     assert [type(r.exc_value) for r in reported] == [KeyError]
 
 
-def test_reads_that_finish_after_the_failed_attempt_are_dropped_too(model, directory, monkeypatch):
+def test_reads_that_finish_after_the_failed_attempt_are_dropped_too(model, directory, monkeypatch, caplog):
     """Reads still in flight when an attempt fails report later, from tensorstore's threads (an unraisable "Event
     loop is closed" raised in `call_soon_threadsafe`) or at a later collection (an orbax read coroutine never
     awaited): the filter stays after a failed attempt, and still passes every other report on."""
@@ -135,21 +135,18 @@ def test_reads_that_finish_after_the_failed_attempt_are_dropped_too(model, direc
         except ValueError as error:
             return error
 
-    logged = []
-    handler = logging.Handler()
-    handler.emit = logged.append
     asyncio_logger = logging.getLogger("asyncio")
-    asyncio_logger.addHandler(handler)
-    try:
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
         for where in (os.path.join("site-packages", "orbax", "serialization.py"), "mine.py"):
             error = failed_in(where)
             asyncio_logger.error("_GatheringFuture exception was never retrieved\nfuture: <...>",
                                  exc_info=(type(error), error, error.__traceback__))
         for where in (directory / "3" / "state", directory / "2" / "state"):  # tensorstore's: no Python frames
             error = ValueError(f'DATA_LOSS: Error reading "params.embed/.zarray" in OCDBT database at "{where}/"')
-            asyncio_logger.error("Future exception was never retrieved\nfuture: <...>", exc_info=(ValueError, error, None))
-    finally:
-        asyncio_logger.removeHandler(handler)
+            asyncio_logger.error("Future exception was never retrieved\nfuture: <...>",
+                                 exc_info=(ValueError, error, None))
+    logged = [r for r in caplog.records if r.name == "asyncio"]
     assert len(logged) == 2
     assert logged[0].exc_info[1].__traceback__.tb_next.tb_frame.f_code.co_filename == "mine.py"
     assert f"{directory}/2/state" in str(logged[1].exc_info[1])  # step 2 restored: its reports are not dropped

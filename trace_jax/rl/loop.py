@@ -335,9 +335,12 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
     bar = progress_bar(ws.steps, "warm start", enabled=progress)
     bar.update(start)
 
+    def elapsed() -> float:  # the warm start's seconds over every attempt
+        return seconds + time.perf_counter() - began
+
     def save(force: bool) -> None:
         host = {"losses": losses, "data_iterator": batches.state(), "config": dataclasses.asdict(ws),
-                "seconds": seconds + time.perf_counter() - began, "carry": carry}
+                "seconds": elapsed(), "carry": carry}
         store.save(state, host, force=force)
 
     for step in range(start, ws.steps):
@@ -359,26 +362,24 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
         if store is not None:
             if guard is not None:
                 _stop_requested_anywhere(guard)
-            if guard is not None and guard.requested and step + 1 < ws.steps:
-                save(force=True)
-                store.wait_until_finished()
-                bar.close()
-                return WarmStartOutcome(None, losses, stopped_at=step + 1, carry=carry,
-                                        seconds=seconds + time.perf_counter() - began)
+                if guard.requested and step + 1 < ws.steps:
+                    save(force=True)
+                    store.wait_until_finished()
+                    bar.close()
+                    return WarmStartOutcome(None, losses, stopped_at=step + 1, carry=carry, seconds=elapsed())
             save(force=step + 1 == ws.steps)
     bar.close()
     if store is not None:
         store.wait_until_finished()
-    return WarmStartOutcome(state.params, losses, carry=carry, seconds=seconds + time.perf_counter() - began)
+    return WarmStartOutcome(state.params, losses, carry=carry, seconds=elapsed())
 
 
 def _check_resumed_warm_start(directory: str, saved: dict | None, ws) -> None:
     """A warm start resumes only under the settings it was saved with (how often it saves may change)."""
-    now = json.loads(json.dumps(dataclasses.asdict(ws)))
-    changed = sorted(k for k in set(now) | set(saved or {})
-                     if k != "checkpoint_every" and (saved or {}).get(k) != now.get(k))
+    saved, now = saved or {}, json.loads(json.dumps(dataclasses.asdict(ws)))
+    changed = sorted(k for k in set(now) | set(saved) if k != "checkpoint_every" and saved.get(k) != now.get(k))
     if changed:
-        listed = ", ".join(f"{k}: {(saved or {}).get(k)!r} -> {now.get(k)!r}" for k in changed)
+        listed = ", ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed)
         raise ValueError(f"the warm start saved in {directory} ran with other WarmStartConfig settings ({listed}); "
                          "bind them back to resume it, or move that directory away to warm-start again")
 

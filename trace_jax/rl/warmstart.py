@@ -332,7 +332,7 @@ def sft_arrays(chat: ChatFormat, rollout: RolloutConfig, browser: Browser, resul
       turn_weights: optional `(row, turn) -> weight` for per-turn SFT weights (ABC-SFT); default 1.
       answer_weight: a further factor on each row's last (answer) turn (`WarmStartConfig.answer_weight`).
     """
-    rows, kept, episodes, first_error, dropped = [], [], [], None, []
+    rows, kept, episodes, errors = [], [], [], []
     for result in results:
         task = result.task
         episode = EpisodeRecord(task_id=task.task_id, question=task.question,  # as run_episodes records it
@@ -347,10 +347,10 @@ def sft_arrays(chat: ChatFormat, rollout: RolloutConfig, browser: Browser, resul
             kept.append(result)
             episodes.append(episode)
         except ValueError as error:
-            first_error = first_error or error
-            dropped.append(str(error))
+            errors.append(error)
     if not rows:
-        raise first_error or ValueError("no oracle episodes to render")
+        raise errors[0] if errors else ValueError("no oracle episodes to render")
+    dropped = tuple(str(error) for error in errors)
     if dropped:
         warnings.warn(DroppedDemonstrations(f"{len(dropped)} of {len(results)} oracle demonstrations dropped, "
                                             f"{dropped_summary(dropped)}"), stacklevel=2)
@@ -374,7 +374,7 @@ def sft_arrays(chat: ChatFormat, rollout: RolloutConfig, browser: Browser, resul
         weights = np.where((turn_index == last_turn) & (loss_mask > 0), weights * answer_weight, weights)
     return SFTArrays(tokens=np.asarray(batch.tokens), positions=np.asarray(batch.positions), loss_mask=loss_mask,
                      weights=weights, turn_index=turn_index, lengths=np.asarray(batch.lengths),
-                     task_ids=tuple(r.task.task_id for r in kept), episodes=tuple(episodes), dropped=tuple(dropped))
+                     task_ids=tuple(r.task.task_id for r in kept), episodes=tuple(episodes), dropped=dropped)
 
 
 class DroppedDemonstrations(UserWarning):

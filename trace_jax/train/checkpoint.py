@@ -307,11 +307,12 @@ class Checkpointer:
 
 
 def _restore_everywhere(restore, step_dir: str):
-    """Run `restore()` (of the step in `step_dir`, under `_quiet_abandoned_reads`, its output held by `_held_output`) and agree with every
-    process on the outcome: `(True, value, None)` when it restored everywhere (the held output is then printed and
-    logged as it would have been), else `(False, None, reason)` with this process's error, or that another process
-    failed (the held output, tracebacks of orbax's abandoned reads among it, is dropped: the caller reports the
-    failure in one line). Any failure means: try the next candidate (MemoryError still raises)."""
+    """Run `restore()` (of the step in `step_dir`, under `_quiet_abandoned_reads`, its output held by
+    `_held_output`) and agree with every process on the outcome: `(True, value, None)` when it restored everywhere
+    (the held output is then printed and logged as it would have been), else `(False, None, reason)` with this
+    process's error, or that another process failed (the held output, tracebacks of orbax's abandoned reads among
+    it, is dropped: the caller reports the failure in one line). Any failure means: try the next candidate
+    (MemoryError still raises)."""
     value, reason = None, "it failed to restore on another process"
     with _held_output() as held:  # MemoryError and other exceptions that propagate release the held output
         try:
