@@ -458,6 +458,31 @@ def test_the_decode_roofline_reports_both_engines_and_the_pool_holds_more_rows_t
     assert "% of the roofline" in text
 
 
+def test_the_step_split_models_the_paged_engine_rows_in_flight_not_waves(monkeypatch):
+    """16 rows of 256 tokens: the rollout's decode steps are every row's decoded tokens over the rows in flight
+    (continuous batching: the pool's pages over a row's pages at half the context), which the KV budget sets."""
+    monkeypatch.setattr(plan, "compiler_dot_rate", lambda device: 1e14)  # the rates' own test is elsewhere
+    monkeypatch.setattr(plan, "compiler_memory_rate", lambda device: 1e12)
+
+    def split(budget):
+        run = parse(["configs/tiny.gin"], SMALL + [
+            "TrainConfig.prompts_per_step = 4", "RolloutConfig.group_size = 4",
+            f"RolloutConfig.kv_budget_gib = {budget}"])
+        report = plan.plan(run, plan.PlanConfig("v5e:2x2", programs=("init",)))
+        return run, report.split, report.settings["pool_pages"]
+
+    run, wide, pool = split(0.05)
+    decoded = min(256, (run.rollout.max_turns + 1) * run.rollout.turn_token_budget)
+    assert wide.rows_in_flight == 16 and wide.decoded_tokens == decoded  # every row fits at half its context
+    assert wide.decode_steps == decoded and 0 < wide.prefill < wide.rollout
+    _, narrow, pool = split(0.0002)
+    assert narrow.rows_in_flight == pool // 8 < 16  # a row at 128 tokens holds 8 pages of 16
+    assert narrow.decode_steps == -(-16 * decoded // narrow.rows_in_flight)
+    assert narrow.rollout > wide.rollout and narrow.prefill == wide.prefill
+    assert "decode steps of 16 rows in flight" in plan.format_split(plan.PlanReport(
+        None, None, "", {"mini_batches": 1}, [], {}, split=wide))[0]
+
+
 def test_every_chip_has_an_hbm_bandwidth():
     assert {name: chip.hbm_bandwidth for name, chip in plan.CHIPS.items()}["v6e"] == 1640e9
     assert all(chip.hbm_bandwidth > 0 for chip in plan.CHIPS.values())

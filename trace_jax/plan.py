@@ -963,7 +963,6 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
     mesh = models.make_mesh(axes, devices)
     programs = _Programs(model_config, run_config, mesh, plan_config, mesh_config)
     settings.update(rows_at_once=programs.rows_at_once, kv_budget_gib=programs.kv_budget_gib,
-                    waves=-(-programs.rows // programs.rows_at_once),
                     reference_dtype=run_config.train.reference_dtype, processes=programs.processes,
                     process_rows=programs.process_rows)
     if programs.pool is not None:
@@ -997,19 +996,26 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
 class StepSplit:
     """The whole RL step's time per chip, split by phase (seconds; None = not estimated), and how each was made.
 
-    rollout: every row decodes up to `max_context` tokens, in waves of the rows that run at once; each decode step
-    at the roofline max(FLOPs / dot rate, bytes / memory rate) of its matmuls and attention at the cache's mean
-    fill (half) against reading the rollout copy and that half of the cache (an upper bound: tool observations
-    are appended, not decoded, and rows that stop early leave their slots idle). score: the reference's forward
-    FLOPs over every row's trajectory and answer copies at the dot rate. update: `UpdateConfig.mini_batches`
-    times the train step's estimate (`estimate_train_time`), None without one. Rates are the compiler's own
-    (`compiler_dot_rate`, `compiler_memory_rate`)."""
+    rollout: the paged engine's continuous batching (no waves): `rows_in_flight` rows decode at once (the pool's
+    pages over the pages of a row at the mean context, at most the slots; `decode_rooflines`' paged line), each row
+    decoding at most `decoded_tokens` (its turns at the turn budget, `(max_turns + 1) x turn_token_budget`, at most
+    `max_context`), so `decode_steps = ceil(rows x decoded_tokens / rows_in_flight)`; each step at the roofline
+    max(FLOPs / dot rate, bytes / memory rate) of its matmuls and attention at the mean context (half of
+    `max_context`) against reading the rollout copy and those rows' own pages. The rest of each row's context
+    (prompt and observations, `max_context - decoded_tokens`) is prefilled: `prefill` is its FLOPs at the dot
+    rate. An upper bound: turns end before the budget and episodes before the context is full. score: the
+    reference's forward FLOPs over every row's trajectory and answer copies at the dot rate. update:
+    `UpdateConfig.mini_batches` times the train step's estimate (`estimate_train_time`), None without one. Rates
+    are the compiler's own (`compiler_dot_rate`, `compiler_memory_rate`)."""
 
     rollout: float
     score: float
     update: float | None
     decode_steps: int
     why_no_update: str = ""
+    prefill: float = 0.0  # the part of `rollout` that prefills prompts and observations
+    rows_in_flight: int = 0
+    decoded_tokens: int = 0
 
     @property
     def total(self) -> float | None:
@@ -1022,17 +1028,63 @@ def estimate_step_split(programs: "_Programs", device, estimate: "TimeEstimate |
 
     config, run, chips = programs.config, programs.run, programs.mesh.size
     rate, memory_rate = compiler_dot_rate(device), compiler_memory_rate(device)
-    length, rows, at_once = programs.length, programs.rows, programs.rows_at_once
-    # the rows run in waves of the rows at once (every process's together) over the whole mesh
-    steps = -(-rows // at_once) * length
-    step_flops = at_once * flops_per_token(config, max(1, length // 2), training=False) / chips
-    step_bytes = device_bytes(programs.rollout_params) + programs.kv_cache_bytes / 2
-    rollout = steps * max(step_flops / rate, step_bytes / memory_rate)
-    tokens_per_row = length + (run.rollout.max_turns + 1) * (programs.plan.answer_tokens - 1)
+    length, rows = programs.length, programs.rows
+    flight = paged_flight(programs)
+    rollout_cfg = run.rollout
+    decoded = min(length, (rollout_cfg.max_turns + 1) * rollout_cfg.turn_token_budget)
+    steps = -(-rows * decoded // flight.rows)
+    step_flops = flight.rows * flops_per_token(config, flight.context, training=False) / chips
+    step_bytes = device_bytes(programs.rollout_params) + flight.kv_bytes(flight.rows, flight.context)
+    decode = steps * max(step_flops / rate, step_bytes / memory_rate)
+    prefill = rows * (length - decoded) * flops_per_token(config, flight.context, training=False) / chips / rate
+    tokens_per_row = length + (rollout_cfg.max_turns + 1) * (programs.plan.answer_tokens - 1)
     score = rows * tokens_per_row * flops_per_token(config, length, training=False) / chips / rate
     update = None if estimate is None else run.update.mini_batches * estimate.seconds
-    return StepSplit(rollout=rollout, score=score, update=update, decode_steps=steps,
-                     why_no_update="" if estimate is not None else "no train-step estimate")
+    return StepSplit(rollout=decode + prefill, score=score, update=update, decode_steps=steps,
+                     why_no_update="" if estimate is not None else "no train-step estimate", prefill=prefill,
+                     rows_in_flight=flight.rows, decoded_tokens=decoded)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedFlight:
+    """The paged engine's rows in flight at the run's setting, from the config (a model, not a measurement).
+
+    rows: rows decoding at once over the whole mesh: the pool's pages over the pages of a row at the mean context,
+      at most the slots. context: the mean context a row's attention reads (`max_context / 2`). pool: the pool's
+      pages. shards: the batch shards the rows split over. token_bytes: one token's KV on one chip."""
+
+    rows: int
+    context: int
+    pool: int
+    shards: int
+    token_bytes: int
+
+    def kv_bytes(self, rows: int, context: int) -> int:
+        """The KV bytes one chip reads in a decode step of `rows` rows at `context` (its share of the rows)."""
+        return int(-(-rows // self.shards) * context * self.token_bytes)
+
+
+def paged_flight(programs: "_Programs") -> PagedFlight:
+    """`PagedFlight` of the run: the pool the registry's decode program holds, else `PagedConfig.num_pages`, else
+    what the KV budget holds, else every row's `max_context`."""
+    from trace_jax.rollout import paged as paged_lib
+    from trace_jax.rollout.budget import batch_shards
+
+    config, run, mesh, rules = programs.config, programs.run, programs.mesh, programs.rollout_rules
+    paged, length, rows = run.rollout.paged, run.rollout.max_context, programs.rows
+    mean = max(1, length // 2)
+    if programs.pool is not None:  # the paged run's own pool
+        pool = programs.pool[0]
+    elif paged.num_pages is not None:
+        pool = paged.num_pages
+    elif programs.kv_budget_gib:
+        pool = paged_lib.pages_within_budget(config, paged.page_size, programs.kv_budget_gib, mesh=mesh, rules=rules)
+    else:
+        pool = rows * paged_lib.pages_for(length, paged.page_size)
+    slots = max(1, min(rows, paged.slots or rows))
+    in_flight = max(1, min(slots, pool // paged_lib.pages_for(mean, paged.page_size)))
+    return PagedFlight(rows=in_flight, context=mean, pool=pool, shards=batch_shards(mesh, rules),
+                       token_bytes=paged_lib.page_bytes(config, 1, mesh=mesh, rules=rules))
 
 
 # ------------------------------------------------------------------------------------------------ decode roofline
@@ -1092,40 +1144,22 @@ def decode_rooflines(programs: "_Programs", topology: Topology) -> list[DecodeRo
     """The decode roofline of the paged engine (with the run's `PagedConfig`) and of the dense engine at the run's
     setting, both from the config alone (formulas; the dense one needs no dense program), and, for the engine the
     run compiles (paged), the compiled one-step decode program's bytes (`compiled_decode_step`). Paged first."""
-    from trace_jax.rollout import paged as paged_lib
-    from trace_jax.rollout.budget import batch_shards, kv_bytes_per_row
+    from trace_jax.rollout.budget import kv_bytes_per_row
 
     config, run, mesh = programs.config, programs.run, programs.mesh
-    rules, rollout = programs.rollout_rules, run.rollout
-    chips, shards = mesh.size, batch_shards(mesh, rules)
+    rules, chips = programs.rollout_rules, mesh.size
     bandwidth = topology.chip.hbm_bandwidth
     weights = device_bytes(programs.rollout_params)
-    per_token = paged_lib.page_bytes(config, 1, mesh=mesh, rules=rules)  # one token's KV on one chip
-    length, rows = rollout.max_context, programs.rows
-    mean = max(1, length // 2)
-    paged = rollout.paged
-    page_size = paged.page_size
-    if programs.pool is not None:  # the paged run's own pool
-        pool = programs.pool[0]
-    elif paged.num_pages is not None:
-        pool = paged.num_pages
-    elif programs.kv_budget_gib:
-        pool = paged_lib.pages_within_budget(config, page_size, programs.kv_budget_gib, mesh=mesh, rules=rules)
-    else:
-        pool = rows * paged_lib.pages_for(length, page_size)
-    slots = max(1, min(rows, paged.slots or rows))
-    paged_rows = max(1, min(slots, pool // paged_lib.pages_for(mean, page_size)))
+    flight = paged_flight(programs)
+    length, rows = run.rollout.max_context, programs.rows
     if programs.kv_budget_gib:
         per_chip = int(programs.kv_budget_gib * GIB // kv_bytes_per_row(config, length, mesh=mesh, rules=rules))
-        dense_rows = max(1, min(rows, per_chip * shards))
+        dense_rows = max(1, min(rows, per_chip * flight.shards))
     else:
         dense_rows = rows
-
-    def kv(rows_, context):  # a chip reads its share of the rows (rows split over the batch shards)
-        return int(-(-rows_ // shards) * context * per_token)
-
-    out = [DecodeRoofline("paged", paged_rows, mean, weights, kv(paged_rows, mean), bandwidth, chips),
-           DecodeRoofline("dense", dense_rows, length, weights, kv(dense_rows, length), bandwidth, chips)]
+    out = [DecodeRoofline("paged", flight.rows, flight.context, weights, flight.kv_bytes(flight.rows, flight.context),
+                          bandwidth, chips),
+           DecodeRoofline("dense", dense_rows, length, weights, flight.kv_bytes(dense_rows, length), bandwidth, chips)]
     step = compiled_decode_step(programs)
     if step is not None:
         out[0].compiled_bytes, out[0].compiled_rows = step
@@ -1295,9 +1329,10 @@ def format_split(report: PlanReport) -> list[str]:
         return []
     update = "n/a (" + split.why_no_update + ")" if split.update is None else _secs(split.update)
     total = "" if split.total is None else f" = {_secs(split.total)} per step"
-    return [f"step time estimate per chip: rollout {_secs(split.rollout)} ({split.decode_steps} decode steps, an "
-            f"upper bound) + score {_secs(split.score)} + update {update} ({report.settings['mini_batches']} "
-            f"mini-batch(es)){total}"]
+    return [f"step time estimate per chip: rollout {_secs(split.rollout)} ({split.decode_steps} decode steps of "
+            f"{split.rows_in_flight} rows in flight, at most {split.decoded_tokens} decoded tokens a row, and "
+            f"{_secs(split.prefill)} of prefill; an upper bound) + score {_secs(split.score)} + update {update} "
+            f"({report.settings['mini_batches']} mini-batch(es)){total}"]
 
 
 def _secs(value: float) -> str:
