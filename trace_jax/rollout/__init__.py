@@ -2,8 +2,7 @@
 
 Public API (see docs/rollout.md):
   TrajectoryBatch, EpisodeRecord, STATUSES, build_batch, EpisodeView, episode_view (batch)
-  SamplingConfig, SamplerState, init_state, generate, Generation, sample_from_logits, StopStrings
-                                       (sampler: sampling rules; its dense cache serves `trace-jax serve` for now)
+  SamplingConfig, STOP_REASONS, sample_from_logits, StopStrings             (sampler: the sampling rules)
   RolloutConfig, Rollout, run_episodes, ScriptedPolicy                        (agent)
   kv_bytes_per_row                                                            (budget)
   SearchState, search_state, render_record, compacted_context                 (context: context management)
@@ -18,20 +17,11 @@ from trace_jax.rollout.batch import (STATUS_CODES, STATUSES, EpisodeRecord, Epis
                                      episode_view)
 from trace_jax.rollout.budget import kv_bytes_per_row
 from trace_jax.rollout.context import SearchState, compacted_context, render_record, search_state
-from trace_jax.rollout.sampler import (
-    STOP_REASONS,
-    Generation,
-    SamplerState,
-    SamplingConfig,
-    StopStrings,
-    generate,
-    init_state,
-    sample_from_logits,
-)
+from trace_jax.rollout.sampler import STOP_REASONS, SamplingConfig, StopStrings, sample_from_logits
 
 __all__ = [
-    "DEFAULT_SYSTEM_PROMPT", "EpisodeRecord", "EpisodeView", "Generation", "Rollout", "RolloutConfig", "STATUSES",
-    "STATUS_CODES", "STOP_REASONS", "SamplerState", "SamplingConfig", "ScriptedPolicy", "SearchState", "StopStrings",
-    "TrajectoryBatch", "build_batch", "compacted_context", "episode_view", "generate", "init_state",
-    "kv_bytes_per_row", "render_record", "run_episodes", "sample_from_logits", "search_state",
+    "DEFAULT_SYSTEM_PROMPT", "EpisodeRecord", "EpisodeView", "Rollout", "RolloutConfig", "STATUSES", "STATUS_CODES",
+    "STOP_REASONS", "SamplingConfig", "ScriptedPolicy", "SearchState", "StopStrings", "TrajectoryBatch",
+    "build_batch", "compacted_context", "episode_view", "kv_bytes_per_row", "render_record", "run_episodes",
+    "sample_from_logits", "search_state",
 ]

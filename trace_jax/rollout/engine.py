@@ -547,7 +547,7 @@ class _Engine:
         return out
 
     def _check_stop_strings(self, row: _Row, stop: int) -> int:
-        """`sampler.generate`'s stop-string rule on the row's turn so far: a completed stop string ends the turn
+        """The stop-string rule on the row's turn so far: a completed stop string ends the turn
         and the tokens after it are dropped (and uncached)."""
         ids = row.turn_ids
         if stop == sampler_lib.STOP_TOKEN and row.checked >= len(ids):

@@ -26,14 +26,14 @@ is about the sum of the rows' own lengths, not the batch maximum times the rows,
 
 Programs (one public builder each, cached per static arguments; `compiled_programs(kind)` counts executables):
   * `init_pool_program`: the empty pool, created inside jit with `out_shardings` (pages over the batch axes, kv heads
-    over `tensor`, as `sampler.init_state_program` places the dense cache). The kernel path runs on a pool whose
-    pages are on one batch shard (`decode_attention_path`; heads may be split over `tensor`).
+    over `tensor`). The kernel path runs on a pool whose pages are on one batch shard (`decode_attention_path`;
+    heads may be split over `tensor`).
   * `prefill_program`: a chunk of up to W tokens for each of U distinct rows run through the model and written into
     the pages of every row holding those tokens (a prompt's G samples run once), each row's last logits stored in
     its slot: admission, observations, and recompute after preemption are this one program.
   * `decode_program`: `num_steps` decode steps of the rows that generate (gathered from their slots): sample
     from the pending logits with per-row keys `fold_in(key[row], turn_step[row])` (`sampler.sample_from_logits`),
-    write the token's keys/values into the row's page, update the stop state as `sampler.decode_program` does.
+    write the token's keys/values into the row's page, update the stop state (stop token, full row, budget).
 
 On a mesh the programs run under `jax.set_mesh` (`sampler.MeshProgram`); the output state is pinned to `layout`.
 
@@ -680,7 +680,7 @@ def _decode_steps(config, num_steps, max_len, layout, sampling, params, state: P
                                             active.astype(jnp.int32), items, max_len)
         step = active.astype(jnp.int32)
         lengths, budget_left, turn_step = lengths + step, budget_left - step, turn_step + step
-        # the stop rule of `sampler.decode_program`: stop token, then a full row, then the budget
+        # the stop rule (`sampler.STOP_REASONS`): stop token, then a full row, then the budget
         hit_stop = jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
         step_reason = jnp.where(hit_stop, sampler_lib.STOP_TOKEN, jnp.where(
             lengths >= max_len, sampler_lib.CONTEXT_FULL,
@@ -709,10 +709,10 @@ def decode_program(config: ModelConfig, num_steps: int, max_len: int, layout=Non
     Row i reads its pending logits from slot `slots[i]` and writes them back there (a slot >= the state's slots is
     padding: nothing is kept). Only the rows that generate run: the host passes the decoding rows, padded to a
     bucket (`sampler.bucket_length(D, minimum=1)`), not every slot. Row i's token at its turn step t is drawn with
-    `fold_in(keys[i], t)`: the per-row keys of `sampler.generate` (its step s is the row's t when the row started
-    its turn with the call). The host must have given each active row the pages of its positions
-    `< lengths + num_steps`, and `items` must cover its cached pages up to `lengths + num_steps - 1`. The state is
-    donated. Stop rule and log-probs as `sampler.decode_program`.
+    `fold_in(keys[i], t)`, so its tokens depend on its key alone. The host must have given each active row the pages
+    of its positions `< lengths + num_steps`, and `items` must cover its cached pages up to
+    `lengths + num_steps - 1`. The state is donated. A row stops at a stop id, then at `max_len`, then at its budget
+    (`reason`: `sampler.STOP_REASONS`); log-probs as `sampler.sample_from_logits` gives them.
 
     Attention: `decode_attention_path(config, layout)`. On the kernel path `items` is not read (the kernel walks
     each row's page table)."""
