@@ -68,7 +68,9 @@ class PagedConfig:
     Attributes:
       page_size: tokens per page.
       num_pages: pages in the pool. None: what `RolloutConfig.kv_budget_gib` holds per chip
-        (`paged.pages_within_budget`), or, without a budget, every row's `max_context`.
+        (`paged.pages_within_budget`), or, without a budget, every row's `max_context`. A row's pages lie on one
+        batch shard of the pool, so on a mesh whose batch axes split it each shard's part must hold one row of
+        `max_context` (`engine.pool_pages`).
       slots: rows in flight at most (the decode batch). None: every row of the call.
       prefill_chunk: most tokens of one row written by one prefill dispatch (longer inputs take several).
       prefill_tokens: most tokens one prefill dispatch runs through the model (rows with the same tokens count
