@@ -177,8 +177,10 @@ def test_a_kv_budget_sets_the_rollout_pool_in_whole_pages_per_chip(tiny_run):
     programs = plan._Programs(config, run, mesh, plan.PlanConfig("v5e:2x2", kv_budget_gib=1.0))
     assert (programs.rows, programs.rows_at_once, programs.pool) == (4096, 4096, (4 * 131072, 16))
     assert programs.kv_cache_bytes == GIB
-    with pytest.raises(plan.PlanError, match=r"kv_budget_gib = 0.001 gives a pool of 524 pages of 16 tokens; one "
-                                             r"row of max_context = 16384 needs 1024: raise it"):
+    # a row's pages lie on one batch shard: each chip's 131 pages must hold one row
+    with pytest.raises(plan.PlanError, match=r"kv_budget_gib = 0.001 gives a pool of 524 pages of 16 tokens over 4 "
+                                             r"batch shards, 131 a shard; a row's pages lie on one shard and one row "
+                                             r"of max_context = 16384 needs 1024: raise it \(to 4096 pages at least"):
         plan._Programs(config, run, mesh, plan.PlanConfig("v5e:2x2", kv_budget_gib=0.001))
 
 
