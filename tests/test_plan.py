@@ -177,8 +177,10 @@ def test_a_kv_budget_sets_the_rollout_pool_in_whole_pages_per_chip(tiny_run):
     programs = plan._Programs(config, run, mesh, plan.PlanConfig("v5e:2x2", kv_budget_gib=1.0))
     assert (programs.rows, programs.rows_at_once, programs.pool) == (4096, 4096, (4 * 131072, 16))
     assert programs.kv_cache_bytes == GIB
-    with pytest.raises(plan.PlanError, match=r"kv_budget_gib = 0.001 gives a pool of 524 pages of 16 tokens; one "
-                                             r"row of max_context = 16384 needs 1024: raise it"):
+    # a row's pages lie on one batch shard: each chip's 131 pages must hold one row
+    with pytest.raises(plan.PlanError, match=r"kv_budget_gib = 0.001 gives a pool of 524 pages of 16 tokens over 4 "
+                                             r"batch shards, 131 a shard; a row's pages lie on one shard and one row "
+                                             r"of max_context = 16384 needs 1024: raise it \(to 4096 pages at least"):
         plan._Programs(config, run, mesh, plan.PlanConfig("v5e:2x2", kv_budget_gib=0.001))
 
 
@@ -422,8 +424,7 @@ def test_short_contexts_halve_until_the_variants_fit(tiny_run, monkeypatch):
 def test_for_a_tpu_topology_the_paged_decode_lowers_to_the_pallas_kernel_and_the_prefill_does_not():
     """The kernel is chosen by the target the program is compiled for (the CPU host's backend notwithstanding):
     the paged decode program of `plan`'s registry lowers to a Mosaic custom call; the prefill stays XLA. The mesh
-    splits heads, not pages: on a pool over several batch shards the decode stays XLA
-    (`paged.decode_attention_path`)."""
+    splits heads, not pages (pages over batch shards: the next test)."""
     from trace_jax import models
 
     topology = plan.parse_topology("v5e:2x2")
@@ -434,6 +435,26 @@ def test_for_a_tpu_topology_the_paged_decode_lowers_to_the_pallas_kernel_and_the
     programs = plan._Programs(config, run, mesh, plan.PlanConfig("v5e:2x2"))
     assert "tpu_custom_call" in programs.registry.largest("paged_decode").lower().as_text()
     assert "tpu_custom_call" not in programs.registry.largest("paged_prefill").lower().as_text()
+
+
+@needs_libtpu
+def test_for_a_tpu_topology_with_pages_over_fsdp_shards_the_paged_decode_lowers_to_the_pallas_kernel():
+    """The pool's pages over 4 fsdp shards (the pod setting): the engine's allocator keeps each row's pages on one
+    shard, so the decode program of `plan`'s registry runs the kernel there too (in `shard_map`, each shard its
+    rows with local page ids)."""
+    from trace_jax import models
+    from trace_jax.rollout import paged
+
+    topology = plan.parse_topology("v6e:2x2")
+    mesh = models.make_mesh({"data": 1, "fsdp": 4, "tensor": 1, "expert": 1}, plan.tpu_devices(topology))
+    run = parse(["configs/tiny.gin"], SMALL + ["model_preset.head_dim = 128", "model_preset.num_key_value_heads = 4"])
+    config, _ = plan.resolve_model(run)
+    config = plan._override_model(config, plan.PlanConfig("v6e:2x2"), "tpu")
+    programs = plan._Programs(config, run, mesh, plan.PlanConfig("v6e:2x2"))
+    decode = programs.registry.largest("paged_decode")
+    pool = decode.args[2]
+    assert paged.page_shards(paged.state_layout(pool)) == 4
+    assert "tpu_custom_call" in decode.lower().as_text()
 
 
 @needs_libtpu

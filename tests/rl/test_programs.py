@@ -244,7 +244,8 @@ def test_the_paged_entries_are_every_bucket_the_engine_can_reach_and_no_more(run
     config, _, _, registry = run
     paged = config.rollout.paged
     slots = config.train.prompts_per_step * config.rollout.group_size  # 4: every row in flight
-    pool = slots * config.rollout.max_context // paged.page_size      # no budget: every row's max_context
+    # no budget: every row's max_context, whole rows on each of the 8 batch shards (fsdp=8; a row's pages lie on one)
+    pool = -(-slots // 8) * 8 * config.rollout.max_context // paged.page_size
     (init,) = registry.named("paged_init")
     assert registry.rows_at_once == slots
     assert f"a pool of {pool} pages x {paged.page_size} tokens, {slots} slots" == init.shape

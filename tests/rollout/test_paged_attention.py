@@ -1,6 +1,8 @@
 """Paged KV (`rollout.paged`): ragged paged attention against a float64 loop, the page allocator, and the paged
 prefill/decode programs against the dense cache (`models.cache.extend`) on the tiny model."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,6 +135,42 @@ def test_a_shared_page_is_free_again_only_when_its_last_holder_releases_it():
         pool.share([3])
     with pytest.raises(RuntimeError, match="double free"):
         pool.release([0, 0])
+
+
+def test_a_sharded_allocator_hands_out_each_shards_own_block_lowest_first():
+    """12 pages over 3 shards: shard s owns pages [4s, 4s + 4); a page freed goes back to its own shard."""
+    pool = paged.PageAllocator(12, shards=3)
+    assert pool.alloc(2, 1) == [4, 5] and pool.alloc(1, 2) == [8] and pool.alloc(3, 0) == [0, 1, 2]
+    assert [pool.free_in(s) for s in range(3)] == [1, 2, 3] and pool.free_pages == 6
+    assert [pool.shard_of(p) for p in (3, 4, 11)] == [0, 1, 2]
+    pool.release([5, 0])
+    assert pool.alloc(2, 1) == [5, 6] and pool.alloc(2, 0) == [0, 3]
+    with pytest.raises(RuntimeError, match="2 pages asked, 1 free in shard 1"):
+        pool.alloc(2, 1)
+    with pytest.raises(ValueError, match="shards must be an int >= 1 dividing num_pages = 10"):
+        paged.PageAllocator(10, shards=4)
+
+
+def test_growing_a_row_preempts_the_newest_rows_of_its_own_shard_only():
+    """Shard 0 full: row 2 grows by pausing row 3 (shard 0, newer), never row 4 (shard 1, the newest); on a full
+    shard 1 the newest of its rows, row 4, pauses itself rather than the older row 3."""
+    pool = paged.PageAllocator(8, shards=2)
+    rows = [types.SimpleNamespace(index=i, pages=[]) for i in range(5)]
+    rows[2].pages, rows[3].pages, rows[4].pages = pool.alloc(2, 0), pool.alloc(2, 0), pool.alloc(1, 1)
+    paused = []
+
+    def preempt(row):
+        pool.release(row.pages)
+        row.pages = []
+        paused.append(row.index)
+
+    def grow(row, pages, shard):
+        return paged.grow_pages(pool, row, pages, rows, lambda r: r.index, preempt, shard=shard)
+
+    assert grow(rows[2], 4, 0) and paused == [3] and rows[2].pages == [0, 1, 2, 3] and rows[4].pages == [4]
+    rows[3].pages = pool.alloc(1, 1)
+    assert grow(rows[3], 3, 1) and rows[3].pages == [5, 6, 7] and paused == [3]  # room: nobody paused
+    assert not grow(rows[4], 2, 1) and paused == [3, 4] and rows[3].pages == [5, 6, 7]
 
 
 @pytest.fixture(scope="module")

@@ -250,6 +250,38 @@ def test_a_pool_smaller_than_one_row_is_refused_naming_the_field(setup):
                                       jax.random.PRNGKey(0), paged=dataclasses.replace(PAGED, num_pages=3))
 
 
+def test_on_a_mesh_every_batch_shard_of_the_pool_must_hold_one_row_naming_the_field_and_the_fix(setup):
+    """Pages over data x fsdp = 4 batch shards: a row's pages lie on one shard, so 40 pages (10 a shard) cannot hold
+    one row of 24; 30 pages do not divide over the shards (the pool is replicated on each) and are one block."""
+    _, config, _ = setup
+    mesh = models.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    with pytest.raises(ValueError, match=r"PagedConfig.num_pages = 40 gives a pool of 40 pages of 8 tokens over 4 "
+                                         r"batch shards, 10 a shard; a row's pages lie on one shard and one row of "
+                                         r"max_context = 192 needs 24: raise it \(to 96 pages at least\)"):
+        engine_lib.pool_pages(config, ROLLOUT, dataclasses.replace(PAGED, num_pages=40), 8, mesh=mesh)
+    assert engine_lib.pool_pages(config, ROLLOUT, dataclasses.replace(PAGED, num_pages=96), 8, mesh=mesh) == 96
+    assert engine_lib.pool_pages(config, ROLLOUT, dataclasses.replace(PAGED, num_pages=30), 8, mesh=mesh) == 30
+    assert engine_lib.pool_shards(30, mesh=mesh) == 1 and engine_lib.pool_shards(96, mesh=mesh) == 4
+    tiny_budget = dataclasses.replace(ROLLOUT, kv_budget_gib=paged_lib.page_bytes(config, 8, mesh=mesh) * 20.5 / 2**30)
+    with pytest.raises(ValueError, match=r"RolloutConfig.kv_budget_gib = .* gives a pool of 80 pages .* 20 a shard"):
+        engine_lib.pool_pages(config, tiny_budget, PAGED, 8, mesh=mesh)
+
+
+def test_the_default_pool_holds_whole_rows_on_every_batch_shard():
+    """No budget: 3 rows of 24 pages over 4 shards round up to one row a shard (96 pages, not 72: a row cannot
+    straddle two shards' 18); over 2 processes each part spans 2 shards (2 x 24), and over 8 processes a shard
+    holds two processes' parts (one row each)."""
+    config = models.get_preset("tiny-qwen3")
+    mesh = models.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    assert engine_lib.pool_pages(config, ROLLOUT, PAGED, 3, mesh=mesh) == 96
+    assert engine_lib.pool_pages(config, ROLLOUT, PAGED, 3, mesh=mesh, processes=2) == 96
+    assert engine_lib.pool_shards(96, mesh=mesh, processes=2) == 2
+    assert engine_lib.pool_pages(config, ROLLOUT, PAGED, 3, mesh=mesh, processes=8) == 72
+    assert engine_lib.pool_shards(72, mesh=mesh, processes=8) == 1
+    with pytest.raises(ValueError, match="each process's part of the page pool would straddle shards"):
+        engine_lib.pool_shards(24, mesh=mesh, processes=3)
+
+
 def test_a_prompt_with_ids_past_the_models_vocabulary_is_refused_naming_the_task(setup):
     """A tokenizer larger than the model's vocabulary would give NaN embeddings on the device."""
     chat, config, params = setup

@@ -123,32 +123,25 @@ def wide():
     return config, params
 
 
-@pytest.mark.parametrize("axes", [None, {"tensor": 2}])
+@pytest.mark.parametrize("axes", [None, {"tensor": 2}, {"fsdp": 2}, {"fsdp": 4, "tensor": 2}])
 def test_the_kernel_decode_program_gives_the_xla_programs_tokens_and_logits(wide, axes):
     """Rows of ragged lengths (one inactive) decode three greedy steps on the kernel path (interpret mode) and on
     the XLA path from the same pool: the same tokens, logits within bfloat16 rounding. On a mesh the kv heads are
-    split over 2 tensor shards."""
+    split over the tensor shards and the pool's 16 pages over the fsdp shards (8 or 4 a shard), each row's pages on
+    one of them (rows 0 and 2 on shard 0, row 1 on the last half, row 3 on the last quarter), as the engine's
+    `PageAllocator` places them: each shard runs its rows with local page ids."""
     config, params = wide
-    mesh = None if axes is None else models.make_mesh(axes, jax.devices()[:2])
+    devices = int(np.prod(list(axes.values()))) if axes else 1
+    mesh = None if axes is None else models.make_mesh(axes, jax.devices()[:devices])
     tables = [[0, 1, 2], [9, 8], [3], [12, 13, 14, 15]]
     lengths, active = [9, 5, 2, 10], np.asarray([True, True, False, True])
-    kernel = _decode_run(config.replace(attention_impl="pallas_tpu"), params, mesh, tables, lengths, active, 3,
-                         interpret=True)
+    kernel_config = config.replace(attention_impl="pallas_tpu")
+    if mesh is not None:
+        layout = paged.state_layout(paged.init_pool_program(kernel_config, 16, 4, 4, mesh)())
+        assert paged.page_shards(layout) == (axes or {}).get("fsdp", 1)
+        assert paged.decode_attention_path(kernel_config, layout) == "pallas_tpu"
+    kernel = _decode_run(kernel_config, params, mesh, tables, lengths, active, 3, interpret=True)
     xla = _decode_run(config.replace(attention_impl="xla"), params, mesh, tables, lengths, active, 3,
                       interpret=False)
     np.testing.assert_array_equal(kernel[0], xla[0])
     np.testing.assert_allclose(kernel[1][active], xla[1][active], atol=3e-2, rtol=3e-2)
-
-
-def test_a_pool_over_several_batch_shards_decodes_on_the_xla_path(wide):
-    """Until the allocator keeps a row's pages on one shard, the kernel is not compiled for a pool split over batch
-    shards (a row's pages could straddle them)."""
-    config, _ = wide
-    kernel = config.replace(attention_impl="pallas_tpu")
-    split = paged.state_layout(paged.init_pool_program(kernel, 16, 4, 4, models.make_mesh({"fsdp": 2},
-                                                                                          jax.devices()[:2]))())
-    whole = paged.state_layout(paged.init_pool_program(kernel, 16, 4, 4, models.make_mesh({"tensor": 2},
-                                                                                           jax.devices()[:2]))())
-    assert paged.decode_attention_path(kernel, split) == "xla"
-    assert paged.decode_attention_path(kernel, whole) == "pallas_tpu"
-    assert paged.decode_attention_path(kernel, None) == "pallas_tpu"

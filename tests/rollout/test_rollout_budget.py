@@ -1,6 +1,8 @@
 """The rollout's KV budget: bytes a row's cache takes, and the pages a per-chip budget gives the engine's pool on a
 mesh."""
 
+import dataclasses
+
 import jax
 import pytest
 
@@ -40,8 +42,14 @@ def test_a_budget_below_one_row_is_refused_naming_the_field_and_the_pages_a_row_
     with pytest.raises(ValueError, match=rf"RolloutConfig.kv_budget_gib = 6.0 gives a pool of {pages} pages of 16 "
                                          rf"tokens; one row of max_context = 49152 needs 3072: raise it"):
         pool_pages(config, rollout, rollout.paged, 8)
-    # pages split over 8 batch shards: the pool holds 8 chips' budgets, more than the row
-    assert pool_pages(config, rollout, rollout.paged, 8, mesh=mesh_of(fsdp=8)) == 8 * pages
+    # pages split over 8 batch shards: the pool holds 8 chips' budgets, more than the row, but a row's pages lie on
+    # one shard (the kernel path runs it there), so each chip's budget must hold one
+    with pytest.raises(ValueError, match=rf"gives a pool of {8 * pages} pages of 16 tokens over 8 batch shards, "
+                                         rf"{pages} a shard; a row's pages lie on one shard and one row of "
+                                         rf"max_context = 49152 needs 3072: raise it \(to 24576 pages at least\)"):
+        pool_pages(config, rollout, rollout.paged, 8, mesh=mesh_of(fsdp=8))
+    enough = dataclasses.replace(rollout, kv_budget_gib=6.8)  # configs/qwen3_4b.gin's: 3094 pages a chip
+    assert pool_pages(config, enough, rollout.paged, 8, mesh=mesh_of(fsdp=8)) == 8 * 3094
 
 
 def test_without_a_budget_the_pool_holds_every_rows_max_context():

@@ -5,9 +5,12 @@ episode rules of `rollout.agent`), on the paged KV cache of `rollout.paged`:
 
     page pool  `PagedConfig.num_pages` (`RolloutConfig.paged`) pages of `page_size` tokens (from
                `RolloutConfig.kv_budget_gib` when set),
-               shared by `slots` rows in flight; a row holds the pages of the tokens it has cached, no more. A
-               prompt's samples admitted together hold its full pages once (`_sibling_pages`, refcounted by
-               `PageAllocator.share`); each holds its last partial page and its generated tokens alone.
+               shared by `slots` rows in flight; a row holds the pages of the tokens it has cached, no more. On a
+               mesh whose batch axes split the pool, each row's pages come from one batch shard's block (the kernel
+               path runs a row on the shard holding its pages); a row is admitted to the shard with the fewest rows
+               among those with room (`_place`). A prompt's samples admitted together on one shard hold its full
+               pages once (`_sibling_pages`, refcounted by `PageAllocator.share`); each holds its last partial page
+               and its generated tokens alone.
     row states QUEUED -> PREFILL -> DECODE -> TOOL -> PREFILL -> DECODE ... -> DONE
       QUEUED   waiting for a slot and the pages of its tokens (a new episode, or a preempted row to recompute);
                admitted in row order as soon as both are free (no round barrier).
@@ -19,12 +22,13 @@ episode rules of `rollout.agent`), on the paged KV cache of `rollout.paged`:
       TOOL     its tool call runs on a host thread pool (`tool_workers`) while the other rows decode; the
                observation is appended and the row goes back to PREFILL.
       DONE     its pages and slot are freed at once.
-    preemption when a row needs a page and none is free, the row admitted last (highest row index) that holds
-               pages is paused: its pages and slot are released and it waits at the head of the queue; on
-               re-admission its tokens are recomputed by PREFILL (vLLM's recompute preemption). Nothing of the
-               episode is lost: its tokens, log-probs and turn state are host lists, and the rest of its turn is
-               drawn with the same keys. A pool of at least one row of `max_context` always makes progress: the
-               first row in row order can preempt every other.
+    preemption when a row needs a page and none is free in its shard, the row admitted last (highest row index)
+               that holds pages of that shard is paused: its pages and slot are released and it waits at the head
+               of the queue; on re-admission its tokens are recomputed by PREFILL (vLLM's recompute preemption).
+               Nothing of the episode is lost: its tokens, log-probs and turn state are host lists, and the rest
+               of its turn is drawn with the same keys. A pool whose every shard holds one row of `max_context`
+               always makes progress: the first row in row order, once admitted, is never paused (it can preempt
+               every other row of its shard), and a queued head is admitted as soon as one shard has room.
 
 Tokens: turn k of row r samples its i-th token with `fold_in(fold_in(fold_in(rng, k), row_offset + r), i)`
 (`agent.row_turn_keys`), whatever the pool, the rows in flight, preemption or the tools' latencies (up to float32
@@ -117,6 +121,7 @@ class _Row:
     segment: dict  # `agent.new_segment`: the row's current segment
     phase: str = QUEUED
     slot: int | None = None
+    shard: int | None = None  # the batch shard of the pool its pages come from (while it holds a slot)
     pages: list = dataclasses.field(default_factory=list)
     cached: int = 0  # tokens of `tokens()` in its pages
     turn_open: bool = False
@@ -140,12 +145,32 @@ def mesh_processes(mesh) -> int:
     return jax.process_count() if distributed.spans_processes(mesh) else 1
 
 
+def pool_shards(pages: int, *, mesh=None, rules=None, processes: int = 1) -> int:
+    """The batch shards one process's part of the pool (`pages` pages; the pool holds `processes` x this) is split
+    over: the engine's `PageAllocator` takes each row's pages from one of them (the kernel path runs a row on the
+    shard holding its pages). The pool's batch shards (`budget.batch_shards`) shared by the processes; 1 when the
+    pool does not divide over them (then it is replicated on every shard, `sampler.divisible_shardings`) or when one
+    shard holds several processes' parts."""
+    shards = batch_shards(mesh, rules)
+    if shards == 1 or (processes * pages) % shards:
+        return 1
+    if shards % processes == 0:
+        return shards // processes
+    if processes % shards == 0:
+        return 1
+    raise ValueError(f"a rollout mesh of {shards} batch shards over {processes} processes: each process's part of "
+                     "the page pool would straddle shards; make the batch axes' size divide the process count or "
+                     "be divided by it")
+
+
 def pool_pages(config: ModelConfig, rollout: agent_lib.RolloutConfig, paged: PagedConfig, rows: int, *, mesh=None,
                rules=None, processes: int = 1) -> int:
     """Pages of one process's part of the pool (`PagedConfig.num_pages`, see there; the pool holds `processes` x
     this): `num_pages` as set, else an equal part of what `RolloutConfig.kv_budget_gib` holds per chip, else `rows`
-    (this process's, the most any process has) rows of `max_context`, rounded up so that the pool divides over the
-    batch shards (each process's part then lives on its own devices). At least one row of `max_context` must fit."""
+    (this process's, the most any process has) rows of `max_context`, rounded up to whole rows a batch shard, so
+    that the pool divides over the batch shards (each process's part then lives on its own devices) and every row
+    fits without preemption. A row's pages lie on one batch shard (`pool_shards`), so each shard's block must hold
+    one row of `max_context`."""
     needed = paged_lib.pages_for(rollout.max_context, paged.page_size)
     if paged.num_pages is not None:
         pages, source = paged.num_pages, f"PagedConfig.num_pages = {paged.num_pages}"
@@ -158,10 +183,16 @@ def pool_pages(config: ModelConfig, rollout: agent_lib.RolloutConfig, paged: Pag
     else:
         shards = batch_shards(mesh, rules)
         part = shards // processes if shards % processes == 0 else 1  # the batch shards of one process's pages
-        return -(-needed * max(rows, 1) // part) * part
-    if pages < needed:
+        return -(-max(rows, 1) // part) * part * needed
+    shards = pool_shards(pages, mesh=mesh, rules=rules, processes=processes)
+    if shards == 1 and pages < needed:
         raise ValueError(f"{source} gives a pool of {pages} pages of {paged.page_size} tokens; one row of "
                          f"max_context = {rollout.max_context} needs {needed}: raise it")
+    if pages // shards < needed:
+        raise ValueError(f"{source} gives a pool of {pages} pages of {paged.page_size} tokens over {shards} batch "
+                         f"shards, {pages // shards} a shard; a row's pages lie on one shard and one row of "
+                         f"max_context = {rollout.max_context} needs {needed}: raise it (to {needed * shards} "
+                         "pages at least)")
     return pages
 
 
@@ -248,10 +279,16 @@ class _Engine:
         hooked = logits_hook is not None
         self.with_bias = distributed.agree_any(hooked) if self.processes > 1 else hooked
         self.steps = 1 if self.with_bias else rollout.sync_every
-        self.allocator = paged_lib.PageAllocator(self.num_pages)
+        # a row's pages come from one batch shard's block of this process's part (the kernel path runs the row on
+        # the shard holding them); every shard holds one row of max_context (`pool_pages`)
+        self.shards = pool_shards(self.num_pages, mesh=mesh, rules=rules, processes=self.processes)
+        self.allocator = paged_lib.PageAllocator(self.num_pages, self.shards)
         self.state = paged_lib.init_pool_program(config, self.processes * self.num_pages, self.page_size,
                                                  self.processes * self.slots, mesh, rules)()
         self.layout = paged_lib.state_layout(self.state)
+        if self.shards > 1 and paged_lib.page_shards(self.layout) != self.processes * self.shards:
+            raise RuntimeError(f"paged engine: the pool's pages lie on {paged_lib.page_shards(self.layout)} shards, "
+                               f"not the {self.processes * self.shards} the allocator assumes (a bug: report the mesh)")
         self.slot_row = np.full(self.slots, -1, np.int64)
         self.queue = list(range(n))  # a heap of row indices: admission (and re-admission) in row order
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=paged.tool_workers)
@@ -266,7 +303,7 @@ class _Engine:
         self.allocator.release(row.pages)
         row.pages, row.cached = [], 0
         self.slot_row[row.slot] = -1
-        row.slot = None
+        row.slot = row.shard = None
         row.recompute = True
         self.stats.preemptions += 1
         self.stats.preemptions_mid_turn += int(row.turn_open and bool(row.turn_ids))
@@ -275,11 +312,12 @@ class _Engine:
             heapq.heappush(self.queue, row.index)
 
     def _ensure_pages(self, row: _Row, tokens: int) -> bool:
-        """Give `row` the pages of `tokens` positions, preempting the highest-index rows holding pages while the pool
-        is short (the row itself when it has the highest index: a lower row is never paused for a higher one);
-        False when the row itself was preempted."""
+        """Give `row` the pages of `tokens` positions from its shard, preempting the highest-index rows holding
+        pages of that shard while it is short (the row itself when it has the highest index: a lower row is never
+        paused for a higher one); False when the row itself was preempted."""
         pages = paged_lib.pages_for(min(tokens, self.max_len), self.page_size)
-        if not paged_lib.grow_pages(self.allocator, row, pages, self.rows, lambda r: r.index, self._preempt):
+        if not paged_lib.grow_pages(self.allocator, row, pages, self.rows, lambda r: r.index, self._preempt,
+                                    shard=row.shard):
             return False
         self.stats.max_pages_held = max(self.stats.max_pages_held, self.num_pages - self.allocator.free_pages)
         return True
@@ -289,7 +327,7 @@ class _Engine:
         row.pages = []
         if row.slot is not None:
             self.slot_row[row.slot] = -1
-            row.slot = None
+            row.slot = row.shard = None
 
     # ------------------------------------------------------------------------------------------------ phases
     def _admit(self) -> None:
@@ -298,23 +336,40 @@ class _Engine:
             if not len(free):
                 return
             row = self.rows[self.queue[0]]
-            shared = self._sibling_pages(row)
-            need = paged_lib.pages_for(min(len(row.tokens()) + self.steps, self.max_len), self.page_size)
-            need -= len(shared)
-            if need > self.allocator.free_pages:
+            place = self._place(row)
+            if place is None:
                 return  # in row order: the head waits for pages, as vLLM's admission does
             heapq.heappop(self.queue)
-            row.slot = int(free[0])
+            row.slot, (row.shard, shared, need) = int(free[0]), place
             self.slot_row[row.slot] = row.index
-            row.pages = self.allocator.share(shared) + self.allocator.alloc(need)
+            row.pages = self.allocator.share(shared) + self.allocator.alloc(need, row.shard)
             row.phase = PREFILL
 
-    def _sibling_pages(self, row: _Row) -> list[int]:
-        """The full pages of `row`'s tokens held by a sample of the same prompt with the same tokens that is not
-        prefilled yet (a prompt's G samples, admitted together), or none. Both run through the same prefill
-        dispatches as one computed row (`_prefill`), so those pages get the keys and values the row's own would
-        get; the row shares them (one more holder) instead of holding copies. Its last partial page and every
-        token after the prompt (decode writes only positions past what the row has cached) are its own pages."""
+    def _place(self, row: _Row) -> tuple[int, list[int], int] | None:
+        """Where a queued row is admitted: (its shard, the sibling pages it shares there, the pages it takes), or
+        None when no shard has room for its tokens and one decode block. Balanced: the shard with the fewest rows
+        in flight among those with room; then the one where it shares a sibling's pages (fewer new pages), the most
+        free pages, the lowest index. With rows spread evenly a shard holds at most ceil(rows / shards) of them, so
+        the default pool (`pool_pages`: that many rows of max_context a shard) never preempts."""
+        total = paged_lib.pages_for(min(len(row.tokens()) + self.steps, self.max_len), self.page_size)
+        in_flight = np.bincount([r.shard for r in self.rows if r.shard is not None], minlength=self.shards)
+        best = None
+        for shard in range(self.shards):
+            shared = self._sibling_pages(row, shard)
+            need, free = total - len(shared), self.allocator.free_in(shard)
+            if need <= free:
+                key = (in_flight[shard], need, -free, shard)
+                if best is None or key < best[0]:
+                    best = (key, shard, shared, need)
+        return None if best is None else best[1:]
+
+    def _sibling_pages(self, row: _Row, shard: int) -> list[int]:
+        """The full pages of `row`'s tokens held by a sample of the same prompt on shard `shard` with the same tokens
+        that is not prefilled yet (a prompt's G samples, admitted together), or none. Both run through the same
+        prefill dispatches as one computed row (`_prefill`), so those pages get the keys and values the row's own
+        would get; the row shares them (one more holder) instead of holding copies. Its last partial page and every
+        token after the prompt (decode writes only positions past what the row has cached) are its own pages. Only
+        rows of one shard share: a row's pages lie on one shard."""
         tokens = row.tokens()
         full = len(tokens) // self.page_size
         group = self.rollout.group_size
@@ -322,8 +377,8 @@ class _Engine:
             return []
         first = row.index - row.index % group  # a prompt's G samples are rows [first, first + G)
         for other in self.rows[first:first + group]:
-            if (other is not row and other.phase == PREFILL and not other.cached and len(other.pages) >= full
-                    and other.tokens() == tokens):
+            if (other is not row and other.shard == shard and other.phase == PREFILL and not other.cached
+                    and len(other.pages) >= full and other.tokens() == tokens):
                 return other.pages[:full]
         return []
 

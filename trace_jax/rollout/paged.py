@@ -26,8 +26,8 @@ is about the sum of the rows' own lengths, not the batch maximum times the rows,
 
 Programs (one public builder each, cached per static arguments; `compiled_programs(kind)` counts executables):
   * `init_pool_program`: the empty pool, created inside jit with `out_shardings` (pages over the batch axes, kv heads
-    over `tensor`). The kernel path runs on a pool whose pages are on one batch shard (`decode_attention_path`;
-    heads may be split over `tensor`).
+    over `tensor`). On the kernel path each row's pages must lie on one batch shard (`PageAllocator` with
+    `shards`: one block of the pool a shard).
   * `prefill_program`: a chunk of up to W tokens for each of U distinct rows run through the model and written into
     the pages of every row holding those tokens (a prompt's G samples run once), each row's last logits stored in
     its slot: admission, observations, and recompute after preemption are this one program.
@@ -68,7 +68,9 @@ class PagedConfig:
     Attributes:
       page_size: tokens per page.
       num_pages: pages in the pool. None: what `RolloutConfig.kv_budget_gib` holds per chip
-        (`paged.pages_within_budget`), or, without a budget, every row's `max_context`.
+        (`paged.pages_within_budget`), or, without a budget, every row's `max_context`. A row's pages lie on one
+        batch shard of the pool, so on a mesh whose batch axes split it each shard's part must hold one row of
+        `max_context` (`engine.pool_pages`).
       slots: rows in flight at most (the decode batch). None: every row of the call.
       prefill_chunk: most tokens of one row written by one prefill dispatch (longer inputs take several).
       prefill_tokens: most tokens one prefill dispatch runs through the model (rows with the same tokens count
@@ -129,28 +131,50 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 class PageAllocator:
-    """Host free list of the pool's pages, with a holder count per page. Pages are handed out lowest id first and a
-    freed page can go to any row. A page may have several holders (`share`: the full pages of a prompt its G
-    samples hold together); it is free again when its last holder releases it.
+    """Host free list of the pool's pages, with a holder count per page, split into `shards` contiguous blocks.
 
-    Allocation never fails silently: `alloc` raises when fewer pages are free than asked (callers check
-    `free_pages` first and preempt a row when the pool is full)."""
+    With `shards` > 1 the pool's pages are split over that many batch shards (block s, pages
+    `[s * num_pages / shards, (s + 1) * num_pages / shards)`, is the part shard s holds) and every allocation names
+    its shard: a row takes all its pages from one block, so the kernel path (`_kernel_layer`) runs it on the shard
+    holding them. Within a block, pages are handed out lowest id first and a freed page can go to any row of that
+    shard. A page may have several holders (`share`: the full pages of a prompt its G samples hold together, rows
+    of one shard); it is free again when its last holder releases it.
 
-    def __init__(self, num_pages: int):
-        if num_pages < 1:
-            raise ValueError(f"PageAllocator: num_pages must be >= 1, got {num_pages!r}")
-        self.num_pages = num_pages
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest id
+    Allocation never fails silently: `alloc` raises when fewer pages are free in the shard than asked (callers
+    check `free_in(shard)` first and preempt a row of that shard when it is full)."""
+
+    def __init__(self, num_pages: int, shards: int = 1):
+        if not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"PageAllocator: num_pages must be an int >= 1, got {num_pages!r}")
+        if not isinstance(shards, int) or shards < 1 or num_pages % shards:
+            raise ValueError(f"PageAllocator: shards must be an int >= 1 dividing num_pages = {num_pages}, got "
+                             f"{shards!r}")
+        self.num_pages, self.shards = num_pages, shards
+        self.shard_pages = num_pages // shards
+        # one stack a shard: pop() gives its lowest free id
+        self._free = [list(range((s + 1) * self.shard_pages - 1, s * self.shard_pages - 1, -1)) for s in range(shards)]
         self._holders = np.zeros(num_pages, np.int64)
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        """Free pages in every shard together."""
+        return sum(len(free) for free in self._free)
 
-    def alloc(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise RuntimeError(f"PageAllocator.alloc: {count} pages asked, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(count)]
+    def free_in(self, shard: int) -> int:
+        """Free pages of shard `shard`."""
+        return len(self._free[shard])
+
+    def shard_of(self, page: int) -> int:
+        """The shard holding `page`."""
+        return int(page) // self.shard_pages
+
+    def alloc(self, count: int, shard: int = 0) -> list[int]:
+        """`count` free pages of shard `shard`, lowest first; one holder each."""
+        free = self._free[shard]
+        if count > len(free):
+            where = f" in shard {shard}" if self.shards > 1 else ""
+            raise RuntimeError(f"PageAllocator.alloc: {count} pages asked, {len(free)} free{where}")
+        pages = [free.pop() for _ in range(count)]
         self._holders[pages] = 1
         return pages
 
@@ -171,24 +195,33 @@ class PageAllocator:
         if len(set(pages)) != len(pages) or (pages and not (self._holders[pages] > 0).all()):
             raise RuntimeError(f"PageAllocator.release: pages {pages} are not all held (double free)")
         self._holders[pages] -= 1
-        freed = [p for p in pages if self._holders[p] == 0]
-        self._free.extend(freed)
-        self._free.sort(reverse=True)
+        touched = set()
+        for page in pages:
+            if self._holders[page] == 0:
+                shard = self.shard_of(page)
+                self._free[shard].append(page)
+                touched.add(shard)
+        for shard in touched:
+            self._free[shard].sort(reverse=True)
 
 
-def grow_pages(allocator: PageAllocator, row, pages: int, rows, newest: Callable, preempt: Callable) -> bool:
-    """Give `row` (anything with a `pages` list) `pages` pages in all, preempting the newest (largest `newest(r)`)
-    of `rows` holding pages while the pool is short (`preempt(victim)` releases its pages): the row itself when it
-    is the newest, so an older row is never paused for a newer one. False when the row itself was preempted. The
-    one rule of both schedulers over the pool, the rollout engine and the serve engine."""
+def grow_pages(allocator: PageAllocator, row, pages: int, rows, newest: Callable, preempt: Callable, *,
+               shard: int = 0) -> bool:
+    """Give `row` (anything with a `pages` list) `pages` pages in all from shard `shard` (the row's: where its
+    pages are), preempting the newest (largest `newest(r)`) of `rows` holding pages of that shard while it is short
+    (`preempt(victim)` releases its pages): the row itself when it is the newest, so an older row is never paused
+    for a newer one, and a row of another shard never (its pages would not help). False when the row itself was
+    preempted. The one rule of both schedulers over the pool, the rollout engine and the serve engine (one shard).
+    A shard that holds one row of `max_context` always lets its oldest row finish."""
     need = pages - len(row.pages)
-    while need > allocator.free_pages:
-        victim = max((r for r in rows if r.pages or r is row), key=newest)
+    while need > allocator.free_in(shard):
+        victim = max((r for r in rows if (r.pages and allocator.shard_of(r.pages[0]) == shard) or r is row),
+                     key=newest)
         preempt(victim)
         if victim is row:
             return False
     if need > 0:
-        row.pages += allocator.alloc(need)
+        row.pages += allocator.alloc(need, shard)
     return True
 
 
@@ -486,9 +519,10 @@ def _kernel_layer(q, k, v, k_pool, v_pool, layer, page_table, lengths, write, ke
     """One decode layer on the kernel path: each row's new key/value (k, v [B, K, Dh]) written at position
     `lengths[b]` of its page (where `write`), then the kernel over its pages up to `key_len`. On a mesh it runs in
     `jax.shard_map` with the pool's own sharding `spec` (kv heads over its head axes, pages over its page axes):
-    each device writes and reads the rows whose pages it holds (a row's first page says which; the engine uses it
-    only on a pool whose pages are on one batch shard: `decode_attention_path`), with
-    local page ids; rows of other shards read one page and give 0, summed over the page axes."""
+    each device writes and reads the rows whose pages it holds, with local page ids (a row's first page says which
+    shard: its pages must all lie on that one, as the engine's `PageAllocator` keeps them); the rows come to every
+    shard (the decode batch is in row order, not grouped by shard), those of other shards read one page and give 0,
+    and the outputs are summed over the page axes."""
     page_size = k_pool.shape[3]
 
     def local(q, k, v, k_pool, v_pool, layer, page_table, lengths, write, key_len):
@@ -722,15 +756,17 @@ def decode_program(config: ModelConfig, num_steps: int, max_len: int, layout=Non
 
 
 def decode_attention_path(config: ModelConfig, layout=None) -> str:
-    """The attention a decode program on a pool of `layout` compiles: `attention_path(config)` when the pool's pages
-    are on one batch shard, else "xla". The kernel runs each row on the shard holding its pages, which needs each
-    row's pages on one shard; the engine's allocator does not keep them there yet (pages go lowest id first), so a
-    pool over several batch shards decodes on the XLA path (GSPMD gathers the pages) rather than fail."""
-    return attention_path(config) if _page_shards(layout) == 1 else "xla"
+    """The attention a decode program on a pool of `layout` compiles: `attention_path(config)`, on one device or a
+    mesh, whatever the pool's batch shards. On a pool over several batch shards (`page_shards(layout)` > 1) the
+    kernel runs each row on the shard holding its pages (`_kernel_layer`), so each row's pages must all lie on one
+    shard: the engine's `PageAllocator` (one block of pages a shard) keeps them there."""
+    del layout  # the kernel runs on every layout of the pool (see above)
+    return attention_path(config)
 
 
-def _page_shards(layout) -> int:
-    """How many shards the pool's pages are split over (1 on one device)."""
+def page_shards(layout) -> int:
+    """How many shards the pool's pages are split over (1 on one device, or when the pool's page count does not
+    divide over the batch shards and the pool is replicated over them: `sampler.divisible_shardings`)."""
     if layout is None:
         return 1
     axes = layout.k.spec[2] if len(layout.k.spec) > 2 else None
