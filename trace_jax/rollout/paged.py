@@ -355,6 +355,7 @@ def paged_attention(q, k_pages, v_pages, key_len, items, *, layer=None, block=No
 
 
 PREFILL_BLOCK_TOKENS = 256  # cached keys one prefill work block reads: `prefill_attention`'s pages per block
+PREFILL_QUERY_TILE = 128  # queries per tile of a chunk's causal attention to its own keys
 PREFILL_PAIRS = 262144  # query x key pairs one step of `prefill_attention`'s loop scores (4 blocks of 256 x 256)
 
 
@@ -384,7 +385,9 @@ def prefill_attention(q, k_pool, v_pool, layer, key_len, items, block, *, width:
       q: [B, n, H, Dh] queries (unscaled); k_pool, v_pool: the pool [K, layers, num_pages, page_size, Dh];
       layer: int32 scalar; key_len: int [B], the paged keys row b sees (positions `< key_len[b]`);
       items: `work_items` of the rows' pages (the program's argument): row b's table is rebuilt from them;
-      block: `(k2 [B, n, K, Dh], v2, mask2 bool [B, n, n])`, the chunk's own keys (causal, as `extend_rows`);
+      block: `(k2 [B, n, K, Dh], v2, mask2 bool [B, n, n])`, the chunk's own keys; `mask2` must be causal (no
+        query sees a later key, as `extend_rows`'s): they are scored in tiles of `PREFILL_QUERY_TILE` queries
+        against the keys up to the tile's last query only;
       width: the pages of a row's table (static: `pages_for(max_len, page_size)`).
 
     Returns [B, n, H, Dh] in v's dtype; float32 softmax statistics.
@@ -415,13 +418,22 @@ def prefill_attention(q, k_pool, v_pool, layer, key_len, items, block, *, width:
 
     qg = grouped((q * jnp.asarray(Dh ** -0.5, q.dtype)).reshape(B, n, K, G, Dh))  # [B, K, M, Dh]
     k2, v2, mask2 = block
+    k2, v2 = k2.astype(q.dtype), v2.astype(q.dtype)
     mask = jnp.repeat(mask2, G, axis=1)[:, None]  # [B, 1, M, n]: query (i, g) sees the chunk's keys j <= i
-    sb = jnp.einsum("bkmd,bjkd->bkmj", qg, k2.astype(q.dtype), preferred_element_type=jnp.float32)
-    sb = jnp.where(mask, sb, _NEG_INF)
-    top = jnp.max(sb, axis=-1)  # [B, K, M]
-    pb = jnp.where(mask, jnp.exp(sb - top[..., None]), 0.0)
-    denom = jnp.sum(pb, axis=-1)
-    out = jnp.einsum("bkmj,bjkd->bkmd", pb.astype(v2.dtype), v2.astype(q.dtype), preferred_element_type=jnp.float32)
+    # the chunk's own keys, in tiles of queries: tile t sees keys < its end only (causal), not all n
+    tile = PREFILL_QUERY_TILE if n % PREFILL_QUERY_TILE == 0 else n
+    parts = []
+    for first in range(0, n, tile):
+        end = first + tile
+        rows_m = slice(first * G, end * G)
+        sb = jnp.einsum("bkmd,bjkd->bkmj", qg[:, :, rows_m], k2[:, :end], preferred_element_type=jnp.float32)
+        seen = mask[:, :, rows_m, :end]
+        sb = jnp.where(seen, sb, _NEG_INF)
+        top_t = jnp.max(sb, axis=-1)  # [B, K, tile * G]
+        pb = jnp.where(seen, jnp.exp(sb - top_t[..., None]), 0.0)
+        parts.append((top_t, jnp.sum(pb, axis=-1), jnp.einsum("bkmj,bjkd->bkmd", pb.astype(v2.dtype), v2[:, :end],
+                                                               preferred_element_type=jnp.float32)))
+    top, denom, out = (jnp.concatenate(x, axis=2) for x in zip(*parts))
     k_layer, v_layer = k_pool[:, layer], v_pool[:, layer]  # [K, num_pages, page_size, Dh]
     offsets = jnp.arange(block_pages, dtype=jnp.int32)
     key_offsets = jnp.arange(span, dtype=jnp.int32)
