@@ -23,6 +23,8 @@ rows hold, padded to a bucket of items (`sampler.bucket_length`) so shapes repea
 its row against its page; a segment max / sum over items (`jax.ops.segment_*`) joins each row's pages into one
 float32 softmax, together with the row's new tokens (the `block` keys, as `models.cache.extend` passes them). Work
 is about the sum of the rows' own lengths, not the batch maximum times the rows, and freed slots read nothing.
+A prefill chunk (many queries a row) reads the same pages in blocks of its row's table (`prefill_attention`): the
+queries are gathered once a block, not once a page, and its own keys are scored in causal tiles.
 
 Programs (one public builder each, cached per static arguments; `compiled_programs(kind)` counts executables):
   * `init_pool_program`: the empty pool, created inside jit with `out_shardings` (pages over the batch axes, kv heads
