@@ -1,6 +1,7 @@
 """Paged KV (`rollout.paged`): ragged paged attention against a float64 loop, the page allocator, and the paged
 prefill/decode programs against the dense cache (`models.cache.extend`) on the tiny model."""
 
+import functools
 import types
 
 import jax
@@ -94,6 +95,59 @@ def test_paged_attention_loops_over_item_chunks_and_never_reads_the_padding(seed
     out = jax.jit(paged.paged_attention)(q, pool_k, pool_v, key_len.astype(np.int32), (rows, pages, starts),
                                          block=(k2, v2, mask2))
     expected = _naive_attention(q, k_pages, v_pages, tables, key_len, k2, v2, mask2)
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=2e-6, rtol=1e-5)
+
+
+def _prefill_case(seed, B, n, page_size, num_pages, key_len, poison=True):
+    """Random queries, chunk keys and a pool whose last page is NaN and never held (a read of it would show)."""
+    rng = np.random.default_rng(seed)
+    H, K, Dh = 4, 2, 8
+    order = rng.permutation(num_pages - 1).tolist()
+    tables = [[order.pop() for _ in range(paged.pages_for(length, page_size) + int(rng.integers(0, 2)))]
+              for length in key_len]
+    q = rng.normal(size=(B, n, H, Dh)).astype(np.float32)
+    k_pages, v_pages = (rng.normal(size=(num_pages, page_size, K, Dh)).astype(np.float32) for _ in range(2))
+    if poison:
+        k_pages[-1], v_pages[-1] = np.nan, np.nan
+    k2, v2 = (rng.normal(size=(B, n, K, Dh)).astype(np.float32) for _ in range(2))
+    num_new = rng.integers(1, n + 1, size=B)
+    mask2 = np.tril(np.ones((n, n), bool))[None] & (np.arange(n)[None, None, :] < num_new[:, None, None])
+    pool = [np.moveaxis(x, 2, 0)[:, None] for x in (k_pages, v_pages)]  # [K, layers = 1, pages, page, Dh]
+    return q, k_pages, v_pages, pool, tables, k2, v2, mask2
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefill_attention_matches_a_float64_loop_over_blocks_of_pages(seed, monkeypatch):
+    """A chunk of queries per row over ragged cached lengths (one row with none), read in blocks of 4 pages, 2
+    blocks a step (small PREFILL_BLOCK_TOKENS / PREFILL_PAIRS: several steps, rows spanning several blocks, a
+    last partial block), the chunk's own keys in 3 causal tiles of 2 queries, items padded to one fixed size: the
+    float64 loop's answer, the NaN page never read."""
+    monkeypatch.setattr(paged, "PREFILL_BLOCK_TOKENS", 8)
+    monkeypatch.setattr(paged, "PREFILL_PAIRS", 2 * 6 * 8)
+    monkeypatch.setattr(paged, "PREFILL_QUERY_TILE", 2)
+    B, n, page_size, num_pages, max_len = 4, 6, 2, 64, 40
+    key_len = np.asarray([17, 0, 30, 3] if seed == 0 else [1, 33, 8, 9])
+    q, k_pages, v_pages, pool, tables, k2, v2, mask2 = _prefill_case(seed, B, n, page_size, num_pages, key_len)
+    width = paged.pages_for(max_len, page_size)
+    assert paged.prefill_blocks(n, width, page_size) == (4, 2)
+    items = paged.work_items(tables, key_len, page_size, size=paged.item_capacity(num_pages))
+    attend = jax.jit(functools.partial(paged.prefill_attention, width=width))
+    out = attend(q, *pool, np.int32(0), key_len.astype(np.int32), items, (k2, v2, mask2))
+    expected = _naive_attention(q, k_pages, v_pages, tables, key_len, k2, v2, mask2)
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=2e-6, rtol=1e-5)
+
+
+def test_prefill_attention_of_chunks_at_position_zero_reads_no_page():
+    """Rows with nothing cached (a prompt's first chunk): every page of the pool is NaN, the answer is the chunk's
+    own causal attention (the float64 loop's)."""
+    B, n, page_size, num_pages = 3, 6, 4, 8
+    key_len = np.zeros(B, np.int64)
+    q, k_pages, v_pages, pool, tables, k2, v2, mask2 = _prefill_case(5, B, n, page_size, num_pages, key_len)
+    pool = [np.full_like(x, np.nan) for x in pool]
+    items = paged.work_items([[]] * B, key_len, page_size, size=16)
+    out = jax.jit(functools.partial(paged.prefill_attention, width=4))(
+        q, *pool, np.int32(0), key_len.astype(np.int32), items, (k2, v2, mask2))
+    expected = _naive_attention(q, k_pages, v_pages, [[]] * B, key_len, k2, v2, mask2)
     np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=2e-6, rtol=1e-5)
 
 

@@ -23,6 +23,8 @@ rows hold, padded to a bucket of items (`sampler.bucket_length`) so shapes repea
 its row against its page; a segment max / sum over items (`jax.ops.segment_*`) joins each row's pages into one
 float32 softmax, together with the row's new tokens (the `block` keys, as `models.cache.extend` passes them). Work
 is about the sum of the rows' own lengths, not the batch maximum times the rows, and freed slots read nothing.
+A prefill chunk (many queries a row) reads the same pages in blocks of its row's table (`prefill_attention`): the
+queries are gathered once a block, not once a page, and its own keys are scored in causal tiles.
 
 Programs (one public builder each, cached per static arguments; `compiled_programs(kind)` counts executables):
   * `init_pool_program`: the empty pool, created inside jit with `out_shardings` (pages over the batch axes, kv heads
@@ -387,6 +389,118 @@ def paged_attention(q, k_pages, v_pages, key_len, items, *, layer=None, block=No
     return out.reshape(B, n, H, Dh).astype(v_pages.dtype)
 
 
+PREFILL_BLOCK_TOKENS = 256  # cached keys one prefill work block reads: `prefill_attention`'s pages per block
+PREFILL_QUERY_TILE = 128  # queries per tile of a chunk's causal attention to its own keys
+PREFILL_PAIRS = 262144  # query x key pairs one step of `prefill_attention`'s loop scores (4 blocks of 256 x 256)
+
+
+def prefill_blocks(queries: int, width: int, page_size: int) -> tuple[int, int]:
+    """(pages per block, blocks per step) of `prefill_attention` for `queries` queries a row and page tables of
+    `width` pages: blocks of about `PREFILL_BLOCK_TOKENS` keys (at most the table), and as many blocks a step as
+    `PREFILL_PAIRS` query x key pairs hold (a power of two, at least 1). Fixed per program shape."""
+    pages = max(1, min(width, PREFILL_BLOCK_TOKENS // page_size))
+    per_step = 1
+    while per_step * 2 * queries * pages * page_size <= PREFILL_PAIRS:
+        per_step *= 2
+    return pages, per_step
+
+
+def prefill_attention(q, k_pool, v_pool, layer, key_len, items, block, *, width: int):
+    """`paged_attention` for a prefill chunk (many queries a row): the same softmax over the same keys, read in
+    blocks of a row's pages instead of page by page.
+
+    Page by page, each (row, page) item scores all of the row's queries against 16 keys: the queries are gathered
+    once per page (a chunk of 256 queries copies about 4x the page's keys and values for every page) and the
+    partial outputs are summed per row over the pages. Here the work items are (row, block of
+    `prefill_blocks(...)[0]` consecutive pages of its table): the queries are gathered once per block and each
+    step is a batched matmul over a few hundred keys. Blocks past a row's cached length are not read (live blocks
+    come first and the loop stops after the last), so a chunk that starts at position 0 reads no page at all.
+
+    Args:
+      q: [B, n, H, Dh] queries (unscaled); k_pool, v_pool: the pool [K, layers, num_pages, page_size, Dh];
+      layer: int32 scalar; key_len: int [B], the paged keys row b sees (positions `< key_len[b]`);
+      items: `work_items` of the rows' pages (the program's argument): row b's table is rebuilt from them;
+      block: `(k2 [B, n, K, Dh], v2, mask2 bool [B, n, n])`, the chunk's own keys; `mask2` must be causal (no
+        query sees a later key, as `extend_rows`'s): they are scored in tiles of `PREFILL_QUERY_TILE` queries
+        against the keys up to the tile's last query only;
+      width: the pages of a row's table (static: `pages_for(max_len, page_size)`).
+
+    Returns [B, n, H, Dh] in v's dtype; float32 softmax statistics.
+    """
+    B, n, H, Dh = q.shape
+    K, page_size = k_pool.shape[0], k_pool.shape[3]
+    G = H // K
+    M = n * G  # a kv head's queries: (token, head of its group)
+    block_pages, per_step = prefill_blocks(n, width, page_size)
+    span = block_pages * page_size
+    num_blocks = -(-width // block_pages)
+    row, page, start = (jnp.asarray(x) for x in items)
+    # row b's table, position j * page_size in page table[b, j] (padding items, row >= B, are dropped)
+    table = jnp.zeros((B, num_blocks * block_pages), jnp.int32).at[row, start // page_size].set(page, mode="drop")
+    key_len = jnp.asarray(key_len)
+    # work items: (row, block) pairs that hold a cached key, live ones first in row order
+    pair_row = jnp.repeat(jnp.arange(B, dtype=jnp.int32), num_blocks)
+    pair_block = jnp.tile(jnp.arange(num_blocks, dtype=jnp.int32), B)
+    live = pair_block * span < key_len[pair_row]
+    order = jnp.argsort(~live, stable=True)
+    count = B * num_blocks
+    pad = -count % per_step
+    work_row = jnp.concatenate([jnp.where(live[order], pair_row[order], B), jnp.full((pad,), B, jnp.int32)])
+    work_block = jnp.concatenate([pair_block[order], jnp.zeros((pad,), jnp.int32)])
+
+    def grouped(x):  # [B, n, K, G, ...] -> [B, K, n * G, ...]
+        return jnp.moveaxis(x, 2, 1).reshape(x.shape[0], K, M, *x.shape[4:])
+
+    qg = grouped((q * jnp.asarray(Dh ** -0.5, q.dtype)).reshape(B, n, K, G, Dh))  # [B, K, M, Dh]
+    k2, v2, mask2 = block
+    k2, v2 = k2.astype(q.dtype), v2.astype(q.dtype)
+    mask = jnp.repeat(mask2, G, axis=1)[:, None]  # [B, 1, M, n]: query (i, g) sees the chunk's keys j <= i
+    # the chunk's own keys, in tiles of queries: tile t sees keys < its end only (causal), not all n
+    tile = PREFILL_QUERY_TILE if n % PREFILL_QUERY_TILE == 0 else n
+    parts = []
+    for first in range(0, n, tile):
+        end = first + tile
+        rows_m = slice(first * G, end * G)
+        sb = jnp.einsum("bkmd,bjkd->bkmj", qg[:, :, rows_m], k2[:, :end], preferred_element_type=jnp.float32)
+        seen = mask[:, :, rows_m, :end]
+        sb = jnp.where(seen, sb, _NEG_INF)
+        top_t = jnp.max(sb, axis=-1)  # [B, K, tile * G]
+        pb = jnp.where(seen, jnp.exp(sb - top_t[..., None]), 0.0)
+        parts.append((top_t, jnp.sum(pb, axis=-1), jnp.einsum("bkmj,bjkd->bkmd", pb.astype(v2.dtype), v2[:, :end],
+                                                               preferred_element_type=jnp.float32)))
+    top, denom, out = (jnp.concatenate(x, axis=2) for x in zip(*parts))
+    k_layer, v_layer = k_pool[:, layer], v_pool[:, layer]  # [K, num_pages, page_size, Dh]
+    offsets = jnp.arange(block_pages, dtype=jnp.int32)
+    key_offsets = jnp.arange(span, dtype=jnp.int32)
+
+    def step(i, carry):
+        top, denom, out = carry
+        rows = jax.lax.dynamic_slice_in_dim(work_row, i * per_step, per_step)
+        blocks = jax.lax.dynamic_slice_in_dim(work_block, i * per_step, per_step)
+        alive = rows < B
+        r = jnp.where(alive, rows, 0)
+        pages = table[r[:, None], blocks[:, None] * block_pages + offsets[None, :]]  # [S, block_pages]
+        kp = k_layer[:, pages].reshape(K, per_step, span, Dh).astype(q.dtype)
+        vp = v_layer[:, pages].reshape(K, per_step, span, Dh).astype(q.dtype)
+        s = jnp.einsum("skmd,kstd->skmt", qg[r], kp, preferred_element_type=jnp.float32)  # [S, K, M, span]
+        vis = (alive[:, None] & (blocks[:, None] * span + key_offsets[None, :] < key_len[r][:, None]))
+        vis = vis[:, None, None, :]
+        s = jnp.where(vis, s, _NEG_INF)
+        new_top = jnp.maximum(top, jax.ops.segment_max(jnp.max(s, axis=-1), r, num_segments=B))
+        scale = jnp.exp(top - new_top)
+        p = jnp.where(vis, jnp.exp(s - new_top[r][..., None]), 0.0)
+        denom = denom * scale + jax.ops.segment_sum(jnp.sum(p, axis=-1), r, num_segments=B)
+        out = out * scale[..., None] + jax.ops.segment_sum(
+            jnp.einsum("skmt,kstd->skmd", p.astype(vp.dtype), vp, preferred_element_type=jnp.float32), r,
+            num_segments=B)
+        return new_top, denom, out
+
+    steps = (jnp.sum(live) + per_step - 1) // per_step
+    top, denom, out = jax.lax.fori_loop(0, steps, step, (top, denom, out))
+    out = out / jnp.where(denom > 0, denom, 1.0)[..., None]  # [B, K, M, Dh]
+    return jnp.moveaxis(out.reshape(B, K, n, G, Dh), 1, 2).reshape(B, n, H, Dh).astype(v_pool.dtype)
+
+
 KERNEL_HEAD_DIM = 128  # the TPU kernel's lane width: head_dim must be a multiple of it
 
 
@@ -452,7 +566,8 @@ def paged_attention_kernel(q, k_pool, v_pool, layer, page_table, key_len, *, blo
                             pages_per_compute_block=block_pages) for i in range(0, q.shape[0], rows)])
 
 
-def extend_rows(config: ModelConfig, params, k_pool, v_pool, cached, tokens, num_new, items):
+def extend_rows(config: ModelConfig, params, k_pool, v_pool, cached, tokens, num_new, items, *,
+                table_width: int | None = None):
     """Run each row's first `num_new[b]` tokens through the model at positions `cached[b] + i`, attending to the
     row's cached pages (`items`) and its own earlier new tokens (traced, not jitted). Nothing is written.
 
@@ -461,6 +576,9 @@ def extend_rows(config: ModelConfig, params, k_pool, v_pool, cached, tokens, num
       cached: int32 [B], tokens already in the row's pages (the new ones attend to all of them).
       tokens: int32 [B, n]; num_new: int32 [B] in [0, n] (0: nothing of the row is kept).
       items: `work_items` over the rows' cached pages.
+      table_width: the pages of a row's table (`pages_for(max_len, page_size)`); given (the prefill program), the
+        pages are read in blocks of the row's table (`prefill_attention`), else page by page (`paged_attention`,
+        the decode steps: one query a row).
 
     Returns (last logits float32 [B, V] of each row's last new token, new keys and values
     [layers, B, n, K, Dh] each, in the pool's dtype).
@@ -475,7 +593,11 @@ def extend_rows(config: ModelConfig, params, k_pool, v_pool, cached, tokens, num
         lp, index = xs
 
         def attend(q, k, v):
-            out = paged_attention(q, k_pool, v_pool, cached, items, layer=index, block=(k, v, in_block))
+            if table_width is None:
+                out = paged_attention(q, k_pool, v_pool, cached, items, layer=index, block=(k, v, in_block))
+            else:
+                out = prefill_attention(q, k_pool, v_pool, index, cached, items, (k, v, in_block),
+                                        width=table_width)
             return out, (k.astype(k_pool.dtype), v.astype(v_pool.dtype))
 
         h, kv, _ = dec.decoder_layer(config, lp, h, positions, attend)
@@ -669,7 +791,8 @@ def _layout_mesh(layout):
 
 def _prefill(config, max_len, layout, params, state: PagedState, cached, tokens, num_new, items, out_source,
              out_table, out_slots):
-    logits, k_new, v_new = extend_rows(config, params, state.k, state.v, cached, tokens, num_new, items)
+    logits, k_new, v_new = extend_rows(config, params, state.k, state.v, cached, tokens, num_new, items,
+                                       table_width=pages_for(max_len, state.page_size))
     # every output row takes its computed row's tokens: rows with the same tokens (a prompt's G samples) share one
     k_new, v_new = k_new[:, out_source], v_new[:, out_source]
     cached_out, num_out = cached[out_source], num_new[out_source]
