@@ -306,3 +306,18 @@ def test_a_prompts_samples_share_its_full_pages_and_hold_only_their_own_tokens_b
         assert result.stats.max_pages_held == shared
     else:
         assert result.stats.max_pages_held <= shared
+
+
+def test_a_block_hook_gives_the_episodes_of_a_step_hook_with_rows_stopping_mid_block(setup):
+    """Scripted tool episodes of random turn lengths: the hook's blocks (`sync_every` steps a dispatch) and its
+    steps (one step a dispatch) give the same episodes; in blocks rows stop mid-block, so some row-steps are
+    wasted, and far fewer dispatches run."""
+    chat, config, _ = setup
+    tasks = _tasks(0, 3)
+    scripts = _scripts(chat, tasks, 0)
+    blocks = _engine(setup, tasks, ROLLOUT, hook=ScriptedPolicy(scripts, config.vocab_size, blocks=True))
+    steps = _engine(setup, tasks, ROLLOUT, hook=ScriptedPolicy(scripts, config.vocab_size))
+    _assert_same_episodes(blocks, steps)
+    assert blocks.stats.useful_row_steps == steps.stats.useful_row_steps
+    assert blocks.stats.row_steps > blocks.stats.useful_row_steps
+    assert blocks.stats.decode_dispatches * 2 < steps.stats.decode_dispatches

@@ -246,8 +246,11 @@ class _Engine:
         self.items_size = paged_lib.item_capacity(self.num_pages, rollout.group_size, self.slots, self.table_width)
         self.prefill_chunk, self.prefill_tokens = paged.prefill_chunk, paged.prefill_tokens
         hooked = logits_hook is not None
+        # a hook is called between steps (one step a dispatch) unless it gives a block's biases at once
+        stepwise = hooked and not (getattr(logits_hook, "blocks", False) and hasattr(logits_hook, "block_bias"))
         self.with_bias = distributed.agree_any(hooked) if self.processes > 1 else hooked
-        self.steps = 1 if self.with_bias else rollout.sync_every
+        stepwise = distributed.agree_any(stepwise) if self.processes > 1 else stepwise
+        self.steps = 1 if stepwise else rollout.sync_every
         self.allocator = paged_lib.PageAllocator(self.num_pages)
         self.state = paged_lib.init_pool_program(config, self.processes * self.num_pages, self.page_size,
                                                  self.processes * self.slots, mesh, rules)()
@@ -456,7 +459,7 @@ class _Engine:
         self.sampling, self.sampling_rows = sampling, D_all
         t0 = time.perf_counter()
         slots_all, table, lengths, active, budget, keys, turn_step, *rest = self._everyone(host)
-        bias = rest[3] if self.with_bias else None
+        bias = np.swapaxes(rest[3], 0, 1) if self.with_bias else None  # [D, steps, V] -> the program's [steps, D, V]
         out = paged_lib.decode_program(self.config, self.steps, self.max_len, self.layout)(
             sampling, self.params, self.state, slots_all, table, lengths, active, budget, self.stop_arr, keys,
             turn_step, np.zeros(D_all, np.int32), tuple(rest[:3]), bias)
@@ -533,17 +536,21 @@ class _Engine:
         return np.where(slots < self.slots, slots + self.slot_base, self.processes * self.slots).astype(np.int32)
 
     def _bias(self, rows: list[_Row], width: int) -> np.ndarray:
-        """The row-indexed test hook as a bias of the decode batch (see `agent.ScriptedPolicy`): zeros without a hook
-        or rows (a process taking part in another's hooked run)."""
+        """The row-indexed test hook as a bias of the decode batch's block, float32 [width, steps, V] (see
+        `agent.ScriptedPolicy`; rows first, as `_everyone` gathers them): zeros without a hook or rows (a process
+        taking part in another's hooked run)."""
+        out = np.zeros((width, self.steps, self.config.vocab_size), np.float32)
         if self.logits_hook is None or not rows:
-            return np.zeros((width, self.config.vocab_size), np.float32)
+            return out
         turn_of_row = np.asarray([len(e.turn_texts) for e in self.episodes], np.int64)
         by_row = [list(r.turn_ids) if r.phase == DECODE else [] for r in self.rows]
-        bias = self.logits_hook(turn_of_row, self.decode_step, by_row)
-        out = np.zeros((width, self.config.vocab_size), np.float32)
+        if getattr(self.logits_hook, "blocks", False) and hasattr(self.logits_hook, "block_bias"):
+            bias = self.logits_hook.block_bias(turn_of_row, self.decode_step, by_row, self.steps)  # [steps, N, V]
+        else:  # one step a dispatch
+            bias = self.logits_hook(turn_of_row, self.decode_step, by_row)
+            bias = None if bias is None else np.asarray(bias)[None]
         if bias is not None:
-            bias = np.asarray(bias, np.float32)
-            out[:len(rows)] = bias[[r.index for r in rows]]
+            out[:len(rows)] = np.swapaxes(np.asarray(bias, np.float32)[:, [r.index for r in rows]], 0, 1)
         return out
 
     def _check_stop_strings(self, row: _Row, stop: int) -> int:
