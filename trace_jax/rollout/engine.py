@@ -14,8 +14,9 @@ episode rules of `rollout.agent`), on the paged KV cache of `rollout.paged`:
       PREFILL  its uncached tokens (a prompt, an observation, or a whole row being recomputed) go into its pages in
                chunks of `prefill_chunk` tokens, one chunk per engine iteration, between decode blocks, at most
                `prefill_tokens` per dispatch.
-      DECODE   generates its turn, `sync_every` steps per dispatch for all slots at once; it leaves the decode
-               batch the block it stops in (stop token, stop string, turn budget, full context).
+      DECODE   generates its turn, `sync_every` steps per dispatch for the decoding rows at once (padded to
+               `decode_rows`); it leaves the decode batch the block it stops in (stop token, stop string, turn
+               budget, full context).
       TOOL     its tool call runs on a host thread pool (`tool_workers`) while the other rows decode; the
                observation is appended and the row goes back to PREFILL.
       DONE     its pages and slot are freed at once.
@@ -134,10 +135,45 @@ class _Row:
         return self.segment["tokens"] + self.turn_ids
 
 
+DECODE_BUCKETS_PER_OCTAVE = 4  # decode batch sizes per doubling above 8 rows (so padding stays under a fifth)
+
+
+def decode_rows(n: int, slots: int, shards: int = 1) -> int:
+    """The decode batch for `n` decoding rows of at most `slots`: 1, 2, 4 or 8, then a quarter of an octave apart
+    (10, 12, 14, 16, 20, 24, 28, 32, 40, ...), from `shards` up a multiple of the batch shards (rows then split evenly
+    over the chips), and never above `slots` (rounded up to the shards). Powers of two padded a decode batch of 17
+    rows to 32; these pad it to 20: above 8 rows less than a fifth of a batch is padding, at
+    `DECODE_BUCKETS_PER_OCTAVE` programs a doubling. `decode_buckets(slots)` lists them (12 for 32 slots, 24 for
+    256; powers of two gave 6 and 9)."""
+    if not 1 <= n <= slots:
+        raise ValueError(f"decode_rows: {n} decoding rows for {slots} slots")
+    if n <= 8:
+        size = 1 << (n - 1).bit_length()
+    else:
+        step = max(1, (1 << ((n - 1).bit_length() - 1)) // DECODE_BUCKETS_PER_OCTAVE)
+        size = -(-n // step) * step
+    if size >= shards:
+        size = -(-size // shards) * shards
+    return min(size, -(-slots // shards) * shards)
+
+
+def decode_buckets(slots: int, shards: int = 1) -> tuple[int, ...]:
+    """Every decode batch `decode_rows` gives for 1..`slots` rows, in increasing order (what `rl.programs`
+    lists)."""
+    return tuple(sorted({decode_rows(n, slots, shards) for n in range(1, slots + 1)}))
+
+
 def mesh_processes(mesh) -> int:
     """The processes whose devices `mesh` spans when this process runs them in lock step: `jax.process_count()` on a
     mesh over other processes' devices (`distributed.spans_processes`), else 1 (one device, or this process's)."""
     return jax.process_count() if distributed.spans_processes(mesh) else 1
+
+
+def decode_shards(mesh, rules, processes: int = 1) -> int:
+    """The batch shards of one process's decode rows (`decode_rows`): the mesh's batch shards over `processes`
+    (each process's block of the global batch is its devices'), 1 when they do not divide."""
+    shards = batch_shards(mesh, rules)
+    return shards // processes if shards % processes == 0 else 1
 
 
 def pool_pages(config: ModelConfig, rollout: agent_lib.RolloutConfig, paged: PagedConfig, rows: int, *, mesh=None,
@@ -240,6 +276,7 @@ class _Engine:
         self.num_pages = pool_pages(config, rollout, paged, most, mesh=mesh, rules=rules, processes=self.processes)
         self.slots = max(1, min(most, paged.slots or most))
         self.page_base, self.slot_base = self.process * self.num_pages, self.process * self.slots
+        self.decode_shards = decode_shards(mesh, rules, self.processes)
         self.table_width = paged_lib.pages_for(self.max_len, self.page_size)
         # one items shape for every dispatch: the most pages a dispatch reads (a page has at most G holders: a
         # prompt's samples share its full pages)
@@ -430,7 +467,7 @@ class _Engine:
         items = paged_lib.work_items([row.pages for row in rows],
                                      [min(r.cached + self.steps - 1, self.max_len) for r in rows],
                                      self.page_size, size=self.items_size)
-        return {"rows": rows, "items": items, "shape": (sampler_lib.bucket_length(len(rows), minimum=1),
+        return {"rows": rows, "items": items, "shape": (decode_rows(len(rows), self.slots, self.decode_shards),
                                                         len(items[0]))}
 
     def _decode(self, plan: dict | None, D: int, num_items: int) -> None:
