@@ -35,6 +35,9 @@ the formula against the counted run and gives the full workload's figure from th
 hooked run) and at `sync_every` steps (its free-running schedule). Its wall time there is at least the sum of the
 tool latencies (it runs the tools one after another).
 
+`--smoke` (4 rows of <= 3 turns of 10-60 tokens, 1-5 ms tools, a 25% pool) checks the machinery; it is compile-bound
+(about 40 s a rollout on a busy 2-core machine). Measured figures: docs/rollout.md, "Long-horizon workload".
+
 Usage (run it on an idle machine for times; counts do not depend on the load):
   python benchmarks/long_horizon_bench.py [--rows 32] [--turns 60] [--turn-tokens 10,400] [--latency-ms 10,500]
       [--seed 0] [--warmups 1] [--quarter] [--dense /path/to/40610b8 --dense-turns 8] [--smoke]
@@ -375,7 +378,8 @@ def report(full: dict, short: dict | None, dense_run: dict | None) -> None:
           f"(sync_every {full['sync_every']}); its wall time >= {full['tool_seconds']:.1f} s (tools in series)")
     if "quarter" in full:
         q = full["quarter"]
-        print(f"  pool of {q['pages']} pages ({q['tokens']} of {q['total_tokens']} tokens, 25%): {q['seconds']:.1f} s, "
+        print(f"  pool of {q['pages']} pages ({q['tokens']} of {q['total_tokens']} tokens, "
+              f"{q['tokens'] / q['total_tokens']:.0%}; at least one row of max_context): {q['seconds']:.1f} s, "
               f"{q['preemptions']} preemptions ({q['preemptions_mid_turn']} mid-turn), {q['recomputed_tokens']} "
               f"tokens recomputed, {q['max_pages_held']} pages held at most, useful row-steps "
               f"{q['useful_row_steps'] / q['row_steps']:.1%}; episodes lost {q['lost']} of {full['rows']} "
