@@ -162,12 +162,33 @@ class ScriptedPolicy:
 
     Rows or turns without a script are not forced (the model samples). A large bias makes the scripted id the
     only likely one, so the loop runs exactly the scripted episode.
+
+    A hook makes the engine decode one step a dispatch (it is called between steps), unless it has `blocks` set
+    and a `block_bias`: then the engine keeps its blocks of `sync_every` steps and asks for the bias of a block's
+    steps at once. `blocks=True` does that here: a forced row's next tokens are known (it follows its script; a
+    row that stops is not read after), so the episodes are the same, and the engine's decode batching is the one
+    a free-running policy meets (rows stopping mid-block).
     """
 
-    def __init__(self, scripts: Sequence[Sequence[Sequence[int]]], vocab_size: int, bias: float = 1e4):
+    def __init__(self, scripts: Sequence[Sequence[Sequence[int]]], vocab_size: int, bias: float = 1e4, *,
+                 blocks: bool = False):
         self.scripts = [[list(turn) for turn in row] for row in scripts]
         self.vocab_size = vocab_size
         self.bias = bias
+        self.blocks = blocks
+
+    def block_bias(self, turn_of_row: np.ndarray, step: int, generated: list[list[int]], steps: int) -> np.ndarray:
+        """float32 [steps, N, V]: the bias of the next `steps` steps, step s as `__call__` gives it after s more
+        scripted tokens of each row."""
+        out = np.zeros((steps, len(generated), self.vocab_size), np.float32)
+        for row, ids in enumerate(generated):
+            if row >= len(self.scripts) or turn_of_row[row] >= len(self.scripts[row]):
+                continue
+            script = self.scripts[row][turn_of_row[row]]
+            if script:
+                at = np.minimum(len(ids) + np.arange(steps), len(script) - 1)
+                out[np.arange(steps), row, np.asarray(script)[at]] = self.bias
+        return out
 
     def __call__(self, turn_of_row: np.ndarray, step: int, generated: list[list[int]]) -> np.ndarray:
         out = np.zeros((len(generated), self.vocab_size), np.float32)

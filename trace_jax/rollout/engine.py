@@ -17,8 +17,9 @@ episode rules of `rollout.agent`), on the paged KV cache of `rollout.paged`:
       PREFILL  its uncached tokens (a prompt, an observation, or a whole row being recomputed) go into its pages in
                chunks of `prefill_chunk` tokens, one chunk per engine iteration, between decode blocks, at most
                `prefill_tokens` per dispatch.
-      DECODE   generates its turn, `sync_every` steps per dispatch for all slots at once; it leaves the decode
-               batch the block it stops in (stop token, stop string, turn budget, full context).
+      DECODE   generates its turn, `sync_every` steps per dispatch for the decoding rows at once (padded to
+               `decode_rows`); it leaves the decode batch the block it stops in (stop token, stop string, turn
+               budget, full context).
       TOOL     its tool call runs on a host thread pool (`tool_workers`) while the other rows decode; the
                observation is appended and the row goes back to PREFILL.
       DONE     its pages and slot are freed at once.
@@ -139,6 +140,34 @@ class _Row:
         return self.segment["tokens"] + self.turn_ids
 
 
+DECODE_BUCKETS_PER_OCTAVE = 4  # decode batch sizes per doubling above 8 rows (so padding stays under a fifth)
+
+
+def decode_rows(n: int, slots: int, shards: int = 1) -> int:
+    """The decode batch for `n` decoding rows of at most `slots`: 1, 2, 4 or 8, then a quarter of an octave apart
+    (10, 12, 14, 16, 20, 24, 28, 32, 40, ...), from `shards` up a multiple of the batch shards (rows then split evenly
+    over the chips), and never above `slots` (rounded up to the shards). Powers of two padded a decode batch of 17
+    rows to 32; these pad it to 20: above 8 rows less than a fifth of a batch is padding, at
+    `DECODE_BUCKETS_PER_OCTAVE` programs a doubling. `decode_buckets(slots)` lists them (12 for 32 slots, 24 for
+    256; powers of two gave 6 and 9)."""
+    if not 1 <= n <= slots:
+        raise ValueError(f"decode_rows: {n} decoding rows for {slots} slots")
+    if n <= 8:
+        size = 1 << (n - 1).bit_length()
+    else:
+        step = max(1, (1 << ((n - 1).bit_length() - 1)) // DECODE_BUCKETS_PER_OCTAVE)
+        size = -(-n // step) * step
+    if size >= shards:
+        size = -(-size // shards) * shards
+    return min(size, -(-slots // shards) * shards)
+
+
+def decode_buckets(slots: int, shards: int = 1) -> tuple[int, ...]:
+    """Every decode batch `decode_rows` gives for 1..`slots` rows, in increasing order (what `rl.programs`
+    lists)."""
+    return tuple(sorted({decode_rows(n, slots, shards) for n in range(1, slots + 1)}))
+
+
 def mesh_processes(mesh) -> int:
     """The processes whose devices `mesh` spans when this process runs them in lock step: `jax.process_count()` on a
     mesh over other processes' devices (`distributed.spans_processes`), else 1 (one device, or this process's)."""
@@ -161,6 +190,13 @@ def pool_shards(pages: int, *, mesh=None, rules=None, processes: int = 1) -> int
     raise ValueError(f"a rollout mesh of {shards} batch shards over {processes} processes: each process's part of "
                      "the page pool would straddle shards; make the batch axes' size divide the process count or "
                      "be divided by it")
+
+
+def decode_shards(mesh, rules, processes: int = 1) -> int:
+    """The batch shards of one process's decode rows (`decode_rows`): the mesh's batch shards over `processes`
+    (each process's block of the global batch is its devices'), 1 when they do not divide."""
+    shards = batch_shards(mesh, rules)
+    return shards // processes if shards % processes == 0 else 1
 
 
 def pool_pages(config: ModelConfig, rollout: agent_lib.RolloutConfig, paged: PagedConfig, rows: int, *, mesh=None,
@@ -271,14 +307,18 @@ class _Engine:
         self.num_pages = pool_pages(config, rollout, paged, most, mesh=mesh, rules=rules, processes=self.processes)
         self.slots = max(1, min(most, paged.slots or most))
         self.page_base, self.slot_base = self.process * self.num_pages, self.process * self.slots
+        self.decode_shards = decode_shards(mesh, rules, self.processes)
         self.table_width = paged_lib.pages_for(self.max_len, self.page_size)
         # one items shape for every dispatch: the most pages a dispatch reads (a page has at most G holders: a
         # prompt's samples share its full pages)
         self.items_size = paged_lib.item_capacity(self.num_pages, rollout.group_size, self.slots, self.table_width)
         self.prefill_chunk, self.prefill_tokens = paged.prefill_chunk, paged.prefill_tokens
         hooked = logits_hook is not None
+        # a hook is called between steps (one step a dispatch) unless it gives a block's biases at once
+        stepwise = hooked and not (getattr(logits_hook, "blocks", False) and hasattr(logits_hook, "block_bias"))
         self.with_bias = distributed.agree_any(hooked) if self.processes > 1 else hooked
-        self.steps = 1 if self.with_bias else rollout.sync_every
+        stepwise = distributed.agree_any(stepwise) if self.processes > 1 else stepwise
+        self.steps = 1 if stepwise else rollout.sync_every
         # a row's pages come from one batch shard's block of this process's part (the kernel path runs the row on
         # the shard holding them); every shard holds one row of max_context (`pool_pages`)
         self.shards = pool_shards(self.num_pages, mesh=mesh, rules=rules, processes=self.processes)
@@ -482,7 +522,7 @@ class _Engine:
         items = paged_lib.work_items([row.pages for row in rows],
                                      [min(r.cached + self.steps - 1, self.max_len) for r in rows],
                                      self.page_size, size=self.items_size)
-        return {"rows": rows, "items": items, "shape": (sampler_lib.bucket_length(len(rows), minimum=1),
+        return {"rows": rows, "items": items, "shape": (decode_rows(len(rows), self.slots, self.decode_shards),
                                                         len(items[0]))}
 
     def _decode(self, plan: dict | None, D: int, num_items: int) -> None:
@@ -511,7 +551,7 @@ class _Engine:
         self.sampling, self.sampling_rows = sampling, D_all
         t0 = time.perf_counter()
         slots_all, table, lengths, active, budget, keys, turn_step, *rest = self._everyone(host)
-        bias = rest[3] if self.with_bias else None
+        bias = np.swapaxes(rest[3], 0, 1) if self.with_bias else None  # [D, steps, V] -> the program's [steps, D, V]
         out = paged_lib.decode_program(self.config, self.steps, self.max_len, self.layout)(
             sampling, self.params, self.state, slots_all, table, lengths, active, budget, self.stop_arr, keys,
             turn_step, np.zeros(D_all, np.int32), tuple(rest[:3]), bias)
@@ -588,17 +628,21 @@ class _Engine:
         return np.where(slots < self.slots, slots + self.slot_base, self.processes * self.slots).astype(np.int32)
 
     def _bias(self, rows: list[_Row], width: int) -> np.ndarray:
-        """The row-indexed test hook as a bias of the decode batch (see `agent.ScriptedPolicy`): zeros without a hook
-        or rows (a process taking part in another's hooked run)."""
+        """The row-indexed test hook as a bias of the decode batch's block, float32 [width, steps, V] (see
+        `agent.ScriptedPolicy`; rows first, as `_everyone` gathers them): zeros without a hook or rows (a process
+        taking part in another's hooked run)."""
+        out = np.zeros((width, self.steps, self.config.vocab_size), np.float32)
         if self.logits_hook is None or not rows:
-            return np.zeros((width, self.config.vocab_size), np.float32)
+            return out
         turn_of_row = np.asarray([len(e.turn_texts) for e in self.episodes], np.int64)
         by_row = [list(r.turn_ids) if r.phase == DECODE else [] for r in self.rows]
-        bias = self.logits_hook(turn_of_row, self.decode_step, by_row)
-        out = np.zeros((width, self.config.vocab_size), np.float32)
+        if getattr(self.logits_hook, "blocks", False) and hasattr(self.logits_hook, "block_bias"):
+            bias = self.logits_hook.block_bias(turn_of_row, self.decode_step, by_row, self.steps)  # [steps, N, V]
+        else:  # one step a dispatch
+            bias = self.logits_hook(turn_of_row, self.decode_step, by_row)
+            bias = None if bias is None else np.asarray(bias)[None]
         if bias is not None:
-            bias = np.asarray(bias, np.float32)
-            out[:len(rows)] = bias[[r.index for r in rows]]
+            out[:len(rows)] = np.swapaxes(np.asarray(bias, np.float32)[:, [r.index for r in rows]], 0, 1)
         return out
 
     def _check_stop_strings(self, row: _Row, stop: int) -> int:

@@ -823,9 +823,9 @@ def _decode_steps(config, num_steps, max_len, layout, sampling, params, state: P
     slot = jnp.clip(slots, 0, state.slots - 1)
     kernel = decode_attention_path(config, layout) == "pallas_tpu"
 
-    def body(carry, _):
+    def body(carry, bias):
         k, v, logits, lengths, active, budget_left, reason, turn_step = carry
-        biased = logits if logit_bias is None else logits + logit_bias
+        biased = logits if bias is None else logits + bias
         step_keys = jax.vmap(jax.random.fold_in)(keys, turn_step.astype(jnp.uint32))
         tokens, lp, slp = sampler_lib.sample_from_logits(biased, step_keys, sampling)
         tokens = jnp.where(active, tokens, 0)
@@ -849,7 +849,7 @@ def _decode_steps(config, num_steps, max_len, layout, sampling, params, state: P
 
     carry = (state.k, state.v, state.logits[slot], lengths, active, budget_left, reason, turn_step)
     (k, v, logits, lengths, active, budget_left, reason, turn_step), (tokens, lp, slp, was_active) = jax.lax.scan(
-        body, carry, None, length=num_steps)
+        body, carry, logit_bias, length=num_steps)  # a bias per step (the test hook), or none
     state = _keep(PagedState(k=k, v=v, logits=state.logits.at[slots].set(logits, mode="drop")), layout)
     return state, tokens, lp, slp, was_active, active, reason, budget_left, lengths
 
@@ -859,13 +859,14 @@ def decode_program(config: ModelConfig, num_steps: int, max_len: int, layout=Non
 
         program(sampling: RowSampling [D], params, state, slots int32 [D], page_table int32 [D, max_pages],
                 lengths int32 [D], active bool [D], budget_left int32 [D], stop_ids int32 [n_stop],
-                keys uint32 [D, 2], turn_step int32 [D], reason int32 [D], items, logit_bias float32 [D, V] or None)
+                keys uint32 [D, 2], turn_step int32 [D], reason int32 [D], items,
+                logit_bias float32 [steps, D, V] (step s adds logit_bias[s]: the test hook) or None)
           -> (state, tokens [steps, D], logprobs [steps, D], sampling_logprobs [steps, D], active before each step
               [steps, D], active after [D], reason [D], budget_left [D], lengths [D])
 
     Row i reads its pending logits from slot `slots[i]` and writes them back there (a slot >= the state's slots is
     padding: nothing is kept). Only the rows that generate run: the host passes the decoding rows, padded to a
-    bucket (`sampler.bucket_length(D, minimum=1)`), not every slot. Row i's token at its turn step t is drawn with
+    bucket (the rollout engine's `decode_rows`), not every slot. Row i's token at its turn step t is drawn with
     `fold_in(keys[i], t)`, so its tokens depend on its key alone. The host must have given each active row the pages
     of its positions `< lengths + num_steps`, and `items` must cover its cached pages up to
     `lengths + num_steps - 1`. The state is donated. A row stops at a stop id, then at `max_len`, then at its budget
