@@ -481,7 +481,8 @@ def test_the_decode_roofline_reports_both_engines_and_the_pool_holds_more_rows_t
 
 def test_the_step_split_models_the_paged_engine_rows_in_flight_not_waves(monkeypatch):
     """16 rows of 256 tokens: the rollout's decode steps are every row's decoded tokens over the rows in flight
-    (continuous batching: the pool's pages over a row's pages at half the context), which the KV budget sets."""
+    (continuous batching: the rows at half the context each shard's block of the pool holds), which the KV budget
+    sets."""
     monkeypatch.setattr(plan, "compiler_dot_rate", lambda device: 1e14)  # the rates' own test is elsewhere
     monkeypatch.setattr(plan, "compiler_memory_rate", lambda device: 1e12)
 
@@ -496,8 +497,9 @@ def test_the_step_split_models_the_paged_engine_rows_in_flight_not_waves(monkeyp
     decoded = min(256, (run.rollout.max_turns + 1) * run.rollout.turn_token_budget)
     assert wide.rows_in_flight == 16 and wide.decoded_tokens == decoded  # every row fits at half its context
     assert wide.decode_steps == decoded and 0 < wide.prefill < wide.rollout
-    _, narrow, pool = split(0.0002)
-    assert narrow.rows_in_flight == pool // 8 < 16  # a row at 128 tokens holds 8 pages of 16
+    _, narrow, pool = split(0.0004)
+    # a row at 128 tokens holds 8 pages of 16, and a row's pages lie on one of the 4 batch shards' blocks
+    assert narrow.rows_in_flight == (pool // 4 // 8) * 4 < 16
     assert narrow.decode_steps == -(-16 * decoded // narrow.rows_in_flight)
     assert narrow.rollout > wide.rollout and narrow.prefill == wide.prefill
     assert "decode steps of 16 rows in flight" in plan.format_split(plan.PlanReport(

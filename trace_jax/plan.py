@@ -1049,8 +1049,8 @@ def estimate_step_split(programs: "_Programs", device, estimate: "TimeEstimate |
 class PagedFlight:
     """The paged engine's rows in flight at the run's setting, from the config (a model, not a measurement).
 
-    rows: rows decoding at once over the whole mesh: the pool's pages over the pages of a row at the mean context,
-      at most the slots. context: the mean context a row's attention reads (`max_context / 2`). pool: the pool's
+    rows: rows decoding at once over the whole mesh: the rows at the mean context each batch shard's block of the
+      pool holds (a row's pages lie on one shard), at most the slots. context: the mean context a row's attention reads (`max_context / 2`). pool: the pool's
       pages. shards: the batch shards the rows split over. token_bytes: one token's KV on one chip."""
 
     rows: int
@@ -1082,8 +1082,11 @@ def paged_flight(programs: "_Programs") -> PagedFlight:
     else:
         pool = rows * paged_lib.pages_for(length, paged.page_size)
     slots = max(1, min(rows, paged.slots or rows))
-    in_flight = max(1, min(slots, pool // paged_lib.pages_for(mean, paged.page_size)))
-    return PagedFlight(rows=in_flight, context=mean, pool=pool, shards=batch_shards(mesh, rules),
+    shards = batch_shards(mesh, rules)
+    # a row's pages lie on one batch shard (the engine's allocator), so each shard holds whole rows of its block
+    row_pages = paged_lib.pages_for(mean, paged.page_size)
+    fit = (pool // shards // row_pages) * shards if pool % shards == 0 else pool // row_pages
+    return PagedFlight(rows=max(1, min(slots, fit)), context=mean, pool=pool, shards=shards,
                        token_bytes=paged_lib.page_bytes(config, 1, mesh=mesh, rules=rules))
 
 
