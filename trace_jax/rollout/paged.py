@@ -309,6 +309,20 @@ def item_chunk(queries: int, items: int) -> int:
     return min(size, 1 << max(items - 1, 0).bit_length())
 
 
+def _segment_softmax_step(carry, s, vis, r, num_rows: int, weigh_values):
+    """One step of the online softmax over work items: the items' scores `s` (masked by `vis`, last axis the keys)
+    join their rows' running max, denominator and weighted values (`carry`) by segment max / sum over `r`, the
+    items' rows; `weigh_values(p)` is the items' probabilities times their values, per item."""
+    top, denom, out = carry
+    s = jnp.where(vis, s, _NEG_INF)
+    new_top = jnp.maximum(top, jax.ops.segment_max(jnp.max(s, axis=-1), r, num_segments=num_rows))
+    scale = jnp.exp(top - new_top)
+    p = jnp.where(vis, jnp.exp(s - new_top[r][..., None]), 0.0)
+    denom = denom * scale + jax.ops.segment_sum(jnp.sum(p, axis=-1), r, num_segments=num_rows)
+    out = out * scale[..., None] + jax.ops.segment_sum(weigh_values(p), r, num_segments=num_rows)
+    return new_top, denom, out
+
+
 def paged_attention(q, k_pages, v_pages, key_len, items, *, layer=None, block=None):
     """Grouped-query attention of each row's queries over its own pages (and optional block keys): the XLA path.
 
@@ -370,15 +384,8 @@ def paged_attention(q, k_pages, v_pages, key_len, items, *, layer=None, block=No
         s = jnp.einsum("inkgd,kitd->inkgt", qg[r], kp, preferred_element_type=jnp.float32)
         pos = starts[:, None] + jnp.arange(page_size, dtype=jnp.int32)[None, :]
         vis = (live[:, None] & (pos < key_len[r][:, None]))[:, None, None, None, :]  # [chunk, 1, 1, 1, page]
-        s = jnp.where(vis, s, _NEG_INF)
-        new_top = jnp.maximum(top, jax.ops.segment_max(jnp.max(s, axis=-1), r, num_segments=B))
-        scale = jnp.exp(top - new_top)
-        p = jnp.where(vis, jnp.exp(s - new_top[r][..., None]), 0.0)
-        denom = denom * scale + jax.ops.segment_sum(jnp.sum(p, axis=-1), r, num_segments=B)
-        out = out * scale[..., None] + jax.ops.segment_sum(
-            jnp.einsum("inkgt,kitd->inkgd", p.astype(vp.dtype), vp, preferred_element_type=jnp.float32), r,
-            num_segments=B)
-        return new_top, denom, out
+        return _segment_softmax_step((top, denom, out), s, vis, r, B, lambda p: jnp.einsum(
+            "inkgt,kitd->inkgd", p.astype(vp.dtype), vp, preferred_element_type=jnp.float32))
 
     # the chunks up to the last live item: trailing padding is never read (live items usually come first; over
     # several processes each process's block of items has its own padding, so count to the last live one)
@@ -485,15 +492,8 @@ def prefill_attention(q, k_pool, v_pool, layer, key_len, items, block, *, width:
         s = jnp.einsum("skmd,kstd->skmt", qg[r], kp, preferred_element_type=jnp.float32)  # [S, K, M, span]
         vis = (alive[:, None] & (blocks[:, None] * span + key_offsets[None, :] < key_len[r][:, None]))
         vis = vis[:, None, None, :]
-        s = jnp.where(vis, s, _NEG_INF)
-        new_top = jnp.maximum(top, jax.ops.segment_max(jnp.max(s, axis=-1), r, num_segments=B))
-        scale = jnp.exp(top - new_top)
-        p = jnp.where(vis, jnp.exp(s - new_top[r][..., None]), 0.0)
-        denom = denom * scale + jax.ops.segment_sum(jnp.sum(p, axis=-1), r, num_segments=B)
-        out = out * scale[..., None] + jax.ops.segment_sum(
-            jnp.einsum("skmt,kstd->skmd", p.astype(vp.dtype), vp, preferred_element_type=jnp.float32), r,
-            num_segments=B)
-        return new_top, denom, out
+        return _segment_softmax_step((top, denom, out), s, vis, r, B, lambda p: jnp.einsum(
+            "skmt,kstd->skmd", p.astype(vp.dtype), vp, preferred_element_type=jnp.float32))
 
     steps = (jnp.sum(live) + per_step - 1) // per_step
     top, denom, out = jax.lax.fori_loop(0, steps, step, (top, denom, out))
