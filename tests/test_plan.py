@@ -420,19 +420,27 @@ def test_short_contexts_halve_until_the_variants_fit(tiny_run, monkeypatch):
     assert 6144 in compiled and 3072 in compiled and compiled.count(1536) == 4  # each length compiled once
 
 
+
+def _tpu_programs(topology_name, axes):
+    """`plan`'s registry of the tiny config (head_dim 128, 4 kv heads: the kernel's shapes) for a TPU topology and
+    mesh axes, as `plan.plan` builds it."""
+    from trace_jax import models
+
+    topology = plan.parse_topology(topology_name)
+    mesh = models.make_mesh({"data": 1, "fsdp": axes["fsdp"], "tensor": axes["tensor"], "expert": 1},
+                            plan.tpu_devices(topology))
+    run = parse(["configs/tiny.gin"], SMALL + ["model_preset.head_dim = 128", "model_preset.num_key_value_heads = 4"])
+    config, _ = plan.resolve_model(run)
+    config = plan._override_model(config, plan.PlanConfig(topology_name), "tpu")
+    return plan._Programs(config, run, mesh, plan.PlanConfig(topology_name))
+
+
 @needs_libtpu
 def test_for_a_tpu_topology_the_paged_decode_lowers_to_the_pallas_kernel_and_the_prefill_does_not():
     """The kernel is chosen by the target the program is compiled for (the CPU host's backend notwithstanding):
     the paged decode program of `plan`'s registry lowers to a Mosaic custom call; the prefill stays XLA. The mesh
     splits heads, not pages (pages over batch shards: the next test)."""
-    from trace_jax import models
-
-    topology = plan.parse_topology("v5e:2x2")
-    mesh = models.make_mesh({"data": 1, "fsdp": 1, "tensor": 4, "expert": 1}, plan.tpu_devices(topology))
-    run = parse(["configs/tiny.gin"], SMALL + ["model_preset.head_dim = 128", "model_preset.num_key_value_heads = 4"])
-    config, _ = plan.resolve_model(run)
-    config = plan._override_model(config, plan.PlanConfig("v5e:2x2"), "tpu")
-    programs = plan._Programs(config, run, mesh, plan.PlanConfig("v5e:2x2"))
+    programs = _tpu_programs("v5e:2x2", {"fsdp": 1, "tensor": 4})
     assert "tpu_custom_call" in programs.registry.largest("paged_decode").lower().as_text()
     assert "tpu_custom_call" not in programs.registry.largest("paged_prefill").lower().as_text()
 
@@ -442,15 +450,9 @@ def test_for_a_tpu_topology_with_pages_over_fsdp_shards_the_paged_decode_lowers_
     """The pool's pages over 4 fsdp shards (the pod setting): the engine's allocator keeps each row's pages on one
     shard, so the decode program of `plan`'s registry runs the kernel there too (in `shard_map`, each shard its
     rows with local page ids)."""
-    from trace_jax import models
     from trace_jax.rollout import paged
 
-    topology = plan.parse_topology("v6e:2x2")
-    mesh = models.make_mesh({"data": 1, "fsdp": 4, "tensor": 1, "expert": 1}, plan.tpu_devices(topology))
-    run = parse(["configs/tiny.gin"], SMALL + ["model_preset.head_dim = 128", "model_preset.num_key_value_heads = 4"])
-    config, _ = plan.resolve_model(run)
-    config = plan._override_model(config, plan.PlanConfig("v6e:2x2"), "tpu")
-    programs = plan._Programs(config, run, mesh, plan.PlanConfig("v6e:2x2"))
+    programs = _tpu_programs("v6e:2x2", {"fsdp": 4, "tensor": 1})
     decode = programs.registry.largest("paged_decode")
     pool = decode.args[2]
     assert paged.page_shards(paged.state_layout(pool)) == 4

@@ -996,8 +996,9 @@ def plan(run_config, plan_config: PlanConfig, mesh_config=None, *, model_preset:
 class StepSplit:
     """The whole RL step's time per chip, split by phase (seconds; None = not estimated), and how each was made.
 
-    rollout: the paged engine's continuous batching (no waves): `rows_in_flight` rows decode at once (the pool's
-    pages over the pages of a row at the mean context, at most the slots; `decode_rooflines`' paged line), each row
+    rollout: the paged engine's continuous batching (no waves): `rows_in_flight` rows decode at once (`paged_flight`:
+    the rows at the mean context each batch shard's block of the pool holds, at most the slots; `decode_rooflines`'
+    paged line), each row
     decoding at most `decoded_tokens` (its turns at the turn budget, `(max_turns + 1) x turn_token_budget`, at most
     `max_context`), so `decode_steps = ceil(rows x decoded_tokens / rows_in_flight)`; each step at the roofline
     max(FLOPs / dot rate, bytes / memory rate) of its matmuls and attention at the mean context (half of
@@ -1050,12 +1051,12 @@ class PagedFlight:
     """The paged engine's rows in flight at the run's setting, from the config (a model, not a measurement).
 
     rows: rows decoding at once over the whole mesh: the rows at the mean context each batch shard's block of the
-      pool holds (a row's pages lie on one shard), at most the slots. context: the mean context a row's attention reads (`max_context / 2`). pool: the pool's
-      pages. shards: the batch shards the rows split over. token_bytes: one token's KV on one chip."""
+      pool holds (a row's pages lie on one shard), at most the slots. context: the mean context a row's attention
+      reads (`max_context / 2`). shards: the batch shards the rows split over. token_bytes: one token's KV on one
+      chip."""
 
     rows: int
     context: int
-    pool: int
     shards: int
     token_bytes: int
 
@@ -1065,28 +1066,21 @@ class PagedFlight:
 
 
 def paged_flight(programs: "_Programs") -> PagedFlight:
-    """`PagedFlight` of the run: the pool the registry's decode program holds, else `PagedConfig.num_pages`, else
-    what the KV budget holds, else every row's `max_context`."""
+    """`PagedFlight` of the run, on the pool the registry's decode program holds (`rl.programs` lists the engine's
+    programs for every run: its pool is the engine's own, `engine.pool_pages`)."""
     from trace_jax.rollout import paged as paged_lib
     from trace_jax.rollout.budget import batch_shards
 
     config, run, mesh, rules = programs.config, programs.run, programs.mesh, programs.rollout_rules
     paged, length, rows = run.rollout.paged, run.rollout.max_context, programs.rows
     mean = max(1, length // 2)
-    if programs.pool is not None:  # the paged run's own pool
-        pool = programs.pool[0]
-    elif paged.num_pages is not None:
-        pool = paged.num_pages
-    elif programs.kv_budget_gib:
-        pool = paged_lib.pages_within_budget(config, paged.page_size, programs.kv_budget_gib, mesh=mesh, rules=rules)
-    else:
-        pool = rows * paged_lib.pages_for(length, paged.page_size)
+    pool = programs.pool[0]
     slots = max(1, min(rows, paged.slots or rows))
     shards = batch_shards(mesh, rules)
     # a row's pages lie on one batch shard (the engine's allocator), so each shard holds whole rows of its block
     row_pages = paged_lib.pages_for(mean, paged.page_size)
     fit = (pool // shards // row_pages) * shards if pool % shards == 0 else pool // row_pages
-    return PagedFlight(rows=max(1, min(slots, fit)), context=mean, pool=pool, shards=shards,
+    return PagedFlight(rows=max(1, min(slots, fit)), context=mean, shards=shards,
                        token_bytes=paged_lib.page_bytes(config, 1, mesh=mesh, rules=rules))
 
 

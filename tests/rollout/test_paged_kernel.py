@@ -139,7 +139,7 @@ def test_the_kernel_decode_program_gives_the_xla_programs_tokens_and_logits(wide
     if mesh is not None:
         layout = paged.state_layout(paged.init_pool_program(kernel_config, 16, 4, 4, mesh)())
         assert paged.page_shards(layout) == (axes or {}).get("fsdp", 1)
-        assert paged.decode_attention_path(kernel_config, layout) == "pallas_tpu"
+        assert paged.attention_path(kernel_config) == "pallas_tpu"  # the decode program's, on every layout
     kernel = _decode_run(kernel_config, params, mesh, tables, lengths, active, 3, interpret=True)
     xla = _decode_run(config.replace(attention_impl="xla"), params, mesh, tables, lengths, active, 3,
                       interpret=False)

@@ -56,7 +56,7 @@ from trace_jax.models import packing as packing_lib
 from trace_jax.rl.pipeline import behaviour_program, packing_shards, update_shapes
 from trace_jax.rollout import budget, sampler
 from trace_jax.rollout import paged as paged_lib
-from trace_jax.rollout.engine import decode_buckets, decode_shards, pool_pages
+from trace_jax.rollout.engine import decode_buckets, pool_pages, process_shards
 from trace_jax.scoring import fork
 from trace_jax.train.checkpoint import abstract_train_state
 from trace_jax.train.loss import LossBatch, length_bucket
@@ -347,7 +347,7 @@ def paged_entries(run_config, model_config, mesh, rollout_params, episodes: int,
                                          f"{u} rows x {chunk} tokens reading {processes * count} pages, written to "
                                          f"{out} rows; {pool}"))
     decode = paged_lib.decode_program(model_config, steps, max_len, layout)
-    for batch in decode_buckets(slots, decode_shards(mesh, rules, processes)):
+    for batch in decode_buckets(slots, process_shards(mesh, rules, processes)):
         d = processes * batch
         host = sampler.RowSampling.broadcast(rollout.sampling, d)
         sampling = host.replace(temperature=_host((d,), jnp.float32), top_p=_host((d,), jnp.float32),

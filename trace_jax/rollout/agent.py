@@ -191,14 +191,8 @@ class ScriptedPolicy:
         return out
 
     def __call__(self, turn_of_row: np.ndarray, step: int, generated: list[list[int]]) -> np.ndarray:
-        out = np.zeros((len(generated), self.vocab_size), np.float32)
-        for row, ids in enumerate(generated):
-            if row >= len(self.scripts) or turn_of_row[row] >= len(self.scripts[row]):
-                continue
-            script = self.scripts[row][turn_of_row[row]]
-            if script:
-                out[row, script[min(len(ids), len(script) - 1)]] = self.bias
-        return out
+        """float32 [N, V]: the bias of the next step (a block of one)."""
+        return self.block_bias(turn_of_row, step, generated, 1)[0]
 
 
 def error_observation(message: str) -> str:

@@ -192,9 +192,10 @@ def pool_shards(pages: int, *, mesh=None, rules=None, processes: int = 1) -> int
                      "be divided by it")
 
 
-def decode_shards(mesh, rules, processes: int = 1) -> int:
-    """The batch shards of one process's decode rows (`decode_rows`): the mesh's batch shards over `processes`
-    (each process's block of the global batch is its devices'), 1 when they do not divide."""
+def process_shards(mesh, rules, processes: int = 1) -> int:
+    """The batch shards of one process's block of the global batch (its decode rows, `decode_rows`; its part of a
+    default pool, `pool_pages`): the mesh's batch shards over `processes` (each process's block is its devices'),
+    1 when they do not divide."""
     shards = batch_shards(mesh, rules)
     return shards // processes if shards % processes == 0 else 1
 
@@ -217,8 +218,7 @@ def pool_pages(config: ModelConfig, rollout: agent_lib.RolloutConfig, paged: Pag
         if processes > 1:
             source += f" shared by {processes} processes"
     else:
-        shards = batch_shards(mesh, rules)
-        part = shards // processes if shards % processes == 0 else 1  # the batch shards of one process's pages
+        part = process_shards(mesh, rules, processes)  # the batch shards of one process's pages
         return -(-max(rows, 1) // part) * part * needed
     shards = pool_shards(pages, mesh=mesh, rules=rules, processes=processes)
     if shards == 1 and pages < needed:
@@ -307,7 +307,7 @@ class _Engine:
         self.num_pages = pool_pages(config, rollout, paged, most, mesh=mesh, rules=rules, processes=self.processes)
         self.slots = max(1, min(most, paged.slots or most))
         self.page_base, self.slot_base = self.process * self.num_pages, self.process * self.slots
-        self.decode_shards = decode_shards(mesh, rules, self.processes)
+        self.decode_shards = process_shards(mesh, rules, self.processes)
         self.table_width = paged_lib.pages_for(self.max_len, self.page_size)
         # one items shape for every dispatch: the most pages a dispatch reads (a page has at most G holders: a
         # prompt's samples share its full pages)
@@ -315,7 +315,8 @@ class _Engine:
         self.prefill_chunk, self.prefill_tokens = paged.prefill_chunk, paged.prefill_tokens
         hooked = logits_hook is not None
         # a hook is called between steps (one step a dispatch) unless it gives a block's biases at once
-        stepwise = hooked and not (getattr(logits_hook, "blocks", False) and hasattr(logits_hook, "block_bias"))
+        self.block_hook = hooked and getattr(logits_hook, "blocks", False) and hasattr(logits_hook, "block_bias")
+        stepwise = hooked and not self.block_hook
         self.with_bias = distributed.agree_any(hooked) if self.processes > 1 else hooked
         stepwise = distributed.agree_any(stepwise) if self.processes > 1 else stepwise
         self.steps = 1 if stepwise else rollout.sync_every
@@ -636,7 +637,7 @@ class _Engine:
             return out
         turn_of_row = np.asarray([len(e.turn_texts) for e in self.episodes], np.int64)
         by_row = [list(r.turn_ids) if r.phase == DECODE else [] for r in self.rows]
-        if getattr(self.logits_hook, "blocks", False) and hasattr(self.logits_hook, "block_bias"):
+        if self.block_hook:
             bias = self.logits_hook.block_bias(turn_of_row, self.decode_step, by_row, self.steps)  # [steps, N, V]
         else:  # one step a dispatch
             bias = self.logits_hook(turn_of_row, self.decode_step, by_row)

@@ -821,7 +821,7 @@ def _decode_steps(config, num_steps, max_len, layout, sampling, params, state: P
                   lengths, active, budget_left, stop_ids, keys, turn_step, reason, items, logit_bias):
     # The decode batch is the rows that generate, gathered from their slots; their logits go back at the end.
     slot = jnp.clip(slots, 0, state.slots - 1)
-    kernel = decode_attention_path(config, layout) == "pallas_tpu"
+    kernel = attention_path(config) == "pallas_tpu"  # on every layout of the pool (`_kernel_layer`)
 
     def body(carry, bias):
         k, v, logits, lengths, active, budget_left, reason, turn_step = carry
@@ -872,20 +872,13 @@ def decode_program(config: ModelConfig, num_steps: int, max_len: int, layout=Non
     `lengths + num_steps - 1`. The state is donated. A row stops at a stop id, then at `max_len`, then at its budget
     (`reason`: `sampler.STOP_REASONS`); log-probs as `sampler.sample_from_logits` gives them.
 
-    Attention: `decode_attention_path(config, layout)`. On the kernel path `items` is not read (the kernel walks
+    Attention: `attention_path(config)`, on one device or a mesh, whatever the pool's batch shards (on a pool over
+    several, the kernel runs each row on the shard holding its pages, `_kernel_layer`: the engine's
+    `PageAllocator` keeps a row's pages on one shard). On the kernel path `items` is not read (the kernel walks
     each row's page table)."""
     return _program("paged_decode", (config, num_steps, max_len, layout), lambda: sampler_lib.MeshProgram(
         jax.jit(functools.partial(_decode_steps, config, num_steps, max_len, layout), donate_argnums=2),
         _layout_mesh(layout)))
-
-
-def decode_attention_path(config: ModelConfig, layout=None) -> str:
-    """The attention a decode program on a pool of `layout` compiles: `attention_path(config)`, on one device or a
-    mesh, whatever the pool's batch shards. On a pool over several batch shards (`page_shards(layout)` > 1) the
-    kernel runs each row on the shard holding its pages (`_kernel_layer`), so each row's pages must all lie on one
-    shard: the engine's `PageAllocator` (one block of pages a shard) keeps them there."""
-    del layout  # the kernel runs on every layout of the pool (see above)
-    return attention_path(config)
 
 
 def page_shards(layout) -> int:
