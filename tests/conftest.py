@@ -20,19 +20,20 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 # The suite's time is mostly XLA:CPU compiling small programs that then run for milliseconds, so the tests compile
-# without LLVM's optimisation passes and with XLA:CPU's elemental fusion emitters instead of its MLIR ones (about half
-# the compile time of a tiny train step: 3.1 s against 5.9): the same HLO passes and the same programs, with less
-# optimised machine code. (libtpu aborts on XLA:CPU flags: `plan.tpu_devices` keeps them from it.)
-# Every test compares values, never speed; a test's two sides (and its `trace-jax` subprocesses, which inherit
-# XLA_FLAGS) compile alike. TRACE_JAX_TEST_OPTIMIZED_XLA=1 keeps XLA's default optimisation.
-# Tests that start processes with a device count of their own add TRACE_JAX_TEST_XLA_OPTIONS (these options, or
-# nothing) to those processes' XLA_FLAGS.
+# without LLVM's optimisation passes (JAX_DISABLE_MOST_OPTIMIZATIONS: XLA's backend optimisation level 0 and no
+# expensive LLVM passes, set by JAX on each compile) and with XLA:CPU's elemental fusion emitters instead of its MLIR
+# ones (about half the compile time of a tiny train step: 3.1 s against 5.9): the same HLO passes and the same
+# programs, with less optimised machine code. (libtpu aborts on XLA:CPU flags: `plan.tpu_devices` keeps them from it.)
+# Every test compares values, never speed; a test's two sides (and its `trace-jax` subprocesses, which inherit the
+# environment) compile alike. Modules whose time is running a real model, not compiling (SmolLM2's), take the
+# `optimized_xla` fixture: its programs run 2-3x faster optimised. TRACE_JAX_TEST_OPTIMIZED_XLA=1 keeps XLA's default
+# optimisation everywhere. Tests that start processes with a device count of their own add
+# TRACE_JAX_TEST_XLA_OPTIONS (the XLA:CPU option, or nothing) to those processes' XLA_FLAGS.
 if (os.environ.get("TRACE_JAX_TEST_OPTIMIZED_XLA") != "1"
-        and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]):
-    os.environ["TRACE_JAX_TEST_XLA_OPTIONS"] = ("--xla_backend_optimization_level=0 "
-                                                "--xla_llvm_disable_expensive_passes=true "
-                                                "--xla_cpu_use_fusion_emitters=false")
+        and "--xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]):
+    os.environ["TRACE_JAX_TEST_XLA_OPTIONS"] = "--xla_cpu_use_fusion_emitters=false"
     os.environ["XLA_FLAGS"] += " " + os.environ["TRACE_JAX_TEST_XLA_OPTIONS"]
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit
     import shutil
@@ -91,6 +92,20 @@ def _release_compiled_programs():
 
         jax.clear_caches()
         gc.collect()
+
+
+@pytest.fixture(scope="module")
+def optimized_xla():
+    """For modules whose time is running a real model (SmolLM2), not compiling: their programs compile with XLA's
+    default optimisation (`pytestmark = pytest.mark.usefixtures("optimized_xla")`), which runs them 2-3x faster than
+    the suite's unoptimised setting (top of this file). The persistent cache keys on the compile options, so no
+    program compiled one way is loaded for the other."""
+    import jax
+
+    before = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "1"
+    jax.config.update("jax_disable_most_optimizations", False)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from trace_jax.models.chat import ChatFormat
 from trace_jax.models.gguf import find_smollm2_gguf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("optimized_xla")]  # runs the real model: optimised
 
 LOGPROB_TOLERANCE = 1e-3
 BUFFER_LENGTH = 64  # every JAX forward uses this padded length, so it compiles once

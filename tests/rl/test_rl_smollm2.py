@@ -27,6 +27,8 @@ CPU_SIZE = ["TrainConfig.prompts_per_step = 1", "LossConfig.micro_batches = 2", 
             "RolloutConfig.max_turns = 1", "RolloutConfig.max_context = 256", "RolloutConfig.turn_token_budget = 16",
             "RolloutConfig.with_tools = False"]
 
+pytestmark = pytest.mark.usefixtures("optimized_xla")  # runs the real model: optimised
+
 
 @pytest.mark.slow
 def test_smollm2_config_runs_one_trace_step_as_its_own_reference(smollm2_hf_dir, tmp_path):

@@ -20,7 +20,7 @@ from trace_jax.models.tokenizer import load_tokenizer
 from trace_jax.rollout import RolloutConfig, SamplingConfig, run_episodes
 from trace_jax.rollout.paged import PagedConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("optimized_xla")]  # runs the real model: optimised
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from trace_jax.models.chat import ChatFormat
 from trace_jax.models.tokenizer import load_tokenizer
 from trace_jax.rollout import STATUSES, RolloutConfig, SamplingConfig, ScriptedPolicy, run_episodes
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("optimized_xla")]  # runs the real model: optimised
 
 
 def test_smollm2_runs_procedural_episodes_end_to_end(smollm2_hf_dir):

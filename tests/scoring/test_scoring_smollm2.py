@@ -15,7 +15,7 @@ from trace_jax.models.chat import ChatFormat
 from trace_jax.models.tokenizer import load_tokenizer
 from trace_jax.scoring import score_answer_prefixes
 
-pytestmark = pytest.mark.slow  # conversion (shared fixture) + a 135M-parameter pass on CPU: ~20-50 s
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("optimized_xla")]  # conversion (shared fixture) + a 135M-parameter pass on CPU: ~20-50 s
 
 
 def _call(i, name, arguments):
