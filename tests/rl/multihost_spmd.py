@@ -51,9 +51,12 @@ model_preset.num_experts = 8
 """
 SETTINGS = {"fsdp8": (GIN, {"fsdp": 8}), "expert8": (GIN + MOE, {"expert": 8})}
 STEPS = 2
-# the engine-level check (fsdp8): 3 tasks, 2 on process 0 (whose tool calls take 150 ms) and 1 on process 1 (fast
-# tools: it finishes first and takes part with padding); every row's first turn scripted as a tool call or not
-ENGINE_TASKS = 3
+# the engine-level check (fsdp8): 5 tasks, 4 on process 0 (whose tool calls take 150 ms) and 1 on process 1 (fast
+# tools: it finishes first and takes part with padding); every row's first turn scripted as a tool call or not. On
+# two processes each part of the pool holds one row of max_context a batch shard (`ENGINE_POOL_ROWS`), so process
+# 0's 8 rows on its 4 shards run out of pages and are paused and recomputed while process 1 is not
+ENGINE_TASKS = 5
+ENGINE_POOL_ROWS = 4
 ENGINE_TURN_BUDGET = 32
 TOOL_SECONDS = (0.15, 0.0)
 WORDS = ("river", "city", "north", "south", "mayor", "page")
@@ -82,8 +85,9 @@ class LatentTools:
 def engine_episodes(environment, config, placement, params) -> dict:
     """`engine.run_paged_episodes` on `ENGINE_TASKS` tasks split unevenly over the processes (process p's rows keep
     their global keys through `row_offset`), sampled, with a scripted first turn per row (a tool call for rows 0, 1,
-    3 and 4, the model's own turn for rows 2 and 5) and `LatentTools`: every process's rows (gathered) and
-    dispatch counts."""
+    3, 4, ..., the model's own turn for rows 2, 5, ...) and `LatentTools`: every process's rows (gathered) and
+    dispatch and preemption counts. Several processes share a pool of `ENGINE_POOL_ROWS` rows of max_context a
+    process (preempting); one process has the default pool (every row at max_context: none preempted)."""
     import random
 
     import jax
@@ -98,12 +102,18 @@ def engine_episodes(environment, config, placement, params) -> dict:
     draw = random.Random(0)
     scripts = [[chat.assistant_content_ids(None, [{"name": "search", "arguments": {"query": draw.choice(WORDS)}}])
                 if row % 3 != 2 else []] for row in range(len(tasks) * group)]
-    # process 0 runs the first 2 tasks, process 1 the last one (one process: all three)
+    # process 0 runs the first 4 tasks, process 1 the last one (one process: all five)
     first, last = ((0, len(tasks)) if jax.process_count() == 1 else
-                   ((0, 2), (2, len(tasks)))[jax.process_index()])
+                   ((0, len(tasks) - 1), (len(tasks) - 1, len(tasks)))[jax.process_index()])
     offset = first * group
     hook = ScriptedPolicy(scripts[offset:last * group], environment.model_config.vocab_size)
     rollout = dataclasses.replace(config.rollout, turn_token_budget=ENGINE_TURN_BUDGET)
+    if jax.process_count() > 1:
+        from trace_jax.rollout import paged as paged_lib
+
+        row = paged_lib.pages_for(rollout.max_context, rollout.paged.page_size)
+        rollout = dataclasses.replace(rollout, paged=dataclasses.replace(rollout.paged,
+                                                                         num_pages=ENGINE_POOL_ROWS * row))
     result = engine_lib.run_paged_episodes(environment.model_config, params, chat, tasks[first:last], LatentTools,
                                            rollout, jax.random.PRNGKey(5), mesh=placement.mesh,
                                            rules=placement.rollout_rules, row_offset=offset, logits_hook=hook)
@@ -113,7 +123,8 @@ def engine_episodes(environment, config, placement, params) -> dict:
         "tool_calls": distributed.gather_rows(np.asarray([sum(isinstance(call, tuple) for call in e.tool_calls)
                                                           for e in result.episodes], np.int32)).tolist(),
         "dispatches": distributed.gather_rows(np.asarray([[stats.decode_dispatches, stats.prefill_dispatches,
-                                                           stats.row_steps, stats.useful_row_steps]],
+                                                           stats.row_steps, stats.useful_row_steps,
+                                                           stats.preemptions, stats.max_pages_held]],
                                                          np.int32)).tolist()}
 
 

@@ -5,7 +5,7 @@ processes adds no copy: with expert=8 each device holds 1/8 of the experts), dis
 registry lists (what `trace-jax plan` lowers), and two RL steps give the one process's rollout tokens, rewards,
 reference scores and losses (tests/rl/multihost_spmd.py runs the steps). The rollout engine runs in lock step over
 the processes; fsdp8 also checks the engine alone on tasks split unevenly, with tool latencies that differ per
-process."""
+process and, on two processes, a pool small enough that one process's rows are paused and recomputed."""
 
 from __future__ import annotations
 
@@ -96,9 +96,10 @@ def test_an_evaluation_split_unevenly_over_the_processes_gives_the_one_processs_
 
 
 def test_the_paged_engine_in_lock_step_gives_the_one_processs_episodes_with_uneven_tasks_and_tool_latencies(runs):
-    """fsdp8 runs the paged engine: 3 tasks (2 on process 0, whose tools are slow, 1 on process 1), sampled, with
-    scripted tool calls; the processes dispatch as many programs (padding where they have nothing to run) and give
-    the rows one process gives."""
+    """fsdp8 runs the paged engine: 5 tasks (4 on process 0, whose tools are slow, 1 on process 1), sampled, with
+    scripted tool calls, and on two processes a pool of one row of max_context a batch shard, so process 0 pauses
+    and recomputes rows while process 1 does not; the processes dispatch as many programs (padding where they have
+    nothing to run) and give the rows one process gives with a pool that holds every row."""
     setting, multi, single = runs
     if setting != "fsdp8":
         assert "engine" not in multi
@@ -109,6 +110,10 @@ def test_the_paged_engine_in_lock_step_gives_the_one_processs_episodes_with_unev
     np.testing.assert_allclose(two["sampler_logprobs"], one["sampler_logprobs"], atol=1e-5, rtol=0)
     assert len(one["tokens"]) == multihost_spmd.ENGINE_TASKS * 2  # G = 2
     assert 0 < sum(one["tool_calls"]) < len(one["tool_calls"])  # some rows ran a tool call, some did not
-    (decode0, prefill0, steps0, useful0), (decode1, prefill1, steps1, useful1) = two["dispatches"]
+    (decode0, prefill0, steps0, useful0, paused0, held0), (decode1, prefill1, steps1, useful1, paused1, _) = \
+        two["dispatches"]
     assert (decode0, prefill0, steps0) == (decode1, prefill1, steps1)  # lock step: the same dispatches and shapes
     assert useful1 < useful0  # process 1 (one task, fast tools) ran padding while process 0 still had rows
+    # process 0's rows outgrew its part of the pool: paused and recomputed, none lost or altered (above)
+    assert paused0 > 0 and paused1 == 0 and held0 <= multihost_spmd.ENGINE_POOL_ROWS * 8  # 8 pages a row
+    assert one["dispatches"][0][4] == 0  # one process, a pool of every row: nothing preempted
