@@ -460,24 +460,30 @@ def test_for_a_tpu_topology_with_pages_over_fsdp_shards_the_paged_decode_lowers_
 
 
 @needs_libtpu
-def test_the_decode_roofline_reports_both_engines_and_the_pool_holds_more_rows_than_the_dense_budget():
-    """16 rows of 256 tokens under a KV budget that holds 2 whole rows a chip: the dense engine runs 8 at once,
-    the paged pool (rows at half the context) all 16; every figure is positive, the paged one compiled."""
+def test_the_decode_roofline_reports_both_engines_and_the_pool_holds_more_rows_than_the_dense_budget(monkeypatch):
+    """16 rows of 256 tokens under a KV budget that holds 1 whole row a chip: the dense engine runs 4 at once, the
+    paged pool (rows at half the context) 8; every figure is positive, and the paged one's compiled step is the
+    decode batch of those 8 rows, not the registry's largest (16 rows, every slot)."""
     run = parse(["configs/tiny.gin"], SMALL + [
         "model_preset.head_dim = 128", "TrainConfig.prompts_per_step = 4",
-        "RolloutConfig.group_size = 4", "RolloutConfig.kv_budget_gib = 0.0025"])
+        "RolloutConfig.group_size = 4", "RolloutConfig.kv_budget_gib = 0.00125"])
+    largest = []
+    rooflines = plan.decode_rooflines
+    monkeypatch.setattr(plan, "decode_rooflines", lambda programs, topology: largest.append(
+        programs.registry.largest("paged_decode").args[3].shape[0]) or rooflines(programs, topology))
     report = plan.plan(run, plan.PlanConfig("v5e:2x2", programs=("decode",), estimate_time=False))
     paged, dense = report.decode
     assert (paged.engine, dense.engine) == ("paged", "dense")
-    assert dense.rows_in_flight == 8 and paged.rows_in_flight == 16
+    assert dense.rows_in_flight == 4 and paged.rows_in_flight == 8
     assert paged.context == 128 and dense.context == 256
     for d in (paged, dense):
         assert d.weight_bytes > 0 and d.kv_bytes > 0 and d.tokens_per_second > 0
         assert d.hbm_bandwidth == 819e9 and d.chips == 4
-    assert paged.compiled_bytes > 0 and paged.compiled_rows == 16 and 0 < paged.fraction_of_roofline
+    assert largest == [16] and paged.compiled_rows == 8
+    assert paged.compiled_bytes > 0 and 0 < paged.fraction_of_roofline
     assert dense.compiled_bytes is None and dense.fraction_of_roofline is None
     text = plan.format_report(report)
-    assert "not a measurement" in text and "paged: 16 rows in flight" in text and "dense: 8 rows in flight" in text
+    assert "not a measurement" in text and "paged: 8 rows in flight" in text and "dense: 4 rows in flight" in text
     assert "% of the roofline" in text
 
 

@@ -45,7 +45,8 @@ docs/scaling.md says how it is checked and what it is not.
 Decode roofline (`decode_rooflines`, with "decode" among the programs): for both rollout engines at the run's
 setting, rows in flight and decode tokens/s per chip at the HBM-bandwidth roofline (`HBM_BANDWIDTH`), from
 formulas of the config (so the dense engine's line needs no dense program), and for the paged engine the
-compiled one-step decode program's `bytes accessed` against it: an estimate, not a measurement. GPU targets
+compiled one-step decode program at the batch those rows run in, its `bytes accessed` against it: an estimate, not a
+measurement. GPU targets
 (`--topology h100:8`): no GPU compiler runs on a CPU host, so only what the shapes and shardings determine is
 checked (resident bytes per device, FLOPs per step); temporaries and time are reported as not checked.
 
@@ -1157,23 +1158,29 @@ def decode_rooflines(programs: "_Programs", topology: Topology) -> list[DecodeRo
     out = [DecodeRoofline("paged", flight.rows, flight.context, weights, flight.kv_bytes(flight.rows, flight.context),
                           bandwidth, chips),
            DecodeRoofline("dense", dense_rows, length, weights, flight.kv_bytes(dense_rows, length), bandwidth, chips)]
-    step = compiled_decode_step(programs)
+    step = compiled_decode_step(programs, flight.rows)
     if step is not None:
         out[0].compiled_bytes, out[0].compiled_rows = step
     return out
 
 
-def compiled_decode_step(programs: "_Programs") -> tuple[float, int] | None:
-    """(bytes accessed per chip, decode rows) of one step of the paged engine's largest decode program, compiled
-    with every layer unrolled (`ModelConfig.scan_unroll`: the cost analysis counts a loop body once), from the
-    compiler's cost analysis; None when the run's engine is not paged or the compiler gives no bytes."""
+def compiled_decode_step(programs: "_Programs", rows_in_flight: int) -> tuple[float, int] | None:
+    """(bytes accessed per chip, decode rows) of one step of the paged decode program the engine runs with
+    `rows_in_flight` rows decoding (the registry's smallest decode batch that holds them, `engine.decode_rows`; its
+    largest when none does), compiled with every layer unrolled (`ModelConfig.scan_unroll`: the cost analysis counts
+    a loop body once), from the compiler's cost analysis; None when the registry has no paged decode or the compiler
+    gives no bytes. The batch the roofline's rows run in, not the registry's largest: a 128-row decode entry
+    compared against a roofline of 16 rows in flight measured a program the steady state does not run."""
     import jax
 
     from trace_jax.rollout import paged as paged_lib
 
-    entry = programs.registry.largest("paged_decode")
-    if entry is None:
+    entries = programs.registry.named("paged_decode")
+    if not entries:
         return None
+    batch = lambda e: int(e.args[3].shape[0])  # noqa: E731
+    holding = [e for e in entries if batch(e) >= rows_in_flight]
+    entry = min(holding, key=batch) if holding else max(entries, key=batch)
     state = entry.args[2]
     layout = paged_lib.state_layout(state)
     program = paged_lib.decode_program(programs.config.replace(scan_unroll=True), 1,
