@@ -636,6 +636,19 @@ def paged_extend(config: ModelConfig, params, k_pool, v_pool, page_table, cached
             write_pages(v_pool, v_new, page_table, cached, num_new, max_len))
 
 
+def _write_entries(pool, new, entry):
+    """`pool [K, layers, num_pages, page_size, Dh]` with row b's `new [B, K, Dh]` written at merged position
+    `entry[b]` (layers, pages and offsets merged; out of range: dropped). Each (kv head, row) is its own scatter
+    index and only head_dim is the scatter's window, so the written pool keeps the layout the Pallas kernel reads:
+    with the kv heads in the window too, XLA:TPU laid the pool out with its heads minor for the scatter and copied
+    the whole pool back to the kernel's layout in every layer (two copies of the pool in the temporaries)."""
+    kv_heads, layers, num_pages, page_size, head_dim = pool.shape
+    flat = pool.reshape(kv_heads, layers * num_pages * page_size, head_dim)
+    heads = jnp.arange(kv_heads, dtype=jnp.int32)[:, None]
+    flat = flat.at[heads, entry[None, :]].set(jnp.moveaxis(new, 1, 0).astype(pool.dtype), mode="drop")
+    return flat.reshape(pool.shape)
+
+
 def _kernel_layer(q, k, v, k_pool, v_pool, layer, page_table, lengths, write, key_len, *, block_pages, spec,
                   mesh):
     """One decode layer on the kernel path: each row's new key/value (k, v [B, K, Dh]) written at position
@@ -654,10 +667,10 @@ def _kernel_layer(q, k, v, k_pool, v_pool, layer, page_table, lengths, write, ke
         owned = (table[:, 0] >= 0) & (table[:, 0] < num_pages) if page_axes is not None else jnp.ones_like(write)
         table = jnp.where((table >= 0) & (table < num_pages), table, -1)
         page = jnp.take_along_axis(table, jnp.clip(lengths // page_size, 0, table.shape[1] - 1)[:, None], axis=1)[:, 0]
-        page = jnp.where(write & owned & (page >= 0), page, num_pages)  # out of range: dropped
-        offset = lengths % page_size
-        k_pool = k_pool.at[:, layer, page, offset].set(jnp.moveaxis(k, 1, 0).astype(k_pool.dtype), mode="drop")
-        v_pool = v_pool.at[:, layer, page, offset].set(jnp.moveaxis(v, 1, 0).astype(v_pool.dtype), mode="drop")
+        # the entry of (layer, page, offset) in the pool with layers, pages and offsets merged (a free reshape)
+        entry = (layer * num_pages + page) * page_size + lengths % page_size
+        entry = jnp.where(write & owned & (page >= 0), entry, k_pool.shape[1] * num_pages * page_size)  # dropped
+        k_pool, v_pool = (_write_entries(pool, new, entry) for pool, new in ((k_pool, k), (v_pool, v)))
         out = paged_attention_kernel(q, k_pool, v_pool, layer, table, jnp.where(owned, key_len, 1),
                                      block_pages=block_pages)
         if page_axes is not None:
