@@ -493,9 +493,14 @@ def test_the_decode_roofline_reports_both_engines_and_the_pool_holds_more_rows_t
         assert d.hbm_bandwidth == 819e9 and d.chips == 4
     assert largest == [16] and paged.compiled_rows == 8
     assert paged.compiled_bytes > 0 and 0 < paged.fraction_of_roofline
+    # the kernel path: the rows' KV the kernel reads by DMA (unseen by the cost analysis) is added to its bytes
+    assert paged.kernel_kv_bytes == paged.kv_bytes  # the compiled batch is the rows in flight
+    assert paged.compiled_tokens_per_second == pytest.approx(
+        8 / 4 * paged.hbm_bandwidth / (paged.compiled_bytes + paged.kv_bytes))
     assert dense.compiled_bytes is None and dense.fraction_of_roofline is None
     text = plan.format_report(report)
     assert "not a measurement" in text and "paged: 8 rows in flight" in text and "dense: 4 rows in flight" in text
+    assert "of KV reads (DMA, unseen by the cost analysis)" in text
     assert "% of the roofline" in text
 
 
