@@ -464,11 +464,16 @@ def test_for_a_tpu_topology_with_pages_over_fsdp_shards_the_paged_decode_lowers_
     # back to the kernel's layout in every layer: 14.16 GiB of temporaries for Qwen3-4B's 6.8 GiB pool)
     compiled = lowered.compile()
     local = pool.k.sharding.shard_shape(pool.k.shape)
-    copies = [line for line in compiled.as_text().splitlines()
-              if " copy(" in line and f"[{','.join(map(str, local))}]" in line.split("copy(")[0]]
-    assert copies == []
+    pool_shaped = f"[{','.join(map(str, local))}]"
+
+    def copies(text):
+        return [line for line in text.splitlines() if " copy(" in line and pool_shaped in line.split("copy(")[0]]
+
+    assert copies(compiled.as_text()) == []
     keys = math.prod(local) * pool.k.dtype.itemsize
     assert compiled.memory_analysis().temp_size_in_bytes < keys  # less than a device's part of the keys
+    # nor does the prefill (its one write of every layer's new keys: the same rule, `paged.write_pages`)
+    assert copies(programs.registry.largest("paged_prefill").lower().compile().as_text()) == []
 
 
 @needs_libtpu

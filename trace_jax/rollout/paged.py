@@ -614,7 +614,10 @@ def extend_rows(config: ModelConfig, params, k_pool, v_pool, cached, tokens, num
 def write_pages(pool, new, page_table, cached, num_new, max_len: int):
     """`pool [K, layers, num_pages, page_size, Dh]` with row b's new entries `new[:, b, i]` (`new [layers, B, n, K,
     Dh]`, i < num_new[b]) written at position `cached[b] + i` of its pages (`page_table [B, max_pages]`, -1 = none:
-    dropped, as are positions >= max_len). One scatter for every layer."""
+    dropped, as are positions >= max_len). One scatter for every layer, each (kv head, layer, row, token) its own
+    index and head_dim its only window: with the kv heads in the window (until 2026-12-06) XLA:TPU laid the pool out
+    heads-minor for the scatter and copied it whole there and back (in every decode layer on the kernel path: 14.14
+    GiB of temporaries and ~497 GB a step for Qwen3-4B's 6.8 GiB pool on v6e-8; twice per prefill dispatch)."""
     L, num_pages, page_size = pool.shape[1:4]
     n = new.shape[2]
     offsets = jnp.arange(n, dtype=jnp.int32)
@@ -622,9 +625,10 @@ def write_pages(pool, new, page_table, cached, num_new, max_len: int):
     stored = (offsets[None, :] < num_new[:, None]) & (positions < max_len)
     page = jnp.take_along_axis(page_table, jnp.clip(positions // page_size, 0, page_table.shape[1] - 1), axis=1)
     page = jnp.where(stored & (page >= 0), page, num_pages)  # out of range: dropped
-    layers = jnp.arange(L, dtype=jnp.int32)[:, None, None]
+    heads = jnp.arange(pool.shape[0], dtype=jnp.int32)[:, None, None, None]
+    layers = jnp.arange(L, dtype=jnp.int32)[None, :, None, None]
     values = jnp.moveaxis(new, 3, 0).astype(pool.dtype)  # [K, L, B, n, Dh]
-    return pool.at[:, layers, page[None], (positions % page_size)[None]].set(values, mode="drop")
+    return pool.at[heads, layers, page[None, None], (positions % page_size)[None, None]].set(values, mode="drop")
 
 
 def paged_extend(config: ModelConfig, params, k_pool, v_pool, page_table, cached, tokens, num_new, items,
@@ -636,17 +640,13 @@ def paged_extend(config: ModelConfig, params, k_pool, v_pool, page_table, cached
             write_pages(v_pool, v_new, page_table, cached, num_new, max_len))
 
 
-def _write_entries(pool, new, entry):
-    """`pool [K, layers, num_pages, page_size, Dh]` with row b's `new [B, K, Dh]` written at merged position
-    `entry[b]` (layers, pages and offsets merged; out of range: dropped). Each (kv head, row) is its own scatter
-    index and only head_dim is the scatter's window, so the written pool keeps the layout the Pallas kernel reads:
-    with the kv heads in the window too, XLA:TPU laid the pool out with its heads minor for the scatter and copied
-    the whole pool back to the kernel's layout in every layer (two copies of the pool in the temporaries)."""
-    kv_heads, layers, num_pages, page_size, head_dim = pool.shape
-    flat = pool.reshape(kv_heads, layers * num_pages * page_size, head_dim)
-    heads = jnp.arange(kv_heads, dtype=jnp.int32)[:, None]
-    flat = flat.at[heads, entry[None, :]].set(jnp.moveaxis(new, 1, 0).astype(pool.dtype), mode="drop")
-    return flat.reshape(pool.shape)
+def _write_token(pool, new, layer, page, offset):
+    """`pool [K, layers, num_pages, page_size, Dh]` with row b's `new [B, K, Dh]` written at (`layer`, `page[b]`,
+    `offset[b]`) (a page out of range: dropped): the kernel path's write of one layer before the kernel reads it.
+    Each (kv head, row) is its own scatter index, as in `write_pages`."""
+    heads = jnp.arange(pool.shape[0], dtype=jnp.int32)[:, None]
+    return pool.at[heads, layer, page[None], offset[None]].set(jnp.moveaxis(new, 1, 0).astype(pool.dtype),
+                                                               mode="drop")
 
 
 def _kernel_layer(q, k, v, k_pool, v_pool, layer, page_table, lengths, write, key_len, *, block_pages, spec,
@@ -667,10 +667,9 @@ def _kernel_layer(q, k, v, k_pool, v_pool, layer, page_table, lengths, write, ke
         owned = (table[:, 0] >= 0) & (table[:, 0] < num_pages) if page_axes is not None else jnp.ones_like(write)
         table = jnp.where((table >= 0) & (table < num_pages), table, -1)
         page = jnp.take_along_axis(table, jnp.clip(lengths // page_size, 0, table.shape[1] - 1)[:, None], axis=1)[:, 0]
-        # the entry of (layer, page, offset) in the pool with layers, pages and offsets merged (a free reshape)
-        entry = (layer * num_pages + page) * page_size + lengths % page_size
-        entry = jnp.where(write & owned & (page >= 0), entry, k_pool.shape[1] * num_pages * page_size)  # dropped
-        k_pool, v_pool = (_write_entries(pool, new, entry) for pool, new in ((k_pool, k), (v_pool, v)))
+        page = jnp.where(write & owned & (page >= 0), page, num_pages)  # out of range: dropped
+        k_pool, v_pool = (_write_token(pool, new, layer, page, lengths % page_size)
+                          for pool, new in ((k_pool, k), (v_pool, v)))
         out = paged_attention_kernel(q, k_pool, v_pool, layer, table, jnp.where(owned, key_len, 1),
                                      block_pages=block_pages)
         if page_axes is not None:
