@@ -102,7 +102,7 @@ def optimized_xla():
     program compiled one way is loaded for the other."""
     import jax
 
-    before = os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "1"
+    before = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", False)
     yield
     jax.config.update("jax_disable_most_optimizations", before)

@@ -421,7 +421,6 @@ def test_short_contexts_halve_until_the_variants_fit(tiny_run, monkeypatch):
     assert 6144 in compiled and 3072 in compiled and compiled.count(1536) == 4  # each length compiled once
 
 
-
 def _tpu_programs(topology_name, axes):
     """`plan`'s registry of the tiny config (head_dim 128, 4 kv heads: the kernel's shapes) for a TPU topology and
     mesh axes, as `plan.plan` builds it."""
