@@ -190,7 +190,9 @@ def test_moe_reference_on_an_expert_mesh_equals_one_device_and_dispatches_by_all
     mesh = models.make_mesh({"data": 2, "tensor": 2, "expert": 2})
     scores, token_lp = _score(config, models.shard_params(params, config, mesh), batch, method=method, mesh=mesh)
     one_scores, one_lp = _score(config, params, batch, method=method)
-    np.testing.assert_allclose(scores, one_scores, atol=TOL, rtol=0)
+    # sums of ~7 nats through tensor- and expert-sharded reductions, in float32: a few ulp apart (1.0e-5 at 7.44
+    # was seen once the suite compiled its LLVM modules unsplit), so relative as well as absolute
+    np.testing.assert_allclose(scores, one_scores, atol=TOL, rtol=4e-6)
     np.testing.assert_allclose(_real(token_lp, lengths), _real(one_lp, lengths), **LP_TOL)
     pn, pl, ps, pm = fork.padded_shape(4, 40, 5, 6, mesh=mesh)
     row = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=fork.row_sharding(mesh, len(shape)))  # noqa
