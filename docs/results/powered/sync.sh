@@ -6,8 +6,8 @@
 # summary.json yet) are left. Then `trace-jax study configs/studies/powered_phase1.gin --results-only --dir
 # docs/results/powered` regenerates results.json/.md and plots/ from the record.
 set -eu
-RUNS=${RUNS:-/work/main/runs/studies/powered}
 OUT=${OUT:-$(cd "$(dirname "$0")" && pwd)}
+RUNS=${RUNS:-$(cd "$OUT/../../.." && pwd)/runs/studies/powered}  # the study's --dir: runs/ of this checkout
 for arm in "$RUNS"/*/seed*; do
   [ -f "$arm/summary.json" ] || continue
   rel=${arm#"$RUNS"/}
