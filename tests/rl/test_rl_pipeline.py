@@ -63,14 +63,16 @@ def setup(tmp_path_factory):
     return config, environment
 
 
-_STEPS: dict = {}  # LossConfig -> (optimizer, train step): one compile per loss across the tests
+_STEPS: dict = {}  # (LossConfig, OptimizerConfig) -> (optimizer, train step): one compile per pair across the tests
 
 
-def _pipeline(config, environment, credit: CreditConfig, loss: LossConfig, update=UpdateConfig(), rollout=None):
-    if loss not in _STEPS:
-        optimizer = make_optimizer(config.optimizer)
-        _STEPS[loss] = optimizer, make_train_step(environment.model_config, loss, optimizer)
-    optimizer, train_step = _STEPS[loss]
+def _pipeline(config, environment, credit: CreditConfig, loss: LossConfig, update=UpdateConfig(), rollout=None,
+              optimizer_config=None):
+    key = (loss, optimizer_config or config.optimizer)
+    if key not in _STEPS:
+        optimizer = make_optimizer(key[1])
+        _STEPS[key] = optimizer, make_train_step(environment.model_config, loss, optimizer)
+    optimizer, train_step = _STEPS[key]
     pipeline = RLPipeline(environment.model_config, environment.chat, environment.browser,
                           rollout or config.rollout, credit, loss, update, optimizer, train_step=train_step)
     state = init_train_state(environment.model_config, optimizer, environment.params, jax.random.PRNGKey(0))
