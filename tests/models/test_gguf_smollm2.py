@@ -5,7 +5,10 @@ file independently. Measured on CPU float32: converted-vs-GGUF transformers logi
 decoder's next-token log-probs within ~1e-4 of the reference (asserted <= 1e-3, full vocabulary, every position).
 """
 
+import contextlib
+import functools
 import os
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -34,12 +37,40 @@ def converted_dir(smollm2_gguf, smollm2_hf_dir):
     return smollm2_hf_dir
 
 
+@contextlib.contextmanager
+def _gguf_read_once(path):
+    """While transformers loads `path`: its metadata is parsed once, not once for the config and again for the
+    tensors, and gguf-py's tensor-name table is built once, not once per submodule (~400 times).
+
+    Both are pure functions of their arguments (gguf-py's `GGUFReader` of the file, read-only and memory-mapped;
+    `get_tensor_name_map(arch, n_blocks)`), so the reference model is the same, bit for bit (its state dict and
+    config, checked when this was written); the loader's own work, the dequantisation of every tensor and the
+    Q/K unpermutation, runs as before. It halves the reference's load (~12 s of CPU to ~6). transformers imports
+    both names from `gguf` when it loads, which is where they are replaced; another loader would only be slower.
+    """
+    import gguf
+
+    original = gguf.GGUFReader
+    reader = original(str(path))
+
+    def read(file, *args, **kwargs):
+        return reader if str(file) == str(path) and not args and not kwargs else original(file, *args, **kwargs)
+
+    with mock.patch.object(gguf, "GGUFReader", read), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+        yield
+
+
 @pytest.fixture(scope="session")
 def reference_model(smollm2_gguf):
     torch = pytest.importorskip("torch")
+    with _gguf_read_once(smollm2_gguf):
+        return _load_reference_model(torch, smollm2_gguf)
+
+
+def _load_reference_model(torch, path):
     from transformers import AutoModelForCausalLM
 
-    path = smollm2_gguf
     try:
         import accelerate  # noqa: F401  (from_pretrained(gguf_file=...) requires it)
     except ImportError:

@@ -52,7 +52,10 @@ model_preset.num_experts = 8
 SETTINGS = {"fsdp8": (GIN, {"fsdp": 8}), "expert8": (GIN + MOE, {"expert": 8})}
 STEPS = 2
 # the engine-level check (fsdp8): 5 tasks, 4 on process 0 (whose tool calls take 150 ms) and 1 on process 1 (fast
-# tools: it finishes first and takes part with padding); every row's first turn scripted as a tool call or not. On
+# tools: it finishes first and takes part with padding); every row's first turn scripted as a tool call or not, the
+# script given a block at a time (`ScriptedPolicy(blocks=True)`): the engine decodes `sync_every` (8) steps a
+# dispatch, rows stopping mid-block as a free-running policy's do (a hook called between steps would make it one
+# step a dispatch: ~100 lock-step decode dispatches instead of ~14, each a round of gloo collectives). On
 # two processes each part of the pool holds one row of max_context a batch shard (`ENGINE_POOL_ROWS`), so process
 # 0's 8 rows on its 4 shards run out of pages and are paused and recomputed while process 1 is not
 ENGINE_TASKS = 5
@@ -85,7 +88,8 @@ class LatentTools:
 def engine_episodes(environment, config, placement, params) -> dict:
     """`engine.run_paged_episodes` on `ENGINE_TASKS` tasks split unevenly over the processes (process p's rows keep
     their global keys through `row_offset`), sampled, with a scripted first turn per row (a tool call for rows 0, 1,
-    3, 4, ..., the model's own turn for rows 2, 5, ...) and `LatentTools`: every process's rows (gathered) and
+    3, 4, ..., the model's own turn for rows 2, 5, ...; the script's biases a decode block at a time, so the engine
+    keeps its blocks of `sync_every` steps) and `LatentTools`: every process's rows (gathered) and
     dispatch and preemption counts. Several processes share a pool of `ENGINE_POOL_ROWS` rows of max_context a
     process (preempting); one process has the default pool (every row at max_context: none preempted)."""
     import random
@@ -106,7 +110,7 @@ def engine_episodes(environment, config, placement, params) -> dict:
     first, last = ((0, len(tasks)) if jax.process_count() == 1 else
                    ((0, len(tasks) - 1), (len(tasks) - 1, len(tasks)))[jax.process_index()])
     offset = first * group
-    hook = ScriptedPolicy(scripts[offset:last * group], environment.model_config.vocab_size)
+    hook = ScriptedPolicy(scripts[offset:last * group], environment.model_config.vocab_size, blocks=True)
     rollout = dataclasses.replace(config.rollout, turn_token_budget=ENGINE_TURN_BUDGET)
     if jax.process_count() > 1:
         from trace_jax.rollout import paged as paged_lib

@@ -18,13 +18,16 @@ from trace_jax.train.optimizer import make_optimizer
 from trace_jax.train.state import init_train_state
 
 # smollm2.gin as shipped, cut to CPU-test size: one group of 2 samples, one row per micro-batch as shipped, a tool
-# turn of up to 16 tokens and the answer turn, and no tool schemas in the system turn. The schemas were ~570 of the
+# turn of up to 8 tokens and the answer turn, and no tool schemas in the system turn. The schemas were ~570 of the
 # prompt's 636 tokens, and SmolLM2-135M called no tool with them either: both rows wrote prose, got the "no
-# <tool_call> found" error observation, wrote prose again and ended as max_turns, as they do without them. The rows
-# are ~190 tokens instead of ~760, and the step's cost grows with the positions; rendering tool schemas into the
-# system turn is checked in tests/models/test_chat_format.py.
+# <tool_call> found" error observation, wrote prose again and ended as max_turns, as they do without them (and as
+# they do with turns of 16 tokens). The rows are ~145 tokens instead of ~760, and the step's cost grows with the
+# positions; rendering tool schemas into the system turn is checked in tests/models/test_chat_format.py. Decoding
+# reads every weight a step (~0.1 s on a CPU), so each token of a turn's budget costs two such steps. The update's
+# width is max_context whatever the rows' length (UpdateConfig.max_length unset): 192 holds the rows with room and
+# is a quarter fewer positions than 256.
 CPU_SIZE = ["TrainConfig.prompts_per_step = 1", "LossConfig.micro_batches = 2", "TrainConfig.receipts = 0",
-            "RolloutConfig.max_turns = 1", "RolloutConfig.max_context = 256", "RolloutConfig.turn_token_budget = 16",
+            "RolloutConfig.max_turns = 1", "RolloutConfig.max_context = 192", "RolloutConfig.turn_token_budget = 8",
             "RolloutConfig.with_tools = False"]
 
 pytestmark = pytest.mark.usefixtures("optimized_xla")  # runs the real model: optimised

@@ -97,9 +97,10 @@ def test_an_evaluation_split_unevenly_over_the_processes_gives_the_one_processs_
 
 def test_the_paged_engine_in_lock_step_gives_the_one_processs_episodes_with_uneven_tasks_and_tool_latencies(runs):
     """fsdp8 runs the paged engine: 5 tasks (4 on process 0, whose tools are slow, 1 on process 1), sampled, with
-    scripted tool calls, and on two processes a pool of one row of max_context a batch shard, so process 0 pauses
-    and recomputes rows while process 1 does not; the processes dispatch as many programs (padding where they have
-    nothing to run) and give the rows one process gives with a pool that holds every row."""
+    scripted tool calls (decoded in blocks of 8 steps a dispatch, rows stopping mid-block), and on two processes a
+    pool of one row of max_context a batch shard, so process 0 pauses and recomputes rows while process 1 does not;
+    the processes dispatch as many programs (padding where they have nothing to run) and give the rows one process
+    gives with a pool that holds every row."""
     setting, multi, single = runs
     if setting != "fsdp8":
         assert "engine" not in multi

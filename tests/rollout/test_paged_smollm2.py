@@ -1,7 +1,8 @@
 """Real model: SmolLM2-135M-Instruct on the rollout engine. Greedy, every generated token is the argmax of the full
 forward over the row's tokens before it (the naive reference's choice, checked teacher-forced: one forward a row,
-not one a token, which on SmolLM2 costs minutes) and no turn runs past a stop string (its `</tool_call>` is
-several tokens, and "." is added: turns end mid decode block by the host's stop-string check and roll back).
+not one a token, which on SmolLM2 costs minutes; greedy, a prompt's two samples are the same row, whose forward is
+computed once) and no turn runs past a stop string (its `</tool_call>` is several tokens, and "." is added: turns
+end mid decode block by the host's stop-string check and roll back).
 Sampled, the tokens' log-probs are the trainer's: tests/rollout/test_rollout_smollm2.py.
 The episode rules against the token-by-token naive reference: tests/rollout/test_paged_engine.py (tiny model)."""
 
@@ -32,8 +33,11 @@ def smollm2(smollm2_hf_dir):
 
 
 def _rollout(sampling):
-    return RolloutConfig(group_size=2, max_turns=1, max_context=384, turn_token_budget=20, sampling=sampling,
-                         with_tools=False, max_observation_chars=120, sync_every=8, paged=PagedConfig(page_size=16))
+    # Rows are ~180 tokens. Decoding, one step a ~0.1 s read of every weight on a CPU, is most of the test's time:
+    # blocks of 4 steps waste fewer of them past a turn's end than 8 would (40 steps, not 48), and a turn that stops
+    # at "." on its 19th token still ends mid block.
+    return RolloutConfig(group_size=2, max_turns=1, max_context=256, turn_token_budget=20, sampling=sampling,
+                         with_tools=False, max_observation_chars=120, sync_every=4, paged=PagedConfig(page_size=16))
 
 
 def test_smollm2_greedy_tokens_are_the_full_forwards_argmax_and_turns_end_at_their_stop_string(smollm2):
@@ -47,8 +51,12 @@ def test_smollm2_greedy_tokens_are_the_full_forwards_argmax_and_turns_end_at_the
     tokens, mask = np.asarray(batch.tokens), np.asarray(batch.loss_mask) == 1
     turn_index = np.asarray(batch.turn_index)
     checked, stopped = 0, 0
+    forwards = {}  # a row's tokens -> its full forward's logits, [L, V], position t -> t + 1
     for row in range(tokens.shape[0]):
-        logits = np.asarray(models.forward(config, params, tokens[row:row + 1]))[0]  # [L, V], position t -> t + 1
+        key = tokens[row].tobytes()
+        if key not in forwards:
+            forwards[key] = np.asarray(models.forward(config, params, tokens[row:row + 1]))[0]
+        logits = forwards[key]
         generated = np.nonzero(mask[row])[0]
         top2 = np.sort(logits[generated - 1], axis=-1)[:, -2:]
         choice = np.argmax(logits[generated - 1], axis=-1)
