@@ -14,7 +14,9 @@ for arm in "$RUNS"/*/seed*; do
   rel=${arm#"$RUNS"/}
   mkdir -p "$OUT/$rel"
   cp "$arm"/{metrics.jsonl,summary.json,operative_config.gin,study_arm.json} "$OUT/$rel/"
-  if [ "${rel%/*}" = grpo ] && [ -d "$arm/reference" ]; then
+  # a seed whose warm start was lost and regenerated (warm_starts_regenerated/seed<S>, placed in the run directory
+  # for phase 2) keeps its arm's record as it was: the regenerated policy is not the one that arm trained from
+  if [ "${rel%/*}" = grpo ] && [ -d "$arm/reference" ] && [ ! -d "$OUT/warm_starts_regenerated/${rel#*/}" ]; then
     rm -rf "$OUT/$rel/reference"; cp -r "$arm/reference" "$OUT/$rel/"
   fi
   echo "copied $rel"
