@@ -129,6 +129,16 @@ def test_paired_differences_aucs_and_steps_on_synthetic_runs(tmp_path):
             f"[{low:+.1f}, {high:+.1f}] | [+5.0, +7.0] | 25.2 +- 1.5 | +4.5 +- 0.8 [+2.6, +6.4] | 8; 3/3 |") in table
     assert "| trace | 3 |" in table and "| 16; 2/3 |" in table
     assert "Gate (the paired-t 95% CI" in table and "passed: oracle_progress - grpo = +6.0 points" in table
+    # the per-seed table: every arm's evaluations, endpoint, difference from GRPO on its seed, tool calls per episode
+    # (mean of 4 and 5) and wall minutes (the last record's wall_time, 16 s); seeds in order, methods in the file's
+    assert ("| step 0 (%) | step 8 (%) | step 16 (%) | endpoint (%) | vs GRPO (points) | tool calls / episode | "
+            "wall (min) |") in table
+    rows = [line for line in table.splitlines() if line.startswith(("| 0 |", "| 1 |", "| 2 |"))]
+    assert [row.split(" | ")[:2] for row in rows] == [[f"| {seed}", method] for seed in (0, 1, 2) for method in lifts]
+    assert "| 1 | grpo | 10.0 | 21.0 | 31.0 | 26.0 | - | 4.50 | 0.3 |" in rows
+    assert "| 2 | trace | 10.0 | 32.0 | 42.0 | 37.0 | +10.0 | 4.50 | 0.3 |" in rows
+    assert "| 0 | oracle_progress | 10.0 | 25.0 | 35.0 | 30.0 | +5.0 | 4.50 | 0.3 |" in rows
+    assert study_module.seed_table({"methods": {}}) == ""
 
 
 def test_gate_runs_its_arms_first_then_the_gated_ones_when_the_gate_method_beats_grpo(tmp_path):

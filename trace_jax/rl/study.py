@@ -75,7 +75,7 @@ DIAGNOSTICS = ("credit/detour_turn_credit", "credit/on_path_turn_credit", "credi
                "credit/progress_spearman", "zero_signal_groups", "zero_signal_groups_with_turn_credit",
                "credit/terminal_fill_share")
 RESULTS_FILE = "results.json"
-TABLE_FILE = "results.md"  # results_table() and ablation_table(): the tables docs/results.md quotes
+TABLE_FILE = "results.md"  # results_table(), endpoint_table(), ablation_table(), seed_table(): what docs quote
 ARM_FILE = "study_arm.json"
 PLOTS_DIR = "plots"
 EXPECTED = ("expected study.name, study.base, study.methods, study.seeds and optionally study.params, "
@@ -712,6 +712,41 @@ def endpoint_table(results: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def seed_table(results: Mapping[str, Any]) -> str:
+    """Every finished arm of `results.json`, one row per seed and method (seeds in order, methods in the study
+    file's): its held-out accuracy at each evaluation step (the first is after the warm start), the endpoint, its
+    paired difference from GRPO's on the same seed, training tool calls per episode (mean over steps) and the arm's
+    wall minutes (build, any warm start, evaluations and RL steps); "" without finished arms. The per-seed record
+    behind the endpoint table, so docs/results.md quotes it rather than retyping it."""
+    methods = results.get("methods") or {}
+    ends = results.get("endpoint_difference_from_grpo") or {}
+    steps = sorted({step for group in methods.values() for step in (group.get("accuracy") or {}).get("steps", [])})
+    if not steps:
+        return ""
+    seeds = sorted({seed for group in methods.values() for seed in group.get("seeds", [])})
+    lines = ["| seed | method | " + " | ".join(f"step {step} (%)" for step in steps)
+             + " | endpoint (%) | vs GRPO (points) | tool calls / episode | wall (min) |",
+             "|---|---|" + "---|" * len(steps) + "---|---|---|---|"]
+    for seed in seeds:
+        for method, group in methods.items():
+            if seed not in group.get("seeds", []):
+                continue
+            key, accuracy = str(seed), group.get("accuracy") or {}
+            by_step = dict(zip(accuracy.get("steps", []), (accuracy.get("per_seed") or {}).get(key, [])))
+            end = ((group.get("endpoint") or {}).get("per_seed") or {}).get(key)
+            difference = ((ends.get(method) or {}).get("per_seed") or {}).get(key)
+            calls = ((group.get("tool_calls") or {}).get("per_seed") or {}).get(key) or []
+            wall = (group.get("wall_seconds") or {}).get(key)
+            lines.append(" | ".join(
+                [f"| {seed}", method] + ["-" if by_step.get(step) is None else f"{100 * by_step[step]:.1f}"
+                                         for step in steps]
+                + ["-" if end is None else f"{100 * end:.1f}",
+                   "-" if method == BASE_METHOD or difference is None else f"{100 * difference:+.1f}",
+                   f"{statistics.fmean(calls):.2f}" if calls else "-",
+                   "-" if wall is None else f"{wall / 60:.1f}"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def ablation_table(results: Mapping[str, Any]) -> str:
     """The ablations of `results.json` as a table: one row per ablation arm (binding = value, in the study file's
     order) with the main table's accuracy columns, tool calls per episode, TRACE's terminal-fill share (the share
@@ -936,8 +971,10 @@ def write_results(study: Study, directory: str | Path, arms: Sequence[Arm] | Non
     results = _json_safe(aggregate(study, directory, arms))
     (directory / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     ablations = ablation_table(results)
+    seeds = seed_table(results)
     (directory / TABLE_FILE).write_text(results_table(results) + f"\n{endpoint_table(results)}"
-                                        + (f"\n{ablations}" if ablations else ""), encoding="utf-8")
+                                        + (f"\n{ablations}" if ablations else "") + (f"\n{seeds}" if seeds else ""),
+                                        encoding="utf-8")
     if plots:
         write_plots(results, directory / PLOTS_DIR)
     return results
