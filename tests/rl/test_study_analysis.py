@@ -132,13 +132,50 @@ def test_paired_differences_aucs_and_steps_on_synthetic_runs(tmp_path):
     # the per-seed table: every arm's evaluations, endpoint, difference from GRPO on its seed, tool calls per episode
     # (mean of 4 and 5) and wall minutes (the last record's wall_time, 16 s); seeds in order, methods in the file's
     assert ("| step 0 (%) | step 8 (%) | step 16 (%) | endpoint (%) | vs GRPO (points) | tool calls / episode | "
-            "wall (min) |") in table
+            "held-out tool errors / episode, first -> last | wall (min) |") in table
     rows = [line for line in table.splitlines() if line.startswith(("| 0 |", "| 1 |", "| 2 |"))]
     assert [row.split(" | ")[:2] for row in rows] == [[f"| {seed}", method] for seed in (0, 1, 2) for method in lifts]
-    assert "| 1 | grpo | 10.0 | 21.0 | 31.0 | 26.0 | - | 4.50 | 0.3 |" in rows
-    assert "| 2 | trace | 10.0 | 32.0 | 42.0 | 37.0 | +10.0 | 4.50 | 0.3 |" in rows
-    assert "| 0 | oracle_progress | 10.0 | 25.0 | 35.0 | 30.0 | +5.0 | 4.50 | 0.3 |" in rows
+    assert "| 1 | grpo | 10.0 | 21.0 | 31.0 | 26.0 | - | 4.50 | - | 0.3 |" in rows
+    assert "| 2 | trace | 10.0 | 32.0 | 42.0 | 37.0 | +10.0 | 4.50 | - | 0.3 |" in rows
+    assert "| 0 | oracle_progress | 10.0 | 25.0 | 35.0 | 30.0 | +5.0 | 4.50 | - | 0.3 |" in rows
     assert study_module.seed_table({"methods": {}}) == ""
+
+
+PAIR = """
+study.name = 'pair'
+study.base = ['configs/tiny.gin']
+study.methods = {'grpo': ['configs/credit/grpo.gin'], 'oracle_progress': ['configs/credit/oracle_progress.gin']}
+study.seeds = [0, 1]
+study.share_warm_start = True
+"""
+
+
+def test_credit_table_and_held_out_tool_errors_come_from_each_arms_records(tmp_path):
+    study = load_study(_write(tmp_path, PAIR))
+    # per arm: the turn credit's Spearman with progress on steps 1 and 2 (its mean is the arm's figure), the mean
+    # |A| per token, and held-out tool errors at the evaluations of steps 0 and 2
+    spearman = {("grpo", 0): (0.1, 0.2), ("grpo", 1): (0.2, 0.3), ("oracle_progress", 0): (0.3, 0.5),
+                ("oracle_progress", 1): (0.4, 0.6)}
+
+    def run_arm(arm):
+        rho = spearman[(arm.method, arm.seed)]
+        diagnostics = {0: {"eval/tool_errors": 0.1 * arm.seed},
+                       1: {"credit/progress_spearman": rho[0], "credit/mean_abs_token_advantage": 0.4},
+                       2: {"credit/progress_spearman": rho[1], "credit/mean_abs_token_advantage": 0.6,
+                           "eval/tool_errors": 1.5 + arm.seed}}
+        _fake_arm(Path(arm.run.run_dir), {0: 0.2, 2: 0.3}, {1: 4.0, 2: 6.0}, [1.0, 1.0], diagnostics=diagnostics)
+        return 0
+
+    assert run_study(study, tmp_path / "out", run_arm, log=lambda _: None, plots=False) == 0
+    results = json.loads((tmp_path / "out/results.json").read_text())
+    assert results["methods"]["grpo"]["eval_tool_errors"]["per_seed"] == {"0": [0.0, 1.5], "1": [0.1, 2.5]}
+    table = (tmp_path / "out/results.md").read_text()
+    # grpo: arm means 0.15 and 0.25 -> 0.200 +- 0.071; oracle: 0.4 and 0.5 -> 0.450 +- 0.071; |A| 0.5 on every arm
+    assert "| grpo | 2 | 0.200 +- 0.071 | - | - | - | - | 0.500 +- 0.000 |" in table
+    assert "| oracle_progress | 2 | 0.450 +- 0.071 | - | - | - | - | 0.500 +- 0.000 |" in table
+    assert "| 1 | oracle_progress | 20.0 | 30.0 | 25.0 | +0.0 | 5.00 | 0.10 -> 2.50 | 0.0 |" in table
+    # a record without any of the credit diagnostics has no credit table
+    assert study_module.credit_table({"methods": {"grpo": {"seeds": [0], "diagnostics": {}}}}) == ""
 
 
 def test_gate_runs_its_arms_first_then_the_gated_ones_when_the_gate_method_beats_grpo(tmp_path):

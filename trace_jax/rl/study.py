@@ -73,9 +73,9 @@ SEED_FIELDS = ("TrainConfig.seed", "DataConfig.shuffle_seed", "WarmStartConfig.o
 # The per-step credit diagnostics (trace_jax/rl/credit_diagnostics.py) results.json averages per method.
 DIAGNOSTICS = ("credit/detour_turn_credit", "credit/on_path_turn_credit", "credit/detour_turn_share",
                "credit/progress_spearman", "zero_signal_groups", "zero_signal_groups_with_turn_credit",
-               "credit/terminal_fill_share")
+               "credit/terminal_fill_share", "credit/mean_abs_token_advantage")
 RESULTS_FILE = "results.json"
-TABLE_FILE = "results.md"  # results_table(), endpoint_table(), ablation_table(), seed_table(): what docs quote
+TABLE_FILE = "results.md"  # the *_table() functions' tables, which docs/results.md quotes
 ARM_FILE = "study_arm.json"
 PLOTS_DIR = "plots"
 EXPECTED = ("expected study.name, study.base, study.methods, study.seeds and optionally study.params, "
@@ -396,7 +396,8 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float | None]:
 
 def arm_results(arm_dir: str | Path) -> dict:
     """One finished arm's figures from its `metrics.jsonl`: held-out accuracy by evaluation step (step 0 = before
-    RL, after any warm start), training-rollout tool calls per episode by step, the median in-loop RL step seconds
+    RL, after any warm start), training-rollout tool calls per episode by step, held-out tool errors per
+    episode by evaluation step, the median in-loop RL step seconds
     (`time/step`: rollout, scoring, credit and update; evaluations excluded), the same without the step's JAX
     compile time (`median_steady_step_seconds`, from the `compile_seconds` metric; None for runs that did not log
     it), the median over RL steps of the step over the same step without its reference scoring
@@ -414,6 +415,7 @@ def arm_results(arm_dir: str | Path) -> dict:
     comparison = comparison if isinstance(comparison, dict) else {}
     accuracy = _series(records, "eval/accuracy")
     tool_calls = _series(records, "tool_calls")
+    eval_tool_errors = _series(records, "eval/tool_errors")
     step_seconds = [r["time/step"] for r in records if r.get("time/step") is not None]
     steady = [r["time/step"] - r["compile_seconds"] for r in records
               if r.get("time/step") is not None and r.get("compile_seconds") is not None]
@@ -428,7 +430,7 @@ def arm_results(arm_dir: str | Path) -> dict:
         diagnostics[name] = statistics.fmean(values) if values else None
     walls = [float(r["wall_time"]) for r in records if r.get("wall_time") is not None]
     return {"accuracy": accuracy, "endpoint": endpoint(accuracy), "auc": accuracy_auc(accuracy),
-            "tool_calls": tool_calls, "diagnostics": diagnostics,
+            "tool_calls": tool_calls, "eval_tool_errors": eval_tool_errors, "diagnostics": diagnostics,
             "median_step_seconds": statistics.median(step_seconds) if step_seconds else None,
             "median_steady_step_seconds": statistics.median(steady) if steady else None,
             "median_scoring_ratio": statistics.median(scoring_ratios) if scoring_ratios else None,
@@ -507,8 +509,8 @@ def _group(arm_figures: Mapping[int, dict]) -> dict:
     """Per-seed series and their mean / std over seeds at the steps every seed has."""
     seeds = sorted(arm_figures)
     out: dict[str, Any] = {"seeds": seeds}
-    for name in ("accuracy", "tool_calls"):
-        per_seed = {seed: arm_figures[seed][name] for seed in seeds}
+    for name in ("accuracy", "tool_calls", "eval_tool_errors"):
+        per_seed = {seed: arm_figures[seed].get(name) or {} for seed in seeds}
         steps = sorted(set.intersection(*(set(s) for s in per_seed.values()))) if per_seed else []
         stats = [_mean_std([per_seed[seed][step] for seed in seeds]) for step in steps]
         out[name] = {"steps": steps, "per_seed": {str(seed): [per_seed[seed][step] for step in steps]
@@ -715,8 +717,9 @@ def endpoint_table(results: Mapping[str, Any]) -> str:
 def seed_table(results: Mapping[str, Any]) -> str:
     """Every finished arm of `results.json`, one row per seed and method (seeds in order, methods in the study
     file's): its held-out accuracy at each evaluation step (the first is after the warm start), the endpoint, its
-    paired difference from GRPO's on the same seed, training tool calls per episode (mean over steps) and the arm's
-    wall minutes (build, any warm start, evaluations and RL steps); "" without finished arms. The per-seed record
+    paired difference from GRPO's on the same seed, training tool calls per episode (mean over steps), held-out tool
+    errors per episode at the first and last evaluation and the arm's wall minutes (build, any warm start,
+    evaluations and RL steps); "" without finished arms. The per-seed record
     behind the endpoint table, so docs/results.md quotes it rather than retyping it."""
     methods = results.get("methods") or {}
     ends = results.get("endpoint_difference_from_grpo") or {}
@@ -725,8 +728,9 @@ def seed_table(results: Mapping[str, Any]) -> str:
         return ""
     seeds = sorted({seed for group in methods.values() for seed in group.get("seeds", [])})
     lines = ["| seed | method | " + " | ".join(f"step {step} (%)" for step in steps)
-             + " | endpoint (%) | vs GRPO (points) | tool calls / episode | wall (min) |",
-             "|---|---|" + "---|" * len(steps) + "---|---|---|---|"]
+             + " | endpoint (%) | vs GRPO (points) | tool calls / episode | held-out tool errors / episode, "
+             "first -> last | wall (min) |",
+             "|---|---|" + "---|" * len(steps) + "---|---|---|---|---|"]
     for seed in seeds:
         for method, group in methods.items():
             if seed not in group.get("seeds", []):
@@ -736,6 +740,7 @@ def seed_table(results: Mapping[str, Any]) -> str:
             end = ((group.get("endpoint") or {}).get("per_seed") or {}).get(key)
             difference = ((ends.get(method) or {}).get("per_seed") or {}).get(key)
             calls = ((group.get("tool_calls") or {}).get("per_seed") or {}).get(key) or []
+            errors = ((group.get("eval_tool_errors") or {}).get("per_seed") or {}).get(key) or []
             wall = (group.get("wall_seconds") or {}).get(key)
             lines.append(" | ".join(
                 [f"| {seed}", method] + ["-" if by_step.get(step) is None else f"{100 * by_step[step]:.1f}"
@@ -743,7 +748,42 @@ def seed_table(results: Mapping[str, Any]) -> str:
                 + ["-" if end is None else f"{100 * end:.1f}",
                    "-" if method == BASE_METHOD or difference is None else f"{100 * difference:+.1f}",
                    f"{statistics.fmean(calls):.2f}" if calls else "-",
+                   f"{errors[0]:.2f} -> {errors[-1]:.2f}" if errors else "-",
                    "-" if wall is None else f"{wall / 60:.1f}"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+CREDIT_COLUMNS = (  # (diagnostic, column heading, digits): the credit each method gave in its own training steps
+    ("credit/progress_spearman", "Spearman of turn credit with progress gain", 3),
+    ("credit/on_path_turn_credit", "on-path turn credit", 3),
+    ("credit/detour_turn_credit", "detour turn credit", 3),
+    ("zero_signal_groups", "zero-signal groups (share)", 2),
+    ("zero_signal_groups_with_turn_credit", "of them with turn credit", 2),
+    ("credit/mean_abs_token_advantage", "mean abs advantage per token", 3))
+
+
+def credit_table(results: Mapping[str, Any]) -> str:
+    """What each method's credit was in its own training batches, beside its accuracy: one row per method with
+    `CREDIT_COLUMNS`' diagnostics (docs/credit.md, "Credit diagnostics"), each averaged over an arm's RL steps,
+    then mean +- std over seeds; "" when no method logged any of them."""
+    methods = results.get("methods") or {}
+    cells = {m: [((group.get("diagnostics") or {}).get(name) or {}) for name, _, _ in CREDIT_COLUMNS]
+             for m, group in methods.items()}
+    if not any(figure.get("mean") is not None for row in cells.values() for figure in row):
+        return ""
+
+    def cell(figure: Mapping[str, Any], digits: int) -> str:
+        if figure.get("mean") is None:
+            return "-"
+        std = figure.get("std")
+        return f"{figure['mean']:.{digits}f}" + ("" if std is None else f" +- {std:.{digits}f}")
+
+    lines = ["| method | seeds | " + " | ".join(heading for _, heading, _ in CREDIT_COLUMNS) + " |",
+             "|---|---|" + "---|" * len(CREDIT_COLUMNS)]
+    for method, row in cells.items():
+        lines.append(" | ".join([f"| {method}", str(len(methods[method].get("seeds", [])))]
+                                + [cell(figure, digits) for figure, (_, _, digits) in zip(row, CREDIT_COLUMNS)])
+                     + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -971,10 +1011,9 @@ def write_results(study: Study, directory: str | Path, arms: Sequence[Arm] | Non
     results = _json_safe(aggregate(study, directory, arms))
     (directory / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     ablations = ablation_table(results)
-    seeds = seed_table(results)
-    (directory / TABLE_FILE).write_text(results_table(results) + f"\n{endpoint_table(results)}"
-                                        + (f"\n{ablations}" if ablations else "") + (f"\n{seeds}" if seeds else ""),
-                                        encoding="utf-8")
+    tables = [results_table(results), endpoint_table(results), credit_table(results), ablations,
+              seed_table(results)]
+    (directory / TABLE_FILE).write_text("\n".join(table for table in tables if table), encoding="utf-8")
     if plots:
         write_plots(results, directory / PLOTS_DIR)
     return results
