@@ -6,9 +6,13 @@
 # machine does not keep runs/ (seeds 3 and 4's were lost that way before this copied every seed). Unfinished arms (no
 # summary.json yet) are left. Then `trace-jax study configs/studies/powered_phase1.gin --results-only --dir
 # docs/results/powered` regenerates results.json/.md and plots/ from the record.
+# The ABC miniature (configs/studies/powered_abc.gin) uses the same script with its own directories and both of its
+# warm-starting methods: OUT=docs/results/powered_abc RUNS=runs/studies/powered_abc WARM_STARTS="grpo sft" bash
+# docs/results/powered/sync.sh
 set -eu
 OUT=${OUT:-$(cd "$(dirname "$0")" && pwd)}
 RUNS=${RUNS:-$(cd "$OUT/../../.." && pwd)/runs/studies/powered}  # the study's --dir: runs/ of this checkout
+WARM_STARTS=${WARM_STARTS:-grpo}  # the methods whose arms warm-start (the others start from grpo's policy)
 for arm in "$RUNS"/*/seed*; do
   [ -f "$arm/summary.json" ] || continue
   rel=${arm#"$RUNS"/}
@@ -16,7 +20,8 @@ for arm in "$RUNS"/*/seed*; do
   cp "$arm"/{metrics.jsonl,summary.json,operative_config.gin,study_arm.json} "$OUT/$rel/"
   # a seed whose warm start was lost and regenerated (warm_starts_regenerated/seed<S>, placed in the run directory
   # for phase 2) keeps its arm's record as it was: the regenerated policy is not the one that arm trained from
-  if [ "${rel%/*}" = grpo ] && [ -d "$arm/reference" ] && [ ! -d "$OUT/warm_starts_regenerated/${rel#*/}" ]; then
+  case " $WARM_STARTS " in *" ${rel%/*} "*) warm=1 ;; *) warm=0 ;; esac
+  if [ $warm = 1 ] && [ -d "$arm/reference" ] && [ ! -d "$OUT/warm_starts_regenerated/${rel#*/}" ]; then
     rm -rf "$OUT/$rel/reference"; cp -r "$arm/reference" "$OUT/$rel/"
   fi
   echo "copied $rel"
