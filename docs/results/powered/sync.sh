@@ -4,8 +4,9 @@
 # held-out outcomes of every evaluation), operative_config.gin and study_arm.json; and the warm start every arm of a
 # seed starts from (grpo/seed<S>/reference, 3.5 MB): phase 2 and credit-quality start from it, and a session's
 # machine does not keep runs/ (seeds 3 and 4's were lost that way before this copied every seed). Unfinished arms (no
-# summary.json yet) are left. Then `trace-jax study configs/studies/powered_phase1.gin --results-only --dir
-# docs/results/powered` regenerates results.json/.md and plots/ from the record.
+# summary.json yet) are left. Then `trace-jax study configs/studies/powered_phase2.gin --results-only --dir
+# docs/results/powered` regenerates results.json/.md and plots/ from the record (phase 2's file: it holds phase 1's
+# methods too, and the gate; phase 2 started 2026-12-06).
 # The ABC miniature (configs/studies/powered_abc.gin) uses the same script with its own directories and both of its
 # warm-starting methods: OUT=docs/results/powered_abc RUNS=runs/studies/powered_abc WARM_STARTS="grpo sft" bash
 # docs/results/powered/sync.sh
