@@ -39,6 +39,12 @@ def _train(gin_file, run_dir, lines, on_line=None):
     return loop.train(parse([str(gin_file)]), run_dir, progress=False, log=log)
 
 
+def _saved_run_seconds(run_dir, step):
+    """The run's wall seconds the warm start's checkpoint of `step` saved (its host JSON)."""
+    host = json.loads((run_dir / loop.WARM_START_DIR / str(step) / "host" / "metadata").read_text())
+    return host["run_seconds"]
+
+
 def _step0_params(run_dir):
     with Checkpointer(CheckpointConfig(directory=str(run_dir / "checkpoints"), async_save=False)) as store:
         return store.restore_params(0)
@@ -62,6 +68,8 @@ def test_a_stopped_then_crashed_warm_start_resumes_to_the_params_of_one_that_ran
     assert result == {"stopped_at": 0, "warm_start_stopped_at": 3}
     with Checkpointer(CheckpointConfig(directory=str(resumed / loop.WARM_START_DIR), async_save=False)) as store:
         assert store.all_steps() == [3]  # the forced save (every 2 would not save step 3); step 2 was replaced
+    first_attempt = _saved_run_seconds(resumed, 3)
+    assert first_attempt > 0
 
     def crash_at_5(line):
         if line.startswith("warm start step 5/6"):
@@ -71,6 +79,9 @@ def test_a_stopped_then_crashed_warm_start_resumes_to_the_params_of_one_that_ran
         _train(gin_file, resumed, lines, crash_at_5)
     with Checkpointer(CheckpointConfig(directory=str(resumed / loop.WARM_START_DIR), async_save=False)) as store:
         assert store.all_steps() == [4]
+    # the second attempt's clock continues the first's: its checkpoint holds both attempts' seconds
+    both_attempts = _saved_run_seconds(resumed, 4)
+    assert both_attempts > first_attempt
     _train(gin_file, resumed, lines)
 
     assert sum("resumed at step" in line for line in lines) == 2
@@ -86,6 +97,9 @@ def test_a_stopped_then_crashed_warm_start_resumes_to_the_params_of_one_that_ran
         return [r["warmstart/final_loss"] for r in rows if "warmstart/final_loss" in r]
 
     assert final_loss(resumed) == final_loss(through) and len(final_loss(through)) == 1
+    # the resumed run's wall time continues from the checkpoint it resumed from (it held no metrics of its own)
+    walls = [json.loads(r)["wall_time"] for r in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert walls[0] > both_attempts and walls == sorted(walls)
     summaries = [json.loads((d / "summary.json").read_text()) for d in (through, resumed)]
     def without_seconds(evaluations):
         return {name: {k: v for k, v in e.items() if k != "seconds"} for name, e in evaluations.items()}

@@ -268,19 +268,22 @@ def demonstrable_tasks(tasks: list) -> list:
 class WarmStartOutcome(NamedTuple):
     """What `warm_start` returns: the warm-started `params` and the SFT `losses` of every step (None and the steps
     so far when a stop signal ended it early: `stopped_at` is then the step it saved), and `carry`, the caller's
-    dict saved with its checkpoints (`fresh_carry`'s, or the resumed checkpoint's)."""
+    dict saved with its checkpoints (`fresh_carry`'s, or the resumed checkpoint's). `run_seconds_before`: the run's
+    wall seconds (its `clock`) up to the checkpoint this warm start resumed from, over every earlier attempt; 0 when
+    it did not resume."""
 
     params: Any
     losses: list
     stopped_at: int | None = None
     carry: dict | None = None
     seconds: float = 0.0
+    run_seconds_before: float = 0.0
 
 
 def warm_start(run_config: RunConfig, environment: Environment, params, log: Callable[[str], None] = print, *,
                progress: bool = False, mesh=None, rules=None, store: Checkpointer | None = None,
-               guard: PreemptionGuard | None = None,
-               fresh_carry: Callable[[], dict] | None = None) -> WarmStartOutcome:
+               guard: PreemptionGuard | None = None, fresh_carry: Callable[[], dict] | None = None,
+               clock: Callable[[], float] | None = None) -> WarmStartOutcome:
     """SFT on oracle trajectories rendered exactly as the rollouts render them, on `mesh` (the run's; None = the
     params' own device) under the train-layout `rules` (the run's `MeshConfig.train_rules()`). With the progress
     flag the steps show on a bar of their own (instead of a log line every fifth of them).
@@ -290,7 +293,9 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
     warm start that was not stopped. A `guard`'s stop signal (any process's) saves the step just taken and returns
     with `stopped_at` set. `fresh_carry()` runs only when nothing is resumed (the caller's evaluation before the
     warm start); its dict is saved with each checkpoint and returned as `carry`. `seconds`: the warm start's own
-    time over every attempt (the first attempt's `fresh_carry` not counted)."""
+    time over every attempt (the first attempt's `fresh_carry` not counted). `clock()`: the run's wall seconds in
+    this attempt (its metrics writer's); each checkpoint saves it on top of the earlier attempts', so a resumed run's
+    wall time can continue from there (`run_seconds_before`)."""
     began = time.perf_counter()
     ws = run_config.warmstart
     results = oracle_trajectories(demonstrable_tasks(environment.train_tasks), environment.browser, ws)
@@ -316,7 +321,7 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
     if restored is None:
         state = init_train_state(environment.model_config, optimizer, params, jax.random.PRNGKey(run_config.train.seed),
                                  mesh=mesh, rules=rules)
-        start, losses, data_state, seconds = 0, [], None, 0.0
+        start, losses, data_state, seconds, run_before = 0, [], None, 0.0, 0.0
         t0 = time.perf_counter()
         carry = fresh_carry() if fresh_carry is not None else None
         began += time.perf_counter() - t0
@@ -325,6 +330,7 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
         state, start = restored.state, int(restored.step)
         losses, data_state = list(restored.host["losses"]), restored.host["data_iterator"]
         seconds, carry = float(restored.host.get("seconds", 0.0)), restored.host.get("carry")
+        run_before = float(restored.host.get("run_seconds") or 0.0)  # absent in checkpoints from before it was saved
         log(f"warm start: resumed at step {start}/{ws.steps} from {store.directory}")
     dropped = (f" ({len(arrays.dropped)} more dropped: {dropped_summary(arrays.dropped, first=False)})"
                if arrays.dropped else "")
@@ -340,7 +346,7 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
 
     def save(force: bool) -> None:
         host = {"losses": losses, "data_iterator": batches.state(), "config": dataclasses.asdict(ws),
-                "seconds": elapsed(), "carry": carry}
+                "seconds": elapsed(), "carry": carry, "run_seconds": run_before + (clock() if clock else 0.0)}
         store.save(state, host, force=force)
 
     for step in range(start, ws.steps):
@@ -366,12 +372,13 @@ def warm_start(run_config: RunConfig, environment: Environment, params, log: Cal
                     save(force=True)
                     store.wait_until_finished()
                     bar.close()
-                    return WarmStartOutcome(None, losses, stopped_at=step + 1, carry=carry, seconds=elapsed())
+                    return WarmStartOutcome(None, losses, stopped_at=step + 1, carry=carry, seconds=elapsed(),
+                                            run_seconds_before=run_before)
             save(force=step + 1 == ws.steps)
     bar.close()
     if store is not None:
         store.wait_until_finished()
-    return WarmStartOutcome(state.params, losses, carry=carry, seconds=elapsed())
+    return WarmStartOutcome(state.params, losses, carry=carry, seconds=elapsed(), run_seconds_before=run_before)
 
 
 def _check_resumed_warm_start(directory: str, saved: dict | None, ws) -> None:
@@ -1024,7 +1031,7 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
                 try:
                     outcome = warm_start(run_config, environment, params, log, progress=progress and primary,
                                          mesh=mesh, rules=placement.rules, store=warm_start_store, guard=guard,
-                                         fresh_carry=evaluate_before)
+                                         fresh_carry=evaluate_before, clock=lambda: writer.wall_time)
                 finally:
                     if warm_start_store is not None:
                         warm_start_store.close()
@@ -1034,6 +1041,7 @@ def train(run_config: RunConfig, run_dir: str | Path, *, progress: bool = True,
                         "command to resume")
                     writer.close()
                     return {"stopped_at": 0, "warm_start_stopped_at": outcome.stopped_at}
+                writer.continue_wall_time(outcome.run_seconds_before)  # the attempts before this one, if resumed
                 evals["before"] = outcome.carry["evals_before"]
                 stages["eval_before"] = outcome.carry["eval_before_seconds"]
                 params, losses = outcome.params, outcome.losses

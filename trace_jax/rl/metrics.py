@@ -216,6 +216,13 @@ class RunWriter:
         """Seconds since the run began, continued across resumes."""
         return self._time_offset + time.perf_counter() - self._start
 
+    def continue_wall_time(self, seconds: float) -> None:
+        """Count `seconds` of earlier attempts into `wall_time` from now on: a run resumed from a checkpoint that
+        holds no metrics history of its own (the warm start's) continues its clock from there."""
+        if seconds < 0:
+            raise ValueError(f"continue_wall_time needs seconds >= 0, got {seconds}")
+        self._time_offset += seconds
+
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         """Append one step's metrics (scalars) to JSONL and TensorBoard, and advance the progress bar.
 
