@@ -139,6 +139,12 @@ def test_paired_differences_aucs_and_steps_on_synthetic_runs(tmp_path):
     assert "| 2 | trace | 10.0 | 32.0 | 42.0 | 37.0 | +10.0 | 4.50 | - | 0.3 |" in rows
     assert "| 0 | oracle_progress | 10.0 | 25.0 | 35.0 | 30.0 | +5.0 | 4.50 | - | 0.3 |" in rows
     assert study_module.seed_table({"methods": {}}) == ""
+    # one seed: a difference without an interval prints no placeholder for one
+    single = {"methods": {"grpo": {"seeds": [0]}, "trace": {"seeds": [0]}},
+              "initial_difference_from_grpo": {"trace": {"mean": 0.0, "std": None, "ci_t": None}},
+              "auc_difference_from_grpo": {"trace": {"mean": 0.034, "std": None, "ci_t": None}}}
+    row = [line for line in study_module.endpoint_table(single).splitlines() if line.startswith("| trace |")][0]
+    assert row.split(" | ")[3] == "+0.0" and row.split(" | ")[9] == "+3.4"
 
 
 PAIR = """

@@ -699,14 +699,19 @@ def endpoint_table(results: Mapping[str, Any]) -> str:
         base = method == BASE_METHOD
         steps = reach.get(method) or {}
         paired = lambda figures: "-" if base else _percent(figures, signed=True)  # noqa: E731
+
+        def with_ci(figures: Mapping[str, Any] | None) -> str:  # the difference, then its t CI if it has one
+            ci = (figures or {}).get("ci_t")
+            return "-" if base else paired(figures) + (f" {_interval(ci)}" if ci else "")
+
         lines.append(" | ".join([
             f"| {method}", str(len(group.get("seeds", []))), _percent(group.get("initial_accuracy")),
-            "-" if base else f"{paired(initial.get(method))} {_interval((initial.get(method) or {}).get('ci_t'))}",
+            with_ci(initial.get(method)),
             _percent(group.get("endpoint")), paired(ends.get(method)),
             "-" if base else _interval((ends.get(method) or {}).get("ci_t")),
             "-" if base else _interval((ends.get(method) or {}).get("ci_bootstrap")),
             _percent(group.get("auc")),
-            "-" if base else f"{paired(aucs.get(method))} {_interval((aucs.get(method) or {}).get('ci_t'))}",
+            with_ci(aucs.get(method)),
             "-" if not steps else f"{_median_step(steps['median'])}; {steps['reached']}/{steps['seeds']}"]) + " |")
     gate = results.get("gate")
     if gate:
