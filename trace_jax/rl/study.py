@@ -396,9 +396,9 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float | None]:
 
 def arm_results(arm_dir: str | Path) -> dict:
     """One finished arm's figures from its `metrics.jsonl`: held-out accuracy by evaluation step (step 0 = before
-    RL, after any warm start), training-rollout tool calls per episode by step, held-out tool errors per
-    episode by evaluation step, the median in-loop RL step seconds
-    (`time/step`: rollout, scoring, credit and update; evaluations excluded), the same without the step's JAX
+    RL, after any warm start), training-rollout tool calls per episode by step, held-out tool errors per episode by
+    evaluation step, the median in-loop RL step seconds (`time/step`: rollout, scoring, credit and update;
+    evaluations excluded), the same without the step's JAX
     compile time (`median_steady_step_seconds`, from the `compile_seconds` metric; None for runs that did not log
     it), the median over RL steps of the step over the same step without its reference scoring
     (`median_scoring_ratio`: `time/step` / (`time/step` - `time/scoring`), the method's cost over GRPO's on the same
@@ -724,8 +724,8 @@ def seed_table(results: Mapping[str, Any]) -> str:
     file's): its held-out accuracy at each evaluation step (the first is after the warm start), the endpoint, its
     paired difference from GRPO's on the same seed, training tool calls per episode (mean over steps), held-out tool
     errors per episode at the first and last evaluation and the arm's wall minutes (build, any warm start,
-    evaluations and RL steps); "" without finished arms. The per-seed record
-    behind the endpoint table, so docs/results.md quotes it rather than retyping it."""
+    evaluations and RL steps); "" without finished arms. The per-seed record behind the endpoint table, so
+    docs/results.md quotes it rather than retyping it."""
     methods = results.get("methods") or {}
     ends = results.get("endpoint_difference_from_grpo") or {}
     steps = sorted({step for group in methods.values() for step in (group.get("accuracy") or {}).get("steps", [])})
