@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.rl.test_study import REPO, _fake_arm, _write
+from trace_jax.rl.gin_setup import ConfigError
 from trace_jax.rl import study as study_module
 from trace_jax.rl.study import (
     accuracy_auc, bootstrap_interval, endpoint, expand, load_study, paired_difference, paired_t_power, run_study,
@@ -147,6 +148,31 @@ def test_paired_differences_aucs_and_steps_on_synthetic_runs(tmp_path):
     assert row.split(" | ")[3] == "+0.0" and row.split(" | ")[9] == "+3.4"
 
 
+def test_sensitivity_repeats_the_differences_without_the_seeds_it_names(tmp_path):
+    text = GATED.replace("study.seeds = [0, 1, 2]", "study.seeds = [0, 1, 2, 3]") + (
+        "study.sensitivity = {'new warm starts': [3]}\n")
+    study = load_study(_write(tmp_path, text))
+    lifts = {"grpo": [0.0] * 4, "oracle_progress": [0.05, -0.04, 0.01, 0.0], "trace": [0.0] * 4,
+             "grpo_scaled": [0.02, 0.04, 0.06, -0.3]}
+    assert run_study(study, tmp_path / "out", _run_fake(lifts, []), log=lambda _: None, plots=False) == 0
+    results = json.loads((tmp_path / "out/results.json").read_text())
+    assert results["endpoint_difference_from_grpo"]["grpo_scaled"]["n"] == 4  # the main analysis keeps every seed
+    analysis = results["sensitivity"]["new warm starts"]
+    scaled = analysis["endpoint_difference_from_grpo"]["grpo_scaled"]
+    assert analysis["left_out"] == [3] and scaled["n"] == 3 and "3" not in scaled["per_seed"]
+    half = T_TABLE[2] * 0.02 / math.sqrt(3)
+    assert scaled["mean"] == pytest.approx(0.04) and scaled["ci_t"] == pytest.approx([0.04 - half, 0.04 + half])
+    assert analysis["auc_difference_from_grpo"]["grpo_scaled"]["mean"] == pytest.approx(0.03)  # 3/4 of the lift
+    table = (tmp_path / "out/results.md").read_text()
+    assert (f"| new warm starts (seeds 3) | grpo_scaled | 3 | +4.0 +- 2.0 | [{100 * (0.04 - half):+.1f}, "
+            f"{100 * (0.04 + half):+.1f}] | [+2.0, +6.0] | +3.0 +- 1.5 [") in table
+    assert "| new warm starts (seeds 3) | grpo |" not in table
+    assert study_module.sensitivity_table({"methods": {}}) == ""
+    for bad in ("{'x': [7]}", "{'x': [0, 1, 2]}", "{'': [3]}", "{'x': 3}"):
+        with pytest.raises(ConfigError, match="study.sensitivity"):
+            load_study(_write(tmp_path, text.replace("{'new warm starts': [3]}", bad), "bad.gin"))
+
+
 PAIR = """
 study.name = 'pair'
 study.base = ['configs/tiny.gin']
@@ -232,8 +258,6 @@ def test_gate_is_undecided_while_a_seed_of_its_arms_is_unfinished(tmp_path):
     ("study.own_warm_start = ['nope']", "own_warm_start"),
 ])
 def test_a_bad_gate_or_own_warm_start_names_the_field(tmp_path, change, message):
-    from trace_jax.rl.gin_setup import ConfigError
-
     with pytest.raises(ConfigError, match=message):
         load_study(_write(tmp_path, GATED + change + "\n"))
 

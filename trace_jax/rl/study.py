@@ -20,6 +20,8 @@ A study file is gin, parsed on its own like a sweep file (`sweep.parse_spec_file
     study.own_warm_start = []                             # optional: methods that warm-start themselves anyway
     study.gate_method = ''                                # optional: a method that must beat GRPO first ...
     study.gated_methods = []                              # ... or these methods' arms are skipped (below)
+    study.sensitivity = {}                                # optional: label -> seeds the differences are also
+                                                          #   given without (e.g. {'new warm starts': [3, 4]})
 
 expands into one arm per (seed, method), seed-major (every method of seed 0 first, so a study stopped early has
 comparable arms), then one arm per (ablation seed, binding, value). An arm is a `sweep.Run` named
@@ -34,7 +36,8 @@ directory, where `train` resumes from its checkpoint. An arm whose parsed config
 (`mark_repeats`) shares that arm's run instead of repeating it. Each arm's directory records its bindings
 (`study_arm.json`); a rerun whose arm has other bindings stops with an error instead of mixing configs. After
 every arm, `results.json` and the plots are rewritten from the finished arms (`aggregate`; `results.md` holds
-`results_table`, `endpoint_table` and `ablation_table`), so a partial study has partial results.
+`results_table`, `endpoint_table`, `sensitivity_table`, `credit_table`, `ablation_table` and `seed_table`), so a
+partial study has partial results.
 
 The analysis issue 47's protocol fixes in advance: an arm's endpoint is the mean held-out accuracy of its last
 `ENDPOINT_EVALUATIONS` evaluations; each method's paired difference from GRPO over seeds (endpoint, area under the
@@ -45,6 +48,11 @@ at 80% power from a record's spread (`trace-jax study FILE --power POINTS`).
 A gate (`study.gate_method`, `study.gated_methods`) makes a study two-phased: the arms of GRPO and the gate method
 run first, over every seed; then, unless the gate method's endpoint beats GRPO's by its paired-t CI (lower end > 0),
 the gated methods' arms are skipped (results.json's `gate` says which and why), and the other arms run.
+
+A sensitivity analysis (`study.sensitivity`) repeats the paired differences from GRPO (endpoint and AUC, with their
+CIs) without the seeds it names, for seeds a protocol decided in advance to report both ways (issue 47's phase 2 on
+seeds whose warm starts were regenerated); results.json's `sensitivity` and results.md's sensitivity table hold them.
+Runs are unaffected.
 
 This module knows study files, run directories and the metrics files; training is the arm's `trace-jax train` process's.
 """
@@ -108,6 +116,7 @@ class Study:
     own_warm_start: tuple[str, ...] = ()
     gate_method: str = ""
     gated_methods: tuple[str, ...] = ()
+    sensitivity: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def __post_init__(self):
         if not re.fullmatch(r"[\w.-]+", self.name or ""):
@@ -149,6 +158,12 @@ class Study:
                              "others share; list another first")
         if self.gate_method or self.gated_methods:
             self._check_gate(names)
+        for label, left_out in self.sensitivity:
+            if not label.strip() or not left_out or not set(left_out) <= set(self.seeds) or (
+                    len(set(self.seeds) - set(left_out)) < 2):
+                raise ValueError(f"study.sensitivity[{label!r}] = {list(left_out)!r} must be a non-empty label "
+                                 f"naming a non-empty list of seeds of study.seeds {list(self.seeds)} that leaves at "
+                                 "least 2 of them (a paired interval)")
 
     def _check_gate(self, names: list[str]) -> None:
         if BASE_METHOD not in names or self.gate_method not in names or self.gate_method == BASE_METHOD:
@@ -173,7 +188,8 @@ class Study:
 def _study(name: str, base: Sequence[str], methods: Mapping[str, Sequence[str]], seeds: Sequence[int],
            params: Sequence[str] = (), ablation_method: str = "", ablation_seeds: Sequence[int] = (),
            ablations: Mapping[str, Sequence[Any]] | None = None, share_warm_start: bool = False,
-           own_warm_start: Sequence[str] = (), gate_method: str = "", gated_methods: Sequence[str] = ()) -> Study:
+           own_warm_start: Sequence[str] = (), gate_method: str = "", gated_methods: Sequence[str] = (),
+           sensitivity: Mapping[str, Sequence[int]] | None = None) -> Study:
     if isinstance(base, str):
         base = [base]
     if not isinstance(methods, Mapping):
@@ -190,11 +206,17 @@ def _study(name: str, base: Sequence[str], methods: Mapping[str, Sequence[str]],
     for binding, values in ablations.items():
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
             raise ValueError(f"study.ablations[{binding!r}] must be a list of values, got {values!r}")
+    sensitivity = sensitivity or {}
+    if not isinstance(sensitivity, Mapping) or not all(
+            isinstance(label, str) and isinstance(seeds, Sequence) and not isinstance(seeds, str)
+            and all(isinstance(seed, int) for seed in seeds) for label, seeds in sensitivity.items()):
+        raise ValueError(f"study.sensitivity must be a dict label -> list of seeds to leave out, got {sensitivity!r}")
     return Study(name=name, base=tuple(base), methods=tuple(files.items()), seeds=tuple(seeds), params=tuple(params),
                  ablation_method=ablation_method, ablation_seeds=tuple(ablation_seeds),
                  ablations=tuple((k, tuple(v)) for k, v in ablations.items()), share_warm_start=bool(share_warm_start),
                  own_warm_start=_names(own_warm_start, "study.own_warm_start"), gate_method=gate_method,
-                 gated_methods=_names(gated_methods, "study.gated_methods"))
+                 gated_methods=_names(gated_methods, "study.gated_methods"),
+                 sensitivity=tuple((label, tuple(seeds)) for label, seeds in sensitivity.items()))
 
 
 def _names(value: Any, field: str) -> tuple[str, ...]:
@@ -561,6 +583,20 @@ def _difference_from(methods: Mapping[str, dict], base: str = BASE_METHOD, figur
             for method, group in methods.items()}
 
 
+def _sensitivity(study: Study, methods: Mapping[str, dict]) -> dict[str, dict]:
+    """Per `study.sensitivity` label: the seeds it leaves out and each method's endpoint and AUC differences from
+    GRPO over the other seeds (`paired_difference`, as in the main analysis)."""
+    out = {}
+    for label, left_out in study.sensitivity:
+        kept = {m: {figure: {"per_seed": {seed: value for seed, value in group.get(figure, {}).get("per_seed", {})
+                                          .items() if int(seed) not in left_out}}
+                    for figure in ("endpoint", "auc")} for m, group in methods.items()}
+        out[label] = {"left_out": list(left_out),
+                      "endpoint_difference_from_grpo": _difference_from(kept, figure="endpoint"),
+                      "auc_difference_from_grpo": _difference_from(kept, figure="auc")}
+    return out
+
+
 def _first_reaching(steps: Sequence[int], values: Sequence[float], target: float) -> int | None:
     """The first of `steps` whose value is >= `target`; None where none is."""
     return next((step for step, value in zip(steps, values) if value >= target), None)
@@ -719,6 +755,29 @@ def endpoint_table(results: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def sensitivity_table(results: Mapping[str, Any]) -> str:
+    """The sensitivity analyses' table (`study.sensitivity`) from `results.json`: per label and method other than
+    GRPO, the seeds left out and counted, and the endpoint and AUC differences from GRPO over the others with their
+    95% CIs; empty without any."""
+    sensitivity = results.get("sensitivity") or {}
+    if not sensitivity:
+        return ""
+    lines = ["| without | method | seeds | endpoint vs GRPO (points) | 95% CI, paired t | 95% CI, bootstrap | "
+             "AUC vs GRPO (points), t CI |", "|---|---|---|---|---|---|---|"]
+    for label, analysis in sensitivity.items():
+        aucs = analysis.get("auc_difference_from_grpo") or {}
+        seeds = ", ".join(str(seed) for seed in analysis.get("left_out", []))
+        for method, ends in (analysis.get("endpoint_difference_from_grpo") or {}).items():
+            if method == BASE_METHOD:
+                continue
+            auc = aucs.get(method) or {}
+            lines.append(" | ".join([
+                f"| {label} (seeds {seeds})", method, str(ends.get("n", 0)), _percent(ends, signed=True),
+                _interval(ends.get("ci_t")), _interval(ends.get("ci_bootstrap")),
+                _percent(auc, signed=True) + (f" {_interval(auc['ci_t'])}" if auc.get("ci_t") else "")]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def seed_table(results: Mapping[str, Any]) -> str:
     """Every finished arm of `results.json`, one row per seed and method (seeds in order, methods in the study
     file's): its held-out accuracy at each evaluation step (the first is after the warm start), the endpoint, its
@@ -855,6 +914,7 @@ def aggregate(study: Study, directory: str | Path, arms: Sequence[Arm] | None = 
             "initial_difference_from_grpo": _difference_from(methods, figure="initial_accuracy"),
             "steps_to_grpo_final": _steps_to_reach(methods),
             "steps_to_grpo_endpoint": _steps_to_reach_per_seed(methods),
+            "sensitivity": _sensitivity(study, methods),
             "wall_seconds_finished_arms": sum(w for w in walls.values() if w is not None),
             "ablations": {"method": study.ablation_method, **{k: _group(v) for k, v in by_ablation.items()}}
             if study.ablations else {}}
@@ -1016,8 +1076,8 @@ def write_results(study: Study, directory: str | Path, arms: Sequence[Arm] | Non
     results = _json_safe(aggregate(study, directory, arms))
     (directory / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     ablations = ablation_table(results)
-    tables = [results_table(results), endpoint_table(results), credit_table(results), ablations,
-              seed_table(results)]
+    tables = [results_table(results), endpoint_table(results), sensitivity_table(results), credit_table(results),
+              ablations, seed_table(results)]
     (directory / TABLE_FILE).write_text("\n".join(table for table in tables if table), encoding="utf-8")
     if plots:
         write_plots(results, directory / PLOTS_DIR)
