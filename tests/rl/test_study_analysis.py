@@ -131,14 +131,15 @@ def test_paired_differences_aucs_and_steps_on_synthetic_runs(tmp_path):
     assert "| trace | 3 |" in table and "| 16; 2/3 |" in table
     assert "Gate (the paired-t 95% CI" in table and "passed: oracle_progress - grpo = +6.0 points" in table
     # the per-seed table: every arm's evaluations, endpoint, difference from GRPO on its seed, tool calls per episode
-    # (mean of 4 and 5) and wall minutes (the last record's wall_time, 16 s); seeds in order, methods in the file's
+    # (mean of 4 and 5), mean |A| per token (none recorded here) and wall minutes (the last record's wall_time, 16 s);
+    # seeds in order, methods in the file's
     assert ("| step 0 (%) | step 8 (%) | step 16 (%) | endpoint (%) | vs GRPO (points) | tool calls / episode | "
-            "held-out tool errors / episode, first -> last | wall (min) |") in table
+            "mean abs A / token | held-out tool errors / episode, first -> last | wall (min) |") in table
     rows = [line for line in table.splitlines() if line.startswith(("| 0 |", "| 1 |", "| 2 |"))]
     assert [row.split(" | ")[:2] for row in rows] == [[f"| {seed}", method] for seed in (0, 1, 2) for method in lifts]
-    assert "| 1 | grpo | 10.0 | 21.0 | 31.0 | 26.0 | - | 4.50 | - | 0.3 |" in rows
-    assert "| 2 | trace | 10.0 | 32.0 | 42.0 | 37.0 | +10.0 | 4.50 | - | 0.3 |" in rows
-    assert "| 0 | oracle_progress | 10.0 | 25.0 | 35.0 | 30.0 | +5.0 | 4.50 | - | 0.3 |" in rows
+    assert "| 1 | grpo | 10.0 | 21.0 | 31.0 | 26.0 | - | 4.50 | - | - | 0.3 |" in rows
+    assert "| 2 | trace | 10.0 | 32.0 | 42.0 | 37.0 | +10.0 | 4.50 | - | - | 0.3 |" in rows
+    assert "| 0 | oracle_progress | 10.0 | 25.0 | 35.0 | 30.0 | +5.0 | 4.50 | - | - | 0.3 |" in rows
     assert study_module.seed_table({"methods": {}}) == ""
     # one seed: a difference without an interval prints no placeholder for one
     single = {"methods": {"grpo": {"seeds": [0]}, "trace": {"seeds": [0]}},
@@ -205,7 +206,7 @@ def test_credit_table_and_held_out_tool_errors_come_from_each_arms_records(tmp_p
     # grpo: arm means 0.15 and 0.25 -> 0.200 +- 0.071; oracle: 0.4 and 0.5 -> 0.450 +- 0.071; |A| 0.5 on every arm
     assert "| grpo | 2 | 0.200 +- 0.071 | - | - | - | - | 0.500 +- 0.000 |" in table
     assert "| oracle_progress | 2 | 0.450 +- 0.071 | - | - | - | - | 0.500 +- 0.000 |" in table
-    assert "| 1 | oracle_progress | 20.0 | 30.0 | 25.0 | +0.0 | 5.00 | 0.10 -> 2.50 | 0.0 |" in table
+    assert "| 1 | oracle_progress | 20.0 | 30.0 | 25.0 | +0.0 | 5.00 | 0.500 | 0.10 -> 2.50 | 0.0 |" in table
     # a record without any of the credit diagnostics has no credit table
     assert study_module.credit_table({"methods": {"grpo": {"seeds": [0], "diagnostics": {}}}}) == ""
 

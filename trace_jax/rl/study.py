@@ -781,8 +781,9 @@ def sensitivity_table(results: Mapping[str, Any]) -> str:
 def seed_table(results: Mapping[str, Any]) -> str:
     """Every finished arm of `results.json`, one row per seed and method (seeds in order, methods in the study
     file's): its held-out accuracy at each evaluation step (the first is after the warm start), the endpoint, its
-    paired difference from GRPO's on the same seed, training tool calls per episode (mean over steps), held-out tool
-    errors per episode at the first and last evaluation and the arm's wall minutes (build, any warm start,
+    paired difference from GRPO's on the same seed, training tool calls per episode (mean over steps), the mean |A|
+    per trained token (the arm's step size, mean over steps), held-out tool errors per episode at the first and last
+    evaluation and the arm's wall minutes (build, any warm start,
     evaluations and RL steps); "" without finished arms. The per-seed record behind the endpoint table, so
     docs/results.md quotes it rather than retyping it."""
     methods = results.get("methods") or {}
@@ -792,9 +793,9 @@ def seed_table(results: Mapping[str, Any]) -> str:
         return ""
     seeds = sorted({seed for group in methods.values() for seed in group.get("seeds", [])})
     lines = ["| seed | method | " + " | ".join(f"step {step} (%)" for step in steps)
-             + " | endpoint (%) | vs GRPO (points) | tool calls / episode | held-out tool errors / episode, "
-             "first -> last | wall (min) |",
-             "|---|---|" + "---|" * len(steps) + "---|---|---|---|---|"]
+             + " | endpoint (%) | vs GRPO (points) | tool calls / episode | mean abs A / token | held-out tool "
+             "errors / episode, first -> last | wall (min) |",
+             "|---|---|" + "---|" * len(steps) + "---|---|---|---|---|---|"]
     for seed in seeds:
         for method, group in methods.items():
             if seed not in group.get("seeds", []):
@@ -806,12 +807,14 @@ def seed_table(results: Mapping[str, Any]) -> str:
             calls = ((group.get("tool_calls") or {}).get("per_seed") or {}).get(key) or []
             errors = ((group.get("eval_tool_errors") or {}).get("per_seed") or {}).get(key) or []
             wall = (group.get("wall_seconds") or {}).get(key)
+            size = (((group.get("diagnostics") or {}).get("credit/mean_abs_token_advantage") or {}).get("per_seed")
+                    or {}).get(key)
             lines.append(" | ".join(
                 [f"| {seed}", method] + ["-" if by_step.get(step) is None else f"{100 * by_step[step]:.1f}"
                                          for step in steps]
                 + ["-" if end is None else f"{100 * end:.1f}",
                    "-" if method == BASE_METHOD or difference is None else f"{100 * difference:+.1f}",
-                   f"{statistics.fmean(calls):.2f}" if calls else "-",
+                   f"{statistics.fmean(calls):.2f}" if calls else "-", "-" if size is None else f"{size:.3f}",
                    f"{errors[0]:.2f} -> {errors[-1]:.2f}" if errors else "-",
                    "-" if wall is None else f"{wall / 60:.1f}"]) + " |")
     return "\n".join(lines) + "\n"
