@@ -783,9 +783,8 @@ def seed_table(results: Mapping[str, Any]) -> str:
     file's): its held-out accuracy at each evaluation step (the first is after the warm start), the endpoint, its
     paired difference from GRPO's on the same seed, training tool calls per episode (mean over steps), the mean |A|
     per trained token (the arm's step size, mean over steps), held-out tool errors per episode at the first and last
-    evaluation and the arm's wall minutes (build, any warm start,
-    evaluations and RL steps); "" without finished arms. The per-seed record behind the endpoint table, so
-    docs/results.md quotes it rather than retyping it."""
+    evaluation and the arm's wall minutes (build, any warm start, evaluations and RL steps); "" without finished
+    arms. The per-seed record behind the endpoint table, so docs/results.md quotes it rather than retyping it."""
     methods = results.get("methods") or {}
     ends = results.get("endpoint_difference_from_grpo") or {}
     steps = sorted({step for group in methods.values() for step in (group.get("accuracy") or {}).get("steps", [])})
