@@ -417,18 +417,17 @@ def _mean_std(values: Sequence[float]) -> tuple[float, float | None]:
 
 
 def arm_results(arm_dir: str | Path) -> dict:
-    """One finished arm's figures from its `metrics.jsonl`: held-out accuracy by evaluation step (step 0 = before
-    RL, after any warm start), training-rollout tool calls per episode by step, held-out tool errors per episode by
-    evaluation step, the median in-loop RL step seconds (`time/step`: rollout, scoring, credit and update;
-    evaluations excluded), the same without the step's JAX
-    compile time (`median_steady_step_seconds`, from the `compile_seconds` metric; None for runs that did not log
-    it), the median over RL steps of the step over the same step without its reference scoring
-    (`median_scoring_ratio`: `time/step` / (`time/step` - `time/scoring`), the method's cost over GRPO's on the same
-    trajectories; about 1 for methods without scoring), the endpoint (`endpoint`) and area under the accuracy curve
-    (`accuracy_auc`), each of `DIAGNOSTICS` averaged over the RL steps that
-    logged it (None when none did), the run's wall seconds (its last record's `wall_time`, which continues
-    across resumes: build, any warm start, evaluations and steps) and, from `summary.json`'s comparison of the
-    evaluations before and after RL, the difference and its paired standard error (None where it has none)."""
+    """One finished arm's figures from its `metrics.jsonl`: held-out accuracy by evaluation step (step 0 = before RL,
+    after any warm start), training-rollout tool calls per episode by step, held-out tool errors per episode by
+    evaluation step, the median in-loop RL step seconds (`time/step`: rollout, scoring, credit and update; evaluations
+    excluded), the same without the step's JAX compile time (`median_steady_step_seconds`, from the `compile_seconds`
+    metric; None for runs that did not log it), the median over RL steps of the step over the same step without its
+    reference scoring (`median_scoring_ratio`: `time/step` / (`time/step` - `time/scoring`), the method's cost over
+    GRPO's on the same trajectories; about 1 for methods without scoring), the endpoint (`endpoint`) and area under the
+    accuracy curve (`accuracy_auc`), each of `DIAGNOSTICS` averaged over the RL steps that logged it (None when none
+    did), the run's wall seconds (its last record's `wall_time`, which continues across resumes: build, any warm start,
+    evaluations and steps) and, from `summary.json`'s comparison of the evaluations before and after RL, the difference
+    and its paired standard error (None where it has none)."""
     records = read_metrics(arm_dir)
     try:
         comparison = json.loads((Path(arm_dir) / SUMMARY_FILE).read_text(encoding="utf-8")).get("comparison")
@@ -711,6 +710,12 @@ def _interval(ci: Sequence[float] | None) -> str:
     return "-" if not ci else f"[{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"
 
 
+def _with_ci(figures: Mapping[str, Any] | None) -> str:
+    """A paired difference in points (`_percent`), then its paired-t CI where it has one (none for one seed)."""
+    ci = (figures or {}).get("ci_t")
+    return _percent(figures, signed=True) + (f" {_interval(ci)}" if ci else "")
+
+
 def _median_step(step: float | None) -> str:
     return "not reached" if step is None else f"{step:g}"
 
@@ -735,11 +740,7 @@ def endpoint_table(results: Mapping[str, Any]) -> str:
         base = method == BASE_METHOD
         steps = reach.get(method) or {}
         paired = lambda figures: "-" if base else _percent(figures, signed=True)  # noqa: E731
-
-        def with_ci(figures: Mapping[str, Any] | None) -> str:  # the difference, then its t CI if it has one
-            ci = (figures or {}).get("ci_t")
-            return "-" if base else paired(figures) + (f" {_interval(ci)}" if ci else "")
-
+        with_ci = lambda figures: "-" if base else _with_ci(figures)  # noqa: E731
         lines.append(" | ".join([
             f"| {method}", str(len(group.get("seeds", []))), _percent(group.get("initial_accuracy")),
             with_ci(initial.get(method)),
@@ -770,11 +771,9 @@ def sensitivity_table(results: Mapping[str, Any]) -> str:
         for method, ends in (analysis.get("endpoint_difference_from_grpo") or {}).items():
             if method == BASE_METHOD:
                 continue
-            auc = aucs.get(method) or {}
             lines.append(" | ".join([
                 f"| {label} (seeds {seeds})", method, str(ends.get("n", 0)), _percent(ends, signed=True),
-                _interval(ends.get("ci_t")), _interval(ends.get("ci_bootstrap")),
-                _percent(auc, signed=True) + (f" {_interval(auc['ci_t'])}" if auc.get("ci_t") else "")]) + " |")
+                _interval(ends.get("ci_t")), _interval(ends.get("ci_bootstrap")), _with_ci(aucs.get(method))]) + " |")
     return "\n".join(lines) + "\n"
 
 
