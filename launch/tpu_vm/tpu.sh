@@ -235,13 +235,26 @@ ssh_all() { # ssh_all REMOTE_COMMAND: run it on every worker, in parallel; fails
 # -- the code and its environment on the workers
 ARCHIVE="" SHIPPED=0
 make_archive() { # the checkout's tree, uncommitted changes to tracked files included, as a tarball named by its hash
-  local commit tree
+  local git_dir index tree partial
   [[ -z $ARCHIVE ]] || return 0
-  commit=$(git -C "$REPO_ROOT" stash create)
-  commit=${commit:-$(git -C "$REPO_ROOT" rev-parse HEAD)}
-  tree=$(git -C "$REPO_ROOT" rev-parse "$commit^{tree}")
+  # The tree is written from a private copy of the index: the checkout's own index is neither locked nor changed, so
+  # the parallel runs of a sweep (each its own tpu.sh) can all do this at once. (`git stash create` locks the index
+  # and, with uncommitted changes, fails without a word when another git process holds that lock.)
+  git_dir=$(git -C "$REPO_ROOT" rev-parse --absolute-git-dir) || die "cannot read $REPO_ROOT's git directory"
+  index=$(mktemp "${TMPDIR:-/tmp}/trace-jax-index.XXXXXX")
+  if ! { cp "$git_dir/index" "$index" && GIT_INDEX_FILE=$index git -C "$REPO_ROOT" add --update &&
+    tree=$(GIT_INDEX_FILE=$index git -C "$REPO_ROOT" write-tree); }; then
+    rm -f "$index"
+    die "could not take a snapshot of the checkout $REPO_ROOT (its tracked files, uncommitted changes included); see" \
+      "git's message above"
+  fi
+  rm -f "$index"
   ARCHIVE="${TMPDIR:-/tmp}/trace-jax-${tree:0:12}.tar.gz"
-  run git -C "$REPO_ROOT" archive --format=tar.gz -o "$ARCHIVE" "$tree"
+  # written under a name of this slice's, then renamed (atomic): runs of a sweep that ship the same tree never read
+  # a tarball another run is still writing
+  partial="$ARCHIVE.$NAME.partial"
+  run git -C "$REPO_ROOT" archive --format=tar.gz -o "$partial" "$tree"
+  run mv -f "$partial" "$ARCHIVE"
 }
 
 ship_code() { # once per (re)created slice

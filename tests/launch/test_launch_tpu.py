@@ -46,7 +46,8 @@ def test_babysit_dry_run_prints_the_exact_commands_of_a_queued_qwen3_4b_run(laun
         f"{qr} create q4b --node-id q4b {AT} --accelerator-type v5litepod-16 --runtime-version v2-alpha-tpuv5-lite "
         "--spot",
         f"{qr} describe q4b {AT} '--format=value(state.state)'",
-        f"git -C {REPO} archive --format=tar.gz -o {tmp_path}/trace-jax-TREE.tar.gz TREE",
+        f"git -C {REPO} archive --format=tar.gz -o {tmp_path}/trace-jax-TREE.tar.gz.q4b.partial TREE",
+        f"mv -f {tmp_path}/trace-jax-TREE.tar.gz.q4b.partial {tmp_path}/trace-jax-TREE.tar.gz",
         f"{GC} tpu-vm scp {tmp_path}/trace-jax-TREE.tar.gz q4b:trace-jax.tar.gz {AT} --worker=all",
         f"{ssh} 'rm -rf ~/trace-jax && mkdir -p ~/trace-jax && tar -xzf ~/trace-jax.tar.gz -C ~/trace-jax'",
         f"{ssh} 'set -e; python3 -m pip install --user --quiet uv; ~/.local/bin/uv venv --allow-existing --python "
@@ -266,3 +267,34 @@ def test_sweep_runs_each_run_as_its_own_job_and_reports_the_failed_ones(launch, 
     assert sum(" delete hz-0 " in c for c in calls) == 1 and not any(" delete hz-1 " in c for c in calls)
     assert "run finished" in (tmp_path / "logs" / "h" / "horizon=1.log").read_text(encoding="utf-8")
     assert "the run failed on a healthy slice 1 time(s)" in (tmp_path / "logs" / "h" / "horizon=3.log").read_text(encoding="utf-8")
+
+
+def test_the_shipped_tree_has_uncommitted_changes_and_leaves_a_locked_index_alone(launch, fake_gcloud, tmp_path):
+    # A checkout with an uncommitted change whose index another git process holds (the parallel runs of a sweep all
+    # snapshot the same checkout): the snapshot neither needs nor touches that index. `git stash create` failed here
+    # without a word, and the sweep lost the run.
+    checkout = tmp_path / "checkout"
+    shutil.copytree(REPO / "launch", checkout / "launch")
+    (checkout / "configs").mkdir()
+    for name in ("tiny.gin", "base.gin"):
+        shutil.copy(REPO / "configs" / name, checkout / "configs" / name)
+    (checkout / "notes.txt").write_text("committed\n", encoding="utf-8")
+    git = ["git", "-C", str(checkout), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "a checkout"], check=True)
+    (checkout / "notes.txt").write_text("edited, not committed\n", encoding="utf-8")
+    index = checkout / ".git" / "index"
+    before = index.read_bytes()
+    (checkout / ".git" / "index.lock").write_bytes(b"")
+    fake_gcloud.answer([("tpu-vm scp", [{"copy": True}]), ("--command rm -rf ~/trace-jax", [{"exec": True}])])
+    result = launch(str(checkout / "launch" / "tpu_vm" / "tpu.sh"), "run", "--name", "t", *LOCATION,
+                    "--topology", "v5e:2x2", "--gin-file", "configs/tiny.gin", "--run-dir", str(tmp_path / "run"),
+                    cwd=checkout)
+    assert result.returncode == 0, result.stderr
+    shipped = fake_gcloud.worker_home / "trace-jax"
+    assert (shipped / "notes.txt").read_text(encoding="utf-8") == "edited, not committed\n"
+    assert (shipped / "configs" / "tiny.gin").is_file() and not (shipped / ".git").exists()
+    assert index.read_bytes() == before and (checkout / ".git" / "index.lock").exists()
+    assert [p.name for p in tmp_path.glob("trace-jax-*")] == [re.search(r"trace-jax-[0-9a-f]{12}\.tar\.gz",
+                                                                           result.stderr).group(0)]
